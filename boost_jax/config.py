@@ -1,0 +1,399 @@
+"""Typed run configuration: YAML file plus dotted `key=value` overrides, strictly validated.
+
+Every mistake is a ConfigError whose message names the key and the fix (unknown keys get the
+closest valid spelling), so `train.py` can print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from boost_jax.errors import ConfigError
+
+ARCHS = ("full", "svd", "cola", "lax")
+TP_MODES = ("none", "megatron", "vanilla", "btp")
+PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
+REMAT = ("none", "full", "lowrank")
+MESH_AXES = ("pair", "node", "global")
+
+
+@dataclass
+class ModelConfig:
+    arch: Literal["full", "svd", "cola", "lax"] = "cola"
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None  # GQA; None means n_heads
+    d_ff: int = 344
+    rank: Optional[int] = None  # None means d_model // 4 (CoLA default)
+    lax_gate: Literal["identity", "gate"] = "identity"
+    max_seq_len: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def r(self) -> int:
+        return self.rank if self.rank is not None else self.d_model // 4
+
+    def validate(self) -> None:
+        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+            _positive(f"model.{k}", getattr(self, k))
+        if self.d_model % self.n_heads:
+            raise ConfigError(
+                f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
+                "choose n_heads that divides d_model")
+        if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"head dim d_model/n_heads={self.head_dim} must be even for RoPE")
+        if self.arch != "full" and not 0 < self.r <= min(self.d_model, self.d_ff):
+            raise ConfigError(
+                f"model.rank={self.r} must be in 1..min(d_model, d_ff)={min(self.d_model, self.d_ff)}")
+
+
+@dataclass
+class MeshConfig:
+    topology: str = "cpu"  # a profile in boost_jax.mesh.TOPOLOGIES
+    shape: Optional[list[int]] = None  # explicit [pair, node, global]; None: from the topology
+    nodes: Optional[int] = None  # number of hosts (size of `global`); None: all devices present
+
+    def validate(self) -> None:
+        if self.shape is not None:
+            if len(self.shape) != 3 or any(s <= 0 for s in self.shape):
+                raise ConfigError(
+                    f"mesh.shape={self.shape} must be three positive sizes [pair, node, global]")
+        if self.nodes is not None:
+            _positive("mesh.nodes", self.nodes)
+
+
+@dataclass
+class ParallelConfig:
+    plan: Literal["ddp", "zero1", "zero3", "zeropp", "hierarchical"] = "ddp"
+    tp_mode: Literal["none", "megatron", "vanilla", "btp"] = "none"
+    tp_axes: list[str] = field(default_factory=list)
+    # Role overrides (None: the plan's preset). Axes named here must not be TP axes.
+    batch_axes: Optional[list[str]] = None
+    params_axes: Optional[list[str]] = None
+    grads_axes: Optional[list[str]] = None
+    opt_state_axes: Optional[list[str]] = None
+    secondary_axes: Optional[list[str]] = None  # backward (hpZ) partition; None: the preset
+    secondary_dtype: Literal["bfloat16", "int8"] = "bfloat16"
+    quantize_gather: bool = False  # int8 forward weight gather (qwZ)
+    quant_block: int = 256
+    kernels: Literal["auto", "pallas", "xla"] = "auto"
+
+    def validate(self) -> None:
+        for name in ("tp_axes", "batch_axes", "params_axes", "grads_axes", "opt_state_axes",
+                     "secondary_axes"):
+            axes = getattr(self, name)
+            for a in axes or []:
+                if a not in MESH_AXES:
+                    raise ConfigError(
+                        f"parallel.{name} has unknown mesh axis {a!r}; valid axes: {list(MESH_AXES)}")
+        if self.tp_mode != "none" and not self.tp_axes:
+            raise ConfigError(
+                f"parallel.tp_mode={self.tp_mode} needs parallel.tp_axes, e.g. parallel.tp_axes=[pair]")
+        if self.tp_mode == "none" and self.tp_axes:
+            raise ConfigError("parallel.tp_axes is set but parallel.tp_mode=none; set a tp_mode")
+        _positive("parallel.quant_block", self.quant_block)
+
+
+@dataclass
+class DataConfig:
+    source: str = "stdlib"  # stdlib | text file | folder | .jsonl | .bin (pre-tokenized)
+    tokenizer: str = "byte"  # byte | bpe (trained on the corpus) | path/to/tokenizer.json
+    bpe_vocab_size: int = 4096
+    seq_len: int = 128
+    val_fraction: float = 0.05
+    max_bytes: Optional[int] = 8_000_000  # cap on corpus bytes read (None: everything)
+    bin_dtype: Literal["uint16", "uint32", "int32"] = "uint16"
+    seed: int = 0
+
+    def validate(self) -> None:
+        _positive("data.seq_len", self.seq_len)
+        if not 0.0 < self.val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
+        if self.max_bytes is not None:
+            _positive("data.max_bytes", self.max_bytes)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    warmup_frac: float = 0.1
+    weight_decay: float = 0.01
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    clip_norm: float = 0.5  # 0 disables clipping
+
+    def validate(self) -> None:
+        _positive("optim.lr", self.lr)
+        if not 0.0 <= self.warmup_frac < 1.0:
+            raise ConfigError(f"optim.warmup_frac={self.warmup_frac} must be in [0, 1)")
+        if self.clip_norm < 0:
+            raise ConfigError(f"optim.clip_norm={self.clip_norm} must be >= 0 (0 disables)")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    global_batch: int = 16  # sequences per optimizer step, all devices together
+    micro_batches: int = 1  # gradient accumulation steps per optimizer step
+    remat: Literal["none", "full", "lowrank"] = "none"
+    scan_layers: bool = True
+    eval_every: int = 100
+    eval_batches: int = 4
+    log_every: int = 10
+    seed: int = 0
+    skip_nonfinite: bool = False
+
+    def validate(self) -> None:
+        for k in ("steps", "global_batch", "micro_batches", "eval_every", "eval_batches",
+                  "log_every"):
+            _positive(f"train.{k}", getattr(self, k))
+        if self.global_batch % self.micro_batches:
+            raise ConfigError(
+                f"train.global_batch={self.global_batch} is not divisible by "
+                f"train.micro_batches={self.micro_batches}")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # steps between saves; the last step is always saved
+    keep: int = 3
+    async_save: bool = True
+    resume: bool = True  # resume from the latest checkpoint in out_dir if present
+
+    def validate(self) -> None:
+        _positive("checkpoint.every", self.every)
+        _positive("checkpoint.keep", self.keep)
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = True
+    plot: bool = True
+    progress: bool = True  # live progress line on stderr
+
+
+@dataclass
+class DistributedConfig:
+    # auto: initialise jax.distributed when SLURM / Open MPI / JAX_COORDINATOR_ADDRESS say so
+    mode: Literal["auto", "off", "explicit"] = "auto"
+    coordinator: Optional[str] = None  # host:port for mode=explicit
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    local_cpu_devices: Optional[int] = None  # CPU devices per process (development)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    out_dir: str = "runs/demo"
+    name: str = "run"
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            sub = getattr(self, f.name)
+            if hasattr(sub, "validate"):
+                sub.validate()
+        m = self.model
+        if self.data.tokenizer == "byte" and m.vocab_size < 256:
+            raise ConfigError(
+                f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's 256; "
+                "set model.vocab_size=256")
+        if self.data.seq_len > m.max_seq_len:
+            raise ConfigError(
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _positive(key: str, value) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{key}={value} must be > 0")
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " or null"
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        return f"a list of {_type_name(arg)}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Check `value` against annotation `tp`; int→float is the only implicit conversion."""
+    origin = typing.get_origin(tp)
+    bad = ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}={value!r} is not valid: expected {_type_name(tp)}")
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for a in args:
+            if a is type(None):
+                continue
+            try:
+                return _coerce(key, value, a)
+            except ConfigError:
+                pass
+        raise bad
+    if origin is list:
+        (arg,) = typing.get_args(tp)
+        if isinstance(value, str):  # `tp_axes=pair` on the command line
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)):
+            raise bad
+        return [_coerce(f"{key}[{i}]", v, arg) for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise bad
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise bad
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise bad
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise bad
+        return value
+    raise bad
+
+
+def _all_keys(cls, prefix="") -> list[str]:
+    keys = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            keys += _all_keys(tp, prefix + f.name + ".")
+        else:
+            keys.append(prefix + f.name)
+    return keys
+
+
+def _unknown(key: str) -> ConfigError:
+    valid = _all_keys(Config)
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    if not close:  # match on the last component: `stesp` → `train.steps`
+        leaf = key.split(".")[-1]
+        close = [k for k in valid if k.split(".")[-1] in
+                 difflib.get_close_matches(leaf, [v.split(".")[-1] for v in valid], n=1, cutoff=0.6)]
+    hint = f"; did you mean {close[0]!r}?" if close else "; see boost_jax/config.py for valid keys"
+    return ConfigError(f"unknown config key {key!r}{hint}")
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        if key not in names:
+            raise _unknown(prefix + str(key))
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value or {}, prefix + key + ".")
+        else:
+            kwargs[key] = _coerce(prefix + key, value, tp)
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict, key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = tree
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise _unknown(key)
+        node = nxt
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    out = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=50")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        out.append((key.strip(), value))
+    return out
+
+
+def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
+                validate: bool = True) -> Config:
+    """Load YAML at `path` (None: all defaults), apply `key=value` overrides, validate."""
+    tree: dict = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file {path!r} does not exist; pass --config configs/demo.yaml")
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            line = getattr(getattr(e, "problem_mark", None), "line", None)
+            where = f" (line {line + 1})" if line is not None else ""
+            raise ConfigError(f"config file {path!r} is not valid YAML{where}; fix the syntax") from None
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(tree, key, value)
+    cfg = _build(Config, tree)
+    return cfg.validate() if validate else cfg
+
+
+def config_to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
