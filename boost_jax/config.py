@@ -300,6 +300,11 @@ def _coerce(key: str, value: Any, tp) -> Any:
             raise bad
         return value
     if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                raise bad from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
         return float(value)
@@ -341,7 +346,11 @@ def _build(cls, data: dict, prefix: str = ""):
     kwargs = {}
     for key, value in data.items():
         if key not in names:
-            raise _unknown(prefix + str(key))
+            full = prefix + str(key)
+            while isinstance(value, dict) and value:  # report the whole dotted key
+                key, value = next(iter(value.items()))
+                full += f".{key}"
+            raise _unknown(full)
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value or {}, prefix + key + ".")

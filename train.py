@@ -1,0 +1,42 @@
+#!/usr/bin/env python
+"""Train a model: python train.py --config configs/demo.yaml [key=value ...] [--cpu-devices N]"""
+
+import argparse
+import sys
+
+from boost_jax.errors import cli_main
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML config (default: built-in defaults)")
+    p.add_argument("--cpu-devices", type=int, default=None,
+                   help="simulate N CPU devices (testing a mesh on one machine)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 out_dir=runs/x")
+    return p.parse_args(argv)
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    from boost_jax.config import config_to_yaml, load_config
+
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(config_to_yaml(cfg))
+        return 0
+    n_cpu = args.cpu_devices or cfg.distributed.local_cpu_devices
+    if n_cpu:
+        from boost_jax.mesh import set_cpu_devices
+
+        set_cpu_devices(n_cpu)
+    from boost_jax.train.loop import run
+
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
