@@ -1,0 +1,169 @@
+"""Tokenizers: raw UTF-8 bytes (default), a Hugging Face tokenizer.json, or a BPE trained here.
+
+Every tokenizer maps text to int32 ids and has an `eos_id` that separates documents in the
+packed token stream. `encode_documents` joins a list of documents with EOS in one call so the
+default byte path is a single `np.frombuffer` (8 MB in milliseconds, no Python loop).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+
+from boost_jax.errors import UserError
+
+TOKENIZER_FILE = "tokenizer.json"
+BPE_EOS = "<|endoftext|>"
+# Special tokens we accept as a user tokenizer's end-of-document marker, in preference order.
+_EOS_NAMES = (BPE_EOS, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]", "<|im_end|>")
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int
+
+    def encode(self, text: str) -> np.ndarray: ...  # int32 [n]
+
+    def decode(self, ids: Sequence[int] | np.ndarray) -> str: ...
+
+    def encode_documents(self, docs: Sequence[str]) -> np.ndarray: ...  # docs joined by EOS
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255, nothing to download.
+
+    EOS is byte 0x00 (NUL): it fits in the 256-entry vocabulary and never occurs in real text
+    files, so documents can be joined with it before one vectorised encode. A NUL inside a
+    document would read as a document break, which is harmless. `decode` drops EOS.
+    """
+
+    vocab_size = 256
+    eos_id = 0
+    name = "byte"
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
+
+    def decode(self, ids) -> str:
+        arr = np.asarray(ids).astype(np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() > 255):
+            raise ValueError("byte tokenizer ids must be in 0..255")
+        arr = arr[arr != self.eos_id].astype(np.uint8)
+        return arr.tobytes().decode("utf-8", errors="replace")
+
+    def encode_documents(self, docs: Sequence[str]) -> np.ndarray:
+        return self.encode("\x00".join(docs))
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizers` tokenizer.json.
+
+    EOS is the first special token found among common end-of-text names; a tokenizer with none
+    gets `<|endoftext|>` added in memory (the vocabulary grows by one).
+    """
+
+    def __init__(self, tok, name: str = "hf"):
+        self._tok = tok
+        self.name = name
+        eos = next((t for t in _EOS_NAMES if tok.token_to_id(t) is not None), None)
+        if eos is None:
+            tok.add_special_tokens([BPE_EOS])
+            eos = BPE_EOS
+        self.eos_id = int(tok.token_to_id(eos))
+        self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+
+    @classmethod
+    def from_file(cls, path: str) -> "HFTokenizer":
+        from tokenizers import Tokenizer as _HF
+
+        if not os.path.isfile(path):
+            raise UserError(
+                f"tokenizer file {path!r} does not exist; set data.tokenizer to byte, bpe, "
+                "or an existing tokenizer.json")
+        try:
+            tok = _HF.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception on bad JSON / schema
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(
+                f"tokenizer file {path!r} is not a valid tokenizer.json: {first}; "
+                "point data.tokenizer at a Hugging Face tokenizer.json or use byte/bpe") from None
+        return cls(tok, name=path)
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in np.asarray(ids).reshape(-1)],
+                                skip_special_tokens=True)
+
+    def encode_documents(self, docs: Sequence[str]) -> np.ndarray:
+        if not docs:
+            return np.zeros((0,), np.int32)
+        # encode_batch runs in parallel in Rust; one EOS after every document but the last.
+        encs = self._tok.encode_batch(list(docs), add_special_tokens=False)
+        parts = []
+        eos = np.array([self.eos_id], np.int32)
+        for i, e in enumerate(encs):
+            if i:
+                parts.append(eos)
+            parts.append(np.asarray(e.ids, dtype=np.int32))
+        return np.concatenate(parts)
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, save_path: Optional[str] = None) -> HFTokenizer:
+    """Train a byte-level BPE (GPT-2 style) on `texts`; EOS `<|endoftext|>` is id 0.
+
+    The trainer is deterministic for a given corpus, so separate processes that each train
+    produce the same file. If `save_path` is given the JSON is written atomically.
+    """
+    from tokenizers import Tokenizer as _HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise UserError(
+            f"data.bpe_vocab_size={vocab_size} is too small for a byte-level BPE (256 bytes + EOS); "
+            "use at least 512")
+    tok = _HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[BPE_EOS], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    if save_path is not None:
+        d = os.path.dirname(os.path.abspath(save_path))
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tokenizer.", suffix=".json", dir=d)
+        os.close(fd)
+        tok.save(tmp)
+        os.replace(tmp, save_path)  # atomic: concurrent processes never see a half file
+    return HFTokenizer(tok, name="bpe")
+
+
+def get_tokenizer(data_cfg, corpus_texts_fn: Callable[[], Iterable[str]],
+                  cache_dir: Optional[str]) -> Tokenizer:
+    """`data.tokenizer`: byte | bpe | path/to/tokenizer.json.
+
+    For `bpe`, a tokenizer.json in `cache_dir` is reused (resumed runs must see the same ids);
+    otherwise one is trained on `corpus_texts_fn()` (called only then) and saved there.
+    """
+    kind = data_cfg.tokenizer
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "bpe":
+        path = os.path.join(cache_dir, TOKENIZER_FILE) if cache_dir else None
+        if path and os.path.isfile(path):
+            tok = HFTokenizer.from_file(path)
+            tok.name = "bpe"
+            # A tiny corpus may stop short of the target size; a larger one is from another run.
+            if tok.vocab_size > data_cfg.bpe_vocab_size:
+                raise UserError(
+                    f"cached BPE {path!r} has {tok.vocab_size} tokens but data.bpe_vocab_size="
+                    f"{data_cfg.bpe_vocab_size}; delete it or use a fresh out_dir")
+            return tok
+        return train_bpe(corpus_texts_fn(), data_cfg.bpe_vocab_size, save_path=path)
+    return HFTokenizer.from_file(kind)
