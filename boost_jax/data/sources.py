@@ -1,0 +1,242 @@
+"""Corpus readers and the deterministic train/validation split.
+
+`data.source` is one of:
+  stdlib          the Python standard library's own *.py files (no download; the default)
+  path/file.jsonl one document per line, from its string "text" field
+  path/file.bin   pre-tokenized ids, np.memmap with data.bin_dtype (read lazily, zero copy)
+  path/file       any other file: UTF-8 text, cut into ~16 KiB line-aligned documents
+  path/dir        every .txt/.py/.md/.jsonl file below it, recursively
+
+Text sources are read in sorted order and `data.max_bytes` caps the UTF-8 bytes kept (the
+last document is truncated), so the corpus is a pure function of the files. Documents go to
+validation when a hash of their key (relative path, line or chunk index) falls below
+val_fraction: independent of the seed and of how many other documents exist. Tokenized arrays
+are cached in this process's memory only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from boost_jax.data.tokenizers import Tokenizer, get_tokenizer
+from boost_jax.errors import UserError
+
+TEXT_EXTS = (".txt", ".py", ".md", ".jsonl")
+_SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+_FILE_CHUNK = 16 * 1024  # a single text file has no documents of its own; cut it into chunks
+
+
+@dataclass
+class Corpus:
+    train: np.ndarray  # int32 ids (or the .bin memmap's dtype), documents joined by EOS
+    val: np.ndarray
+    tokenizer: Tokenizer
+    n_train_docs: int
+    n_val_docs: int
+
+
+_CACHE: dict = {}  # in-memory only: repeated build_data calls in one process skip re-tokenising
+
+
+def _check_exists(source: str) -> None:
+    if not os.path.exists(source):
+        raise UserError(
+            f"data.source {source!r} does not exist; use stdlib, a text/.jsonl/.bin file "
+            "or a folder of text files")
+
+
+class _Budget:
+    """Remaining byte allowance under data.max_bytes (None: unlimited)."""
+
+    def __init__(self, max_bytes: Optional[int]):
+        self.left = max_bytes
+
+    def take(self, raw: bytes) -> Optional[bytes]:
+        if self.left is None:
+            return raw
+        if self.left <= 0:
+            return None
+        raw = raw[: self.left]
+        self.left -= len(raw)
+        return raw
+
+    @property
+    def done(self) -> bool:
+        return self.left is not None and self.left <= 0
+
+
+def _decode(raw: bytes) -> str:
+    # errors="replace": a cut multi-byte character or stray Latin-1 byte must not abort a run
+    return raw.decode("utf-8", errors="replace")
+
+
+def _walk(root: str, exts: tuple[str, ...], skip: set[str]) -> list[str]:
+    """Relative posix paths of files under root with one of exts, in sorted order."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
+        for f in sorted(filenames):
+            if f.endswith(exts):
+                out.append(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"))
+    return sorted(out)
+
+
+def _jsonl_docs(path: str, key: str, budget: _Budget, label: str) -> list[tuple[str, str]]:
+    docs = []
+    with open(path, "rb") as f:
+        for i, line in enumerate(f):
+            if budget.done:
+                break
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise UserError(f"{label} line {i + 1} is not valid JSON ({e}); fix or remove it") from None
+            text = obj.get("text") if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                raise UserError(
+                    f"{label} line {i + 1} has no string \"text\" field; each line must look like "
+                    '{"text": "..."}')
+            raw = budget.take(text.encode("utf-8"))
+            if raw:
+                docs.append((f"{key}:{i}", _decode(raw)))
+    return docs
+
+
+def _file_docs(path: str, key: str, budget: _Budget) -> list[tuple[str, str]]:
+    with open(path, "rb") as f:
+        raw = f.read() if budget.left is None else f.read(max(budget.left, 0))
+    raw = budget.take(raw) or b""
+    docs, start, i = [], 0, 0
+    while start < len(raw):
+        end = min(start + _FILE_CHUNK, len(raw))
+        if end < len(raw):  # end chunks on a line break when there is one
+            nl = raw.rfind(b"\n", start, end)
+            end = nl + 1 if nl > start else end
+        docs.append((f"{key}#{i}", _decode(raw[start:end])))
+        start, i = end, i + 1
+    return docs
+
+
+def read_documents(source: str, max_bytes: Optional[int]) -> list[tuple[str, str]]:
+    """(key, text) pairs of a text source, in deterministic order, capped at max_bytes."""
+    budget = _Budget(max_bytes)
+    if source == "stdlib":
+        root = sysconfig.get_paths()["stdlib"]
+        keys = _walk(root, (".py",), _SKIP_DIRS)
+        files = [os.path.join(root, k) for k in keys]
+    else:
+        _check_exists(source)
+        if os.path.isfile(source):
+            name = os.path.basename(source)
+            if source.endswith(".jsonl"):
+                return _jsonl_docs(source, name, budget, f"data.source {source!r}")
+            return _file_docs(source, name, budget)
+        rels = _walk(source, TEXT_EXTS, {"__pycache__"})
+        if not rels:
+            raise UserError(
+                f"data.source {source!r} contains no {'/'.join(TEXT_EXTS)} files; "
+                "point it at a folder of text files or a single file")
+        files, keys = [os.path.join(source, r) for r in rels], rels
+    docs = []
+    for path, key in zip(files, keys):
+        if budget.done:
+            break
+        if path.endswith(".jsonl"):
+            docs += _jsonl_docs(path, key, budget, f"data.source file {path!r}")
+            continue
+        with open(path, "rb") as f:
+            raw = budget.take(f.read() if budget.left is None else f.read(budget.left))
+        if raw and raw.strip():
+            docs.append((key, _decode(raw)))
+    return docs
+
+
+def in_val(key: str, val_fraction: float) -> bool:
+    """Stable per-document assignment: blake2b of the key, as a fraction of 2**64."""
+    h = int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little")
+    return h / 2.0**64 < val_fraction
+
+
+def split_documents(docs: list[tuple[str, str]], val_fraction: float):
+    """(train_docs, val_docs); with >= 2 documents neither side is left empty."""
+    flags = [in_val(k, val_fraction) for k, _ in docs]
+    if len(docs) >= 2 and not any(flags):
+        flags[0] = True  # too few documents for the hash to pick one: the first goes to val
+    if len(docs) >= 2 and all(flags):
+        flags[0] = False
+    train = [d for d, v in zip(docs, flags) if not v]
+    val = [d for d, v in zip(docs, flags) if v]
+    return train, val
+
+
+def _load_bin(data_cfg, tokenizer: Tokenizer):
+    """Pre-tokenized ids; validation is the contiguous tail (no document boundaries to hash)."""
+    path = data_cfg.source
+    itemsize = np.dtype(data_cfg.bin_dtype).itemsize
+    size = os.path.getsize(path)
+    if size % itemsize:
+        raise UserError(
+            f"data.source {path!r} is {size} bytes, not a multiple of data.bin_dtype="
+            f"{data_cfg.bin_dtype} ({itemsize} bytes); set the dtype it was written with")
+    n = size // itemsize
+    if data_cfg.max_bytes is not None:
+        n = min(n, data_cfg.max_bytes // itemsize)
+    if n < 2:
+        raise UserError(f"data.source {path!r} holds fewer than 2 tokens; it needs a real corpus")
+    arr = np.memmap(path, dtype=data_cfg.bin_dtype, mode="r", shape=(n,))
+    top, low = int(arr.max()), int(arr.min())
+    if low < 0 or top >= tokenizer.vocab_size:
+        raise UserError(
+            f"data.source {path!r} holds token id {top if top >= 0 else low} outside the tokenizer's "
+            f"0..{tokenizer.vocab_size - 1}; set data.tokenizer to the tokenizer.json it was made with")
+    n_val = max(1, int(round(n * data_cfg.val_fraction)))
+    return arr[: n - n_val], arr[n - n_val:]
+
+
+def load_corpus(data_cfg, cache_dir: Optional[str] = None) -> Corpus:
+    """Read, split and tokenize `data.source`; see the module docstring."""
+    source = data_cfg.source
+    if source != "stdlib":
+        _check_exists(source)
+    stamp = None
+    if source != "stdlib":
+        st = os.stat(source)
+        stamp = (os.path.abspath(source), st.st_mtime_ns, st.st_size)
+    key = (source, stamp, data_cfg.tokenizer, data_cfg.bpe_vocab_size, data_cfg.max_bytes,
+           data_cfg.val_fraction, data_cfg.bin_dtype, os.path.abspath(cache_dir or ""))
+    if key in _CACHE:
+        return _CACHE[key]
+
+    if os.path.isfile(source) and source.endswith(".bin"):
+        if data_cfg.tokenizer == "bpe":
+            raise UserError(
+                f"data.source {source!r} is pre-tokenized, so data.tokenizer=bpe cannot be trained "
+                "on it; set data.tokenizer to the tokenizer.json it was made with (or byte)")
+        tok = get_tokenizer(data_cfg, list, cache_dir)
+        train, val = _load_bin(data_cfg, tok)
+        corpus = Corpus(train, val, tok, 1, 1)
+    else:
+        docs = read_documents(source, data_cfg.max_bytes)
+        if not docs:
+            raise UserError(f"data.source {source!r} holds no text; point it at a non-empty corpus")
+        train_docs, val_docs = split_documents(docs, data_cfg.val_fraction)
+        if not val_docs or not train_docs:
+            raise UserError(
+                f"data.source {source!r} has a single document, too few to split into train and "
+                "validation; add documents or use a larger text file")
+        train_texts = [t for _, t in train_docs]
+        tok = get_tokenizer(data_cfg, lambda: train_texts, cache_dir)  # BPE sees train only
+        corpus = Corpus(tok.encode_documents(train_texts),
+                        tok.encode_documents([t for _, t in val_docs]), tok,
+                        len(train_docs), len(val_docs))
+    _CACHE[key] = corpus
+    return corpus
