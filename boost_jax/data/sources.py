@@ -4,7 +4,7 @@
   stdlib          the Python standard library's own *.py files (no download; the default)
   path/file.jsonl one document per line, from its string "text" field
   path/file.bin   pre-tokenized ids, np.memmap with data.bin_dtype (read lazily, zero copy)
-  path/file       any other file: UTF-8 text, cut into ~16 KiB line-aligned documents
+  path/file       any other file: UTF-8 text, cut into line-aligned chunks (<= 16 KiB) as documents
   path/dir        every .txt/.py/.md/.jsonl file below it, recursively
 
 Text sources are read in sorted order and `data.max_bytes` caps the UTF-8 bytes kept (the
@@ -30,7 +30,9 @@ from boost_jax.errors import UserError
 
 TEXT_EXTS = (".txt", ".py", ".md", ".jsonl")
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
-_FILE_CHUNK = 16 * 1024  # a single text file has no documents of its own; cut it into chunks
+# A single text file has no documents of its own: cut it into ~1/32 of its size, clamped to
+# 512 B..16 KiB, so even a small file yields enough pieces to split.
+_FILE_CHUNK = (512, 16 * 1024)
 
 
 @dataclass
@@ -116,8 +118,9 @@ def _file_docs(path: str, key: str, budget: _Budget) -> list[tuple[str, str]]:
         raw = f.read() if budget.left is None else f.read(max(budget.left, 0))
     raw = budget.take(raw) or b""
     docs, start, i = [], 0, 0
+    chunk = min(max(len(raw) // 32, _FILE_CHUNK[0]), _FILE_CHUNK[1])
     while start < len(raw):
-        end = min(start + _FILE_CHUNK, len(raw))
+        end = min(start + chunk, len(raw))
         if end < len(raw):  # end chunks on a line break when there is one
             nl = raw.rfind(b"\n", start, end)
             end = nl + 1 if nl > start else end
