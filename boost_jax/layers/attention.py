@@ -1,0 +1,64 @@
+"""Causal self-attention with GQA and RoPE; q, k, v, o are LowRankLinear of the model's arch."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from boost_jax.layers.linear import LowRankLinear
+from boost_jax.layers.rope import apply_rope
+
+ATTN_PROJ = ("q", "k", "v", "o")
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """softmax(q·kᵀ/√hd + causal) · v with GQA.
+
+    q [b, sq, H, hd]; k, v [b, sk, K, hd] with K | H (query head h uses kv head h // (H/K)).
+    When sq < sk the queries are the last sq positions (KV-cache style offset).
+    Scores and softmax in fp32; the full [sq, sk] score matrix is computed and masked, which
+    is also what flops.py counts.
+    """
+    b, sq, H, hd = q.shape
+    sk, K = k.shape[1], k.shape[2]
+    qg = q.reshape(b, sq, K, H // K, hd)
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+    scores = scores * (1.0 / math.sqrt(hd))
+    mask = (jnp.arange(sq)[:, None] + (sk - sq)) >= jnp.arange(sk)[None, :]
+    scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+    return out.reshape(b, sq, H, hd)
+
+
+class Attention(nnx.Module):
+    """Params: q/k/v/o each a LowRankLinear (see linear.py for their param names)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        d, hd = cfg.d_model, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, hd
+        self.rope_theta = cfg.rope_theta
+        mk = lambda i, o: LowRankLinear.from_config(cfg, i, o, rngs=rngs)  # noqa: E731
+        self.q = mk(d, cfg.n_heads * hd)
+        self.k = mk(d, cfg.kv_heads * hd)
+        self.v = mk(d, cfg.kv_heads * hd)
+        self.o = mk(cfg.n_heads * hd, d)
+
+    def __call__(self, x: jax.Array, positions: jax.Array, prev: Optional[dict] = None):
+        """x [b, s, d] (already normed) → (out [b, s, d], {q,k,v,o: latent or None})."""
+        prev = prev or {}
+        b, s, _ = x.shape
+        q, zq = self.q(x, prev.get("q"))
+        k, zk = self.k(x, prev.get("k"))
+        v, zv = self.v(x, prev.get("v"))
+        q = apply_rope(q.reshape(b, s, self.n_heads, self.head_dim), positions, self.rope_theta)
+        k = apply_rope(k.reshape(b, s, self.n_kv_heads, self.head_dim), positions,
+                       self.rope_theta)
+        v = v.reshape(b, s, self.n_kv_heads, self.head_dim)
+        out = causal_attention(q, k, v).reshape(b, s, self.n_heads * self.head_dim)
+        out, zo = self.o(out, prev.get("o"))
+        return out, {"q": zq, "k": zk, "v": zv, "o": zo}
