@@ -1,0 +1,60 @@
+"""Analytic FLOPs and parameter count for LlamaModel (boost_jax.layers.model).
+
+Conventions (chosen to match XLA's cost_analysis, which counts a dot as 2·M·N·K):
+- per token, forward, matmuls only: norms, RoPE, softmax, SiLU and adds are ignored (they are
+  O(d) per token against O(d·r) for the matmuls);
+- a low-rank projection d_in→d_out costs 2·(d_in + d_out)·r, plus 2·r² for the lax gate g
+  (computed in every block, also the first where z_prev = 0); full rank costs 2·d_in·d_out;
+- attention: q·kᵀ and p·v each 2·s·(H·hd) per token, with the FULL s (the causal mask is
+  applied to a computed [s, s] matrix, so XLA counts no saving): 4·s·d per token per layer;
+- LM head 2·d·V; the embedding is a gather (0 FLOPs);
+- train = 3 · forward (backward = grads w.r.t. activations + grads w.r.t. weights).
+"""
+
+from __future__ import annotations
+
+
+def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of the 7 projections of one block."""
+    d, hd = cfg.d_model, cfg.head_dim
+    q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
+    return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d),
+            "gate": (d, cfg.d_ff), "up": (d, cfg.d_ff), "down": (cfg.d_ff, d)}
+
+
+def linear_flops(cfg, d_in: int, d_out: int) -> int:
+    """Forward FLOPs per token of one projection."""
+    if cfg.arch == "full":
+        return 2 * d_in * d_out
+    r = cfg.r
+    gate = 2 * r * r if cfg.arch == "lax" and cfg.lax_gate == "gate" else 0
+    return 2 * (d_in + d_out) * r + gate
+
+
+def linear_params(cfg, d_in: int, d_out: int) -> int:
+    if cfg.arch == "full":
+        return d_in * d_out
+    r = cfg.r
+    extra = 0
+    if cfg.arch == "lax":
+        extra = r + (r * r if cfg.lax_gate == "gate" else 0)  # latent_scale (+ g)
+    return (d_in + d_out) * r + extra
+
+
+def flops_per_token(cfg, seq_len: int) -> dict:
+    """Per-token FLOPs: {'projections', 'attention', 'lm_head', 'per_layer', 'forward', 'train'}."""
+    proj = sum(linear_flops(cfg, i, o) for i, o in projection_shapes(cfg).values())
+    attn = 4 * seq_len * cfg.n_heads * cfg.head_dim
+    head = 2 * cfg.d_model * cfg.vocab_size
+    L = cfg.n_layers
+    forward = L * (proj + attn) + head
+    return {"projections": L * proj, "attention": L * attn, "lm_head": head,
+            "per_layer": proj + attn, "forward": forward, "train": 3 * forward}
+
+
+def param_count(cfg) -> int:
+    """Exact parameter count of LlamaModel(cfg) (== layers.model.count_params)."""
+    d, V = cfg.d_model, cfg.vocab_size
+    per_layer = 2 * d + sum(linear_params(cfg, i, o) for i, o in projection_shapes(cfg).values())
+    head = 0 if cfg.tie_embeddings else d * V
+    return V * d + cfg.n_layers * per_layer + d + head
