@@ -170,6 +170,8 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     skip_nonfinite: bool = False
+    # Save and exit after this many steps of this invocation (job time limits); None: run on.
+    stop_after: Optional[int] = None
 
     def validate(self) -> None:
         for k in ("steps", "global_batch", "micro_batches", "eval_every", "eval_batches",

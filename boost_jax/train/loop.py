@@ -91,13 +91,8 @@ def run(cfg: Config) -> dict:
     topo = get_topology(cfg.mesh.topology)
     tcfg = cfg.train
 
-    if tcfg.global_batch % nproc:
-        raise UserError(f"train.global_batch={tcfg.global_batch} does not divide over {nproc} "
-                        "processes; make it a multiple of the process count")
+    # build_data checks batch divisibility over processes and the tokenizer's vocab size
     data = build_data(cfg, pid, nproc, os.path.join(out_dir, "tokenizer"))
-    if data.vocab_size > cfg.model.vocab_size:
-        raise UserError(f"the tokenizer has {data.vocab_size} tokens but model.vocab_size="
-                        f"{cfg.model.vocab_size}; set model.vocab_size={data.vocab_size} or more")
 
     bundle = build_step(cfg, mesh)
     ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), cfg.checkpoint)
@@ -150,9 +145,14 @@ def run(cfg: Config) -> dict:
                 f"non-finite loss or gradient at step {bad}; no checkpoint was written after it "
                 "(lower optim.lr, check the data, or set train.skip_nonfinite=true)")
 
+    saved_steps = set(ckpt.all_steps())
+
     def save(step: int, force: bool = False) -> None:
+        if step in saved_steps:
+            return
         check_finite(step)
         ckpt.save(step, state, data.train_iter.get_state(), meta, force=force)
+        saved_steps.add(step)
 
     step = start
     t_start = time.perf_counter()
@@ -190,6 +190,10 @@ def run(cfg: Config) -> dict:
                 logger.log(step, row)
             if step % cfg.checkpoint.every == 0 or step == tcfg.steps:
                 save(step)
+            if tcfg.stop_after is not None and step - start >= tcfg.stop_after and step < tcfg.steps:
+                save(step, force=True)
+                logger.line(f"stop_after={tcfg.stop_after}: saved step {step}, exiting")
+                break
             if stop.received is not None:
                 save(step, force=True)
                 logger.line(f"signal {stop.received}: saved step {step}, exiting")
