@@ -1,0 +1,401 @@
+"""Communication analyzer: collectives, topology levels and ring-cost bytes from compiled HLO.
+
+Wall-clock on simulated CPU devices says nothing about a cluster, so claims about traffic are
+checked on the compiled program. Each collective's replica groups (partition ids = index into
+`mesh.devices.flat`) are mapped to mesh coordinates and classified as `pair`, `node` or
+`global`; bytes are ring-algorithm bytes sent per device, multiplied by enclosing loop trip
+counts so totals are per optimizer step.
+
+    python -m boost_jax.analysis.comm --config configs/demo.yaml parallel.plan=zero3 --cpu-devices 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from boost_jax.analysis import hlo as H
+
+LEVELS = ("pair", "node", "global")
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+         "collective-broadcast")
+_PASS_THROUGH = ("bitcast", "copy", "reshape")
+
+
+@dataclass
+class Collective:
+    name: str
+    kind: str  # what it does; a CPU all-reduce+dynamic-slice is a "reduce-scatter"
+    opcode: str  # as printed in the HLO (e.g. "all-reduce", "all-gather-start")
+    shapes: list[str]  # result leaves, e.g. ["f32[4,16]"] (tuple collectives list several)
+    dtypes: list[str]
+    result_bytes: float  # bytes of the result on one device (all tuple operands)
+    payload_bytes: float  # P of the ring formula (full result; input for reduce-scatter)
+    groups: list[list[int]]  # partition ids; collective-permute: its (source, target) pairs
+    group_size: int
+    level: str  # pair | node | global | none (groups of one) | '+'-joined axes on other meshes
+    axes: tuple[str, ...]  # mesh axes the group members differ in
+    computation: str
+    in_loop: bool
+    loops: list[str] = field(default_factory=list)  # enclosing while ops, outermost first
+    trip_count: Optional[int] = 1  # times executed per call of the program; None: unknown
+    bytes_per_call: float = 0.0  # ring bytes sent per device by one execution
+    bytes_per_step: float = 0.0  # × trip_count (× 1 when unknown)
+    lowered_as: Optional[str] = None
+    reduction: Optional[str] = None  # all-reduce/reduce-scatter combiner root (add, maximum…)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["axes"] = list(self.axes)
+        if len(self.groups) > 64:  # keep JSON readable for 384-device plans
+            d["groups"] = self.groups[:4] + [["..."]]
+        return d
+
+
+def ring_bytes(kind: str, n: int, payload: float) -> float:
+    """Bytes one device sends for a ring collective over n members (payload as documented)."""
+    if n <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2.0 * (n - 1) / n * payload
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n * payload
+    return float(payload)  # collective-permute / broadcast: the whole buffer once
+
+
+def classify_group(members: Sequence[int], mesh) -> tuple[str, tuple[str, ...]]:
+    """Topology level of one group of partition ids (row-major index into mesh.devices)."""
+    shape = mesh.devices.shape
+    coords = np.array(np.unravel_index(np.asarray(members, dtype=np.int64), shape)).T
+    varying = tuple(a for i, a in enumerate(mesh.axis_names)
+                    if len(set(coords[:, i].tolist())) > 1)
+    if not varying:
+        return "none", ()
+    names = set(mesh.axis_names)
+    if not {"pair", "node", "global"} <= names:
+        return "+".join(varying), varying
+    if set(varying) <= {"pair"}:
+        return "pair", varying
+    if "global" not in varying:
+        return "node", varying
+    return "global", varying
+
+
+def _worst(levels: list[str]) -> str:
+    order = {"none": 0, "pair": 1, "node": 2, "global": 3}
+    return max(levels, key=lambda lv: order.get(lv, 4)) if levels else "none"
+
+
+def _slices_to(module: H.Module, users: dict, name: str, elems: int, n: int):
+    """The slice shape if every use of `name` is a dynamic-slice keeping elems/n, else None."""
+    us, found = users.get(name, []), None
+    if not us:
+        return None
+    for u in us:
+        if u.opcode in _PASS_THROUGH:
+            found = _slices_to(module, users, u.name, elems, n)
+        elif u.opcode == "dynamic-slice":
+            found = u.shape[0] if u.shape[0].elements * n == elems else None
+        elif u.opcode == "fusion":  # CPU fuses the slice (often with a bitcast)
+            comps = [module.computations.get(c) for c in u.called()]
+            found = next((i.shape[0] for c in comps if c for i in c.instrs.values()
+                          if i.opcode == "dynamic-slice" and i.shape[0].elements * n == elems),
+                         None)
+        else:
+            found = None
+        if found is None:
+            return None
+    return found
+
+
+def _lowered_reduce_scatter(module, comp, ins, n) -> Optional[list[H.Array]]:
+    """Sliced result shapes if `ins` is an all-reduce used only through 1/n dynamic-slices."""
+    if n <= 1:
+        return None
+    users = comp.users()
+    if len(ins.shape) == 1:
+        s = _slices_to(module, users, ins.name, ins.shape[0].elements, n)
+        return [s] if s is not None else None
+    gtes = users.get(ins.name, [])  # variadic all-reduce: every element must be sliced
+    if not gtes or any(g.opcode != "get-tuple-element" for g in gtes):
+        return None
+    out = [_slices_to(module, users, g.name, g.shape[0].elements, n) for g in gtes]
+    return None if any(s is None for s in out) else out
+
+
+def extract_collectives(module: H.Module, mesh) -> list[Collective]:
+    n_dev = int(np.prod(mesh.devices.shape))
+    if module.num_partitions * module.num_replicas != n_dev:
+        raise ValueError(f"program has {module.num_partitions} partitions x "
+                         f"{module.num_replicas} replicas but the mesh has {n_dev} devices")
+    out = []
+    for comp, mult, loops in H.walk(module):
+        for ins in comp.instrs.values():
+            op = ins.opcode
+            kind = op[: -len("-start")] if op.endswith("-start") else op
+            if kind not in KINDS:
+                continue
+            shape = H.result_shape(comp, ins, kind)
+            res_bytes = float(sum(a.nbytes for a in shape))
+            if kind == "collective-permute":
+                groups = [list(p) for p in H.source_target_pairs(ins)]
+                real = [g for g in groups if g[0] != g[1]]
+                lv = [classify_group(g, mesh) for g in real]
+                n = 2 if real else 1
+            else:
+                groups = H.parse_replica_groups(H.replica_groups_text(ins), n_dev)
+                lv = [classify_group(g, mesh) for g in groups]
+                n = max(len(g) for g in groups)
+            level = _worst([lvl for lvl, _ in lv])
+            axes = tuple(a for a in mesh.axis_names if any(a in ax for _, ax in lv))
+            lowered = None
+            payload = res_bytes
+            sliced = _lowered_reduce_scatter(module, comp, ins, n) if kind == "all-reduce" \
+                else None
+            if sliced is not None:  # payload stays the all-reduce result (= the RS input)
+                kind, lowered, shape = "reduce-scatter", "all-reduce+dynamic-slice", sliced
+                res_bytes = float(sum(a.nbytes for a in shape))
+            elif kind == "reduce-scatter":
+                payload = res_bytes * n  # formula uses the un-scattered input
+            red = None
+            if ins.attr("to_apply"):
+                rc = module.computations.get(ins.attr("to_apply").lstrip("%"))
+                roots = [i.opcode for i in rc.instrs.values() if i.is_root] if rc else []
+                red = roots[0] if roots else None
+            per_call = ring_bytes(kind, n, payload)
+            out.append(Collective(
+                name=ins.name, kind=kind, opcode=op, shapes=[str(a) for a in shape],
+                dtypes=[a.dtype for a in shape], result_bytes=res_bytes, payload_bytes=payload,
+                groups=groups, group_size=n, level=level, axes=axes, computation=comp.name,
+                in_loop=bool(loops), loops=list(loops), trip_count=mult,
+                bytes_per_call=per_call, bytes_per_step=per_call * (mult or 1),
+                lowered_as=lowered, reduction=red))
+    return out
+
+
+# --------------------------------------------------------------------------- memory
+
+
+MEMORY_KEYS = ("argument", "output", "alias", "temp", "generated_code", "total", "peak")
+
+
+def memory_report(compiled) -> Optional[dict]:
+    """Per-device bytes from compiled.memory_analysis(); total = argument + output + temp − alias."""
+    try:
+        m = compiled.memory_analysis()
+    except Exception:  # some backends don't implement it
+        return None
+    if m is None:
+        return None
+    d = {k: int(getattr(m, f"{k}_size_in_bytes", 0) or 0)
+         for k in ("argument", "output", "alias", "temp", "generated_code")}
+    d["total"] = d["argument"] + d["output"] + d["temp"] - d["alias"]
+    d["peak"] = int(getattr(m, "peak_memory_in_bytes", 0) or 0) or d["total"]
+    return d
+
+
+def compare_memory(measured: dict, predicted: dict, rtol: float = 0.25) -> dict:
+    """Compare a formula's predicted bytes (keys from MEMORY_KEYS) with memory_report()."""
+    bad = sorted(set(predicted) - set(MEMORY_KEYS))
+    if bad:
+        raise ValueError(f"unknown memory keys {bad}; use {list(MEMORY_KEYS)}")
+    rows = {}
+    for k, p in predicted.items():
+        m = measured.get(k)
+        ratio = (m / p) if (m is not None and p) else None
+        rows[k] = {"measured": m, "predicted": p, "ratio": ratio,
+                   "ok": ratio is not None and abs(ratio - 1.0) <= rtol}
+    return rows
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _fmt_bytes(b: float) -> str:
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(b) >= f:
+            return f"{b / f:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _match(value, want) -> bool:
+    if want is None:
+        return True
+    return value in want if isinstance(want, (tuple, list, set, frozenset)) else value == want
+
+
+@dataclass
+class CommReport:
+    collectives: list[Collective]
+    mesh_shape: dict[str, int]
+    memory: Optional[dict] = None
+    flops: Optional[float] = None
+    hlo_text: str = field(default="", repr=False)
+
+    def filter(self, kind=None, level=None, in_loop=None, computation=None) -> list[Collective]:
+        return [c for c in self.collectives if _match(c.kind, kind) and _match(c.level, level)
+                and _match(c.in_loop, in_loop) and _match(c.computation, computation)]
+
+    def per_level(self) -> dict[str, dict]:
+        """level → {bytes (per device per step), count (ops in the HLO), calls (per step)}."""
+        out = {lv: {"bytes": 0.0, "count": 0, "calls": 0} for lv in LEVELS}
+        for c in self.collectives:
+            row = out.setdefault(c.level, {"bytes": 0.0, "count": 0, "calls": 0})
+            row["bytes"] += c.bytes_per_step
+            row["count"] += 1
+            row["calls"] += c.trip_count or 1
+        return out
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(c.bytes_per_step for c in self.collectives)
+
+    def time_estimate(self, topology) -> dict[str, float]:
+        """Seconds per step per level from the topology's per-device bandwidth and latency."""
+        from boost_jax.mesh import get_topology
+
+        topo = get_topology(topology) if isinstance(topology, str) else topology
+        return {lv: row["bytes"] / topo.bandwidth(lv) + row["calls"] * topo.latency(lv)
+                for lv, row in self.per_level().items() if lv in LEVELS}
+
+    def to_dict(self) -> dict:
+        return {"mesh": dict(self.mesh_shape), "per_level": self.per_level(),
+                "total_bytes": self.total_bytes, "memory": self.memory, "flops": self.flops,
+                "collectives": [c.to_dict() for c in self.collectives]}
+
+    def table(self) -> str:
+        hdr = f"{'kind':<19}{'level':<7}{'n':>3}  {'loop':<9}{'shape':<28}{'payload':>11}" \
+              f"{'bytes/step':>12}  computation"
+        lines = [hdr, "-" * len(hdr)]
+        for c in sorted(self.collectives, key=lambda c: (-c.bytes_per_step, c.name)):
+            loop = f"x{c.trip_count if c.trip_count is not None else '?'}" if c.in_loop else "-"
+            shape = ",".join(c.shapes)
+            shape = shape if len(shape) <= 27 else shape[:24] + "..."
+            kind = c.kind + ("*" if c.lowered_as else "")
+            lines.append(f"{kind:<19}{c.level:<7}{c.group_size:>3}  {loop:<9}{shape:<28}"
+                         f"{_fmt_bytes(c.payload_bytes):>11}{_fmt_bytes(c.bytes_per_step):>12}"
+                         f"  {c.computation}")
+        if any(c.lowered_as for c in self.collectives):
+            lines.append("* lowered by XLA as all-reduce + dynamic-slice")
+        lines.append("")
+        mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
+        lines.append(f"per level (bytes sent per device per step, mesh {mesh}):")
+        for lv, row in self.per_level().items():
+            lines.append(f"  {lv:<7}{_fmt_bytes(row['bytes']):>12}  {row['count']} ops, "
+                         f"{row['calls']} calls/step")
+        if self.memory:
+            m = self.memory
+            lines.append("memory per device: " + ", ".join(
+                f"{k} {_fmt_bytes(m[k])}" for k in ("argument", "output", "temp", "alias",
+                                                   "generated_code", "peak")))
+        if self.flops:
+            lines.append(f"flops per device per step: {self.flops:.3e}")
+        return "\n".join(lines)
+
+
+def analyze_hlo_text(text: str, mesh) -> CommReport:
+    module = H.parse_module(text)
+    return CommReport(extract_collectives(module, mesh), dict(mesh.shape), hlo_text=text)
+
+
+def analyze_compiled(compiled, mesh) -> CommReport:
+    report = analyze_hlo_text(compiled.as_text(), mesh)
+    report.memory = memory_report(compiled)
+    try:
+        ca = compiled.cost_analysis()
+        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+        report.flops = float(ca.get("flops")) if ca and ca.get("flops") is not None else None
+    except Exception:
+        pass
+    return report
+
+
+def compile_fn(fn, args: Sequence[Any], mesh, **jit_kwargs):
+    """Lower and compile `fn` (plain or already jitted) on abstract or real args."""
+    import jax
+
+    with jax.set_mesh(mesh):
+        if hasattr(fn, "lower") and not jit_kwargs:
+            lowered = fn.lower(*args)
+        else:
+            lowered = jax.jit(fn, **jit_kwargs).lower(*args)
+        return lowered.compile()
+
+
+def analyze(fn, args: Sequence[Any], mesh, **jit_kwargs) -> CommReport:
+    """Lower + compile `fn(*args)` (jax.ShapeDtypeStruct with sharding is fine) and analyze."""
+    return analyze_compiled(compile_fn(fn, args, mesh, **jit_kwargs), mesh)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def _compile_step(built, mesh):
+    """Accept what build_step_for_analysis returns: Compiled, Lowered or (fn, args[, kw])."""
+    if hasattr(built, "as_text") and hasattr(built, "memory_analysis"):
+        return built
+    if hasattr(built, "compile"):
+        return built.compile()
+    fn, args, *rest = built
+    return compile_fn(fn, args, mesh, **(rest[0] if rest else {}))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from boost_jax.errors import UserError, cli_main
+
+    p = argparse.ArgumentParser(prog="python -m boost_jax.analysis.comm",
+                                description="Collectives, topology levels and bytes of a "
+                                            "training step, from its compiled HLO.")
+    p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--dump-hlo", default=None, metavar="FILE", help="write compiled HLO text")
+    args = p.parse_args(argv)
+
+    @cli_main
+    def run() -> int:
+        if args.cpu_devices is not None:  # must precede anything that touches jax devices
+            from boost_jax.mesh import set_cpu_devices
+
+            if args.cpu_devices <= 0:
+                raise UserError(f"--cpu-devices {args.cpu_devices} must be > 0")
+            set_cpu_devices(args.cpu_devices)
+        from boost_jax.config import load_config
+        from boost_jax.mesh import mesh_from_config
+
+        cfg = load_config(args.config, args.overrides)
+        try:
+            from boost_jax.train.step import build_step_for_analysis
+        except ImportError as e:
+            print(f"error: cannot import build_step_for_analysis from boost_jax.train.step "
+                  f"({e}); the step builder is missing or broken", file=sys.stderr)
+            sys.exit(2)
+        mesh = mesh_from_config(cfg)
+        compiled = _compile_step(build_step_for_analysis(cfg, mesh), mesh)
+        report = analyze_compiled(compiled, mesh)
+        if args.dump_hlo:
+            with open(args.dump_hlo, "w") as f:
+                f.write(report.hlo_text)
+        if args.json:
+            d = report.to_dict()
+            d["time_estimate_s"] = report.time_estimate(cfg.mesh.topology)
+            print(json.dumps(d, indent=1))
+        else:
+            print(report.table())
+            est = report.time_estimate(cfg.mesh.topology)
+            print(f"comm time estimate on {cfg.mesh.topology}: " +
+                  ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in est.items()))
+        return 0
+
+    return run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
