@@ -1,0 +1,106 @@
+"""Pick Pallas kernels or their XLA twins: the `parallel.kernels` setting (auto | pallas | xla).
+
+resolve(kind) -> "pallas" | "xla":
+  auto   -> pallas on GPU backends (CUDA; ROCm, where JAX's Triton lowering runs), xla elsewhere.
+  pallas -> pallas; on CPU the same kernels run with interpret=True (slow, for tests);
+            on TPU it is an error (these are Triton kernels).
+  xla    -> pure jnp references (same math, same signatures).
+Every public function here takes impl = auto|pallas|xla and resolves it at trace time.
+
+Inside jax.shard_map (what the caller must do):
+  * GPU (compiled Triton): nothing. check_vma=True works: operands are pcast to one common
+    varying set and kernel outputs declare it, so replicated weights get psum'd grads.
+  * CPU interpret mode (resolve(...) == "pallas" and interpret_mode()): JAX's Pallas
+    interpreter cannot carry varying-axis types through the kernel's loops, so the enclosing
+    shard_map needs check_vma=False. Use `shard_map_check_vma(kind)` to pick the flag. With
+    check_vma=False, collectives in reduce_fn (psum) still differentiate correctly for
+    replicated outputs (out_specs=P()) — tests/test_pallas.py checks this on 4 devices.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import jax
+
+from boost_jax.errors import ConfigError
+from boost_jax.pallas import grouped, rmsnorm
+
+KINDS = ("auto", "pallas", "xla")
+
+
+def _platform() -> str:
+    """'cuda' | 'rocm' | 'cpu' | 'tpu' | … for the default backend."""
+    backend = jax.default_backend()
+    if backend == "gpu":
+        dev = jax.devices()[0]
+        version = getattr(dev.client, "platform_version", "").lower()
+        return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
+    return backend
+
+
+def resolve(kind: str = "auto") -> str:
+    if kind not in KINDS:
+        raise ConfigError(f"parallel.kernels={kind!r}; choose one of {list(KINDS)}")
+    plat = _platform()
+    if kind == "auto":
+        return "pallas" if plat in ("cuda", "rocm") else "xla"
+    if kind == "pallas" and plat == "tpu":
+        raise ConfigError("parallel.kernels=pallas: these are Triton (GPU) kernels and do not "
+                          "run on TPU; use parallel.kernels=xla or auto")
+    return kind
+
+
+def interpret_mode() -> bool:
+    """True where Pallas kernels must run in the interpreter (no GPU)."""
+    return _platform() not in ("cuda", "rocm")
+
+
+def shard_map_check_vma(kind: str = "auto") -> bool:
+    """The check_vma value an enclosing jax.shard_map must use for these kernels."""
+    return not (resolve(kind) == "pallas" and interpret_mode())
+
+
+def _pick(impl: str):
+    r = resolve(impl)
+    return r == "pallas", (r == "pallas" and interpret_mode())
+
+
+def online_rmsnorm(x, gamma, eps: float = 1e-6, impl: str = "auto"):
+    """Local part of Online-RMSNorm: -> (x̂ [..., d_i], s [...] fp32, rms [...] fp32)."""
+    use, interp = _pick(impl)
+    fn = rmsnorm.local_rmsnorm if use else rmsnorm.local_rmsnorm_ref
+    return fn(x, gamma, eps, interpret=interp)
+
+
+def online_rmsnorm_matmul(x_local, gamma_local, a_local, d_global: int, eps: float = 1e-6,
+                          reduce_fn: Optional[Callable] = None, impl: str = "auto", *,
+                          comm_dtype=None, out_dtype=None):
+    """RMSNorm(x)·γ @ A for d-sharded x with one reduction of [U | S]; see rmsnorm.py."""
+    use, interp = _pick(impl)
+    return rmsnorm.online_rmsnorm_matmul(
+        x_local, gamma_local, a_local, d_global, eps, reduce_fn,
+        impl="pallas" if use else "xla", interpret=interp, comm_dtype=comm_dtype,
+        out_dtype=out_dtype)
+
+
+def grouped_up(z, b, impl: str = "auto"):
+    """z [G, ..., r] × B [G, r, n] -> [G, ..., n]; B as a list of [r, n_g] -> list (GQA)."""
+    use, interp = _pick(impl)
+    return (grouped.grouped_up if use else grouped.grouped_up_ref)(z, b, interpret=interp)
+
+
+def concat_down(x, a_list, impl: str = "auto", sizes: Optional[Sequence[int]] = None):
+    """x [..., d] @ [A_1|A_2|…] as one GEMM -> list of [..., r_k]."""
+    use, interp = _pick(impl)
+    fn = grouped.concat_down if use else grouped.concat_down_ref
+    return fn(x, a_list, sizes, interpret=interp)
+
+
+def norm_matmul(x, gamma, a, impl: str = "auto", out_dtype=None):
+    """Fused local norm + down-projection payload [..., r+1] = [(x⊙γ)@A | Σx²]."""
+    use, interp = _pick(impl)
+    if use:
+        return grouped.norm_matmul(x, gamma, a, out_dtype=out_dtype, interpret=interp)
+    return rmsnorm.norm_matmul_ref(rmsnorm.flat(x), gamma, a, out_dtype=out_dtype).reshape(
+        *x.shape[:-1], a.shape[-1] + 1)

@@ -1,0 +1,235 @@
+"""Online-RMSNorm: the local (per-TP-shard) part, as a Pallas kernel and an XLA reference.
+
+Math. The hidden dim d is split over t TP ranks: x = [x_1|…|x_t], x_i ∈ R^{T×d_i}, γ likewise,
+and the down-projection A (d×r) by rows: A = [A_1; …; A_t]. Exact RMSNorm then projection:
+
+    y = (x ⊙ γ / rms(x)) A,            rms(x) = sqrt(S/d + ε),  S = Σ_i s_i,  s_i = Σ_j x_ij²
+
+rms(x) is one scalar per token and A is linear, so with the *local* statistics
+    rms_i = sqrt(s_i/d_i + ε),  x̂_i = (x_i / rms_i) ⊙ γ_i,  u_i = rms_i · (x̂_i A_i) = (x_i⊙γ_i) A_i
+we get
+    y = U / sqrt(S/d + ε),  U = Σ_i u_i.
+Each rank reduces the payload [u_i | s_i] (s_i appended as one extra column) in ONE collective,
+then scales. Normalising locally before the GEMM keeps x̂_i O(1) in bf16 (BOOST does this);
+multiplying rms_i back after the GEMM (in fp32) makes the sum exact: ε cancels in rms_i·x̂_i.
+
+`local_rmsnorm` returns (x̂_i [T,d_i] in x.dtype, s_i [T] fp32, rms_i [T] fp32).
+`online_rmsnorm_matmul` is the full local-normalise → GEMM → reduce → scale path; the BTP layer
+calls it with `reduce_fn=lambda p: jax.lax.psum(p, tp_axes)` and it knows nothing of meshes.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+F32 = jnp.float32
+
+
+# ---------------------------------------------------------------- shared kernel helpers
+def pow2(n: int, lo: int = 16) -> int:
+    """Next power of two >= n (Triton tiles must be powers of two; tl.dot wants >= 16)."""
+    return max(lo, pl.next_power_of_2(int(n)))
+
+
+def triton_params(num_warps: int = 4, num_stages: int = 2):
+    # Triton compiler params select the Triton lowering (JAX 0.10 otherwise picks Mosaic GPU).
+    return plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def mm(a, b, contract=((1,), (0,))):
+    """2-D dot with fp32 accumulation; fp32 inputs use IEEE (no TF32) so tests stay exact."""
+    prec = lax.Precision.HIGHEST if a.dtype == F32 else None
+    return lax.dot_general(a, b, (contract, ((), ())), precision=prec,
+                           preferred_element_type=F32)
+
+
+def flat(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+def _varying(x):
+    return jax.typeof(x).manual_axis_type.varying
+
+
+def align_vma(*xs):
+    """Inside shard_map(check_vma=True): pcast operands to one common varying set, so kernel
+    outputs can declare it; pcast's transpose (psum) then fixes grads of replicated operands.
+    A no-op outside shard_map or with check_vma=False."""
+    v = frozenset().union(*map(_varying, xs))
+    return tuple(lax.pcast(x, tuple(sorted(v - _varying(x))), to="varying")
+                 if v - _varying(x) else x for x in xs)
+
+
+def sds(shape, dtype, like):
+    """Output ShapeDtypeStruct carrying `like`'s manual-axis type (check_vma needs it)."""
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
+def _norm_blocks(T: int, d: int):
+    bd = pow2(d)
+    bt = max(1, min(64, 8192 // bd, pow2(T, 1)))  # keep a [bt, bd] tile in registers
+    return bt, bd, (4 if bt * bd <= 4096 else 8)
+
+
+# ---------------------------------------------------------------- forward kernel
+def _fwd_kernel(x_ref, g_ref, xh_ref, s_ref, r_ref, *, T, d, eps, bt, bd):
+    rows = pl.program_id(0) * bt + jnp.arange(bt)
+    cols = jnp.arange(bd)
+    rm, cm = rows < T, cols < d
+    m = rm[:, None] & cm[None, :]
+    x = plt.load(x_ref, mask=m, other=0).astype(F32)
+    g = plt.load(g_ref, mask=cm, other=0).astype(F32)
+    s = jnp.sum(x * x, axis=1)
+    rms = jnp.sqrt(s / d + eps)
+    xh = x * (1.0 / rms)[:, None] * g[None, :]
+    plt.store(xh_ref, xh.astype(xh_ref.dtype), mask=m)
+    plt.store(s_ref, s, mask=rm)
+    plt.store(r_ref, rms, mask=rm)
+
+
+def _fwd_call(x, g, eps, interpret):
+    T, d = x.shape
+    bt, bd, nw = _norm_blocks(T, d)
+    rowblk = pl.BlockSpec((bt, bd), lambda i: (i, 0))
+    vec = pl.BlockSpec((bt,), lambda i: (i,))
+    return pl.pallas_call(
+        partial(_fwd_kernel, T=T, d=d, eps=eps, bt=bt, bd=bd),
+        out_shape=(sds((T, d), x.dtype, x), sds((T,), F32, x), sds((T,), F32, x)),
+        grid=(pl.cdiv(T, bt),),
+        in_specs=[rowblk, pl.BlockSpec((bd,), lambda i: (0,))],
+        out_specs=(rowblk, vec, vec),
+        compiler_params=triton_params(nw), interpret=interpret, name="online_rmsnorm_fwd",
+    )(x, g)
+
+
+# ---------------------------------------------------------------- backward kernel
+def _bwd_kernel(x_ref, g_ref, gxh_ref, gs_ref, gr_ref, dx_ref, dg_ref, *, T, d, eps, bt, bd):
+    rows = pl.program_id(0) * bt + jnp.arange(bt)
+    cols = jnp.arange(bd)
+    rm, cm = rows < T, cols < d
+    m = rm[:, None] & cm[None, :]
+    x = plt.load(x_ref, mask=m, other=0).astype(F32)
+    g = plt.load(g_ref, mask=cm, other=0).astype(F32)
+    gxh = plt.load(gxh_ref, mask=m, other=0).astype(F32)
+    gs = plt.load(gs_ref, mask=rm, other=0).astype(F32)
+    gr = plt.load(gr_ref, mask=rm, other=0).astype(F32)
+    rms = jnp.sqrt(jnp.sum(x * x, axis=1) / d + eps)  # recomputed: x is loaded anyway
+    inv = 1.0 / rms
+    # total d/ds: direct g_s plus the path through rms (d rms/ds = 1/(2 d rms))
+    g_rms = gr - jnp.sum(gxh * x * g[None, :], axis=1) * inv * inv
+    gs_tot = gs + g_rms * inv / (2.0 * d)
+    dx = gxh * g[None, :] * inv[:, None] + 2.0 * x * gs_tot[:, None]
+    plt.store(dx_ref, dx.astype(dx_ref.dtype), mask=m)
+    plt.store(dg_ref, jnp.sum(gxh * x * inv[:, None], axis=0), mask=cm)  # per-block partial
+
+
+def _bwd_call(x, g, gxh, gs, gr, eps, interpret):
+    T, d = x.shape
+    bt, bd, nw = _norm_blocks(T, d)
+    nb = pl.cdiv(T, bt)
+    rowblk = pl.BlockSpec((bt, bd), lambda i: (i, 0))
+    vec = pl.BlockSpec((bt,), lambda i: (i,))
+    dx, dgp = pl.pallas_call(
+        partial(_bwd_kernel, T=T, d=d, eps=eps, bt=bt, bd=bd),
+        out_shape=(sds((T, d), x.dtype, x), sds((nb, d), F32, x)),
+        grid=(nb,),
+        in_specs=[rowblk, pl.BlockSpec((bd,), lambda i: (0,)), rowblk, vec, vec],
+        out_specs=(rowblk, pl.BlockSpec((None, bd), lambda i: (i, 0))),
+        compiler_params=triton_params(nw), interpret=interpret, name="online_rmsnorm_bwd",
+    )(x, g, gxh, gs, gr)
+    # partials per token block, summed here: deterministic, no atomics
+    return dx, jnp.sum(dgp, axis=0).astype(g.dtype)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _norm_pallas(x, g, eps, interpret):
+    return _fwd_call(x, g, eps, interpret)
+
+
+def _norm_pallas_fwd(x, g, eps, interpret):
+    return _fwd_call(x, g, eps, interpret), (x, g)
+
+
+def _norm_pallas_bwd(eps, interpret, res, cts):
+    x, g = res
+    gxh, gs, gr = cts
+    return _bwd_call(x, g, gxh, gs.astype(F32), gr.astype(F32), eps, interpret)
+
+
+_norm_pallas.defvjp(_norm_pallas_fwd, _norm_pallas_bwd)
+
+
+# ---------------------------------------------------------------- public API
+def local_rmsnorm(x, gamma, eps: float = 1e-6, *, interpret: bool = False):
+    """Pallas: x [..., d_i], γ [d_i] -> (x̂ [..., d_i] x.dtype, s [...] fp32, rms [...] fp32)."""
+    lead = x.shape[:-1]
+    x, gamma = align_vma(x, gamma)
+    xh, s, r = _norm_pallas(flat(x), gamma, float(eps), bool(interpret))
+    return xh.reshape(x.shape), s.reshape(lead), r.reshape(lead)
+
+
+def local_rmsnorm_ref(x, gamma, eps: float = 1e-6, *, interpret: bool = False):
+    """XLA reference with the same signature and math as `local_rmsnorm` (interpret unused)."""
+    del interpret
+    xf = x.astype(F32)
+    s = jnp.sum(xf * xf, axis=-1)
+    rms = jnp.sqrt(s / x.shape[-1] + eps)
+    xh = xf * (1.0 / rms)[..., None] * gamma.astype(F32)
+    return xh.astype(x.dtype), s, rms
+
+
+def norm_matmul_ref(x, gamma, a, *, out_dtype=None, eps: float = 1e-6, interpret: bool = False):
+    """XLA payload [T, r+1] = [rms_i·(x̂_i @ A_i) | s_i] for x [T, d_i], A [d_i, r]."""
+    del interpret
+    xh, s, rms = local_rmsnorm_ref(x, gamma, eps)
+    cdt = jnp.promote_types(x.dtype, a.dtype)
+    u = rms[:, None] * mm(xh.astype(cdt), a.astype(cdt))
+    return jnp.concatenate([u, s[:, None]], axis=-1).astype(out_dtype or x.dtype)
+
+
+def online_rmsnorm_finish(reduced, d_global: int, eps: float = 1e-6, out_dtype=None):
+    """[U | S] (reduced over TP, [..., r+1]) -> y = U / sqrt(S/d + ε), [..., r]."""
+    U = reduced[..., :-1].astype(F32)
+    S = reduced[..., -1].astype(F32)
+    y = U * lax.rsqrt(S / d_global + eps)[..., None]
+    return y.astype(out_dtype or reduced.dtype)
+
+
+def online_rmsnorm_partial(x_local, gamma_local, a_local, eps: float = 1e-6, *,
+                           impl: str = "xla", interpret: bool = False, comm_dtype=None):
+    """This shard's payload [..., r+1] = [u_i | s_i] in comm_dtype (default x.dtype)."""
+    lead = x_local.shape[:-1]
+    cd = comm_dtype or x_local.dtype
+    if impl == "pallas":
+        from boost_jax.pallas.grouped import norm_matmul  # fused norm + down-projection
+        p = norm_matmul(flat(x_local), gamma_local, a_local, out_dtype=cd, interpret=interpret)
+    elif impl == "xla":
+        p = norm_matmul_ref(flat(x_local), gamma_local, a_local, out_dtype=cd, eps=eps)
+    else:
+        raise ValueError(f"impl must be 'pallas' or 'xla', got {impl!r}")
+    return p.reshape(*lead, p.shape[-1])
+
+
+def online_rmsnorm_matmul(x_local, gamma_local, a_local, d_global: int, eps: float = 1e-6,
+                          reduce_fn: Optional[Callable] = None, *, impl: str = "xla",
+                          interpret: bool = False, comm_dtype=None, out_dtype=None):
+    """RMSNorm(x)·γ @ A for a d-sharded x, with ONE reduction carrying [U | S].
+
+    x_local [..., d_i], gamma_local [d_i], a_local [d_i, r] (this rank's rows of A, e.g. the
+    concatenated A_q|A_k|A_v); d_global = full hidden size d. reduce_fn sums the payload
+    [..., r+1] over the TP ranks (e.g. `lambda p: jax.lax.psum(p, axes)`); None = one device.
+    comm_dtype: payload dtype on the wire (default x.dtype; S then travels in bf16 too, which
+    costs ≤2^-9 relative in the scale — below bf16 output rounding). Returns [..., r] in
+    out_dtype (default x.dtype). impl='pallas' uses the fused kernel (grouped.norm_matmul).
+    """
+    p = online_rmsnorm_partial(x_local, gamma_local, a_local, eps, impl=impl,
+                               interpret=interpret, comm_dtype=comm_dtype)
+    red = p if reduce_fn is None else reduce_fn(p)
+    return online_rmsnorm_finish(red, d_global, eps, out_dtype or x_local.dtype)
