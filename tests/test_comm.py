@@ -149,6 +149,13 @@ def test_report_outputs_and_memory(mesh):
     assert rows["argument"]["ok"] and not rows["output"]["ok"]
     with pytest.raises(ValueError, match="unknown memory keys"):
         comm.compare_memory(r.memory, {"params": 1})
+    pred = {"weights": 200, "adam": 56}
+    rows = comm.compare_memory(r.memory, pred, combine={"argument": ["weights", "adam"]},
+                               rtol=0.01)
+    assert rows["argument"]["predicted"] == 256 and rows["argument"]["ok"]
+    with pytest.raises(ValueError, match="padding"):  # a role nobody placed is an error
+        comm.compare_memory(r.memory, {**pred, "padding": 9},
+                            combine={"argument": ["weights", "adam"]})
     t = r.time_estimate("frontier")
     assert t["pair"] > 0 and t["global"] == 0
 

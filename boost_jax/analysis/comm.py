@@ -200,13 +200,28 @@ def memory_report(compiled) -> Optional[dict]:
     return d
 
 
-def compare_memory(measured: dict, predicted: dict, rtol: float = 0.25) -> dict:
-    """Compare a formula's predicted bytes (keys from MEMORY_KEYS) with memory_report()."""
-    bad = sorted(set(predicted) - set(MEMORY_KEYS))
+def compare_memory(measured: dict, predicted: dict, rtol: float = 0.25,
+                   combine: Optional[dict] = None) -> dict:
+    """Compare a formula's predicted bytes with memory_report(), per key.
+
+    `predicted` keys are MEMORY_KEYS; role keys from a placement plan (weights, adam, ...)
+    are summed into a measured key with `combine={"argument": ["weights", "master", "adam"]}`.
+    Any other key is an error, so a typo cannot silently skip a check."""
+    pred = {k: v for k, v in predicted.items() if k in MEMORY_KEYS}
+    used = set(pred)
+    for key, roles in (combine or {}).items():
+        if key not in MEMORY_KEYS:
+            raise ValueError(f"combine target {key!r} is not one of {list(MEMORY_KEYS)}")
+        missing = [r for r in roles if r not in predicted]
+        if missing:
+            raise ValueError(f"combine roles {missing} are not in the prediction")
+        pred[key] = sum(float(predicted[r]) for r in roles)
+        used |= set(roles)
+    bad = sorted(set(predicted) - used)
     if bad:
-        raise ValueError(f"unknown memory keys {bad}; use {list(MEMORY_KEYS)}")
+        raise ValueError(f"unknown memory keys {bad}; use {list(MEMORY_KEYS)} or combine=")
     rows = {}
-    for k, p in predicted.items():
+    for k, p in pred.items():
         m = measured.get(k)
         ratio = (m / p) if (m is not None and p) else None
         rows[k] = {"measured": m, "predicted": p, "ratio": ratio,
