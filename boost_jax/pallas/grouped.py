@@ -38,7 +38,9 @@ def _bmm_kernel(a_ref, b_ref, o_ref, *, M, N, K, bm, bn, bk, ta, tb, n_sizes, cd
     rows, cols = i * bm + jnp.arange(bm), j * bn + jnp.arange(bn)
     n_lim = N
     if n_sizes is not None:  # this group's true width (static table, selected by scalar ops)
-        n_lim = sum(jnp.where(g == q, n, 0) for q, n in enumerate(n_sizes))
+        n_lim = jnp.int32(n_sizes[-1])
+        for q in range(len(n_sizes) - 1):
+            n_lim = jnp.where(g == q, jnp.int32(n_sizes[q]), n_lim)
     rm, cm = rows < M, cols < n_lim
 
     def body(k, acc):
