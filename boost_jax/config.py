@@ -99,9 +99,14 @@ class ParallelConfig:
     grads_axes: Optional[list[str]] = None
     opt_state_axes: Optional[list[str]] = None
     secondary_axes: Optional[list[str]] = None  # backward (hpZ) partition; None: the preset
-    secondary_dtype: Literal["bfloat16", "int8"] = "bfloat16"
-    quantize_gather: bool = False  # int8 forward weight gather (qwZ)
+    # Secondary partition dtype: bfloat16 = unquantized (the working-weight dtype), int8 = int8
+    # blocks + fp32 scales. None: the preset (int8 for hierarchical, bfloat16 otherwise).
+    secondary_dtype: Optional[Literal["bfloat16", "int8"]] = None
+    # int8 weight gathers (qwZ); None: the preset (true for zeropp). Implies an int8 secondary.
+    quantize_gather: Optional[bool] = None
     quant_block: int = 256
+    # dtype of the micro-batch gradient accumulator (sharded over grads axes)
+    grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"
     kernels: Literal["auto", "pallas", "xla"] = "auto"
 
     def validate(self) -> None:

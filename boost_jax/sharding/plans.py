@@ -1,13 +1,48 @@
 """Placement plans: which mesh axes hold the batch, weights, gradients and optimizer state.
 
-A plan maps roles to axes of the ("pair", "node", "global") mesh. Model code never sees this:
-the training step asks the Placement for NamedShardings by role.
+A plan maps roles to axes of the ("pair", "node", "global") mesh (DESIGN.md, "Hierarchical
+partitioning on a 3-axis mesh"). Axes used by tensor parallelism never take a data-parallel
+role; every role below is taken from the remaining (data-parallel) axes, `all` = all of them:
+
+    plan          params      grads        opt_state  secondary (backward)   weight gathers
+    ddp           -           -            -          -                      none
+    zero1         -           -            all        -                      none
+    zero3         all         all          all        - (re-gather over all) bf16 (param dtype)
+    zeropp        all         all          all        pair+node (hpZ)        int8 (qwZ)
+    hierarchical  pair        pair+node    all        pair, int8             param dtype
+
+Every role is overridable (`parallel.params_axes=[pair,node]`, `parallel.secondary_axes=[pair,
+node]`, `parallel.secondary_dtype=bfloat16`, `parallel.quantize_gather=true`, ...).
+
+State layout (what `build_step` keeps; "stored" arrays may be padded, see below):
+    params     working weights in model.param_dtype, sharded over params axes (the forward
+               gathers them; backward re-gathers from them or from the secondary partition)
+    master     fp32 master weights over opt_state axes — only when param_dtype is bfloat16
+               (with fp32 params the params themselves are the master copy)
+    opt_state  AdamW moments (fp32) over opt_state axes; counters replicated
+    gradient   accumulated over micro-batches in parallel.grad_accum_dtype, sharded over grads
+               axes and *unreduced* over the batch axes that grads do not cover (the "deferred"
+               axes R = batch − grads): the per-micro-batch reduction stays inside grads axes,
+               and R is reduced once per optimizer step (straight into the opt_state sharding).
+
+Layout of one array (`LeafLayout`): all roles shard the *same* dimension, with the axes in one
+canonical order (axes shared by more roles first) so a finer role's shard is a sub-block of a
+coarser role's shard: moving between roles is a pure slice (no traffic) one way and a gather
+over the extra axes the other way. The dimension is the largest one that divides by the
+product of all role axes (never a scanned layer axis, never a TP-sharded dim unless nothing
+else fits); if none divides, the largest dim is zero-padded at its end to the next multiple,
+like DeepSpeed's flat buffers (CoLA-1B's d_ff=5461 over 64 devices, vocab 32000 over 384).
+Padding stays zero through training (zero gradient, zero Adam moments, zero decay), is sliced
+off after each gather, and is reported by `Placement.memory()`. Orbax restores a padded
+checkpoint into another padding with `StandardRestore(..., strict=False)` (it pads/truncates
+zeros at the end of each dim).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -15,6 +50,120 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.errors import ConfigError
 from boost_jax.mesh import AXES, axis_size
+
+ALL = "all"
+# plan: params, grads, opt_state, secondary, quantize_gather, secondary_dtype
+PRESETS: dict[str, dict[str, Any]] = {
+    "ddp": dict(params=(), grads=(), opt_state=(), secondary=None, qwz=False, sec_dtype="bfloat16"),
+    "zero1": dict(params=(), grads=(), opt_state=ALL, secondary=None, qwz=False,
+                  sec_dtype="bfloat16"),
+    "zero3": dict(params=ALL, grads=ALL, opt_state=ALL, secondary=None, qwz=False,
+                  sec_dtype="bfloat16"),
+    "zeropp": dict(params=ALL, grads=ALL, opt_state=ALL, secondary=("pair", "node"), qwz=True,
+                   sec_dtype="bfloat16"),
+    "hierarchical": dict(params=("pair",), grads=("pair", "node"), opt_state=ALL,
+                         secondary=("pair",), qwz=False, sec_dtype="int8"),
+}
+
+
+def _spec_entry(axes: Sequence[str]):
+    axes = tuple(axes)
+    if not axes:
+        return None
+    return axes[0] if len(axes) == 1 else axes
+
+
+@dataclass(frozen=True)
+class LeafLayout:
+    """How one parameter-shaped array is stored and sharded.
+
+    shape: logical (model) shape; padded: stored shape (== shape unless `pad`);
+    dim: the data-parallel sharded dim (None: replicated over every DP role);
+    tp: per-dim TP axes (() for none); layer_axis: dim 0 is a scanned layer axis.
+    """
+
+    shape: tuple[int, ...]
+    padded: tuple[int, ...]
+    dim: Optional[int]
+    tp: tuple[tuple[str, ...], ...]
+    layer_axis: bool = False
+
+    @property
+    def pad(self) -> int:
+        return 0 if self.dim is None else self.padded[self.dim] - self.shape[self.dim]
+
+    @property
+    def numel(self) -> int:
+        return int(math.prod(self.shape))
+
+    @property
+    def padded_numel(self) -> int:
+        return int(math.prod(self.padded))
+
+    def spec(self, axes: Sequence[str] = ()) -> P:
+        """PartitionSpec with the TP axes plus `axes` (data-parallel) on `dim`."""
+        entries = []
+        for i, tp in enumerate(self.tp):
+            ax = tuple(tp) + (tuple(axes) if i == self.dim else ())
+            entries.append(_spec_entry(ax))
+        return P(*entries)
+
+    def tp_spec(self) -> P:
+        return self.spec(())
+
+    def sliced(self) -> "LeafLayout":
+        """The layout of one layer of a stacked (scanned) array."""
+        if not self.layer_axis:
+            return self
+        return LeafLayout(self.shape[1:], self.padded[1:],
+                          None if self.dim is None else self.dim - 1, self.tp[1:], False)
+
+
+def choose_layout(shape: Sequence[int], n: int, tp: Optional[Sequence] = None,
+                  layer_axis: bool = False, mesh=None) -> LeafLayout:
+    """Pick the dim sharded by n data-parallel devices (pad it if nothing divides).
+
+    Preference: the largest non-TP dim that divides; then a TP dim whose local size divides
+    (DP axes appended after the TP axes on that dim); then pad the largest non-TP dim. A
+    layer axis is never chosen. Nothing eligible (e.g. a 1-D TP-sharded vector that does
+    not divide): replicate over data-parallel axes (dim None, reported as overhead).
+    """
+    shape = tuple(int(s) for s in shape)
+    tp = tuple(tuple(t or ()) if not isinstance(t, str) else (t,) for t in (tp or [()] * len(shape)))
+    if len(tp) != len(shape):
+        raise ValueError(f"tp spec {tp} does not match shape {shape}")
+    if n <= 1 or not shape:
+        return LeafLayout(shape, shape, None, tp, layer_axis)
+    tp_size = [axis_size(mesh, t) if (t and mesh is not None) else 1 for t in tp]
+    cands = [i for i in range(len(shape)) if not (layer_axis and i == 0)]
+    free = [i for i in cands if not tp[i]]
+    by_size = lambda dims: sorted(dims, key=lambda i: (-shape[i] // tp_size[i], i))  # noqa: E731
+    for i in by_size(free):
+        if shape[i] % n == 0:
+            return LeafLayout(shape, shape, i, tp, layer_axis)
+    for i in by_size([c for c in cands if tp[c]]):
+        if (shape[i] // tp_size[i]) % n == 0:
+            return LeafLayout(shape, shape, i, tp, layer_axis)
+    if free:
+        i = by_size(free)[0]
+        padded = list(shape)
+        padded[i] = -(-shape[i] // n) * n
+        return LeafLayout(shape, tuple(padded), i, tp, layer_axis)
+    return LeafLayout(shape, shape, None, tp, layer_axis)
+
+
+def order_axes(roles: Sequence[Sequence[str]], dp_axes: Sequence[str]) -> tuple[str, ...]:
+    """Canonical order: axes held by more roles first (ties: innermost first).
+
+    For nested roles (params ⊆ secondary ⊆ grads ⊆ opt_state, or secondary ⊆ params) every
+    role is then a prefix of the order, so its shards nest inside the coarser roles' shards.
+    """
+    count = {a: sum(a in r for r in roles) for a in dp_axes}
+    return tuple(sorted(dp_axes, key=lambda a: (-count[a], AXES.index(a))))
+
+
+def _path_key(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
 @dataclass
@@ -26,74 +175,237 @@ class Placement:
     grads_axes: tuple[str, ...]
     opt_state_axes: tuple[str, ...]
     tp_axes: tuple[str, ...] = ()
+    secondary_axes: Optional[tuple[str, ...]] = None  # None: no secondary partition
+    secondary_int8: bool = False
+    quantize_gather: bool = False
+    quant_block: int = 256
+    deferred_axes: tuple[str, ...] = ()  # R: batch axes the per-micro-batch grads stay unreduced on
+    layouts: Any = None  # pytree of LeafLayout, same structure as the params
+    param_dtype: str = "float32"
+    grad_accum_dtype: str = "float32"
+    notes: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ shardings by role
+    def named(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
 
     def batch_sharding(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P(self.batch_axes or None))
+        return self.named(P(_spec_entry(self.batch_axes)))
+
+    @property
+    def inner_batch_axes(self) -> tuple[str, ...]:
+        """Batch axes inside one deferred group (what a per-group batch is sharded over)."""
+        return tuple(a for a in self.batch_axes if a not in self.deferred_axes)
 
     def replicated(self) -> NamedSharding:
-        return NamedSharding(self.mesh, P())
+        return self.named(P())
 
-    def shardings(self, tree, axes: Sequence[str]):
-        """NamedShardings for every array of `tree`, each sharded over `axes` along one dim."""
-        return jax.tree.map(lambda x: NamedSharding(self.mesh, shard_spec(x.shape, axes, self.mesh)),
-                            tree)
+    def _tree(self, axes, layouts=None):
+        return jax.tree.map(lambda lay: self.named(lay.spec(axes)),
+                            layouts if layouts is not None else self.layouts,
+                            is_leaf=lambda x: isinstance(x, LeafLayout))
 
-    def params_shardings(self, params):
-        return self.shardings(params, self.params_axes)
+    def params_shardings(self, _unused=None):
+        return self._tree(self.params_axes)
 
-    def grads_shardings(self, params):
-        return self.shardings(params, self.grads_axes)
+    def grads_shardings(self, _unused=None):
+        return self._tree(self.grads_axes)
 
-    def opt_state_shardings(self, opt_state):
-        return self.shardings(opt_state, self.opt_state_axes)
+    def master_shardings(self, _unused=None):
+        return self._tree(self.opt_state_axes)
+
+    def full_shardings(self, _unused=None):
+        """Gathered weights: TP sharding only, replicated over data-parallel axes."""
+        return self._tree(())
+
+    def accum_shardings(self):
+        """The micro-batch gradient accumulator [|R|, *padded] (R major on the new dim 0)."""
+        lead = _spec_entry(self.deferred_axes)
+        return jax.tree.map(lambda lay: self.named(P(lead, *lay.spec(self.grads_axes))),
+                            self.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
+
+    def opt_state_shardings(self, opt_state, tx=None):
+        """Param-shaped leaves of an optax state over opt_state axes; the rest replicated."""
+        import optax
+
+        lay_list = jax.tree.leaves(self.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
+        by_path = {_path_key(p): lay for p, lay in jax.tree_util.tree_flatten_with_path(
+            self.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))[0]}
+        del lay_list
+
+        def one(path, x):
+            key = _path_key(path)
+            # optax nests param trees inside its states: match the longest param path suffix
+            for start in range(len(key)):
+                lay = by_path.get(key[start:])
+                if lay is not None and tuple(x.shape) == lay.padded:
+                    return self.named(lay.spec(self.opt_state_axes))
+            return self.replicated()
+
+        del optax
+        return jax.tree_util.tree_map_with_path(one, opt_state)
+
+    # ------------------------------------------------------------------ reporting
+    def describe(self) -> dict:
+        return {"plan": self.plan, "batch": list(self.batch_axes),
+                "params": list(self.params_axes), "grads": list(self.grads_axes),
+                "opt_state": list(self.opt_state_axes), "tp": list(self.tp_axes),
+                "secondary": None if self.secondary_axes is None else list(self.secondary_axes),
+                "secondary_int8": self.secondary_int8, "quantize_gather": self.quantize_gather,
+                "deferred_grad_axes": list(self.deferred_axes)}
+
+    def memory(self) -> dict:
+        """Predicted persistent bytes per device by role, with the padding overhead.
+
+        weights  Σ padded/|params|·bytes(param_dtype)
+        master   Σ padded/|opt|·4            (only with bf16 params)
+        adam     Σ padded/|opt|·8            (m and v, fp32)
+        grads    Σ padded/|grads|·bytes(grad_accum_dtype)   (accumulator, one per device)
+        secondary Σ padded/|secondary|·(1 + 4/block) int8, or param bytes, when kept
+        padding  the part of all the above that is zero padding
+        replicated_overhead  bytes a leaf that could not be sharded costs above its share
+        """
+        from boost_jax.sharding.formulas import memory_per_device
+
+        return memory_per_device(self)
 
 
-def shard_spec(shape: Sequence[int], axes: Sequence[str], mesh) -> P:
-    """Shard the largest dimension that divides by the axes' size; replicate if none does."""
-    n = axis_size(mesh, axes)
-    if n == 1 or not shape:
-        return P()
-    for dim in sorted(range(len(shape)), key=lambda i: -shape[i]):
-        if shape[dim] % n == 0:
-            spec = [None] * len(shape)
-            spec[dim] = tuple(axes)
-            return P(*spec)
-    return P()
+def dp_axes_of(tp_axes: Sequence[str]) -> tuple[str, ...]:
+    return tuple(a for a in AXES if a not in tp_axes)
 
 
-PRESETS = {
-    # plan: (params, grads, opt_state) as subsets of the data-parallel axes
-    "ddp": ((), (), ()),
-}
-
-
-def make_placement(cfg, mesh) -> Placement:
+def resolve_roles(cfg) -> dict:
+    """Role → axes (unordered) after presets, overrides and TP exclusion; validated."""
     par = cfg.parallel
     if par.plan not in PRESETS:
-        raise ConfigError(f"parallel.plan={par.plan!r} is not available; choose one of {sorted(PRESETS)}")
+        raise ConfigError(f"parallel.plan={par.plan!r} is not available; choose one of "
+                          f"{sorted(PRESETS)}")
     tp = tuple(par.tp_axes)
-    dp = tuple(a for a in AXES if a not in tp)
+    dp = dp_axes_of(tp)
     preset = PRESETS[par.plan]
 
-    def pick(override, default):
-        axes = tuple(override) if override is not None else tuple(default)
-        clash = [a for a in axes if a in tp]
-        if clash:
-            raise ConfigError(f"axes {clash} are used for tensor parallelism and cannot also hold "
-                              "data-parallel roles; remove them from the role override")
-        return axes
+    def pick(name, override, default):
+        if override is not None:
+            axes = tuple(override)
+            clash = [a for a in axes if a in tp]
+            if clash:
+                raise ConfigError(
+                    f"parallel.{name}={list(axes)} uses {clash}, which tensor parallelism "
+                    f"(parallel.tp_axes={list(tp)}) already holds; data-parallel roles may use "
+                    f"only {list(dp)}")
+            if len(set(axes)) != len(axes):
+                raise ConfigError(f"parallel.{name}={list(axes)} repeats an axis")
+            return axes
+        axes = dp if default == ALL else tuple(default)
+        return tuple(a for a in axes if a not in tp)  # presets silently drop TP axes
 
-    batch = pick(par.batch_axes, dp)
-    pl = Placement(mesh, par.plan, batch, pick(par.params_axes, preset[0]),
-                   pick(par.grads_axes, preset[1]), pick(par.opt_state_axes, preset[2]), tp)
+    roles = {
+        "batch": pick("batch_axes", par.batch_axes, ALL),
+        "params": pick("params_axes", par.params_axes, preset["params"]),
+        "grads": pick("grads_axes", par.grads_axes, preset["grads"]),
+        "opt_state": pick("opt_state_axes", par.opt_state_axes, preset["opt_state"]),
+    }
+    sec = par.secondary_axes if par.secondary_axes is not None else preset["secondary"]
+    sec = None if sec is None else pick("secondary_axes", list(sec), ())
+    qwz = par.quantize_gather if par.quantize_gather is not None else preset["qwz"]
+    sec_dtype = par.secondary_dtype or preset["sec_dtype"]
+    if not roles["params"]:
+        if par.secondary_axes is not None and par.secondary_axes:
+            raise ConfigError(
+                f"parallel.secondary_axes={par.secondary_axes} needs sharded weights, but plan "
+                f"{par.plan!r} keeps them replicated; set parallel.params_axes or drop it")
+        if par.quantize_gather:
+            raise ConfigError(f"parallel.quantize_gather=true needs sharded weights, but plan "
+                              f"{par.plan!r} keeps them replicated (nothing is gathered)")
+        sec, qwz = None, False
+    if sec is not None and not sec and sec_dtype != "int8":
+        sec = None  # a replicated bf16 secondary is just "keep the gathered weights"
+    if sec is not None and tuple(sorted(sec)) == tuple(sorted(roles["params"])) \
+            and sec_dtype != "int8" and not qwz:
+        sec = None  # identical to the primary partition: re-gather from it
+    for name in ("params", "grads"):
+        extra = [a for a in roles[name] if a not in roles["batch"]]
+        if extra:
+            raise ConfigError(f"parallel.{name}_axes {extra} are not batch axes "
+                              f"({list(roles['batch'])}); shard {name} only over batch axes")
+    roles.update(secondary=sec, qwz=bool(qwz), sec_int8=(sec is not None and sec_dtype == "int8"),
+                 tp=tp, dp=dp)
+    return roles
+
+
+def make_placement(cfg, mesh, abstract_params=None) -> Placement:
+    """The plan's Placement; with `abstract_params` (pure dict of shapes) it carries layouts."""
+    par = cfg.parallel
+    r = resolve_roles(cfg)
+    tp, dp = r["tp"], r["dp"]
+    deferred = tuple(a for a in r["batch"] if a not in r["grads"])
+    roles = [r["params"], r["grads"], r["opt_state"]] + ([r["secondary"]] if r["secondary"] else [])
+    order = order_axes(roles, dp)
+    ordered = lambda axes: tuple(a for a in order if a in axes)  # noqa: E731
+    # batch: deferred (R) axes major so a [|R|, b/|R|] reshape of the batch is local
+    batch = tuple(a for a in order if a in deferred) + tuple(
+        a for a in order if a in r["batch"] and a not in deferred)
+    pl = Placement(
+        mesh, par.plan, batch, ordered(r["params"]), ordered(r["grads"]), ordered(r["opt_state"]),
+        tp, None if r["secondary"] is None else ordered(r["secondary"]), r["sec_int8"], r["qwz"],
+        par.quant_block, tuple(a for a in order if a in deferred),
+        param_dtype=cfg.model.param_dtype,
+        grad_accum_dtype=getattr(par, "grad_accum_dtype", "float32"))
     n_batch = axis_size(mesh, batch)
     micro = cfg.train.global_batch // cfg.train.micro_batches
     if micro % n_batch:
         raise ConfigError(
             f"micro-batch of {micro} sequences (train.global_batch/train.micro_batches) does not "
             f"divide over {n_batch} data-parallel devices; make it a multiple of {n_batch}")
+    if abstract_params is not None:
+        pl.layouts = make_layouts(cfg, mesh, abstract_params, pl)
     return pl
+
+
+def make_layouts(cfg, mesh, abstract_params, pl: Placement):
+    """LeafLayout per param: one dim for every role, padded when nothing divides."""
+    roles = [pl.params_axes, pl.grads_axes, pl.opt_state_axes, pl.secondary_axes or ()]
+    union = tuple(a for a in AXES if any(a in r for r in roles))
+    n = axis_size(mesh, union)
+    tp_specs = None
+    if cfg.parallel.tp_mode != "none":
+        from boost_jax.sharding.tensor_parallel import tp_param_specs
+
+        tp_specs = tp_param_specs(cfg, abstract_params)
+    scan = bool(getattr(cfg.train, "scan_layers", True))
+
+    def one(path, x, spec=None):
+        key = _path_key(path)
+        layer = scan and bool(key) and key[0] == "blocks" and len(x.shape) >= 1
+        tp = [()] * len(x.shape)
+        if spec is not None:
+            for i, e in enumerate(tuple(spec) + (None,) * (len(x.shape) - len(tuple(spec)))):
+                tp[i] = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+        return choose_layout(x.shape, n, tp, layer, mesh)
+
+    if tp_specs is None:
+        return jax.tree_util.tree_map_with_path(one, abstract_params)
+    return jax.tree_util.tree_map_with_path(one, abstract_params, tp_specs,
+                                            is_leaf=lambda s: isinstance(s, P))
+
+
+def is_layout(x) -> bool:
+    return isinstance(x, LeafLayout)
 
 
 def bytes_of(tree) -> int:
     return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
+
+
+def shard_spec(shape: Sequence[int], axes: Sequence[str], mesh) -> P:
+    """Spec sharding one dim of `shape` over `axes` (largest that divides; else replicated).
+
+    Kept for callers that shard arrays outside the train state; the step uses LeafLayout."""
+    lay = choose_layout(shape, axis_size(mesh, axes), None, False, mesh)
+    if lay.pad:
+        return P()
+    return lay.spec(axes)
+
+
+__all__ = ["Placement", "LeafLayout", "PRESETS", "make_placement", "make_layouts",
+           "choose_layout", "order_axes", "resolve_roles", "shard_spec", "bytes_of", "replace"]
