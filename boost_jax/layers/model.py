@@ -25,7 +25,7 @@ Residual stream and matmuls run in cfg.dtype; norms, softmax and logits in fp32.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -148,10 +148,29 @@ class LlamaModel(nnx.Module):
                           preferred_element_type=jnp.float32)
 
 
+def fast_compile_options() -> dict:
+    """XLA options for programs whose run time doesn't matter (init, tests). On CPU, LLVM -O0
+    and the legacy fusion codegen cut compile time 4-8x (a tiny model's init: ~11 s → ~2 s).
+    HLO passes still run, so cost_analysis() is unchanged."""
+    if jax.default_backend() != "cpu":
+        return {}
+    return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
+            "xla_cpu_use_fusion_emitters": False}
+
+
+def jit_init(make: Callable[[], nnx.Module]) -> nnx.Module:
+    """make() run as one jitted program (eager init compiles each random op separately)."""
+    graphdef, _ = nnx.split(nnx.eval_shape(make))
+    state = jax.jit(lambda: nnx.state(make()), compiler_options=fast_compile_options())()
+    return nnx.merge(graphdef, state)
+
+
 def build_model(cfg, seed: int = 0, remat: str = "none", scan_layers: bool = True
                 ) -> LlamaModel:
+    """Initialised LlamaModel on the default device."""
     cfg.validate()
-    return LlamaModel(cfg, rngs=nnx.Rngs(seed), remat=remat, scan_layers=scan_layers)
+    return jit_init(
+        lambda: LlamaModel(cfg, rngs=nnx.Rngs(seed), remat=remat, scan_layers=scan_layers))
 
 
 def abstract_model(cfg, seed: int = 0, remat: str = "none", scan_layers: bool = True):
