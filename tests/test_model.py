@@ -103,6 +103,9 @@ def test_logits_and_hidden_dtype_shape():
     assert hidden.shape == (B, S, 32)
     head = hidden.astype(jnp.float32) @ model.head_weight()
     np.testing.assert_allclose(np.asarray(head), np.asarray(logits), rtol=1e-5, atol=1e-5)
+    # RoPE is relative and the mask is by index, so a uniform position offset changes nothing
+    shifted = forward(model, tokens(), positions=jnp.arange(S, dtype=jnp.int32) + 5)
+    np.testing.assert_allclose(np.asarray(shifted), np.asarray(logits), rtol=1e-4, atol=1e-4)
 
 
 def test_build_model_init_and_layout():

@@ -18,6 +18,12 @@ With scan_layers=True every block param carries a leading layer axis L (as liste
 scan_layers=False the blocks are an nnx.List and paths gain the index instead:
 `blocks/0/attn/q/a` [d, r]. Integer path elements stay ints in the flattened state.
 
+Flatten with `nnx.to_flat_state(nnx.state(model, nnx.Param))`: path tuples of str (and int
+list indices), e.g. ('blocks', 'attn', 'q', 'a').
+
+Init: embedding, lm_head and full-rank projections normal(init_std); low-rank a, b normal with
+std r^-1/4·(d_in+d_out)^-1/4 (CoLA); norm scales and lax latent_scale ones; lax gate g = I.
+
 remat: "none"; "full" (whole-block recompute, only block inputs saved); "lowrank" (save the
 rank-r latents tagged "lowrank_latent" in linear.py and block inputs tagged "residual").
 Residual stream and matmuls run in cfg.dtype; norms, softmax and logits in fp32.
@@ -124,7 +130,9 @@ class LlamaModel(nnx.Module):
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                  return_hidden: bool = False) -> jax.Array:
-        """tokens int32 [b, s] → fp32 logits [b, s, V] (or normed hidden [b, s, d])."""
+        """tokens int32 [b, s] → fp32 logits [b, s, V], or with return_hidden the final-normed
+        hidden [b, s, d] in cfg.dtype (project it with head_weight()). positions: [s] or [b, s]
+        absolute positions for RoPE (default arange(s)); the causal mask is by index."""
         b, s = tokens.shape
         if positions is None:
             positions = jnp.arange(s, dtype=jnp.int32)
