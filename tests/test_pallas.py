@@ -90,7 +90,7 @@ def test_local_rmsnorm(shape, dtype):
              lambda x, g: rmsnorm.local_rmsnorm_ref(x, g, 1e-6), (x, g), dtype, "norm")
 
 
-@pytest.mark.parametrize("G,T,r,n,dtype", [(3, 37, 40, 80, F32), (2, 37, 40, 24, BF16)])
+@pytest.mark.parametrize("G,T,r,n,dtype", [(2, 37, 40, 24, BF16)])  # fp32: gqa + concat tests
 def test_grouped_up(G, T, r, n, dtype):
     k = jax.random.split(jax.random.key(1), 2)
     z, b = _rand(k[0], (G, T, r), dtype), _rand(k[1], (G, r, n), dtype, r ** -0.5)

@@ -28,8 +28,12 @@ from jax.experimental.pallas import triton as plt
 from boost_jax.pallas.rmsnorm import F32, align_vma, flat, mm, pow2, sds, triton_params
 
 
-def _blocks(M, N, K, bm=64, bn=64, bk=32):
-    return min(bm, pow2(M)), min(bn, pow2(N)), min(bk, pow2(K))
+def _blocks(M, N, K):
+    """Tiles (bm, bn, bk) and num_warps: 128-wide tiles once a dim is large (Triton-tutorial
+    sizes; 3 stages of 128x32 + 32x128 bf16 tiles fit any A100/H100 shared memory)."""
+    bm, bn = (128 if M >= 1024 else 64), (128 if N >= 1024 else 64)
+    bm, bn, bk = min(bm, pow2(M)), min(bn, pow2(N)), min(32, pow2(K))
+    return bm, bn, bk, (8 if bm * bn >= 128 * 128 else 4)
 
 
 # ---------------------------------------------------------------- batched GEMM kernel
@@ -68,7 +72,7 @@ def bmm(a, b, *, ta=False, tb=False, out_dtype=None, n_sizes=None, interpret=Fal
     G = a.shape[0]
     K, M = (a.shape[1], a.shape[2]) if ta else (a.shape[2], a.shape[1])
     N = b.shape[1] if tb else b.shape[2]
-    bm, bn, bk = _blocks(M, N, K)
+    bm, bn, bk, nw = _blocks(M, N, K)
     Kp = pl.cdiv(K, bk) * bk
     a_spec = (pl.BlockSpec((None, Kp, bm), lambda g, i, j: (g, 0, i)) if ta else
               pl.BlockSpec((None, bm, Kp), lambda g, i, j: (g, i, 0)))
@@ -83,7 +87,7 @@ def bmm(a, b, *, ta=False, tb=False, out_dtype=None, n_sizes=None, interpret=Fal
         grid=(G, pl.cdiv(M, bm), pl.cdiv(N, bn)),
         in_specs=[a_spec, b_spec],
         out_specs=pl.BlockSpec((None, bm, bn), lambda g, i, j: (g, i, j)),
-        compiler_params=triton_params(4, 3), interpret=interpret, name="grouped_gemm",
+        compiler_params=triton_params(nw, 3), interpret=interpret, name="grouped_gemm",
     )(a, b)
 
 
@@ -240,7 +244,7 @@ def _nm_da_kernel(x_ref, g_ref, gp_ref, da_ref, *, T, d, r, bm, bn, bk, cdt):
 
 def _nm_call(x, g, a, out_dtype, interpret):
     (T, d), r = x.shape, a.shape[1]
-    bm, bn, bk = _blocks(T, r, d)
+    bm, bn, bk, nw = _blocks(T, r, d)
     dp, pp = pl.cdiv(d, bk) * bk, pow2(r + 1)
     return pl.pallas_call(
         partial(_nm_fwd_kernel, T=T, d=d, r=r, bm=bm, bn=bn, bk=bk,
@@ -251,14 +255,14 @@ def _nm_call(x, g, a, out_dtype, interpret):
                   pl.BlockSpec((dp,), lambda i, j: (0,)),
                   pl.BlockSpec((dp, bn), lambda i, j: (0, j))],
         out_specs=pl.BlockSpec((bm, pp), lambda i, j: (i, 0)),
-        compiler_params=triton_params(4, 3), interpret=interpret, name="norm_matmul_fwd",
+        compiler_params=triton_params(nw, 3), interpret=interpret, name="norm_matmul_fwd",
     )(x, g, a)
 
 
 def _nm_bwd_call(x, g, a, gp, interpret):
     (T, d), r = x.shape, a.shape[1]
     pp = pow2(r + 1)
-    bm, bn, bk = _blocks(T, d, r)
+    bm, bn, bk, nw = _blocks(T, d, r)
     nb = pl.cdiv(T, bm)
     rp = pl.cdiv(r, bk) * bk
     dx, dgp = pl.pallas_call(
@@ -272,9 +276,9 @@ def _nm_bwd_call(x, g, a, gp, interpret):
                   pl.BlockSpec((bm, pp), lambda i, j: (i, 0))],
         out_specs=(pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
                    pl.BlockSpec((None, bn), lambda i, j: (i, j))),
-        compiler_params=triton_params(4, 3), interpret=interpret, name="norm_matmul_bwd_dx",
+        compiler_params=triton_params(nw, 3), interpret=interpret, name="norm_matmul_bwd_dx",
     )(x, g, a, gp)
-    bm, bn, bk = _blocks(d, r, T)
+    bm, bn, bk, nw = _blocks(d, r, T)
     tp = pl.cdiv(T, bk) * bk
     da = pl.pallas_call(
         partial(_nm_da_kernel, T=T, d=d, r=r, bm=bm, bn=bn, bk=bk,
@@ -285,7 +289,7 @@ def _nm_bwd_call(x, g, a, gp, interpret):
                   pl.BlockSpec((bm,), lambda i, j: (i,)),
                   pl.BlockSpec((tp, bn), lambda i, j: (0, j))],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        compiler_params=triton_params(4, 3), interpret=interpret, name="norm_matmul_bwd_da",
+        compiler_params=triton_params(nw, 3), interpret=interpret, name="norm_matmul_bwd_da",
     )(x, g, gp)
     return dx, jnp.sum(dgp, axis=0).astype(g.dtype), da
 
