@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.errors import ConfigError
@@ -71,9 +72,7 @@ def test_dispatch_resolve():
 
 def test_interpreter_poisons_unwritten_outputs():
     def half(x_ref, o_ref):  # writes only the first 8 rows of a 16-row block
-        plt_rows = jnp.arange(16) < 8
-        from jax.experimental.pallas import triton as plt
-        plt.store(o_ref, x_ref[...], mask=plt_rows[:, None])
+        plt.store(o_ref, x_ref[...], mask=(jnp.arange(16) < 8)[:, None])
 
     x = jnp.ones((16, 16))
     y = pl.pallas_call(half, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -141,10 +140,6 @@ def _inputs(dtype, T=37, d=80, r=48, scales=(1.0, 1e3, 1e-2, 1.0)):
     g = (1 + 0.2 * jax.random.normal(k[1], (d,))).astype(dtype)
     a = (jax.random.normal(k[2], (d, r)) * d ** -0.5).astype(dtype)
     return x, g, a
-
-
-def _dense_ref(x, g, a, out_dtype):
-    return lambda x, g, a: _dense(x, g, a).astype(out_dtype)
 
 
 @pytest.mark.parametrize("impl", ["pallas", "xla"])
