@@ -53,11 +53,14 @@ TOPOLOGIES: dict[str, Topology] = {
     # 4 Slingshot-11 NICs x 25 GB/s per node = 12.5 GB/s per GCD; 191.5 TFLOP/s bf16, 64 GB HBM.
     "frontier": Topology("frontier", 2, 4, 200 * GB, 75 * GB, 12.5 * GB, 2e-6, 4e-6, 1e-5,
                          191.5e12, 64 * GB, "AMD MI250X GCD"),
-    # Perlmutter GPU nodes (NERSC docs): 4 A100 fully connected by NVLink 3 (4 links = 100 GB/s
-    # each way per GPU pair), 4 Slingshot-11 NICs x 25 GB/s per node; 312 TFLOP/s bf16, 40 GB.
-    "perlmutter": Topology("perlmutter", 2, 2, 100 * GB, 100 * GB, 25 * GB, 2e-6, 2e-6, 1e-5,
+    # Perlmutter GPU nodes (NERSC docs): 4 A100 fully connected by NVLink 3 — 12 links x 25 GB/s
+    # per GPU, 4 links (100 GB/s each way) to each of the 3 peers. A pair-level collective has
+    # only its direct 100 GB/s; a collective over all 4 GPUs drives all 3 peer links at once
+    # (NCCL runs its rings/channels over every link): 3 x 100 = 300 GB/s per GPU each way.
+    # 4 Slingshot-11 NICs x 25 GB/s per node = 25 GB/s per GPU; 312 TFLOP/s bf16, 40/80 GB.
+    "perlmutter": Topology("perlmutter", 2, 2, 100 * GB, 300 * GB, 25 * GB, 2e-6, 2e-6, 1e-5,
                            312e12, 40 * GB, "NVIDIA A100-40GB"),
-    "perlmutter-80": Topology("perlmutter-80", 2, 2, 100 * GB, 100 * GB, 25 * GB, 2e-6, 2e-6,
+    "perlmutter-80": Topology("perlmutter-80", 2, 2, 100 * GB, 300 * GB, 25 * GB, 2e-6, 2e-6,
                               1e-5, 312e12, 80 * GB, "NVIDIA A100-80GB"),
     # DGX H100 (NVIDIA datasheet): 8 H100 SXM on NVSwitch, NVLink 4 450 GB/s each way per GPU;
     # 8 x 400 Gb/s InfiniBand = 50 GB/s per GPU; 989 TFLOP/s dense bf16, 80 GB HBM3.
