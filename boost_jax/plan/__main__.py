@@ -1,0 +1,237 @@
+"""Plan a run at cluster scale before paying for it.
+
+    python -m boost_jax.plan --config configs/cola-7b.yaml --topology frontier --nodes 48 \\
+        parallel.plan=hierarchical parallel.tp_mode=btp parallel.tp_axes=[node] \\
+        train.global_batch=768
+    python -m boost_jax.plan ... --json             # machine-readable
+    python -m boost_jax.plan ... --search           # rank candidate layouts that fit
+    python -m boost_jax.plan ... --no-compile       # analytic only (no XLA compile)
+
+Compiles the real training step (boost_jax.train.step) for the topology's device count on
+simulated CPU devices with abstract shapes — nothing is allocated — or, beyond --cpu-devices, on
+a mesh with the same pair/node sizes and fewer hosts, extrapolating cross-node terms (said in
+the output). Reports per-device memory against the device's HBM, FLOPs, collective bytes per
+topology level, and a predicted step time / tokens/s / TFLOP/s / MFU from the α–β cost model
+(boost_jax.plan.costmodel; its assumptions are printed with every report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Optional, Sequence
+
+
+def _gb(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def _bytes(x: float) -> str:
+    for unit, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= f:
+            return f"{x / f:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.2f} s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m boost_jax.plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
+    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    p.add_argument("--topology", default=None,
+                   help="topology profile (default: the config's mesh.topology)")
+    p.add_argument("--nodes", type=int, default=None, help="number of hosts (global axis size)")
+    p.add_argument("--cpu-devices", type=int, default=None,
+                   help="simulated CPU devices to compile on (default: the run's device count, "
+                        "capped at 512); a bigger run is compiled on fewer hosts")
+    p.add_argument("--layers", default="auto",
+                   help="auto: compile every layer if n_layers <= 4, else 1 and 2 layers and "
+                        "extrapolate linearly; full: always every layer; N: every layer if "
+                        "n_layers <= N")
+    p.add_argument("--no-compile", action="store_true", help="analytic model only")
+    p.add_argument("--search", action="store_true", help="rank candidate layouts that fit")
+    p.add_argument("--compile-top", type=int, default=0,
+                   help="with --search: also compile the best K candidates")
+    p.add_argument("--top", type=int, default=15, help="with --search: rows to print")
+    p.add_argument("--attention", choices=("dense", "flash"), default="dense",
+                   help="attention kernel the cost model assumes (dense = what the step compiles)")
+    p.add_argument("--dp-overlap", type=float, default=0.0,
+                   help="fraction of compute that hides data-parallel collectives (0..1)")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    return p
+
+
+def report_text(dr, cfg, topo, compiled: bool) -> str:
+    p = dr.prediction if compiled else dr
+    lay = p.layout
+    sizes = p.sizes
+    n = p.devices
+    L = [f"plan for {cfg.name}: {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
+         f"({p.memory.get('params_total', 0) / 1e9:.2f}B params) on {topo.name} "
+         f"({topo.device}): {sizes['global']} nodes, {n} devices = pair {sizes['pair']} x node "
+         f"{sizes['node']} x global {sizes['global']}"]
+    pl = lay["placement"]
+    L.append(f"layout: plan {lay['plan']} (params {pl['params'] or '-'}, grads {pl['grads'] or '-'}"
+             f", opt_state {pl['opt_state'] or '-'}, secondary {pl['secondary'] or '-'}"
+             f"{' int8' if pl['secondary_int8'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''})"
+             f"; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; remat {lay['remat']}; "
+             f"{p.micro_batches} micro-batches x {p.micro_batch_per_device} seq/device of "
+             f"{cfg.data.seq_len} tokens ({p.tokens_per_step} tokens/step)")
+    if compiled:
+        progs = dr.compiled
+        cs = dr.compile_sizes
+        L.append(f"compiled: {len(progs)} program(s) on {math.prod(cs.values())} simulated CPU "
+                 f"devices (pair {cs['pair']} x node {cs['node']} x global {cs['global']}), "
+                 f"layers {[c.n_layers for c in progs]}, "
+                 f"{sum(c.compile_s for c in progs):.0f} s, abstract shapes (nothing allocated)")
+        for note in dr.notes:
+            L.append(f"  extrapolated: {note}")
+    else:
+        L.append("not compiled: analytic model only (--no-compile)")
+    m = p.memory
+    L.append("")
+    L.append(f"memory per device ({topo.device}, {_gb(topo.hbm_bytes)} HBM, usable "
+             f"{p.assumptions.hbm_usable:.0%}):")
+    L.append(f"  weights {_bytes(m['weights'])}, fp32 master {_bytes(m['master'])}, Adam m+v "
+             f"{_bytes(m['adam'])}, grad accumulator {_bytes(m.get('grads_accumulator', m.get('grads', 0)))}"
+             + (f", secondary {_bytes(m['secondary'])}" if m.get("secondary") else ""))
+    if compiled:
+        L.append(f"  arguments: formula {_bytes(m['arguments_formula'])}"
+                 + (f" (compiled {_bytes(m['arguments_compiled'])})" if not dr.global_extrapolated
+                    else f" (compile-size check: formula {_bytes(dr.formula['arguments'])} vs "
+                         f"compiled {_bytes(dr.compiled[-1].memory.get('argument', 0))} at "
+                         f"{dr.compiled[-1].n_layers} layer(s))")
+                 + f"; temporaries (compiled) {_bytes(m['temp_compiled'])}")
+        L.append(f"  analytic cross-check: activations {_bytes(m['activations'])}, gathered "
+                 f"weights {_bytes(m['gathered_weights'])}, analytic total "
+                 f"{_bytes(m['analytic_total'])}")
+        if m.get("largest_temporaries"):
+            L.append("  largest buffers: " + ", ".join(f"{s} {_bytes(b)}" for s, b in
+                                                       m["largest_temporaries"]))
+    else:
+        L.append(f"  activations {_bytes(m['activations'])}, gathered weights "
+                 f"{_bytes(m['gathered_weights'])}, logits {_bytes(m['logits'])}")
+    verdict = "FITS" if m["fits"] else "DOES NOT FIT"
+    L.append(f"  total {_bytes(m['total'])} of {_bytes(topo.hbm_bytes)} -> {verdict}")
+    L.append("")
+    fl = f"flops per device per step: model {p.flops_per_device:.3e} (3x forward)"
+    if compiled:
+        fl += f", compiled (XLA cost analysis) {dr.flops_compiled:.3e}"
+    L.append(fl)
+    L.append("collective bytes per device per step (ring bytes sent) and time at "
+             f"{p.assumptions.eta_net:.0%} of link bandwidth:")
+    for lv in ("pair", "node", "global"):
+        L.append(f"  {lv:<7}{_bytes(p.comm_bytes[lv]):>12}  {_ms(p.comm_time[lv]):>10}  "
+                 f"({topo.bandwidth(lv) / 1e9:.1f} GB/s, {topo.latency(lv) * 1e6:.0f} us)")
+    t = p.time
+    L.append("")
+    L.append("predicted step time:")
+    L.append(f"  compute {_ms(t['compute'])} + TP collectives {_ms(t['tp'])} + DP collectives "
+             f"exposed {_ms(t['dp_exposed'])} (of {_ms(t['dp'])}) + once-per-step collectives "
+             f"{_ms(t['step_comm'])} + optimizer {_ms(t['optimizer'])}"
+             + (f" + pipeline p2p {_ms(t['p2p'])}" if t.get("p2p") else ""))
+    L.append(f"  = {_ms(t['total'])} per step  (DP collectives fully overlapped: "
+             f"{_ms(t['total_overlapped'])})")
+    L.append(f"  {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
+             f"MFU {p.mfu:.1%} of {topo.peak_flops / 1e12:.1f} TFLOP/s")
+    L.append("assumptions:")
+    for line in p.assumptions.describe():
+        L.append(f"  - {line}")
+    return "\n".join(L)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from boost_jax.errors import UserError, cli_main
+
+    args = build_parser().parse_args(argv)
+
+    @cli_main
+    def run() -> int:
+        from boost_jax.config import load_config
+        from boost_jax.mesh import get_topology
+
+        cfg = load_config(args.config, args.overrides)
+        topo = get_topology(args.topology or cfg.mesh.topology)
+        from boost_jax.plan import dryrun
+
+        full = dryrun.full_sizes(cfg, topo, args.nodes if args.nodes is not None else cfg.mesh.nodes)
+        total = math.prod(full.values())
+        compile_needed = not args.no_compile and not (args.search and not args.compile_top)
+        if compile_needed:
+            n = args.cpu_devices or min(total, 512)
+            if n <= 0:
+                raise UserError(f"--cpu-devices {n} must be > 0")
+            from boost_jax.mesh import set_cpu_devices
+
+            set_cpu_devices(min(n, max(total, 1)) if args.cpu_devices is None else n)
+        import dataclasses
+
+        from boost_jax.plan.costmodel import Assumptions, predict
+
+        a = Assumptions(attention=args.attention, dp_overlap=args.dp_overlap)
+        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
+            cfg.mesh, topology=topo.name, shape=[full["pair"], full["node"], full["global"]],
+            nodes=None))
+        from boost_jax.analysis.flops import param_count
+
+        if args.search:
+            from boost_jax.plan.search import print_search, search
+
+            res = search(cfg, topo, full, a, compile_top=args.compile_top,
+                         max_devices=args.cpu_devices or 512)
+            if args.json:
+                print(json.dumps(res.to_dict(), indent=1, default=str))
+            else:
+                print(print_search(res, cfg, topo, full, top=args.top))
+            return 0
+        compiled, failure = not args.no_compile, None
+        try:
+            if compiled:
+                import jax
+
+                try:
+                    out = dryrun.dry_run(cfg, topo, None, jax.device_count(), a,
+                                         full_layers_max=10**9 if args.layers == "full" else
+                                         (4 if args.layers == "auto" else int(args.layers)),
+                                         keep_report=True)
+                    out.prediction.memory["params_total"] = param_count(cfg.model)
+                except UserError:
+                    raise
+                except Exception as e:  # the step itself failed to lower/compile
+                    failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    compiled = False
+            if not compiled:
+                out = predict(cfg, topo, full, a)
+                out.memory["params_total"] = param_count(cfg.model)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if failure:
+            print(f"error: the training step does not compile for this layout ({failure}); "
+                  "the analytic prediction follows, but train.py would fail the same way",
+                  file=sys.stderr)
+            out.notes.insert(0, f"compile failed: {failure}")
+        if args.json:
+            d = out.to_dict()
+            if failure:
+                d["compile_error"] = failure
+            print(json.dumps(d, indent=1, default=str))
+        else:
+            text = report_text(out, cfg, topo, compiled=compiled)
+            if failure:
+                text = text.replace("not compiled: analytic model only (--no-compile)",
+                                    f"NOT COMPILED: the step failed to compile ({failure}); "
+                                    "analytic model only")
+            print(text)
+        return 1 if failure else 0
+
+    return run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""AOT dry-run: compile the real training step on simulated CPU devices, nothing allocated.
+
+`build_step_for_analysis(cfg, mesh)` gives the jitted step and ShapeDtypeStruct arguments;
+lowering + compiling them yields the per-device program, whose HLO (collectives), memory
+analysis and cost analysis are read by boost_jax.analysis.comm.
+
+Two reductions keep this fast, both extrapolated analytically and reported as such:
+
+layers   a scanned stack makes every per-layer quantity additive, so a model with more than
+         `full_layers_max` layers is compiled with 1 and with 2 layers and each figure X is
+         extrapolated linearly: X(L) = X(1) + (L−1)·(X(2) − X(1)).
+global   if the topology's device count exceeds the simulated devices, the mesh keeps its
+         `pair` and `node` sizes and shrinks `global` (≥ 2, so cross-node collectives exist in
+         the program); the global batch shrinks with it so each device's micro-batch is the
+         same. Every collective whose group spans `global` is re-costed with its group size
+         scaled back up (payloads — the un-sharded buffer — do not depend on the global size
+         for a fixed per-device batch); persistent state (arguments) is taken from the
+         placement formula at the full size; temporaries are the compiled ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from boost_jax.errors import UserError
+from boost_jax.mesh import AXES, Topology
+from boost_jax.plan.costmodel import (Assumptions, CommSummary, DTYPE_BYTES, Prediction,
+                                      colls_from_report, predict, state_sizes)
+
+
+def full_sizes(cfg, topo: Topology, nodes: Optional[int]) -> dict[str, int]:
+    """Mesh sizes of the whole run: topology pair/node (or mesh.shape), `nodes` hosts."""
+    if cfg.mesh.shape is not None:
+        p, n, g = cfg.mesh.shape
+        if nodes is not None:
+            g = nodes
+    else:
+        p, n = topo.pair, topo.node
+        g = nodes if nodes is not None else (cfg.mesh.nodes or 1)
+    return {"pair": int(p), "node": int(n), "global": int(g)}
+
+
+def compile_sizes(sizes: dict, max_devices: int) -> dict:
+    total = math.prod(sizes.values())
+    if total <= max_devices:
+        return dict(sizes)
+    per_node = sizes["pair"] * sizes["node"]
+    g = max_devices // per_node
+    if g < 2:
+        raise UserError(
+            f"cannot keep pair={sizes['pair']} x node={sizes['node']} with global>=2 on "
+            f"{max_devices} simulated devices; pass --cpu-devices {2 * per_node} or more")
+    return {**sizes, "global": min(g, sizes["global"])}
+
+
+def scaled_config(cfg, sizes: dict, full: dict, n_layers: Optional[int] = None):
+    """cfg on the (possibly reduced) mesh `sizes` with the per-device batch of `full`."""
+    g_full, g = full["global"], sizes["global"]
+    gb = cfg.train.global_batch
+    if g != g_full:
+        if (gb * g) % g_full:
+            raise UserError(f"train.global_batch={gb} does not scale down to global={g} hosts "
+                            f"for compiling; use --cpu-devices {math.prod(full.values())} or a "
+                            "global batch divisible by the host count")
+        gb = gb * g // g_full
+    model = cfg.model if n_layers is None else dataclasses.replace(cfg.model, n_layers=n_layers)
+    return dataclasses.replace(
+        cfg, model=model,
+        mesh=dataclasses.replace(cfg.mesh, shape=[sizes[a] for a in AXES], nodes=None),
+        train=dataclasses.replace(cfg.train, global_batch=gb))
+
+
+@dataclass
+class Compiled:
+    n_layers: int
+    sizes: dict
+    memory: dict
+    flops: float
+    comm: CommSummary
+    raw_level_bytes: dict  # as compiled (before re-costing the global group sizes)
+    compile_s: float
+    n_collectives: int
+    report: object = field(default=None, repr=False)
+
+
+def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
+                 n_layers: Optional[int] = None, keep_report: bool = False) -> Compiled:
+    import jax
+
+    from boost_jax.analysis.comm import analyze_compiled, compile_fn
+    from boost_jax.mesh import make_mesh
+    from boost_jax.train.step import build_step_for_analysis
+
+    c = scaled_config(cfg, sizes, full, n_layers)
+    mesh = make_mesh(topo, [sizes[x] for x in AXES], devices=jax.devices())
+    t0 = time.perf_counter()
+    fn, args = build_step_for_analysis(c, mesh)
+    compiled = compile_fn(fn, args, mesh)
+    dt = time.perf_counter() - t0
+    report = analyze_compiled(compiled, mesh)
+    colls = colls_from_report(report, c.parallel.tp_axes, c.train.micro_batches)
+    raw = CommSummary.of(colls, topo, a).level_bytes
+    if sizes["global"] != full["global"]:
+        up = full["global"] / sizes["global"]
+        colls = [dataclasses.replace(x, n=int(round(x.n * up))) if "global" in x.axes else x
+                 for x in colls]
+    return Compiled(c.model.n_layers, dict(sizes), dict(report.memory or {}),
+                    float(report.flops or 0.0), CommSummary.of(colls, topo, a), raw, dt,
+                    len(report.collectives), report if keep_report else None)
+
+
+def _lin(x1: float, x2: float, L: int) -> float:
+    return x1 + (L - 1) * (x2 - x1)
+
+
+@dataclass
+class DryRun:
+    prediction: Prediction
+    compiled: list  # Compiled programs (1 or 2)
+    full_sizes: dict
+    compile_sizes: dict
+    layers_extrapolated: bool
+    global_extrapolated: bool
+    memory: dict  # per-device bytes at the full size: arguments, temp, total, formula parts
+    flops_compiled: float  # per device per step (cost_analysis, extrapolated in layers)
+    formula: dict  # placement formula at the compile size: weights/master/adam/batch/arguments
+    notes: list
+
+    def to_dict(self) -> dict:
+        return {"prediction": self.prediction.to_dict(),
+                "compiled": [{k: v for k, v in dataclasses.asdict(c).items() if k != "report"}
+                             for c in self.compiled],
+                "full_sizes": self.full_sizes, "compile_sizes": self.compile_sizes,
+                "layers_extrapolated": self.layers_extrapolated,
+                "global_extrapolated": self.global_extrapolated, "memory": self.memory,
+                "flops_compiled": self.flops_compiled, "formula_at_compile_size": self.formula,
+                "notes": self.notes}
+
+
+def argument_formula(cfg, sizes: dict) -> dict:
+    """Persistent per-device bytes the step takes as arguments, from the placement layouts."""
+    st, _ = state_sizes(cfg, sizes)
+    pb = DTYPE_BYTES[cfg.model.param_dtype]
+    mixed = cfg.model.param_dtype != "float32"
+    n_batch = 1
+    from boost_jax.sharding.plans import resolve_roles
+
+    for ax in resolve_roles(cfg)["batch"]:
+        n_batch *= sizes[ax]
+    d = {"weights": st.params * pb, "master": st.opt * 4 if mixed else 0.0, "adam": st.opt * 8,
+         "batch": 2 * 4 * cfg.train.global_batch * cfg.data.seq_len / n_batch}
+    d["arguments"] = sum(d.values())
+    d["grads"] = st.grads * DTYPE_BYTES[cfg.parallel.grad_accum_dtype]
+    return d
+
+
+def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
+            a: Optional[Assumptions] = None, full_layers_max: int = 4,
+            keep_report: bool = False) -> DryRun:
+    a = a or Assumptions()
+    full = full_sizes(cfg, topo, nodes)
+    small = compile_sizes(full, max_devices)
+    L = cfg.model.n_layers
+    notes = []
+    two_point = L > full_layers_max
+    if two_point:
+        progs = [compile_once(cfg, full, small, topo, a, 1, keep_report),
+                 compile_once(cfg, full, small, topo, a, 2, keep_report)]
+        c1, c2 = progs
+        comm = c1.comm.combine(c2.comm, 2 - L, L - 1)  # X1 + (L−1)(X2 − X1)
+        temp = _lin(c1.memory.get("temp", 0), c2.memory.get("temp", 0), L)
+        flops = _lin(c1.flops, c2.flops, L)
+        args_c = _lin(c1.memory.get("argument", 0), c2.memory.get("argument", 0), L)
+        notes.append(f"layers: compiled with 1 and 2 of {L} layers; per-layer figures "
+                     "extrapolated linearly (scan over layers: cost is additive)")
+    else:
+        progs = [compile_once(cfg, full, small, topo, a, None, keep_report)]
+        comm, temp, flops = progs[0].comm, progs[0].memory.get("temp", 0), progs[0].flops
+        args_c = progs[0].memory.get("argument", 0)
+    glob = small["global"] != full["global"]
+    if glob:
+        notes.append(f"mesh: compiled on pair={small['pair']} x node={small['node']} x "
+                     f"global={small['global']} ({math.prod(small.values())} devices) instead "
+                     f"of global={full['global']}; collectives spanning `global` re-costed at "
+                     "the full group size, persistent state from the placement formula at the "
+                     "full size")
+    form_small = argument_formula(scaled_config(cfg, small, full), small)
+    form_full = argument_formula(cfg, full)
+    pred = predict(cfg, topo, full, a, measured=comm)
+    temp_b = float(temp)
+    mem = {"arguments_formula": form_full["arguments"], "arguments_compiled": float(args_c),
+           "temp_compiled": temp_b, "weights": form_full["weights"],
+           "master": form_full["master"], "adam": form_full["adam"],
+           "grads_accumulator": form_full["grads"]}
+    mem["total"] = form_full["arguments"] + temp_b
+    mem["hbm"] = topo.hbm_bytes
+    mem["fits"] = mem["total"] <= a.hbm_usable * topo.hbm_bytes
+    mem["largest_temporaries"] = largest_buffers(progs[-1].report) if keep_report else []
+    pred.memory = {**pred.memory, "analytic_total": pred.memory["total"], **mem}
+    pred.notes = notes + pred.notes
+    return DryRun(pred, progs, full, small, two_point, glob, mem, flops, form_small, notes)
+
+
+def largest_buffers(report, k: int = 6) -> list:
+    """The largest array shapes in the compiled program (a hint at what dominates temp)."""
+    if report is None or not report.hlo_text:
+        return []
+    from boost_jax.analysis import hlo as H
+
+    seen = {}
+    for line in report.hlo_text.splitlines():
+        if "=" not in line or line.lstrip().startswith("//"):
+            continue
+        lhs, rhs = line.split("=", 1)
+        shape_txt = rhs.strip().split(" ", 1)[0]
+        for arr in H.parse_shape(shape_txt):
+            if arr.dims:
+                seen[str(arr)] = max(seen.get(str(arr), 0), arr.nbytes)
+    return sorted(seen.items(), key=lambda kv: -kv[1])[:k]

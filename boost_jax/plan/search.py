@@ -1,0 +1,152 @@
+"""Layout search: plan × TP mode × TP axes × micro-batch size × remat, ranked by the cost model.
+
+Every candidate is costed analytically (boost_jax.plan.costmodel: compiling hundreds of layouts
+is too slow); those whose predicted memory fits are ranked by predicted step time (the global
+batch is fixed, so this is also tokens/s). `compile_top=K` then compiles the best K with the
+real step (boost_jax.plan.dryrun) and re-costs them from the measured collectives and memory;
+the table says which rows were compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+from boost_jax.errors import ConfigError, UserError
+from boost_jax.mesh import AXES, Topology
+from boost_jax.plan.costmodel import Assumptions, Prediction, SizesMesh, predict
+
+PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
+TP_AXES = ((), ("pair",), ("node",), ("pair", "node"))
+MICRO_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class Candidate:
+    plan: str
+    tp_mode: str
+    tp_axes: tuple
+    micro_size: int  # sequences per device per micro-batch
+    micro_batches: int
+    remat: str
+    prediction: Optional[Prediction] = None
+    error: Optional[str] = None
+    compiled: bool = False
+    compiled_fits: Optional[bool] = None
+
+    def key(self) -> str:
+        tp = f"{self.tp_mode}x{'+'.join(self.tp_axes)}" if self.tp_axes else "none"
+        return f"{self.plan}/{tp}/b{self.micro_size}/{self.remat}"
+
+    def config(self, cfg):
+        par = dataclasses.replace(cfg.parallel, plan=self.plan, tp_mode=self.tp_mode,
+                                  tp_axes=list(self.tp_axes))
+        tr = dataclasses.replace(cfg.train, micro_batches=self.micro_batches, remat=self.remat)
+        return dataclasses.replace(cfg, parallel=par, train=tr)
+
+
+@dataclass
+class SearchResult:
+    candidates: list
+    n_evaluated: int
+    n_invalid: int
+    notes: list = field(default_factory=list)
+
+    @property
+    def fitting(self) -> list:
+        ok = [c for c in self.candidates if c.prediction is not None and
+              (c.compiled_fits if c.compiled else c.prediction.fits)]
+        return sorted(ok, key=lambda c: c.prediction.step_time)
+
+    def to_dict(self) -> dict:
+        rows = []
+        for c in self.fitting:
+            p = c.prediction
+            rows.append(dict(key=c.key(), plan=c.plan, tp_mode=c.tp_mode, tp_axes=list(c.tp_axes),
+                             micro_size=c.micro_size, micro_batches=c.micro_batches,
+                             remat=c.remat, step_time=p.step_time, tokens_per_s=p.tokens_per_s,
+                             tflops_per_device=p.tflops_per_device, mfu=p.mfu,
+                             memory=p.memory["total"], comm_bytes=p.comm_bytes,
+                             compiled=c.compiled))
+        return {"ranked": rows, "n_evaluated": self.n_evaluated, "n_invalid": self.n_invalid,
+                "n_fitting": len(rows), "notes": self.notes}
+
+
+def candidates(cfg, sizes: dict) -> list[Candidate]:
+    lowrank = cfg.model.arch != "full"
+    modes = ("vanilla", "btp") if lowrank else ("megatron",)
+    remats = ("none", "full", "lowrank") if lowrank else ("none", "full")
+    out = []
+    for plan, axes in itertools.product(PLANS, TP_AXES):
+        if any(sizes[a] <= 1 for a in axes):
+            continue
+        for mode in (modes if axes else ("none",)):
+            tp = 1
+            for a in axes:
+                tp *= sizes[a]
+            n_dp = 1
+            for a in AXES:
+                if a not in axes:
+                    n_dp *= sizes[a]
+            for b, remat in itertools.product(MICRO_SIZES, remats):
+                per = b * n_dp
+                if cfg.train.global_batch % per:
+                    continue
+                out.append(Candidate(plan, mode, tuple(axes), b, cfg.train.global_batch // per,
+                                     remat))
+    return out
+
+
+def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
+           compile_top: int = 0, max_devices: int = 512) -> SearchResult:
+    a = a or Assumptions()
+    cands = candidates(cfg, sizes)
+    invalid = 0
+    for c in cands:
+        try:
+            cc = c.config(cfg)
+            if cc.parallel.tp_mode != "none":
+                from boost_jax.sharding.tensor_parallel import validate_tp
+
+                validate_tp(cc, SizesMesh(sizes))
+            c.prediction = predict(cc, topo, sizes, a)
+        except (ConfigError, UserError, ValueError) as e:
+            c.error = str(e).splitlines()[0]
+            invalid += 1
+    res = SearchResult(cands, len(cands), invalid)
+    res.notes.append(f"{len(cands)} candidates costed analytically; {invalid} rejected by the "
+                     "plan/TP validation (divisibility)")
+    if compile_top:
+        from boost_jax.plan.dryrun import dry_run
+
+        for c in res.fitting[:compile_top]:
+            dr = dry_run(c.config(cfg), topo, None, max_devices, a)
+            c.prediction, c.compiled, c.compiled_fits = dr.prediction, True, dr.memory["fits"]
+        res.notes.append(f"the best {compile_top} were compiled (real step, abstract shapes) "
+                         "and re-costed from measured collectives and memory")
+    return res
+
+
+def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int = 15) -> str:
+    n = sizes["pair"] * sizes["node"] * sizes["global"]
+    lines = [f"layout search for {cfg.name} on {topo.name}: {sizes['global']} nodes, {n} devices, "
+             f"global batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens",
+             *[f"  {x}" for x in res.notes],
+             f"  {len(res.fitting)} of {res.n_evaluated - res.n_invalid} valid layouts fit "
+             f"(<= {res.candidates[0].prediction.assumptions.hbm_usable if res.fitting else 0.9:.0%}"
+             f" of {topo.hbm_bytes / 2**30:.0f} GiB); best first:", ""]
+    hdr = ("| # | plan | TP | seq/dev/micro | micro-batches | remat | GiB/dev | step s | "
+           "tokens/s | TFLOP/s/dev | MFU | global GB/dev/step | compiled |")
+    lines += [hdr, "|" + "---|" * 13]
+    for i, c in enumerate(res.fitting[:top], 1):
+        p = c.prediction
+        tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
+        lines.append(f"| {i} | {c.plan} | {tp} | {c.micro_size} | {c.micro_batches} | {c.remat} | "
+                     f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
+                     f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "
+                     f"{p.comm_bytes['global'] / 1e9:.2f} | {'yes' if c.compiled else 'no'} |")
+    if not res.fitting:
+        lines.append("| - | nothing fits | | | | | | | | | | | |")
+    return "\n".join(lines)
