@@ -190,14 +190,16 @@ def lbp_table(res: dict) -> tuple[str, list]:
 
 def sensitivity(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> str:
     """How the headline ratios move with the fixed choices (not used to pick them)."""
-    lines = ["| variant | 7B btp/full | 7B vanilla/btp | LBP hier/ZeRO++ | LBP scaling eff. |",
-             "|---|---|---|---|---|"]
+    lines = ["| variant | 7B full / vanilla / btp s (GB/device) | 7B btp/full | 7B vanilla/btp "
+             "| LBP hier/ZeRO++ | LBP scaling eff. |", "|---|---|---|---|---|---|"]
 
     def row(name, a, remat="full", mb=1):
         b = boost_predictions(a, sizes=("7B",), remat=remat)["7B"]
         r = lbp_predictions(a, mb)
         eff = r["hierarchical"].tflops_per_device / r["base"][1].tflops_per_device
-        lines.append(f"| {name} | {b['btp'].step_time / b['full'].step_time:.3f} | "
+        secs = " / ".join(f"{b[k].step_time:.2f} ({b[k].memory['total'] / 1e9:.0f})"
+                          for k in ("full", "vanilla", "btp"))
+        lines.append(f"| {name} | {secs} | {b['btp'].step_time / b['full'].step_time:.3f} | "
                      f"{b['vanilla'].step_time / b['btp'].step_time:.3f} | "
                      f"{r['hierarchical'].tflops_per_device / r['zeropp'].tflops_per_device:.3f} |"
                      f" {eff:.3f} |")
@@ -210,4 +212,17 @@ def sensitivity(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> str:
     row("eta_net 1.0", dataclasses.replace(assumptions, eta_net=1.0))
     row("LBP with 4 micro-batches per step", assumptions, mb=4)
     row("no recompute (BOOST rows)", assumptions, remat="none")
+    # the other rule considered: each method at its fastest remat that fits an 80 GB A100
+    topo = get_topology("perlmutter-80")
+    best = {}
+    for m, _, _ in BOOST_METHODS:
+        opts = [predict(boost_config("7B", m, r, "perlmutter-80"), topo, boost_sizes("7B"),
+                        assumptions) for r in ("none", "lowrank", "full")]
+        fit = [p for p in opts if p.fits] or opts
+        best[m] = min(fit, key=lambda p: p.step_time)
+    secs = " / ".join(f"{best[k].step_time:.2f} ({best[k].memory['total'] / 1e9:.0f}, "
+                      f"{best[k].layout['remat']})" for k in ("full", "vanilla", "btp"))
+    lines.append(f"| fastest remat that fits A100-80GB, per method (BOOST rows) | {secs} | "
+                 f"{best['btp'].step_time / best['full'].step_time:.3f} | "
+                 f"{best['vanilla'].step_time / best['btp'].step_time:.3f} | - | - |")
     return "\n".join(lines)
