@@ -1,0 +1,49 @@
+"""Shared benchmark helpers: device setup from argv, interleaved median timing, Markdown tables."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+
+def early_cpu_devices(default: int | None = None) -> None:
+    """Honour `--cpu-devices N` before JAX starts (call at import time of the script)."""
+    n = default
+    if "--cpu-devices" in sys.argv:
+        n = int(sys.argv[sys.argv.index("--cpu-devices") + 1])
+    if n:
+        from boost_jax.mesh import set_cpu_devices
+
+        set_cpu_devices(n)
+
+
+def interleaved_median(fns: dict[str, Callable[[], object]], rounds: int = 5,
+                       iters: int = 3, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per call of each fn, timed in alternating rounds so drift hits all alike.
+
+    Each fn must block until its result is ready (e.g. end with jax.block_until_ready).
+    """
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / iters)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    def fmt(v):
+        if isinstance(v, float):
+            return f"{v:,.4g}" if abs(v) < 1e4 else f"{v:,.0f}"
+        return str(v)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
