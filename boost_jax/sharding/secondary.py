@@ -52,6 +52,24 @@ FULL_NAME = "zero_full_weight"  # checkpoint_name of every gathered weight (neve
 # --------------------------------------------------------------------------- per-leaf gather
 
 
+def reshard_bits(x, sharding, src=None):
+    """with_sharding_constraint that moves 16-bit floats as raw 16-bit integers.
+
+    XLA:CPU runs bf16/f16 collectives in f32 (convert → collective → convert), which doubles
+    what a gather moves there; a gather is pure data movement, so bitcasting to uint16 first is
+    exact and makes the CPU program move what a GPU/TPU would (the bitcasts are free).
+    `src` (x's sharding) pins the integer copy before the move; without it XLA's sharding
+    propagation reshards the float input of the bitcast instead."""
+    if x.dtype in (jnp.bfloat16, jnp.float16):
+        u = jax.lax.bitcast_convert_type(x, jnp.uint16)
+        if src is not None:
+            u = jax.lax.with_sharding_constraint(u, src)
+        u = jax.lax.with_sharding_constraint(u, sharding)
+        return jax.lax.bitcast_convert_type(u, x.dtype)
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+
 @dataclass(frozen=True)
 class LeafGather:
     """Static description of one weight's gathers (hashable: a custom_vjp nondiff arg)."""
@@ -64,7 +82,8 @@ class LeafGather:
     quantize_gather: bool
     secondary_int8: bool
     block: int
-    dtype: Any  # working-weight dtype (str)
+    dtype: Any  # working-weight dtype (str): what the gathers move (before int8)
+    grad_dtype: Any = "float32"  # dtype the gradient is reduced (and returned) in
 
     # -- shardings
     def sharding(self, axes) -> NamedSharding:
@@ -161,19 +180,29 @@ class LeafGather:
     def n_axes(self, axes) -> int:
         return int(math.prod(self.mesh.shape[a] for a in axes)) if axes else 1
 
+    def local(self, x):
+        """The stored shard in the working dtype (a local cast: the caller may pass an fp32
+        view of bf16 weights so that gradients come back, and are reduced, in fp32)."""
+        if x.dtype == jnp.dtype(self.dtype):
+            return x
+        return jax.lax.with_sharding_constraint(x.astype(self.dtype),
+                                                self.sharding(self.params_axes))
+
     # -- the gathers (primal computations; gradients are defined below)
     def gather_primary(self, x):
         """Stored shard → padded full weight (flat gather over params axes)."""
+        x = self.local(x)
         if self.int8_primary:
             q, s = self.quantize(x, self.n_axes(self.params_axes), self.params_axes)
             return self.dequantize_gather(q, s, self.n_axes(self.params_axes))
-        return jax.lax.with_sharding_constraint(x, self.sharding(()))
+        return reshard_bits(x, self.sharding(()), self.sharding(self.params_axes))
 
     def to_secondary(self, x):
         """Stored shard → the secondary partition (array, or (q, scale) when int8)."""
         S = self.secondary_axes
-        src = x if self.secondary_is_slice else self.gather_primary(x)
-        sec = jax.lax.with_sharding_constraint(src, self.sharding(S))
+        src = self.local(x) if self.secondary_is_slice else self.gather_primary(x)
+        sec = reshard_bits(src, self.sharding(S),
+                           self.sharding(self.params_axes if self.secondary_is_slice else ()))
         if self.int8_secondary:
             return self.quantize(sec, self.n_axes(S), S)
         return sec
@@ -182,11 +211,13 @@ class LeafGather:
         if self.int8_secondary:
             q, s = sec
             return self.dequantize_gather(q, s, self.n_axes(self.secondary_axes))
-        return jax.lax.with_sharding_constraint(sec, self.sharding(()))
+        return reshard_bits(sec, self.sharding(()), self.sharding(self.secondary_axes))
 
-    def grad_to_stored(self, ct):
-        """Cotangent of the full (unpadded) weight → padded, constrained to the grads sharding."""
-        ct = self.pad(ct)
+    def grad_to_stored(self, ct, dtype):
+        """Cotangent of the full (unpadded) weight → padded, cast to `dtype` (the stored view's,
+        normally grad_dtype) *before* the reduction, constrained to the grads sharding: XLA
+        emits one reduce-scatter over the grads axes that are batch axes."""
+        ct = self.pad(ct.astype(dtype))
         return jax.lax.with_sharding_constraint(ct, self.sharding(self.grads_axes))
 
 
@@ -196,11 +227,11 @@ def _gather_primary(g: LeafGather, x):
 
 
 def _gp_fwd(g, x):
-    return _gather_primary(g, x), None
+    return _gather_primary(g, x), jnp.zeros((0,), x.dtype)
 
 
-def _gp_bwd(g, _, ct):
-    return (g.grad_to_stored(ct),)
+def _gp_bwd(g, res, ct):
+    return (g.grad_to_stored(ct, res.dtype),)
 
 
 _gather_primary.defvjp(_gp_fwd, _gp_bwd)
@@ -214,11 +245,11 @@ def _gather_secondary(g: LeafGather, sec, x):
 
 
 def _gs_fwd(g, sec, x):
-    return _gather_secondary(g, sec, x), None
+    return _gather_secondary(g, sec, x), jnp.zeros((0,), x.dtype)
 
 
-def _gs_bwd(g, _, ct):
-    return (None, g.grad_to_stored(ct))
+def _gs_bwd(g, res, ct):
+    return (None, g.grad_to_stored(ct, res.dtype))
 
 
 _gather_secondary.defvjp(_gs_fwd, _gs_bwd)
@@ -227,8 +258,7 @@ _gather_secondary.defvjp(_gs_fwd, _gs_bwd)
 def gather_leaf(g: LeafGather, x):
     """The full (unpadded) weight for compute, tagged FULL_NAME; see the module docstring."""
     if not g.active:
-        out = x if not g.layout.pad else g.unpad(x)
-        return out
+        return g.unpad(x).astype(g.dtype)
     if g.secondary_axes is None:
         full = _gather_primary(g, x)
     else:
@@ -236,6 +266,53 @@ def gather_leaf(g: LeafGather, x):
         sec = checkpoint_name(sec, SECONDARY_NAME)
         full = _gather_secondary(g, sec, x)
     return checkpoint_name(full, FULL_NAME)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _embed(g: LeafGather, table, tokens, batch_axes):
+    return jnp.take(g.unpad(g.gather_primary(table)), tokens, axis=0)
+
+
+def _embed_fwd(g, table, tokens, batch_axes):
+    return _embed(g, table, tokens, batch_axes), (tokens, jnp.zeros((0,), table.dtype))
+
+
+def _embed_bwd(g, batch_axes, res, ct):
+    """Each device scatter-adds its rows' cotangents into a full (padded) fp32 table, then one
+    explicit reduce-scatter (working dtype) over the batch axes onto the grads sharding.
+    (Left to GSPMD, XLA instead all-gathers every row's cotangent and token id.)"""
+    tokens, marker = res
+    lay = g.layout
+    axes = tuple(batch_axes)
+    tp_entries = lay.spec(())
+
+    def body(ct, tok):
+        z = jnp.zeros(lay.padded, jnp.float32)
+        z = z.at[tok.reshape(-1)].add(ct.reshape(-1, ct.shape[-1]).astype(jnp.float32))
+        z = z.astype(g.dtype)
+        if axes:
+            z = jax.lax.psum_scatter(z, axes, scatter_dimension=lay.dim, tiled=True)
+        return z
+
+    spec_in = _spec_entry(axes)
+    out_spec = lay.spec(axes)
+    del tp_entries
+    d_table = jax.shard_map(body, mesh=g.mesh, in_specs=(P(spec_in), P(spec_in)),
+                            out_specs=out_spec)(ct, tokens)
+    d_table = jax.lax.with_sharding_constraint(d_table.astype(marker.dtype),
+                                               g.sharding(g.grads_axes))
+    return (d_table, None)
+
+
+_embed.defvjp(_embed_fwd, _embed_bwd)
+
+
+def embed_lookup(g: LeafGather, table, tokens, batch_axes):
+    """Embedding rows of `tokens` from the stored table: forward gathers the table (flat, int8
+    under qwZ), backward reduce-scatters the table gradient (see _embed_bwd)."""
+    if (not g.active or tuple(batch_axes) != tuple(g.grads_axes) or any(g.layout.tp)):
+        return jnp.take(gather_leaf(g, table), tokens, axis=0)
+    return _embed(g, table, tokens, tuple(batch_axes))
 
 
 def leaf_gathers(placement: Placement, layouts=None, sliced: bool = False):
@@ -246,7 +323,8 @@ def leaf_gathers(placement: Placement, layouts=None, sliced: bool = False):
     def one(lay):
         lay = lay.sliced() if sliced else lay
         return LeafGather(lay, pl.mesh, pl.params_axes, pl.grads_axes, pl.secondary_axes,
-                          pl.quantize_gather, pl.secondary_int8, pl.quant_block, pl.param_dtype)
+                          pl.quantize_gather, pl.secondary_int8, pl.quant_block, pl.param_dtype,
+                          pl.grad_accum_dtype)
 
     return jax.tree.map(one, layouts, is_leaf=is_layout)
 
@@ -333,8 +411,8 @@ def build_forward(cfg, graphdef, placement: Placement, loss: Callable) -> Callab
         dtype = model.dtype
 
         # embedding: forward-only use (its backward needs no weight), so no checkpoint
-        emb = gather_leaf(gathers["embed"]["embedding"], params["embed"]["embedding"])
-        h = jnp.take(emb, tokens, axis=0).astype(dtype)
+        h = embed_lookup(gathers["embed"]["embedding"], params["embed"]["embedding"], tokens,
+                         batch_axes).astype(dtype)
         prev = None
         if mcfg.arch == "lax":
             prev = {k: jnp.zeros((b, s, mcfg.r), dtype) for k in LATENT_KEYS}
@@ -383,5 +461,5 @@ def build_forward(cfg, graphdef, placement: Placement, loss: Callable) -> Callab
     return loss_fn
 
 
-__all__ = ["LeafGather", "gather_leaf", "gather_tree", "leaf_gathers", "pad_tree", "unpad_tree",
+__all__ = ["reshard_bits", "LeafGather", "gather_leaf", "gather_tree", "leaf_gathers", "pad_tree", "unpad_tree",
            "build_forward", "remat_policy", "SECONDARY_NAME", "FULL_NAME"]

@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.config import Config
 from boost_jax.sharding.plans import Placement, _spec_entry, is_layout, make_placement
+from boost_jax.sharding.secondary import reshard_bits
 from boost_jax.train.optim import lr_schedule, make_optimizer
 
 
@@ -124,7 +125,75 @@ def _tree_wsc(tree, shardings):
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
-def build_step(cfg: Config, mesh) -> StepBundle:
+def make_deferred_reduce(pl: Placement, mesh) -> Callable:
+    """acc [|R|, ...] (accum sharding) → Σ over R, in the opt_state sharding.
+
+    When opt_state axes = grads axes + (part of) R, in that order on the sharded dim (the
+    canonical order guarantees it for the presets), this is one explicit reduce-scatter over
+    R ∩ opt (after an all-reduce over R − opt, if any) per leaf inside a shard_map, so the
+    compiled program shows exactly the collective the plan calls for. Otherwise GSPMD does
+    the sum and the resharding."""
+    from jax.sharding import PartitionSpec
+
+    R = pl.deferred_axes
+    lay_tree = pl.layouts
+    S1 = tuple(a for a in R if a in pl.opt_state_axes)
+    S2 = tuple(a for a in R if a not in pl.opt_state_axes)
+    lead = _spec_entry(R)
+
+    def as_tuple(e):
+        return () if e is None else ((e,) if isinstance(e, str) else tuple(e))
+
+    def explicit_ok(lay) -> bool:
+        if lay.dim is None:
+            return True
+        o = as_tuple(lay.spec(pl.opt_state_axes)[lay.dim])
+        g = as_tuple(lay.spec(pl.grads_axes)[lay.dim])
+        return o == g + S1 and all(
+            as_tuple(a) == as_tuple(b) for i, (a, b) in enumerate(
+                zip(lay.spec(pl.opt_state_axes), lay.spec(pl.grads_axes))) if i != lay.dim)
+
+    leaves = jax.tree.leaves(lay_tree, is_leaf=is_layout)
+    ok = bool(R) and all(explicit_ok(l) for l in leaves)
+    out_sh = pl.master_shardings()
+
+    if not ok:
+        def gspmd(acc):
+            return _tree_wsc(jax.tree.map(lambda a: jnp.sum(a, axis=0), acc), out_sh)
+        return gspmd
+
+    in_specs = jax.tree.map(lambda l: PartitionSpec(lead, *l.spec(pl.grads_axes)), lay_tree,
+                            is_leaf=is_layout)
+    out_specs = jax.tree.map(lambda l: l.spec(pl.opt_state_axes), lay_tree, is_leaf=is_layout)
+
+    def body(acc):
+        def one(lay, x):
+            x = x[0]
+            if S2:
+                x = jax.lax.psum(x, S2)
+            if S1:
+                x = (jax.lax.psum(x, S1) if lay.dim is None else
+                     jax.lax.psum_scatter(x, S1, scatter_dimension=lay.dim, tiled=True))
+            return x
+
+        return jax.tree.map(one, lay_tree, acc, is_leaf=is_layout)
+
+    return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs)
+
+
+def _fast_compile_options() -> dict:
+    try:
+        from boost_jax.layers.model import fast_compile_options
+
+        return fast_compile_options()
+    except ImportError:  # pragma: no cover
+        return {}
+
+
+def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepBundle:
+    """The plan's StepBundle. `compiler_options` go to the train/eval jits (tests pass
+    boost_jax.layers.model.fast_compile_options() to cut CPU compile time ~4x); the one-off
+    init program always compiles with the fast options."""
     graphdef, abs_params = abstract_params(cfg)
     placement = make_placement(cfg, mesh, abs_params)
     pl = placement
@@ -168,6 +237,8 @@ def build_step(cfg: Config, mesh) -> StepBundle:
     grads_stage = (pl.grads_axes if set(pl.params_axes) <= set(pl.grads_axes)
                    <= set(pl.opt_state_axes) else None)
 
+    reduce_deferred = make_deferred_reduce(pl, mesh)
+
     def split_micro(x):
         # Row i*M+m goes to micro-batch m so each device's rows stay on that device.
         b = x.shape[0]
@@ -182,15 +253,22 @@ def build_step(cfg: Config, mesh) -> StepBundle:
             x, NamedSharding(mesh, P(_spec_entry(R), _spec_entry(inner))))
 
     def micro_grads(params, b):
-        """(mean loss, grads) for one micro-batch; grads [|R|, ...] unreduced over R."""
+        """(loss [|R|] or scalar, grads) for one micro-batch; grads [|R|, ...] unreduced over R.
+
+        Differentiates w.r.t. a grad_accum_dtype view of the stored weights: the gathers cast
+        it back to the working dtype before moving it, and the gradient comes back (and is
+        reduced) in grad_accum_dtype — Megatron's fp32 gradient reduction by default."""
+        view = jax.tree.map(lambda x: x.astype(acc_dtype), params)
         if not R:
-            loss, g = jax.value_and_grad(loss_fn)(params, b)
+            loss, g = jax.value_and_grad(loss_fn)(view, b)
             return loss, _tree_wsc(g, grads_sh)
         gb = jax.tree.map(group_rows, b)
         vg = jax.vmap(jax.value_and_grad(lambda p, x: loss_fn(p, x, inner)), in_axes=(None, 0),
                       spmd_axis_name=R if len(R) > 1 else R[0])
-        losses, g = vg(params, gb)
-        return jnp.mean(losses), _tree_wsc(g, accum_sh)
+        losses, g = vg(view, gb)
+        # per-group losses stay on their group until the end of the step (no cross-R traffic)
+        losses = jax.lax.with_sharding_constraint(losses, NamedSharding(mesh, P(_spec_entry(R))))
+        return losses, _tree_wsc(g, accum_sh)
 
     def step_fn(state, batch):
         params = state["params"]
@@ -202,7 +280,11 @@ def build_step(cfg: Config, mesh) -> StepBundle:
 
             def body(carry, b):
                 loss_sum, acc = carry
-                loss, g = micro_grads(params, b)
+                # tie the weights to this micro-batch: XLA may not hoist their (loop-invariant)
+                # gathers out of the loop, so each micro-batch gathers like DeepSpeed does and
+                # full weights never stay alive across micro-batches
+                p, b = jax.lax.optimization_barrier((params, b))
+                loss, g = micro_grads(p, b)
                 acc = jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
                 return (loss_sum + loss, _tree_wsc(acc, accum_sh if R else grads_sh)), None
 
@@ -210,14 +292,18 @@ def build_step(cfg: Config, mesh) -> StepBundle:
             zeros = jax.tree.map(lambda l: jnp.zeros(zshape(l.padded), acc_dtype), lay,
                                  is_leaf=is_lay)
             zeros = _tree_wsc(zeros, accum_sh if R else grads_sh)
-            (loss, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), mb)
+            loss0 = jnp.zeros((n_r,) if R else (), jnp.float32)
+            if R:
+                loss0 = jax.lax.with_sharding_constraint(
+                    loss0, NamedSharding(mesh, P(_spec_entry(R))))
+            (loss, acc), _ = jax.lax.scan(body, (loss0, zeros), mb)
             loss = loss / micro
+        loss = jnp.mean(loss)
         # once per step: reduce the deferred axes straight into the optimizer's sharding
         norm = 1.0 / (micro * n_r)
         if R:
-            grads = jax.tree.map(lambda a: jnp.sum(a.astype(jnp.float32), axis=0) * norm, acc)
-        else:
-            grads = jax.tree.map(lambda a: a.astype(jnp.float32) * norm, acc)
+            grads = reduce_deferred(acc)
+        grads = jax.tree.map(lambda a: a.astype(jnp.float32) * norm, grads if R else acc)
         grads = _tree_wsc(grads, master_sh)
         gnorm = optax.tree.norm(grads)
         if clip > 0:
@@ -226,10 +312,13 @@ def build_step(cfg: Config, mesh) -> StepBundle:
         master = state["master"] if mixed else _tree_wsc(params, master_sh)
         updates, opt_state = tx.update(grads, state["opt_state"], master)
         new_master = _tree_wsc(optax.apply_updates(master, updates), master_sh)
-        new_params = jax.tree.map(lambda x: x.astype(pdtype), new_master)
+        # cast on the opt_state shard, so the gathers below move the working dtype
+        new_params = _tree_wsc(jax.tree.map(lambda x: x.astype(pdtype), new_master), master_sh)
+        src = master_sh
         if grads_stage is not None:  # cross-node part first: opt_state → grads sharding
-            new_params = _tree_wsc(new_params, grads_sh)
-        new_params = _tree_wsc(new_params, params_sh)
+            new_params = jax.tree.map(reshard_bits, new_params, grads_sh, src)
+            src = grads_sh
+        new_params = jax.tree.map(reshard_bits, new_params, params_sh, src)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
         if mixed:
@@ -242,10 +331,12 @@ def build_step(cfg: Config, mesh) -> StepBundle:
                    "finite": finite}
         return new_state, metrics
 
+    copts = dict(compiler_options or {})
     train_step = jax.jit(step_fn, in_shardings=(state_sh, batch_sh),
-                         out_shardings=(state_sh, rep), donate_argnums=(0,))
+                         out_shardings=(state_sh, rep), donate_argnums=(0,),
+                         compiler_options=copts or None)
     eval_step = jax.jit(lambda p, b: loss_fn(p, b), in_shardings=(params_sh, batch_sh),
-                        out_shardings=rep)
+                        out_shardings=rep, compiler_options=copts or None)
     import dataclasses
 
     cfg32 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype="float32"))
@@ -263,14 +354,15 @@ def build_step(cfg: Config, mesh) -> StepBundle:
                 state["master"] = p32
             return state
 
-        return jax.jit(init, out_shardings=state_sh)()
+        return jax.jit(init, out_shardings=state_sh,
+                       compiler_options=_fast_compile_options() or None)()
 
     n_params = sum(l.numel for l in jax.tree.leaves(lay, is_leaf=is_lay))
     return StepBundle(cfg, mesh, placement, graphdef, tx, abstract_state, state_sh, batch_sh,
                       train_step, eval_step, init_state, n_params)
 
 
-def build_step_for_analysis(cfg: Config, mesh):
+def build_step_for_analysis(cfg: Config, mesh, compiler_options: dict | None = None):
     """(jitted step, abstract args) for lowering without real arrays (comm analyzer, planner)."""
-    bundle = build_step(cfg, mesh)
+    bundle = build_step(cfg, mesh, compiler_options)
     return bundle.train_step, (bundle.abstract_state, bundle.abstract_batch())
