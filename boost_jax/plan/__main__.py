@@ -122,7 +122,8 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
     L.append("")
     fl = f"flops per device per step: model {p.flops_per_device:.3e} (3x forward)"
     if compiled:
-        fl += f", compiled (XLA cost analysis) {dr.flops_compiled:.3e}"
+        fl += (f", compiled {dr.flops_compiled:.3e} (dots x loop trip counts; XLA "
+               f"cost_analysis, which counts a loop body once: {dr.xla_flops:.3e})")
     L.append(fl)
     L.append("collective bytes per device per step (ring bytes sent) and time at "
              f"{p.assumptions.eta_net:.0%} of link bandwidth:")
@@ -201,10 +202,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                          (4 if args.layers == "auto" else int(args.layers)),
                                          keep_report=True)
                     out.prediction.memory["params_total"] = param_count(cfg.model)
-                except UserError:
-                    raise
-                except Exception as e:  # the step itself failed to lower/compile
-                    failure = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                except dryrun.StepCompileError as e:
+                    failure = str(e)
                     compiled = False
             if not compiled:
                 out = predict(cfg, topo, full, a)

@@ -7,8 +7,9 @@ analysis and cost analysis are read by boost_jax.analysis.comm.
 Two reductions keep this fast, both extrapolated analytically and reported as such:
 
 layers   a scanned stack makes every per-layer quantity additive, so a model with more than
-         `full_layers_max` layers is compiled with 1 and with 2 layers and each figure X is
-         extrapolated linearly: X(L) = X(1) + (L−1)·(X(2) − X(1)).
+         `full_layers_max` layers is compiled with 2 and with 3 layers and each figure X is
+         extrapolated linearly: X(L) = X(2) + (L−2)·(X(3) − X(2)). (Not 1 and 2: with one
+         layer XLA removes the scan loop and the temporaries are laid out differently.)
 global   if the topology's device count exceeds the simulated devices, the mesh keeps its
          `pair` and `node` sizes and shrinks `global` (≥ 2, so cross-node collectives exist in
          the program); the global batch shrinks with it so each device's micro-batch is the
@@ -30,6 +31,10 @@ from boost_jax.errors import UserError
 from boost_jax.mesh import AXES, Topology
 from boost_jax.plan.costmodel import (Assumptions, CommSummary, DTYPE_BYTES, Prediction,
                                       colls_from_report, predict, state_sizes)
+
+
+class StepCompileError(RuntimeError):
+    """boost_jax.train.step failed to build, lower or compile for the layout."""
 
 
 def full_sizes(cfg, topo: Topology, nodes: Optional[int]) -> dict[str, int]:
@@ -84,6 +89,7 @@ class Compiled:
     raw_level_bytes: dict  # as compiled (before re-costing the global group sizes)
     compile_s: float
     n_collectives: int
+    matmul_flops: float = 0.0  # dots × loop trip counts (cost_analysis counts a loop once)
     report: object = field(default=None, repr=False)
 
 
@@ -98,8 +104,14 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
     c = scaled_config(cfg, sizes, full, n_layers)
     mesh = make_mesh(topo, [sizes[x] for x in AXES], devices=jax.devices())
     t0 = time.perf_counter()
-    fn, args = build_step_for_analysis(c, mesh)
-    compiled = compile_fn(fn, args, mesh)
+    try:
+        fn, args = build_step_for_analysis(c, mesh)
+        compiled = compile_fn(fn, args, mesh)
+    except UserError:
+        raise
+    except Exception as e:  # the step itself does not lower/compile for this layout
+        raise StepCompileError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                               ) from e
     dt = time.perf_counter() - t0
     report = analyze_compiled(compiled, mesh)
     colls = colls_from_report(report, c.parallel.tp_axes, c.train.micro_batches)
@@ -108,13 +120,57 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
         up = full["global"] / sizes["global"]
         colls = [dataclasses.replace(x, n=int(round(x.n * up))) if "global" in x.axes else x
                  for x in colls]
+    mm, _ = matmul_flops(report.hlo_text)
     return Compiled(c.model.n_layers, dict(sizes), dict(report.memory or {}),
                     float(report.flops or 0.0), CommSummary.of(colls, topo, a), raw, dt,
-                    len(report.collectives), report if keep_report else None)
+                    len(report.collectives), matmul_flops=mm,
+                    report=report if keep_report else None)
+
+
+LAYER_POINTS = (2, 3)  # compile these layer counts (1 layer lets XLA drop the scan loop)
 
 
 def _lin(x1: float, x2: float, L: int) -> float:
-    return x1 + (L - 1) * (x2 - x1)
+    a, b = LAYER_POINTS
+    return x1 + (L - a) * (x2 - x1) / (b - a)
+
+
+def matmul_flops(hlo_text: str) -> tuple[float, bool]:
+    """(FLOPs of every dot in the compiled program × its loop trip counts, all trips known).
+
+    XLA's cost_analysis() counts a while body once, so with scanned layers and micro-batches
+    it undercounts by the trip counts; this walks the loops (boost_jax.analysis.hlo.walk) and
+    the fusions they call and counts each dot as 2·|result|·|contracted dims| — the convention
+    of boost_jax.analysis.flops."""
+    from boost_jax.analysis import hlo as H
+
+    mod = H.parse_module(hlo_text)
+
+    def dims_of(comp, name):
+        ins = comp.instrs.get(name)
+        return ins.shape[0].dims if ins is not None and ins.shape else None
+
+    def comp_flops(cname: str, depth: int = 0) -> float:
+        comp = mod.computations[cname]
+        f = 0.0
+        for ins in comp.instrs.values():
+            if ins.opcode == "dot" and ins.shape:
+                lhs = dims_of(comp, ins.operands[0]) if ins.operands else None
+                cd = ins.attr("lhs_contracting_dims") or "{}"
+                idx = [int(x) for x in cd.strip("{}").split(",") if x.strip()]
+                k = math.prod(lhs[i] for i in idx) if lhs is not None else 1
+                f += 2.0 * ins.shape[0].elements * k
+            elif ins.opcode == "fusion" and depth < 8:
+                f += sum(comp_flops(c, depth + 1) for c in ins.called()
+                         if c in mod.computations)
+        return f
+
+    total, known = 0.0, True
+    for comp, mult, _ in H.walk(mod):
+        if mult is None:
+            known, mult = False, 1
+        total += mult * comp_flops(comp.name)
+    return total, known
 
 
 @dataclass
@@ -126,9 +182,10 @@ class DryRun:
     layers_extrapolated: bool
     global_extrapolated: bool
     memory: dict  # per-device bytes at the full size: arguments, temp, total, formula parts
-    flops_compiled: float  # per device per step (cost_analysis, extrapolated in layers)
+    flops_compiled: float  # per device per step: compiled dots × loop trips (extrapolated)
     formula: dict  # placement formula at the compile size: weights/master/adam/batch/arguments
     notes: list
+    xla_flops: float = 0.0  # cost_analysis() (loop bodies counted once), same extrapolation
 
     def to_dict(self) -> dict:
         return {"prediction": self.prediction.to_dict(),
@@ -137,7 +194,8 @@ class DryRun:
                 "full_sizes": self.full_sizes, "compile_sizes": self.compile_sizes,
                 "layers_extrapolated": self.layers_extrapolated,
                 "global_extrapolated": self.global_extrapolated, "memory": self.memory,
-                "flops_compiled": self.flops_compiled, "formula_at_compile_size": self.formula,
+                "flops_compiled": self.flops_compiled, "xla_cost_analysis_flops": self.xla_flops,
+                "formula_at_compile_size": self.formula,
                 "notes": self.notes}
 
 
@@ -168,18 +226,22 @@ def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
     notes = []
     two_point = L > full_layers_max
     if two_point:
-        progs = [compile_once(cfg, full, small, topo, a, 1, keep_report),
-                 compile_once(cfg, full, small, topo, a, 2, keep_report)]
+        p1, p2 = LAYER_POINTS
+        progs = [compile_once(cfg, full, small, topo, a, p1, keep_report),
+                 compile_once(cfg, full, small, topo, a, p2, keep_report)]
         c1, c2 = progs
-        comm = c1.comm.combine(c2.comm, 2 - L, L - 1)  # X1 + (L−1)(X2 − X1)
+        w = (L - p1) / (p2 - p1)
+        comm = c1.comm.combine(c2.comm, 1 - w, w)  # X(p1) + (L−p1)·(X(p2) − X(p1))/(p2−p1)
         temp = _lin(c1.memory.get("temp", 0), c2.memory.get("temp", 0), L)
-        flops = _lin(c1.flops, c2.flops, L)
+        flops = _lin(c1.matmul_flops, c2.matmul_flops, L)
+        xla_flops = _lin(c1.flops, c2.flops, L)
         args_c = _lin(c1.memory.get("argument", 0), c2.memory.get("argument", 0), L)
-        notes.append(f"layers: compiled with 1 and 2 of {L} layers; per-layer figures "
+        notes.append(f"layers: compiled with {p1} and {p2} of {L} layers; per-layer figures "
                      "extrapolated linearly (scan over layers: cost is additive)")
     else:
         progs = [compile_once(cfg, full, small, topo, a, None, keep_report)]
-        comm, temp, flops = progs[0].comm, progs[0].memory.get("temp", 0), progs[0].flops
+        comm, temp = progs[0].comm, progs[0].memory.get("temp", 0)
+        flops, xla_flops = progs[0].matmul_flops, progs[0].flops
         args_c = progs[0].memory.get("argument", 0)
     glob = small["global"] != full["global"]
     if glob:
@@ -202,7 +264,8 @@ def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
     mem["largest_temporaries"] = largest_buffers(progs[-1].report) if keep_report else []
     pred.memory = {**pred.memory, "analytic_total": pred.memory["total"], **mem}
     pred.notes = notes + pred.notes
-    return DryRun(pred, progs, full, small, two_point, glob, mem, flops, form_small, notes)
+    return DryRun(pred, progs, full, small, two_point, glob, mem, flops, form_small, notes,
+                  xla_flops)
 
 
 def largest_buffers(report, k: int = 6) -> list:
