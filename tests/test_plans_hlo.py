@@ -1,0 +1,136 @@
+"""Placement plans, measured from the compiled HLO of the whole training step (no execution).
+
+Tiny CoLA model in bf16 mixed precision on 8 simulated devices as (pair, node, global) =
+(2, 2, 2), 4 micro-batches unless said otherwise. Per-level bytes come from
+boost_jax.analysis.comm; `measured_per_level` undoes XLA:CPU's fp32 promotion of bf16
+reductions and its all-reduce+dynamic-slice lowering of reduce-scatter (formulas.py).
+"""
+
+import jax
+import pytest
+
+from boost_jax.analysis import hlo as H
+from boost_jax.analysis.comm import analyze_compiled
+from boost_jax.config import load_config
+from boost_jax.layers.model import fast_compile_options
+from boost_jax.mesh import make_mesh
+from boost_jax.sharding.formulas import comm_per_step, measured_per_level
+from boost_jax.train.step import build_step
+
+TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.d_ff=128",
+        "model.rank=16", "model.max_seq_len=16", "data.seq_len=16", "model.vocab_size=256",
+        "train.global_batch=32", "train.steps=10", "model.param_dtype=bfloat16",
+        "model.dtype=bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh("cpu", (2, 2, 2))
+
+
+@pytest.fixture(scope="module")
+def compiled(mesh):
+    """Lazily compiled (bundle, report) per (plan, micro_batches, extra overrides)."""
+    cache = {}
+
+    def get(plan, micro=4, *extra):
+        key = (plan, micro, extra)
+        if key not in cache:
+            cfg = load_config(None, TINY + [f"parallel.plan={plan}",
+                                            f"train.micro_batches={micro}", *extra])
+            b = build_step(cfg, mesh, fast_compile_options())
+            with jax.set_mesh(mesh):
+                c = b.train_step.lower(b.abstract_state, b.abstract_batch()).compile()
+            cache[key] = (b, analyze_compiled(c, mesh))
+        return cache[key]
+
+    return get
+
+
+def _is_backward(module, c) -> bool:
+    ins = module.computations[c.computation].instrs[c.name]
+    return "transpose(" in (ins.attr("metadata") or "")
+
+
+def test_hierarchical_keeps_the_microbatch_loop_inside_the_node(compiled):
+    _, r = compiled("hierarchical")
+    inter = r.filter(level="global")
+    assert inter, r.table()
+    assert not [c for c in inter if c.in_loop], r.table()
+    # and every per-micro-batch collective is present, inside the node
+    assert r.filter(level=("pair", "node"), in_loop=True)
+
+
+def test_hierarchical_internode_bytes_match_the_formula(compiled):
+    b, r = compiled("hierarchical")
+    predicted = comm_per_step(b.placement, 4)["global"]
+    measured = r.per_level()["global"]["bytes"]
+    assert measured == pytest.approx(predicted, rel=0.10), r.table()
+    # the two once-per-step cross-node collectives: fp32 reduce-scatter, bf16 weight gather
+    kinds = {(c.kind, c.dtypes[0]) for c in r.filter(level="global") if c.payload_bytes > 256}
+    assert kinds == {("reduce-scatter", "f32"), ("all-gather", "u16")}, r.table()
+
+
+def test_zero3_internode_bytes_grow_with_micro_batches(compiled):
+    _, r1 = compiled("zero3", 1)
+    _, r4 = compiled("zero3", 4)
+    g1 = measured_per_level(r1)["global"]
+    g4 = measured_per_level(r4)["global"]
+    assert g4 / g1 == pytest.approx(4.0, rel=0.05)
+    b, _ = compiled("zero3", 4)
+    assert g4 == pytest.approx(comm_per_step(b.placement, 4)["global"], rel=0.10)
+
+
+def test_zeropp_backward_gathers_stay_inside_the_node(compiled):
+    b, r = compiled("zeropp")
+    module = H.parse_module(r.hlo_text)
+    gathers = [c for c in r.filter(kind="all-gather", in_loop=True)]
+    bwd = [c for c in gathers if _is_backward(module, c)]
+    fwd = [c for c in gathers if not _is_backward(module, c)]
+    assert bwd and fwd
+    assert {c.level for c in bwd} == {"node"}, r.table()
+    assert "global" in {c.level for c in fwd}  # qwZ: the forward gather is flat over all
+    assert all(c.dtypes == ["s8"] or c.dtypes == ["f32"] for c in gathers)  # int8 + fp32 scales
+    # ZeRO-3 re-gathers across nodes in backward; hpZ does not
+    _, r3 = compiled("zero3")
+    m3 = H.parse_module(r3.hlo_text)
+    assert "global" in {c.level for c in r3.filter(kind="all-gather", in_loop=True)
+                        if _is_backward(m3, c)}
+    g = measured_per_level(r)["global"]
+    assert g == pytest.approx(comm_per_step(b.placement, 4)["global"], rel=0.10)
+    assert g < 0.7 * measured_per_level(r3)["global"]
+
+
+def test_int8_gathers_move_about_half_the_bytes(compiled):
+    _, r8 = compiled("hierarchical")  # preset: int8 secondary over pair
+    _, r16 = compiled("hierarchical", 4, "parallel.secondary_dtype=bfloat16")
+
+    def layer_gathers(r):  # inside the layer scan, itself inside the micro-batch scan
+        return [c for c in r.filter(kind="all-gather", level="pair") if len(c.loops) >= 2]
+
+    b8 = sum(c.bytes_per_step for c in layer_gathers(r8))
+    b16 = sum(c.bytes_per_step for c in layer_gathers(r16))
+    assert {d for c in layer_gathers(r8) for d in c.dtypes} == {"s8", "f32"}  # q + scales
+    assert {d for c in layer_gathers(r16) for d in c.dtypes} == {"u16"}  # bf16 bits
+    assert 0.45 < b8 / b16 < 0.6, (b8, b16)
+
+
+def test_hierarchical_crosses_nodes_far_less_than_zero3_and_zeropp(compiled):
+    g = {p: measured_per_level(compiled(p)[1])["global"] for p in ("hierarchical", "zero3",
+                                                                   "zeropp")}
+    assert g["hierarchical"] <= g["zero3"] / 16
+    assert g["hierarchical"] <= g["zeropp"] / 4
+
+
+def test_argument_memory_matches_the_role_formula(compiled):
+    from boost_jax.analysis.comm import compare_memory
+
+    for plan in ("hierarchical", "zero3"):
+        b, r = compiled(plan)
+        pred = b.placement.memory()
+        batch = 2 * b.cfg.train.global_batch * b.cfg.data.seq_len * 4 / 8
+        pred = {"weights": pred["weights"], "master": pred["master"], "adam": pred["adam"],
+                "batch": batch}
+        rows = compare_memory(r.memory, pred, rtol=0.10,
+                              combine={"argument": ["weights", "master", "adam", "batch"]})
+        assert rows["argument"]["ok"], (plan, rows)
