@@ -332,3 +332,28 @@ def test_tp_with_placement_plan(plan, mode, t):
         loss, grads = f.lower(params, batch).compile(compiler_options=FAST)(params, batch)
         grads = jax.jit(lambda g: unpad_tree(pl, g))(grads)
     assert_same(reference(key), jax.device_get((loss, grads)))
+
+
+def test_btp_bf16_matches_single_device_bf16():
+    """bf16 compute (LaX, tied embeddings, GQA: every collective path, incl. the CPU fp32
+    promotion of 16-bit all-reduces): TP error vs the fp32 model is that of the single-device
+    bf16 model."""
+    cfg = make_cfg("btp", "lax", 4, n_kv_heads=4, tie_embeddings=True)
+    key = _model_key(cfg)
+    params, batch = _params_and_batch(key)
+    l32, g32 = reference(key)
+    cfg.model.dtype = "bfloat16"
+    l16, g16 = jax.device_get(_reference_fn(_model_key(cfg))(params, batch))
+    mesh_ = make_mesh("cpu", shape=[2, 2, 2])
+    bsh = NamedSharding(mesh_, P("global"))
+    f = jax.jit(jax.value_and_grad(build_tp_loss_fn(cfg, None, mesh_)),
+                in_shardings=(tp_shardings(cfg, mesh_, params), {"inputs": bsh, "targets": bsh}))
+    with jax.set_mesh(mesh_):
+        lt, gt = jax.device_get(f.lower(params, batch).compile(compiler_options=FAST)(params, batch))
+
+    def rel(a, b):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(a))
+
+    assert abs(lt - l32) <= 2 * abs(l16 - l32) + 1e-3
+    for a, b, c in zip(jax.tree.leaves(g32), jax.tree.leaves(g16), jax.tree.leaves(gt)):
+        assert rel(a, c) <= 1.5 * rel(a, b) + 0.02

@@ -63,7 +63,8 @@ def norm_down(ctx: TPContext, x, gamma, w):
         if fp32:
             return name_latent(psum(ctx, payload))
         u, s = psum(ctx, (payload[..., :-1].astype(ctx.dtype), payload[..., -1:]))
-        return name_latent(jnp.concatenate([u.astype(jnp.float32), s], axis=-1))
+        u, s = name_latent(u), name_latent(s)  # remat saves the latent in bf16
+        return jnp.concatenate([u.astype(jnp.float32), s], axis=-1)
 
     return dispatch.online_rmsnorm_matmul(x, gamma, w, ctx.d, ctx.eps, reduce_fn,
                                           impl=ctx.kernels, comm_dtype=jnp.float32,

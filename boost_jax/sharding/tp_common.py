@@ -112,16 +112,21 @@ def all_gather(ctx: TPContext, x, axis: int):
 
 
 def local_slice(ctx: TPContext, x, axis: int):
-    """This rank's 1/t slice of a replicated x along `axis` (no communication)."""
+    """This rank's 1/t slice of a replicated x along `axis`: no communication forward; the
+    backward all-reduces the (zero-padded) slice cotangents through the explicit pcast."""
     n = x.shape[axis] // ctx.t
-    return jax.lax.dynamic_slice_in_dim(x, rank_index(ctx) * n, n, axis)
+    return jax.lax.dynamic_slice_in_dim(to_varying(ctx, x), rank_index(ctx) * n, n, axis)
 
 
 def to_varying(ctx: TPContext, x):
     """Mark an invariant value as entering per-rank compute: identity forward, all-reduce of the
     cotangent backward (Megatron's f). No-op for values already varying."""
     missing = tuple(a for a in ctx.axes if a not in varying_axes(x))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+    if not missing:
+        return x
+    if _promote(ctx, x):  # its transpose is a psum: keep 16-bit floats out of it on CPU
+        return jax.lax.pcast(x.astype(jnp.float32), missing, to="varying").astype(x.dtype)
+    return jax.lax.pcast(x, missing, to="varying")
 
 
 def varying_axes(x) -> frozenset:

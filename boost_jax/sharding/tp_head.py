@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from boost_jax.layers.norms import rms_norm
-from boost_jax.sharding.tp_common import TPContext, all_gather, local_slice, psum, rank_index
+from boost_jax.sharding.tp_common import (
+    TPContext, all_gather, local_slice, psum, rank_index, to_varying)
 
 
 def embed_d_sharded(ctx: TPContext) -> bool:
@@ -46,7 +47,7 @@ def embed(ctx: TPContext, table, tokens):
 
 def vocab_parallel_cross_entropy(ctx: TPContext, x, w, targets):
     """Mean CE of logits x·w where w [d, V/t] is this rank's vocab slice; x [b, s, d]."""
-    logits = jnp.einsum("bsd,dv->bsv", x, w.astype(ctx.dtype),
+    logits = jnp.einsum("bsd,dv->bsv", to_varying(ctx, x), w.astype(ctx.dtype),
                         preferred_element_type=jnp.float32)
     vt = logits.shape[-1]
     m = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), ctx.axes)
