@@ -120,7 +120,8 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
     verdict = "FITS" if m["fits"] else "DOES NOT FIT"
     L.append(f"  total {_bytes(m['total'])} of {_bytes(topo.hbm_bytes)} -> {verdict}")
     L.append("")
-    fl = f"flops per device per step: model {p.flops_per_device:.3e} (3x forward)"
+    fl = (f"flops per device per step: model {p.flops_per_device:.3e} (3x forward; "
+          f"{p.executed_flops_per_device:.3e} with remat={lay['remat']} recompute)")
     if compiled:
         fl += (f", compiled {dr.flops_compiled:.3e} (dots x loop trip counts; XLA "
                f"cost_analysis, which counts a loop body once: {dr.xla_flops:.3e})")
@@ -130,6 +131,11 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
     for lv in ("pair", "node", "global"):
         L.append(f"  {lv:<7}{_bytes(p.comm_bytes[lv]):>12}  {_ms(p.comm_time[lv]):>10}  "
                  f"({topo.bandwidth(lv) / 1e9:.1f} GB/s, {topo.latency(lv) * 1e6:.0f} us)")
+    if compiled and m.get("analytic_comm_bytes"):
+        ab = m["analytic_comm_bytes"]
+        L.append("  (analytic model of the same layout: " + ", ".join(
+            f"{lv} {_bytes(ab[lv])}" for lv in ("pair", "node", "global"))
+            + f"; step {_ms(m['analytic_step_time'])})")
     t = p.time
     L.append("")
     L.append("predicted step time:")

@@ -253,6 +253,9 @@ def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
     form_small = argument_formula(scaled_config(cfg, small, full), small)
     form_full = argument_formula(cfg, full)
     pred = predict(cfg, topo, full, a, measured=comm)
+    analytic = predict(cfg, topo, full, a)
+    pred.memory["analytic_comm_bytes"] = analytic.comm_bytes
+    pred.memory["analytic_step_time"] = analytic.step_time
     temp_b = float(temp)
     mem = {"arguments_formula": form_full["arguments"], "arguments_compiled": float(args_c),
            "temp_compiled": temp_b, "weights": form_full["weights"],
