@@ -305,8 +305,11 @@ def resolve_roles(cfg) -> dict:
         "grads": pick("grads_axes", par.grads_axes, preset["grads"]),
         "opt_state": pick("opt_state_axes", par.opt_state_axes, preset["opt_state"]),
     }
-    sec = par.secondary_axes if par.secondary_axes is not None else preset["secondary"]
-    sec = None if sec is None else pick("secondary_axes", list(sec), ())
+    if par.secondary_axes is not None:
+        sec = pick("secondary_axes", par.secondary_axes, ())
+    else:
+        sec = preset["secondary"]
+        sec = None if sec is None else tuple(a for a in sec if a not in tp)
     qwz = par.quantize_gather if par.quantize_gather is not None else preset["qwz"]
     sec_dtype = par.secondary_dtype or preset["sec_dtype"]
     if not roles["params"]:
@@ -328,7 +331,8 @@ def resolve_roles(cfg) -> dict:
         if extra:
             raise ConfigError(f"parallel.{name}_axes {extra} are not batch axes "
                               f"({list(roles['batch'])}); shard {name} only over batch axes")
-    roles.update(secondary=sec, qwz=bool(qwz), sec_int8=(sec is not None and sec_dtype == "int8"),
+    roles.update(secondary=sec, qwz=bool(qwz),
+                 sec_int8=(sec is not None and (sec_dtype == "int8" or bool(qwz))),
                  tp=tp, dp=dp)
     return roles
 
