@@ -56,7 +56,7 @@ class SearchResult:
 
     @property
     def fitting(self) -> list:
-        ok = [c for c in self.candidates if c.prediction is not None and
+        ok = [c for c in self.candidates if c.prediction is not None and c.error is None and
               (c.compiled_fits if c.compiled else c.prediction.fits)]
         return sorted(ok, key=lambda c: c.prediction.step_time)
 
@@ -119,10 +119,14 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
     res.notes.append(f"{len(cands)} candidates costed analytically; {invalid} rejected by the "
                      "plan/TP validation (divisibility)")
     if compile_top:
-        from boost_jax.plan.dryrun import dry_run
+        from boost_jax.plan.dryrun import StepCompileError, dry_run
 
-        for c in res.fitting[:compile_top]:
-            dr = dry_run(c.config(cfg), topo, None, max_devices, a)
+        for c in list(res.fitting[:compile_top]):
+            try:
+                dr = dry_run(c.config(cfg), topo, None, max_devices, a)
+            except StepCompileError as e:
+                c.error = f"compile failed: {e}"
+                continue
             c.prediction, c.compiled, c.compiled_fits = dr.prediction, True, dr.memory["fits"]
         res.notes.append(f"the best {compile_top} were compiled (real step, abstract shapes) "
                          "and re-costed from measured collectives and memory")
@@ -146,7 +150,14 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
         lines.append(f"| {i} | {c.plan} | {tp} | {c.micro_size} | {c.micro_batches} | {c.remat} | "
                      f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
                      f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "
-                     f"{p.comm_bytes['global'] / 1e9:.2f} | {'yes' if c.compiled else 'no'} |")
+                     f"{p.comm_bytes['global'] / 1e9:.2f} | "
+                     f"{'yes' if c.compiled else 'no'} |")
+    failed = [c for c in res.candidates if c.error and c.error.startswith("compile failed")]
+    if failed:
+        lines.append("")
+        lines.append("dropped because the training step does not compile them (ranked analytically "
+                     "above the rows shown):")
+        lines += [f"  {c.key()}: {c.error}" for c in failed]
     if not res.fitting:
         lines.append("| - | nothing fits | | | | | | | | | | | |")
     return "\n".join(lines)
