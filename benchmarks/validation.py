@@ -118,6 +118,12 @@ Absolute seconds and where the time goes:
 
 {lbp_t}
 
+Figures (`.venv/bin/python -m boost_jax.plan.plots --out benchmarks/results`, cost model only):
+`plan_boost_iteration.png` (the table above as bars, published as ticks),
+`plan_bytes_per_level.png` (collective bytes per device per step by plan and level, CoLA-7B on
+48 Frontier nodes), `plan_weak_scaling.png` (predicted weak-scaling efficiency vs nodes by plan,
+CoLA-7B and the 20B GPT).
+
 ## Sensitivity (how the headline ratios move with the fixed choices)
 
 The fixed choices were not tuned per row. One alternative remat rule was also evaluated before
