@@ -12,7 +12,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (default: built-in defaults)")
     p.add_argument("--cpu-devices", type=int, default=None,
-                   help="simulate N CPU devices (testing a mesh on one machine)")
+                   help="simulate N CPU devices per process (testing a mesh on one machine)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 out_dir=runs/x")
     return p.parse_args(argv)
@@ -27,15 +27,15 @@ def main(argv=None):
     if args.print_config:
         print(config_to_yaml(cfg))
         return 0
-    n_cpu = args.cpu_devices or cfg.distributed.local_cpu_devices
-    if n_cpu:
-        from boost_jax.mesh import set_cpu_devices
+    # jax.distributed first, then the per-process CPU device count: both before JAX's backends
+    from boost_jax.train.distributed import setup
 
-        set_cpu_devices(n_cpu)
+    setup(cfg, args.cpu_devices)
     from boost_jax.train.loop import run
 
-    run(cfg)
-    return 0
+    summary = run(cfg)
+    # stopped by SIGTERM/SIGINT after saving: 128 + signal, so schedulers see an unfinished run
+    return 128 + summary["stopped_by_signal"] if summary.get("stopped_by_signal") else 0
 
 
 if __name__ == "__main__":

@@ -1,36 +1,166 @@
-"""Multi-process start-up through jax.distributed (explicit, SLURM, Open MPI or env-configured)."""
+"""Multi-process start-up through jax.distributed: explicit config, launcher env, SLURM, Open MPI.
+
+Where the processes come from, in order (``distributed.mode=auto``):
+
+1. ``JAX_COORDINATOR_ADDRESS`` + ``JAX_NUM_PROCESSES`` + ``JAX_PROCESS_ID`` in the environment
+   (what ``scripts/launch_local.py`` sets; the same names torchrun-style launchers can export);
+2. SLURM (``SLURM_NTASKS`` > 1): JAX's own SLURM detection picks the coordinator (first node of
+   the step) and the rank, unless ``distributed.coordinator`` names one;
+3. Open MPI (``OMPI_COMM_WORLD_SIZE`` > 1): rank and size from Open MPI's variables; the
+   coordinator from ``distributed.coordinator`` / ``JAX_COORDINATOR_ADDRESS`` or, under
+   Open MPI 4 (ORTE), JAX's own detection;
+4. otherwise a single process and no jax.distributed at all.
+
+``distributed.mode=explicit`` takes coordinator, num_processes and process_id from the config
+(process_id may come from the environment, as launchers set one rank per process);
+``distributed.mode=off`` never initialises.
+
+Order matters: jax.distributed must start before JAX creates its backends, and the per-process
+CPU device count (``--cpu-devices`` / ``distributed.local_cpu_devices``) must be set before the
+backends too. :func:`setup` does both, in that order, before anything touches a device. On CPU
+the cross-process collectives use gloo (JAX's default on this version; set explicitly here).
+"""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
 
 from boost_jax.config import Config
 from boost_jax.errors import UserError
 
-_ENV_HINTS = ("JAX_COORDINATOR_ADDRESS", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+@dataclass(frozen=True)
+class Launch:
+    """How to call jax.distributed.initialize; None fields are left to JAX's cluster detection."""
+
+    coordinator: Optional[str]
+    num_processes: Optional[int]
+    process_id: Optional[int]
+    source: str  # config | env | slurm | openmpi
 
 
-def _launched_multi() -> bool:
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        return True
-    for var in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE"):
-        if int(os.environ.get(var, "1") or 1) > 1:
-            return True
-    return False
+def _env_int(env: Mapping[str, str], name: str) -> Optional[int]:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise UserError(f"environment variable {name}={raw!r} must be an integer") from None
+
+
+def _check_coordinator(addr: str, where: str) -> str:
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"{where}={addr!r} must look like HOST:PORT, e.g. 10.0.0.1:12345")
+    return addr
+
+
+def _checked(launch: Launch) -> Launch:
+    n, pid = launch.num_processes, launch.process_id
+    if n is not None and n < 1:
+        raise UserError(f"num_processes={n} ({launch.source}) must be >= 1")
+    if n is not None and pid is not None and not 0 <= pid < n:
+        raise UserError(f"process_id={pid} ({launch.source}) must be in 0..{n - 1}")
+    return launch
+
+
+def resolve(cfg: Config, env: Optional[Mapping[str, str]] = None) -> Optional[Launch]:
+    """Decide whether and how to start jax.distributed (pure: reads only `cfg` and `env`)."""
+    env = os.environ if env is None else env
+    d = cfg.distributed
+    if d.mode == "off":
+        return None
+    if d.mode == "explicit":
+        pid = d.process_id if d.process_id is not None else _env_int(env, "JAX_PROCESS_ID")
+        missing = [k for k, v in (("distributed.coordinator", d.coordinator),
+                                  ("distributed.num_processes", d.num_processes),
+                                  ("distributed.process_id", pid)) if v is None]
+        if missing:
+            raise UserError(f"distributed.mode=explicit needs {', '.join(missing)} "
+                            "(e.g. distributed.coordinator=HOST:PORT distributed.num_processes=2 "
+                            "distributed.process_id=0)")
+        return _checked(Launch(_check_coordinator(d.coordinator, "distributed.coordinator"),
+                               d.num_processes, pid, "config"))
+
+    coord = d.coordinator or env.get("JAX_COORDINATOR_ADDRESS") or None
+    where = "distributed.coordinator" if d.coordinator else "JAX_COORDINATOR_ADDRESS"
+    n, pid = _env_int(env, "JAX_NUM_PROCESSES"), _env_int(env, "JAX_PROCESS_ID")
+    if n is not None or pid is not None:
+        if coord is None or n is None or pid is None:
+            raise UserError("JAX_NUM_PROCESSES / JAX_PROCESS_ID are set but not all of "
+                            "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID are")
+        if n == 1:
+            return None
+        return _checked(Launch(_check_coordinator(coord, where), n, pid, "env"))
+
+    slurm_n = _env_int(env, "SLURM_STEP_NUM_TASKS") or _env_int(env, "SLURM_NTASKS")
+    if slurm_n is not None and slurm_n > 1:
+        if coord is not None:
+            return _checked(Launch(_check_coordinator(coord, where), slurm_n,
+                                   _env_int(env, "SLURM_PROCID"), "slurm"))
+        return Launch(None, None, None, "slurm")
+
+    ompi_n = _env_int(env, "OMPI_COMM_WORLD_SIZE")
+    if ompi_n is not None and ompi_n > 1:
+        if coord is not None:
+            return _checked(Launch(_check_coordinator(coord, where), ompi_n,
+                                   _env_int(env, "OMPI_COMM_WORLD_RANK"), "openmpi"))
+        if "OMPI_MCA_orte_hnp_uri" in env:  # Open MPI 4: JAX finds the coordinator itself
+            return Launch(None, None, None, "openmpi")
+        raise UserError(f"Open MPI started {ompi_n} processes but no coordinator is known; set "
+                        "distributed.coordinator=HOST:PORT (rank 0's host) or JAX_COORDINATOR_ADDRESS")
+
+    if coord is not None and d.coordinator:
+        raise UserError("distributed.coordinator is set but the process count and rank are "
+                        "unknown; use distributed.mode=explicit with distributed.num_processes "
+                        "and distributed.process_id, or launch under SLURM / Open MPI")
+    return None
+
+
+def setup(cfg: Config, cpu_devices: Optional[int] = None) -> Optional[Launch]:
+    """Start jax.distributed if this is a multi-process launch, then set the CPU device count.
+
+    Must run before anything creates a JAX backend (device queries, arrays, jit calls).
+    Returns the Launch used, or None for a single process.
+    """
+    import jax
+
+    launch = resolve(cfg)
+    if launch is not None and not jax.distributed.is_initialized():
+        try:
+            # gloo is this JAX's default for CPU collectives; pin it so an environment that
+            # changed the default still gets working cross-process collectives.
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        except Exception:  # noqa: BLE001 - option absent on other JAX versions
+            pass
+        kwargs = {}
+        if launch.coordinator is not None:
+            kwargs = dict(coordinator_address=launch.coordinator,
+                          num_processes=launch.num_processes, process_id=launch.process_id)
+        try:
+            jax.distributed.initialize(**kwargs)
+        except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError / ValueError / XlaRuntimeError
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+            how = (f"coordinator {launch.coordinator}, {launch.num_processes} processes, this is "
+                   f"process {launch.process_id}" if launch.coordinator else f"{launch.source} "
+                   "auto-detection")
+            raise UserError(f"jax.distributed.initialize failed ({how}): {first}; check that every "
+                            "process was started and can reach the coordinator") from None
+    n = cpu_devices or cfg.distributed.local_cpu_devices
+    if n:
+        from boost_jax.mesh import set_cpu_devices
+
+        set_cpu_devices(n)
+    return launch
 
 
 def maybe_initialize(cfg: Config) -> None:
-    import jax
+    """Start jax.distributed if the config / environment asks for it (no-op if already started).
 
-    d = cfg.distributed
-    if d.mode == "off" or jax.distributed.is_initialized():
-        return
-    if d.mode == "explicit":
-        if not (d.coordinator and d.num_processes and d.process_id is not None):
-            raise UserError("distributed.mode=explicit needs distributed.coordinator=HOST:PORT, "
-                            "distributed.num_processes and distributed.process_id")
-        jax.distributed.initialize(d.coordinator, num_processes=d.num_processes,
-                                   process_id=d.process_id)
-    elif _launched_multi():
-        # SLURM / Open MPI / JAX_* environment variables are auto-detected by JAX itself.
-        jax.distributed.initialize()
+    Kept for callers that do not go through train.py; a process whose JAX backend is already up
+    cannot join a distributed run any more (jax.distributed raises, reported as a UserError).
+    """
+    setup(cfg)

@@ -1,0 +1,158 @@
+#!/usr/bin/env python
+"""Run N training processes on this machine, joined by jax.distributed (development / testing).
+
+    python scripts/launch_local.py -n 2 --cpu-devices-per-process 4 -- \\
+        --config configs/demo.yaml train.steps=50 out_dir=runs/mh
+
+Everything after ``--`` goes to train.py (or ``--script``). Each process gets
+``JAX_COORDINATOR_ADDRESS`` (127.0.0.1 and a free port), ``JAX_NUM_PROCESSES`` and
+``JAX_PROCESS_ID`` in its environment (what ``distributed.mode=auto`` reads), plus
+``--cpu-devices K`` when ``--cpu-devices-per-process K`` is given (and JAX_PLATFORMS=cpu).
+``--env-rank NAME=VALUE`` adds per-rank variables (``{rank}`` is replaced by the rank).
+
+Output lines are prefixed with ``[rank i]``. If a process fails, the others are killed (they
+would only wait in a collective for it) and the launcher exits with the failing process's code.
+Ctrl-C / SIGTERM are forwarded to every process once (they save a checkpoint and exit); a second
+one kills them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-n", "--num-processes", type=int, required=True)
+    p.add_argument("--cpu-devices-per-process", type=int, default=None,
+                   help="simulate K CPU devices in each process (sets JAX_PLATFORMS=cpu)")
+    p.add_argument("--port", type=int, default=None, help="coordinator port (default: a free one)")
+    p.add_argument("--script", default=os.path.join(ROOT, "train.py"))
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--env-rank", action="append", default=[], metavar="NAME=VALUE",
+                   help="extra per-process environment variable; {rank} expands to the rank")
+    p.add_argument("--grace", type=float, default=60.0,
+                   help="seconds to wait after forwarding a signal before killing")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="-- then the script's arguments")
+    a = p.parse_args(argv)
+    if a.num_processes < 1:
+        p.error("-n must be >= 1")
+    if a.args and a.args[0] == "--":
+        a.args = a.args[1:]
+    return a
+
+
+def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
+    prefix = f"[rank {rank}] ".encode()
+    for line in iter(stream.readline, b""):
+        with lock:
+            out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
+            out.flush()
+    stream.close()
+
+
+def launch(args) -> int:
+    n = args.num_processes
+    port = args.port or free_port()
+    cmd = [args.python, "-u", args.script]
+    if args.cpu_devices_per_process:
+        cmd += ["--cpu-devices", str(args.cpu_devices_per_process)]
+    cmd += args.args
+    out = sys.stdout.buffer
+    lock = threading.Lock()
+    procs, pumps = [], []
+    for rank in range(n):
+        env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                   JAX_NUM_PROCESSES=str(n), JAX_PROCESS_ID=str(rank), PYTHONUNBUFFERED="1")
+        if args.cpu_devices_per_process:
+            env["JAX_PLATFORMS"] = "cpu"
+        for item in args.env_rank:
+            k, _, v = item.partition("=")
+            env[k] = v.replace("{rank}", str(rank))
+        # own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             start_new_session=True, cwd=os.getcwd())
+        procs.append(p)
+        t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock), daemon=True)
+        t.start()
+        pumps.append(t)
+
+    def say(msg: str) -> None:
+        with lock:
+            out.write(f"[launch_local] {msg}\n".encode())
+            out.flush()
+
+    say(f"{n} processes, coordinator 127.0.0.1:{port}: {' '.join(cmd)}")
+    forwarded = {"at": None}
+
+    def on_signal(signum, frame):
+        if forwarded["at"] is None:
+            forwarded["at"] = time.monotonic()
+            say(f"signal {signum}: forwarding to all processes (again to kill them)")
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signum)
+        else:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    failed = None  # (rank, code) of the first process that failed
+    try:
+        while any(p.poll() is None for p in procs):
+            for rank, p in enumerate(procs):
+                code = p.poll()
+                if code not in (None, 0) and failed is None:
+                    failed = (rank, code)
+                    alive = [r for r, q in enumerate(procs) if q.poll() is None]
+                    if alive and forwarded["at"] is None:
+                        say(f"rank {rank} exited with code {code}; killing ranks {alive}")
+                        for r in alive:
+                            procs[r].kill()
+            if forwarded["at"] is not None and time.monotonic() - forwarded["at"] > args.grace:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.05)
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    for t in pumps:
+        t.join(timeout=5)
+    codes = [p.returncode for p in procs]
+    if failed is None:
+        failed = next(((r, c) for r, c in enumerate(codes) if c != 0), None)
+    if failed is None:
+        return 0
+    say(f"exit codes by rank: {codes}")
+    code = failed[1]
+    return code if code > 0 else 128 - code  # killed by signal s: 128 + s
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not args.args:
+        print("launch_local: give the script's arguments after --", file=sys.stderr)
+        return 2
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Multi-process training through jax.distributed: 2 local processes x 4 CPU devices must train
+exactly like 1 process x 8 devices, across a collective save and restore; the launcher and the
+environment detection are checked on their own (no JAX needed)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from boost_jax.config import load_config
+from boost_jax.errors import UserError
+from boost_jax.train.distributed import Launch, resolve
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = os.path.join(ROOT, "scripts", "launch_local.py")
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
+        "model.rank=8", "model.max_seq_len=32", "data.seq_len=32", "data.max_bytes=300000",
+        "train.global_batch=8", "train.eval_batches=2", "train.log_every=1",
+        "logging.tensorboard=false", "logging.plot=false", "optim.lr=0.01",
+        "optim.warmup_frac=0.1"]
+RUN = TINY + ["train.steps=10", "train.eval_every=5", "checkpoint.every=5"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def jax_cache(tmp_path_factory):
+    """Persistent compilation cache for this module (in-process and the launched processes)."""
+    import jax
+    from jax._src import compilation_cache
+
+    path = str(tmp_path_factory.mktemp("jax_cache"))
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    old = {k: getattr(jax.config, k) for k in keys}
+    for k, v in zip(keys, (path, 0.0, -1)):
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+    yield path
+    for k, v in old.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
+def _rows(out_dir):
+    return [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+
+
+def _launch(jax_cache, *args, timeout=400):
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=jax_cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, LAUNCH, *args], cwd=ROOT, env=env, timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def test_two_processes_train_like_one_including_save_and_restore(jax_cache, tmp_path):
+    from boost_jax.mesh import mesh_from_config
+    from boost_jax.train.checkpoint import Checkpointer
+    from boost_jax.train.loop import run
+    from boost_jax.train.step import build_step
+
+    one = str(tmp_path / "one")
+    cfg_one = load_config(None, RUN + ["logging.progress=false", f"out_dir={one}"])
+    run(cfg_one)  # 1 process x 8 devices (this test process)
+
+    two = str(tmp_path / "two")
+    args = ["-n", "2", "--cpu-devices-per-process", "4", "--", *RUN, f"out_dir={two}"]
+    first = _launch(jax_cache, *args, "train.stop_after=5")  # steps 1-5, collective save of 5
+    assert first.returncode == 0, first.stdout + first.stderr
+    state_dir = os.path.join(two, "checkpoints", "5", "state")
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(os.listdir(state_dir))
+    second = _launch(jax_cache, *args)  # collective restore of 5, steps 6-10, save of 10
+    assert second.returncode == 0, second.stdout + second.stderr
+    out = second.stdout
+    assert "[rank 0] resumed from step 5" in out and "[rank 0] 2 processes x 4 devices" in out
+    assert "[rank 0] step 10/10 | loss" in out
+    assert "[rank 1] step" not in out and "[rank 1] resumed" not in out  # logs: process 0 only
+
+    a, b = _rows(one), _rows(two)
+    assert [r["step"] for r in b if "loss" in r] == list(range(1, 11))  # one writer, no repeats
+    for key in ("loss", "val_loss"):
+        ra = {r["step"]: r[key] for r in a if key in r}
+        rb = {r["step"]: r[key] for r in b if key in r}
+        assert sorted(ra) == sorted(rb)
+        np.testing.assert_allclose([rb[s] for s in sorted(ra)], [ra[s] for s in sorted(ra)],
+                                   rtol=1e-5)
+
+    # the 2-process checkpoint holds the same weights, restorable on the 1-process mesh
+    bundle = build_step(cfg_one, mesh_from_config(cfg_one))
+    got = Checkpointer(os.path.join(two, "checkpoints"), cfg_one.checkpoint).restore(
+        10, bundle.abstract_state)[0]
+    want = Checkpointer(os.path.join(one, "checkpoints"), cfg_one.checkpoint).restore(
+        10, bundle.abstract_state)[0]
+    import jax
+
+    for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5)
+
+
+def test_launcher_kills_the_others_when_one_process_dies(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, time
+        rank = int(os.environ["JAX_PROCESS_ID"])
+        print(f"hello from {rank} of {os.environ['JAX_NUM_PROCESSES']} "
+              f"via {os.environ['JAX_COORDINATOR_ADDRESS']} {sys.argv[1:]}", flush=True)
+        if rank == 1:
+            sys.exit(3)
+        time.sleep(120)
+    """))
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, LAUNCH, "-n", "3", "--script", str(script), "--", "a=1"],
+                       capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t0 < 30  # did not wait for the sleepers
+    assert r.returncode == 3, r.stdout + r.stderr
+    for rank in range(3):
+        assert f"[rank {rank}] hello from {rank} of 3 via 127.0.0.1:" in r.stdout
+    assert "['a=1']" in r.stdout
+    assert "rank 1 exited with code 3; killing ranks [0, 2]" in r.stdout
+
+
+def test_launcher_succeeds_when_all_succeed(tmp_path):
+    script = tmp_path / "ok.py"
+    script.write_text("import os; print('rank', os.environ['JAX_PROCESS_ID'])\n")
+    r = subprocess.run([sys.executable, LAUNCH, "-n", "2", "--script", str(script), "--", "x=1"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "[rank 0] rank 0" in r.stdout and "[rank 1] rank 1" in r.stdout
+
+
+# --------------------------------------------------------------------------- who starts JAX
+
+
+def _cfg(*overrides):
+    return load_config(None, list(overrides))
+
+
+def test_resolve_single_process_by_default():
+    assert resolve(_cfg(), {}) is None
+    assert resolve(_cfg(), {"SLURM_NTASKS": "1", "OMPI_COMM_WORLD_SIZE": "1"}) is None
+    assert resolve(_cfg("distributed.mode='off'"), {"SLURM_NTASKS": "8"}) is None
+
+
+def test_resolve_launcher_environment():
+    env = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2",
+           "JAX_PROCESS_ID": "1"}
+    assert resolve(_cfg(), env) == Launch("127.0.0.1:1234", 2, 1, "env")
+    with pytest.raises(UserError, match="not all of JAX_COORDINATOR_ADDRESS"):
+        resolve(_cfg(), {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"})
+    with pytest.raises(UserError, match=r"process_id=2 \(env\) must be in 0..1"):
+        resolve(_cfg(), dict(env, JAX_PROCESS_ID="2"))
+
+
+def test_resolve_slurm_and_openmpi():
+    assert resolve(_cfg(), {"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_ID": "7"}) == \
+        Launch(None, None, None, "slurm")  # JAX's SLURM detection finds the coordinator
+    assert resolve(_cfg("distributed.coordinator=node0:999"),
+                   {"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}) == Launch("node0:999", 4, 2, "slurm")
+    assert resolve(_cfg(), {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
+                            "JAX_COORDINATOR_ADDRESS": "h:5"}) == Launch("h:5", 2, 1, "openmpi")
+    assert resolve(_cfg(), {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_MCA_orte_hnp_uri": "x"}) == \
+        Launch(None, None, None, "openmpi")
+    with pytest.raises(UserError, match="Open MPI started 2 processes but no coordinator"):
+        resolve(_cfg(), {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"})
+
+
+def test_resolve_explicit_config():
+    cfg = _cfg("distributed.mode=explicit", "distributed.coordinator=10.0.0.1:1234",
+               "distributed.num_processes=4", "distributed.process_id=3")
+    assert resolve(cfg, {}) == Launch("10.0.0.1:1234", 4, 3, "config")
+    with pytest.raises(UserError, match="needs distributed.coordinator, distributed.process_id"):
+        resolve(_cfg("distributed.mode=explicit", "distributed.num_processes=2"), {})
+    with pytest.raises(UserError, match="must look like HOST:PORT"):
+        resolve(_cfg("distributed.mode=explicit", "distributed.coordinator=nohost",
+                     "distributed.num_processes=2", "distributed.process_id=0"), {})
+    # the rank may come from the launcher's environment
+    cfg = _cfg("distributed.mode=explicit", "distributed.coordinator=h:1",
+               "distributed.num_processes=2")
+    assert resolve(cfg, {"JAX_PROCESS_ID": "1"}) == Launch("h:1", 2, 1, "config")
