@@ -1,31 +1,215 @@
 """Checkpoints with orbax: train state, data-iterator state and run metadata, saved together.
 
 Restoring into abstract arrays that carry shardings reshards on the fly, so a checkpoint written
-under one plan or mesh shape restores under another.
+under one plan, mesh shape or process count restores under another. With several processes
+every process calls save/restore (orbax writes and reads each process's shards and finalises
+the step from process 0 once all are done).
+
+Crash safety:
+
+* orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>`` only
+  when every item of every process is written, so a process killed mid-save (SIGKILL, node
+  loss) leaves a tmp directory and never a half-written ``<step>``. Such leftovers are reported
+  when the next run opens the directory and then removed; the run resumes from the last
+  finalised step.
+* Every save records a digest of the state (per-array sum and absolute sum) in the step's
+  metadata, and refuses to write a state with a non-finite value. A restore re-computes the
+  digest; a step that cannot be read or does not match (corrupted files) is reported, moved to
+  ``checkpoints_unusable/`` next to the checkpoint directory (nothing is deleted) and the
+  previous step is tried.
+* A save that fails (disk full, permission denied, …) raises :class:`CheckpointSaveError`
+  naming the step, the reason and the earlier checkpoints, which stay intact (orbax prunes
+  old steps only after a save has finalised). Async saves report their failure at the next
+  save or at close. The failed step's tmp directory is removed by the next start.
 """
 
 from __future__ import annotations
 
+import logging
 import os
-from typing import Any, Optional
+import shutil
+import time
+from typing import Any, Callable, Optional
 
+import numpy as np
 import orbax.checkpoint as ocp
 
 from boost_jax.config import CheckpointConfig
 from boost_jax.errors import UserError
 
+TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step still being written
+UNUSABLE_DIR = "checkpoints_unusable"
+
+
+class CheckpointSaveError(UserError):
+    """A checkpoint could not be written; the earlier ones are intact."""
+
+
+class NonFiniteStateError(UserError):
+    """The state holds NaN/inf: it is never written."""
+
+
+def _reason(e: BaseException) -> str:
+    """One line for an exception, preferring the OS error at its root (disk full, permission)."""
+    seen, cur = set(), e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.strerror:
+            where = f": {cur.filename}" if cur.filename else ""
+            return f"{cur.strerror}{where}"
+        cur = cur.__cause__ or cur.__context__
+    text = str(e).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > 160:
+        first = first[:157] + "..."
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+class _ShortOrbaxErrors(logging.Filter):
+    """orbax logs a full traceback from its background thread when a save fails; the run reports
+    the failure itself in one line, so keep orbax's record to its message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" in (record.pathname or "") and record.exc_info:
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+_FILTER = _ShortOrbaxErrors()
+logging.getLogger("absl").addFilter(_FILTER)
+
+
+def _silence_closed_loop_callbacks() -> None:
+    """After a failed read, tensorstore completes the reads still in flight and calls back into
+    orbax's asyncio loop, which is closed by then; each callback prints a 'RuntimeError: Event
+    loop is closed' traceback. They mean nothing (the failure is reported once, by us), so drop
+    exactly those and pass every other exception to the previous hooks."""
+    import sys
+
+    if getattr(sys.excepthook, "_boost_jax", False):
+        return
+
+    def closed_loop(exc) -> bool:
+        return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
+
+    prev_except, prev_unraisable = sys.excepthook, sys.unraisablehook
+
+    def excepthook(tp, value, tb):
+        if not closed_loop(value):
+            prev_except(tp, value, tb)
+
+    def unraisablehook(info):
+        if not closed_loop(info.exc_value):
+            prev_unraisable(info)
+
+    excepthook._boost_jax = True
+    sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
+
+
+# --------------------------------------------------------------------------- digest
+
+
+_DIGEST_FNS: dict = {}
+
+
+def state_digest(state: Any) -> np.ndarray:
+    """[n_arrays, 2] float64: each array's sum and sum of absolute values (float32 on device).
+
+    Cheap (one reduction per array), identical on every process, and finite exactly when the
+    state holds no NaN/inf (barring float32 overflow of the sums).
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    leaves, treedef = jax.tree.flatten(state)
+    key = (treedef, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves))
+    fn = _DIGEST_FNS.get(key)
+    if fn is None:
+        mesh = next((x.sharding.mesh for x in leaves if hasattr(getattr(x, "sharding", None),
+                                                                "mesh")), None)
+
+        def digest(xs):
+            rows = [jnp.stack([jnp.sum(x.astype(jnp.float32)),
+                               jnp.sum(jnp.abs(x.astype(jnp.float32)))]) for x in xs]
+            return jnp.stack(rows)
+
+        out = NamedSharding(mesh, P()) if mesh is not None else None
+        fn = jax.jit(digest, out_shardings=out)
+        if len(_DIGEST_FNS) > 8:
+            _DIGEST_FNS.clear()
+        _DIGEST_FNS[key] = fn
+    return np.asarray(fn(leaves), dtype=np.float64)
+
+
+def digest_mismatch(got: np.ndarray, want) -> Optional[str]:
+    """None if `got` matches the saved digest `want` (up to float32 reduction order)."""
+    want = np.asarray(want, dtype=np.float64)
+    if want.shape != got.shape:
+        return f"it holds {got.shape[0]} arrays, its metadata {want.shape[0]}"
+    scale = np.abs(want[:, 1]) + 1e-6
+    err = np.abs(got - want).max(axis=1) / scale
+    bad = np.flatnonzero(~(err <= 1e-3))
+    if bad.size:
+        return f"array {int(bad[0])} of the state does not match the digest saved with it"
+    return None
+
+
+# --------------------------------------------------------------------------- the checkpointer
+
 
 class Checkpointer:
-    def __init__(self, directory: str, cfg: CheckpointConfig):
+    def __init__(self, directory: str, cfg: CheckpointConfig,
+                 warn: Optional[Callable[[str], None]] = None):
+        import jax
+
         self.directory = os.path.abspath(directory)
+        self.async_save = cfg.async_save
+        self._warn = warn or (lambda msg: None)
+        self._primary = jax.process_index() == 0
+        self._nproc = jax.process_count()
+        self._pending: Optional[int] = None  # step of the save still running in the background
+        self._failed = False
+        self.interrupted = self._interrupted_saves()
+        for step, name in self.interrupted:
+            self._warn(f"checkpoint step {step} in {self.directory} is incomplete (its save was "
+                       f"interrupted: {name} was never finalised); ignoring and removing it")
+            if self._primary:  # now, not lazily at the first save as orbax would
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+        if self.interrupted and self._nproc > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("boost_jax:checkpoint_tmp_removed")
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True)
+            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
+            cleanup_tmp_directories=True)
         try:
             self.mngr = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "data", "meta"))
-        except PermissionError as e:
-            raise UserError(f"cannot create checkpoint directory {self.directory!r} ({e.strerror}); "
+        except OSError as e:
+            raise UserError(f"cannot use checkpoint directory {self.directory!r} ({_reason(e)}); "
                             "choose a writable out_dir") from None
+
+    # ------------------------------------------------------------------ listing
+
+    def _interrupted_saves(self) -> list[tuple[Optional[int], str]]:
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return []
+        out = []
+        for name in sorted(names):
+            if TMP_MARK in name:
+                head = name.split(TMP_MARK)[0].split("_")[-1]
+                out.append((int(head) if head.isdigit() else None, name))
+        return out
+
+    def steps_on_disk(self) -> list[int]:
+        """Finalised step directories present now (independent of orbax's cached list)."""
+        try:
+            return sorted(int(n) for n in os.listdir(self.directory) if n.isdigit())
+        except OSError:
+            return []
 
     def latest_step(self) -> Optional[int]:
         return self.mngr.latest_step()
@@ -33,10 +217,47 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self.mngr.all_steps())
 
+    # ------------------------------------------------------------------ saving
+
     def save(self, step: int, state: Any, data_state: dict, meta: dict, force: bool = False) -> bool:
-        return self.mngr.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
-            meta=ocp.args.JsonSave(meta)), force=force)
+        digest = state_digest(state)
+        if not np.isfinite(digest).all():
+            raise NonFiniteStateError(
+                f"the state at step {step} holds non-finite values; not writing checkpoint step "
+                f"{step} (the earlier ones in {self.directory} are intact)")
+        self._wait()  # a failed background save surfaces here, before starting another
+        meta = dict(meta, digest=digest.tolist())
+        try:
+            saved = self.mngr.save(step, args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
+                meta=ocp.args.JsonSave(meta)), force=force)
+        except Exception as e:  # noqa: BLE001 - orbax wraps OS errors in several types
+            self._save_failed(step, e)
+        if saved and self.async_save:
+            self._pending = step
+        return saved
+
+    def _wait(self) -> None:
+        try:
+            self.mngr.wait_until_finished()
+        except Exception as e:  # noqa: BLE001
+            step, self._pending = self._pending, None
+            self._save_failed(step, e)
+        self._pending = None
+
+    def _save_failed(self, step: Optional[int], e: BaseException) -> None:
+        # The partial step stays in its tmp directory (writes of other arrays may still be in
+        # flight); the next start reports and removes it. Finalised steps are never touched.
+        self._failed = True
+        intact = [s for s in self.steps_on_disk() if s != step]
+        what = f"step {step}" if step is not None else "a step"
+        keep = (f"the earlier checkpoints (steps {', '.join(map(str, intact))}) in {self.directory} "
+                f"are intact; fix the cause (disk space, permissions) and rerun the same command to "
+                f"resume from step {intact[-1]}" if intact else
+                "no earlier checkpoint exists; fix the cause (disk space, permissions) and rerun")
+        raise CheckpointSaveError(f"saving checkpoint {what} failed ({_reason(e)}); {keep}") from None
+
+    # ------------------------------------------------------------------ restoring
 
     def restore(self, step: int, abstract_state: Any):
         out = self.mngr.restore(step, args=ocp.args.Composite(
@@ -47,9 +268,94 @@ class Checkpointer:
     def restore_meta(self, step: int) -> dict:
         return self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
+    def _agree(self, ok: bool) -> bool:
+        """True only if every process says ok (processes must take the same fallback)."""
+        if self._nproc == 1:
+            return ok
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.array([int(ok)], np.int32))
+        return bool(np.min(flags))
+
+    def restore_latest(self, abstract_state: Any,
+                       check_meta: Callable[[int, dict], None] = lambda step, meta: None):
+        """(step, state, data_state, meta) of the newest usable checkpoint, or None if none exist.
+
+        `check_meta(step, meta)` may raise a UserError (e.g. a different model): that stops the
+        run (nothing is moved). Unreadable or corrupted steps are reported, moved aside and the
+        previous one tried; if no step is usable a UserError lists them and nothing is moved.
+        """
+        bad: list[tuple[int, str]] = []
+        found = None
+        for step in sorted(self.all_steps(), reverse=True):
+            meta, err = None, None
+            try:
+                meta = self.restore_meta(step)
+            except Exception as e:  # noqa: BLE001
+                err = f"its metadata cannot be read: {_reason(e)}"
+            if not self._agree(err is None):
+                bad.append((step, err or "another process could not read its metadata"))
+                continue
+            check_meta(step, meta)
+            try:
+                state, data, meta = self.restore(step, abstract_state)
+                if "digest" in meta:
+                    err = digest_mismatch(state_digest(state), meta["digest"])
+            except Exception as e:  # noqa: BLE001
+                _silence_closed_loop_callbacks()
+                state, err = None, f"it cannot be read: {_reason(e)}"
+            if not self._agree(err is None):
+                bad.append((step, err or "another process could not read it"))
+                del state
+                continue
+            found = (step, state, data, meta)
+            break
+        if bad and found is None:
+            listing = "; ".join(f"step {s}: {why}" for s, why in bad)
+            raise UserError(f"no usable checkpoint in {self.directory} ({listing}); move those "
+                            "steps away to start over, or use another out_dir")
+        if bad:
+            self._set_aside(bad, found[0])
+        return found
+
+    def _set_aside(self, bad: list[tuple[int, str]], good: int) -> None:
+        dest_root = os.path.join(os.path.dirname(self.directory), UNUSABLE_DIR)
+        moved = {}
+        for step, _ in bad:
+            dest = os.path.join(dest_root, str(step))
+            if os.path.exists(dest):
+                dest = f"{dest}-{int(time.time())}"
+            moved[step] = dest
+            if self._primary:
+                os.makedirs(dest_root, exist_ok=True)
+                shutil.move(os.path.join(self.directory, str(step)), dest)
+        if self._nproc > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices("boost_jax:checkpoints_set_aside")
+        self.mngr.reload()
+        for step, why in bad:
+            self._warn(f"checkpoint step {step} in {self.directory} is unusable ({why}); moved it "
+                       f"to {moved[step]} and falling back to step {good}")
+
+    # ------------------------------------------------------------------ shutdown
+
     def wait(self) -> None:
-        self.mngr.wait_until_finished()
+        self._wait()
 
     def close(self) -> None:
-        self.mngr.wait_until_finished()
+        self._wait()
         self.mngr.close()
+
+    def abandon(self) -> None:
+        """On an error elsewhere: let a running save finish (it is valid) but raise nothing."""
+        if not self._failed:
+            try:
+                self.mngr.wait_until_finished()
+            except Exception as e:  # noqa: BLE001
+                self._warn(f"the checkpoint save of step {self._pending} failed as well "
+                           f"({_reason(e)})")
+        try:
+            self.mngr.close()
+        except Exception:  # noqa: BLE001
+            pass

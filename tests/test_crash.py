@@ -1,0 +1,374 @@
+"""Crash safety: SIGKILL mid-step and mid-save, SIGTERM, corrupted checkpoints, NaN, failed saves.
+
+The reference is one uninterrupted in-process run on 8 simulated devices; interrupted runs are
+train.py subprocesses on the same 8-device mesh (the same compiled programs, so the losses of a
+correctly resumed run match the reference exactly). Subprocesses share a persistent JAX
+compilation cache so only the first one pays for compiling.
+"""
+
+import errno
+import glob
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from boost_jax.config import load_config
+from boost_jax.errors import UserError
+from boost_jax.train.checkpoint import TMP_MARK, CheckpointSaveError, UNUSABLE_DIR
+from boost_jax.train.loop import NonFiniteError, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
+        "model.rank=8", "model.max_seq_len=32", "data.seq_len=32", "data.max_bytes=300000",
+        "train.global_batch=8", "train.eval_batches=2", "train.log_every=1",
+        "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
+        "optim.lr=0.01", "optim.warmup_frac=0.1"]
+STEPS = 12
+RUN = TINY + [f"train.steps={STEPS}", "train.eval_every=6", "checkpoint.every=3",
+              "checkpoint.keep=3"]
+
+
+def _losses(out_dir):
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert len(steps) == len(set(steps)), f"duplicate metric rows: {steps}"
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def _steps(out_dir):
+    d = os.path.join(out_dir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def jax_cache(tmp_path_factory):
+    """A persistent compilation cache for this module's runs, in-process and subprocess alike:
+    the same tiny programs are compiled once instead of once per run. Restored afterwards."""
+    import jax
+    from jax._src import compilation_cache
+
+    path = str(tmp_path_factory.mktemp("jax_cache"))
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    old = {k: getattr(jax.config, k) for k in keys}
+    for k, v in zip(keys, (path, 0.0, -1)):
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+    yield path
+    for k, v in old.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("reference"))
+    run(load_config(None, RUN + [f"out_dir={out}"]))
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    return out, losses
+
+
+@pytest.fixture(scope="module")
+def env(jax_cache):
+    e = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+             JAX_COMPILATION_CACHE_DIR=jax_cache,
+             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    e.pop("XLA_FLAGS", None)
+    return e
+
+
+class Train:
+    """train.py in a subprocess, output to files (no pipe to fill up)."""
+
+    def __init__(self, out_dir, env, *extra):
+        self.out_dir = str(out_dir)
+        os.makedirs(self.out_dir, exist_ok=True)
+        n = len(glob.glob(os.path.join(self.out_dir, "..", "proc*.log")))
+        self.log = os.path.join(os.path.dirname(self.out_dir), f"proc{n}.log")
+        self._f = open(self.log, "w")
+        self.t0 = time.time_ns()
+        self.p = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "train.py"), "--cpu-devices", "8", *RUN,
+             f"out_dir={self.out_dir}", *extra], cwd=ROOT, env=env, stdout=self._f,
+            stderr=subprocess.STDOUT)
+
+    def wait(self, timeout=240):
+        try:
+            code = self.p.wait(timeout)
+        finally:
+            if self.p.poll() is None:
+                self.p.kill()
+            self._f.close()
+        return code
+
+    def kill(self):
+        self.p.kill()
+        return self.wait()
+
+    @property
+    def output(self):
+        return open(self.log).read()
+
+    def until_trained(self, step, timeout=240):
+        """Wait until this process itself logged `step` (rows of earlier runs do not count)."""
+        path = os.path.join(self.out_dir, "metrics.jsonl")
+        self.until(lambda: os.path.exists(path) and os.stat(path).st_mtime_ns > self.t0
+                   and self.trained_to() >= step, timeout, poll=0.01)
+
+    def trained_to(self):
+        """Highest step in metrics.jsonl (rows are flushed as they are logged)."""
+        path = os.path.join(self.out_dir, "metrics.jsonl")
+        if not os.path.exists(path):
+            return 0
+        steps = [0]
+        for line in open(path):
+            try:
+                steps.append(json.loads(line).get("step", 0))
+            except ValueError:
+                pass
+        return max(steps)
+
+    def until(self, cond, timeout=240, poll=0.002):
+        t0 = time.monotonic()
+        while not cond():
+            if self.p.poll() is not None:
+                raise AssertionError(f"train.py exited ({self.p.returncode}) early:\n{self.output}")
+            if time.monotonic() - t0 > timeout:
+                raise AssertionError(f"timed out waiting:\n{self.output}")
+            time.sleep(poll)
+
+
+def _tmp_dirs(out_dir):
+    d = os.path.join(out_dir, "checkpoints")
+    return sorted(n for n in os.listdir(d) if TMP_MARK in n) if os.path.isdir(d) else []
+
+
+def test_sigkill_mid_save_and_mid_step_resumes_with_identical_losses(reference, env, tmp_path):
+    _, ref = reference
+    out = tmp_path / "run"
+    rng = random.Random(1234)
+    killed_mid_save = False
+
+    # 1. SIGKILL while a checkpoint is being written: the moment orbax's tmp directory exists.
+    for attempt in range(2):
+        t = Train(out, env)
+        t.until(lambda: _tmp_dirs(out), poll=0.001)
+        t.kill()
+        if _tmp_dirs(out):
+            killed_mid_save = True
+            break
+    assert killed_mid_save, "never caught a save in progress"
+    left = _tmp_dirs(out)
+    finalised = _steps(out)
+
+    # 2. Resume; SIGKILL again at a random moment once it trained a step past its checkpoint
+    #    (mid-step, between steps, or during the next async save).
+    t = Train(out, env)
+    t.until_trained(max(finalised, default=0) + 1 + rng.randrange(3))
+    time.sleep(rng.uniform(0.0, 0.3))
+    t.kill()
+    assert f"checkpoint step {left[0].split('.')[0]} in" in t.output
+    assert "is incomplete (its save was interrupted" in t.output
+
+    # 3. Resume and finish: every step's loss equals the uninterrupted run's.
+    t = Train(out, env)
+    assert t.wait() == 0, t.output
+    losses = _losses(out)
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([losses[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)],
+                               rtol=1e-6)
+    assert _steps(out)[-1] == STEPS and not _tmp_dirs(out)
+
+
+def test_sigterm_saves_a_checkpoint_then_exits(env, tmp_path):
+    out = tmp_path / "run"
+    t = Train(out, env, "checkpoint.every=100")  # only the signal makes a checkpoint
+    t.until_trained(2)
+    t.p.send_signal(signal.SIGTERM)
+    code = t.wait()
+    assert code == 128 + signal.SIGTERM, t.output
+    saved = _steps(out)
+    assert len(saved) == 1 and 2 <= saved[0] < STEPS
+    assert f"signal {int(signal.SIGTERM)}: saved step {saved[0]}, exiting" in t.output
+    meta = json.load(open(os.path.join(out, "checkpoints", str(saved[0]), "data", "metadata")))
+    assert meta == {"next_index": saved[0]}  # the data position saved with the weights
+
+
+def _corrupt_arrays(step_dir):
+    """Truncate every array data file of a finalised checkpoint (what a bad disk or an
+    interrupted copy leaves)."""
+    files = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(step_dir, "state"))
+             for f in fs if os.sep + "d" + os.sep in os.path.join(d, f)]
+    assert files
+    for p in files:
+        data = open(p, "rb").read()
+        open(p, "wb").write(data[: len(data) // 2])
+
+
+def _tamper_digest(step_dir):
+    """Change the recorded digest: what silently wrong array bytes would look like."""
+    path = os.path.join(step_dir, "meta", "metadata")
+    meta = json.load(open(path))
+    meta["digest"][3][0] += 1.0
+    json.dump(meta, open(path, "w"))
+
+
+def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(reference, tmp_path, capfd):
+    ref_dir, ref = reference
+    out = str(tmp_path / "run")
+    shutil.copytree(ref_dir, out)
+    assert _steps(out) == [6, 9, 12]
+    _corrupt_arrays(os.path.join(out, "checkpoints", "12"))
+    _tamper_digest(os.path.join(out, "checkpoints", "9"))
+    capfd.readouterr()
+    summary = run(load_config(None, RUN + [f"out_dir={out}"]))
+    err = capfd.readouterr().err
+    assert summary["start_step"] == 6
+    assert "warning: checkpoint step 12 in" in err and "is unusable (it cannot be read" in err
+    assert "warning: checkpoint step 9 in" in err and "does not match the digest" in err
+    assert "falling back to step 6" in err
+    # set aside, not deleted; training redid 7..12 with the reference's losses and saved anew
+    assert sorted(os.listdir(os.path.join(out, UNUSABLE_DIR))) == ["12", "9"]
+    assert _steps(out) == [6, 9, 12]
+    losses = _losses(out)
+    np.testing.assert_allclose([losses[s] for s in range(1, 13)], [ref[s] for s in range(1, 13)],
+                               rtol=1e-6)
+
+
+def test_no_usable_checkpoint_is_an_error_that_moves_nothing(reference, tmp_path):
+    ref_dir, _ = reference
+    out = str(tmp_path / "run")
+    shutil.copytree(os.path.join(ref_dir, "checkpoints"), os.path.join(out, "checkpoints"))
+    for s in (6, 9, 12):
+        _tamper_digest(os.path.join(out, "checkpoints", str(s)))
+    with pytest.raises(UserError, match=r"no usable checkpoint in .*step 12: .*step 6: "):
+        run(load_config(None, RUN + [f"out_dir={out}"]))
+    assert _steps(out) == [6, 9, 12] and not os.path.exists(os.path.join(out, UNUSABLE_DIR))
+
+
+# --------------------------------------------------------------------------- NaN injection
+
+
+@pytest.fixture
+def nan_at_step(monkeypatch):
+    """Make the loss of one chosen step non-finite, through the real step and loss path.
+
+    The data iterator marks that step's batch (a -1 in inputs[0, 0]); the loss function (patched
+    in boost_jax.train.step) multiplies the real loss by NaN when it sees the mark, so the loss
+    and every gradient are NaN exactly for that batch.
+    """
+    import jax.numpy as jnp
+
+    import boost_jax.data as data_mod
+    import boost_jax.train.step as step_mod
+
+    real_loss_fn = step_mod.build_loss_fn
+
+    def poisoned_loss_fn(*args, **kwargs):
+        loss_fn = real_loss_fn(*args, **kwargs)
+
+        def fn(params, batch, *rest, **kw):
+            mark = batch["inputs"] < 0
+            clean = {k: jnp.maximum(v, 0) for k, v in batch.items()}
+            return loss_fn(params, clean, *rest, **kw) * jnp.where(jnp.any(mark), jnp.nan, 1.0)
+
+        return fn
+
+    class MarkedIter:
+        def __init__(self, it, step):
+            self.it, self.step = it, step
+
+        def __next__(self):
+            batch = next(self.it)
+            if self.it.get_state()["next_index"] == self.step:
+                batch = {k: np.array(v) for k, v in batch.items()}
+                batch["inputs"][0, 0] = -1
+            return batch
+
+        def get_state(self):
+            return self.it.get_state()
+
+        def set_state(self, state):
+            self.it.set_state(state)
+
+    real_build_data = data_mod.build_data
+    chosen = {}
+
+    def build_data(*a, **k):
+        d = real_build_data(*a, **k)
+        d.train_iter = MarkedIter(d.train_iter, chosen["step"])
+        return d
+
+    monkeypatch.setattr(step_mod, "build_loss_fn", poisoned_loss_fn)
+    monkeypatch.setattr(data_mod, "build_data", build_data)
+    return lambda step: chosen.update(step=step)
+
+
+def test_nan_loss_stops_the_run_naming_the_step_and_writes_no_bad_checkpoint(nan_at_step,
+                                                                             tmp_path):
+    nan_at_step(5)
+    out = str(tmp_path / "run")
+    cfg = load_config(None, RUN + [f"out_dir={out}", "train.log_every=4", "checkpoint.every=2"])
+    with pytest.raises(NonFiniteError, match=r"non-finite loss or gradient at step 5;"):
+        run(cfg)
+    # the check runs before every save: step 6's checkpoint (after the NaN) is never written
+    assert _steps(out) == [2, 4]
+    meta = json.load(open(os.path.join(out, "checkpoints", "4", "meta", "metadata")))
+    assert np.isfinite(meta["digest"]).all()
+
+
+def test_skip_nonfinite_skips_the_update_and_carries_on(nan_at_step, reference, tmp_path):
+    _, ref = reference
+    nan_at_step(5)
+    out = str(tmp_path / "run")
+    summary = run(load_config(None, RUN + [f"out_dir={out}", "train.skip_nonfinite=true"]))
+    assert summary["final_step"] == STEPS
+    losses = _losses(out)
+    assert losses[5] == "nan"
+    np.testing.assert_allclose([losses[s] for s in range(1, 5)], [ref[s] for s in range(1, 5)],
+                               rtol=1e-6)
+    assert all(np.isfinite(losses[s]) for s in range(6, STEPS + 1))
+    assert _steps(out)[-1] == STEPS
+
+
+# --------------------------------------------------------------------------- failed save
+
+
+def test_failed_save_keeps_earlier_checkpoints_and_says_so(reference, monkeypatch, tmp_path):
+    """The disk fills up while step 9 is being written (after its arrays, at a metadata file)."""
+    from etils import epath
+
+    _, ref = reference
+    out = str(tmp_path / "run")
+    real_write = epath.Path.write_text
+
+    def write_text(self, *a, **k):
+        if f"{os.sep}9{TMP_MARK}" in str(self):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_write(self, *a, **k)
+
+    monkeypatch.setattr(epath.Path, "write_text", write_text)
+    with pytest.raises(CheckpointSaveError) as e:
+        run(load_config(None, RUN + [f"out_dir={out}"]))
+    msg = str(e.value)
+    assert msg.startswith("saving checkpoint step 9 failed (No space left on device")
+    assert "the earlier checkpoints (steps 3, 6) in" in msg and "resume from step 6" in msg
+    assert _steps(out) == [3, 6] and _tmp_dirs(out) == [f"9{TMP_MARK}"]
+
+    monkeypatch.setattr(epath.Path, "write_text", real_write)  # space freed: resume works
+    summary = run(load_config(None, RUN + [f"out_dir={out}", "train.stop_after=3"]))
+    assert not _tmp_dirs(out)  # the partial step 9 was removed at start, then saved properly
+    assert summary["start_step"] == 6 and summary["final_step"] == 9
+    losses = _losses(out)
+    np.testing.assert_allclose([losses[s] for s in range(1, 10)], [ref[s] for s in range(1, 10)],
+                               rtol=1e-6)
