@@ -269,3 +269,23 @@ def test_checkpoint_restores_under_another_plan_and_mesh(runs):
         assert not a[tuple(slice(n, None) if i == lay.dim else slice(None)
                            for i, n in enumerate(lay.shape))].any()  # the padding is zero
     assert n_padded > 0
+
+
+def test_tensor_parallel_axes_are_left_out_of_the_plan(mesh):
+    """hierarchical + BTP over `pair`: weights replicated over DP, grads over node, optimizer
+    state over node+global, TP specs kept — and the same losses as plain ddp."""
+    tp_ok = ["model.vocab_size=256", "model.d_model=32", "model.rank=8", "model.d_ff=64"]
+    fast = fast_compile_options()
+    ref = build_step(_cfg(*tp_ok), mesh, fast)
+    init = jax.device_get(ref.init_state())
+    _, want = _run(ref, jax.device_put(init, ref.state_shardings), 3)
+    b = build_step(_cfg(*tp_ok, "parallel.plan=hierarchical", "parallel.tp_mode=btp",
+                        "parallel.tp_axes=[pair]"), mesh, fast)
+    pl = b.placement
+    assert (pl.params_axes, pl.grads_axes, pl.opt_state_axes) == ((), ("node",),
+                                                                 ("node", "global"))
+    assert pl.notes and "every micro-batch" in pl.notes[0]
+    spec = b.abstract_state["opt_state"][0].mu["blocks"]["mlp"]["up"]["b"].sharding.spec
+    assert "pair" in str(spec) and "global" in str(spec)
+    _, got = _run(b, jax.device_put(_pad_state(b, init), b.state_shardings), 3)
+    np.testing.assert_allclose(got, want, rtol=1e-5)

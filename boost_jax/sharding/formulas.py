@@ -190,6 +190,9 @@ def comm_per_step(pl, micro_batches: int, terms: bool = False) -> dict:
             if lay.dim is None and inner:
                 add(name + " grad", "AR", inner, psi * c, k)
         n_g = _n(mesh, G) if lay.dim is not None else 1
+        undeferred = tuple(x for x in pl.batch_axes if x not in G and x not in R)
+        if lay.dim is not None:  # (TP only) batch axes reduced every micro-batch, not deferred
+            add(name + " grad(all batch)", "AR", undeferred, psi * c / n_g, k)
         S2 = tuple(x for x in R if x not in O)
         S1 = tuple(x for x in R if x in O)
         add(name + " reduce(R-opt)", "AR", S2, psi * a / n_g)

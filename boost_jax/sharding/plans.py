@@ -343,6 +343,13 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
     r = resolve_roles(cfg)
     tp, dp = r["tp"], r["dp"]
     deferred = tuple(a for a in r["batch"] if a not in r["grads"])
+    notes = []
+    if tp and deferred:
+        # vmap(spmd_axis_name) over the TP shard_map is not supported by this JAX: with TP the
+        # gradients are reduced over every batch axis each micro-batch (no deferral)
+        notes.append(f"tensor parallelism: gradients are reduced over {list(deferred)} every "
+                     "micro-batch (deferred reduction needs tp_mode=none)")
+        deferred = ()
     roles = [r["params"], r["grads"], r["opt_state"]] + ([r["secondary"]] if r["secondary"] else [])
     order = order_axes(roles, dp)
     ordered = lambda axes: tuple(a for a in order if a in axes)  # noqa: E731
@@ -354,7 +361,7 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
         tp, None if r["secondary"] is None else ordered(r["secondary"]), r["sec_int8"], r["qwz"],
         par.quant_block, tuple(a for a in order if a in deferred),
         param_dtype=cfg.model.param_dtype,
-        grad_accum_dtype=getattr(par, "grad_accum_dtype", "float32"))
+        grad_accum_dtype=getattr(par, "grad_accum_dtype", "float32"), notes=notes)
     n_batch = axis_size(mesh, batch)
     micro = cfg.train.global_batch // cfg.train.micro_batches
     if micro % n_batch:
