@@ -19,8 +19,8 @@ latent_scale/g replicated.
 Online-RMSNorm (boost_jax.pallas.dispatch.online_rmsnorm_matmul, the code base's one
 implementation): RMSNorm(x)·A = ((x⊙γ)·A) / rms(x). Rank i normalises its shard locally,
 computes u_i = (x_i⊙γ_i)·A_i and s_i = Σ x_i² (fp32); ONE all-reduce carries [u_i, s_i] (fp32
-compute: one [b,s,n+1] buffer; bf16: a variadic all-reduce of the bf16 latent and the fp32
-statistic), then z = U·rsqrt(S/d + ε) — exactly RMSNorm followed by A.
+compute: one [b,s,n+1] buffer; bf16: the bf16 latent and the fp32 statistic, merged into one
+variadic all-reduce by XLA's combiner), then z = U·rsqrt(S/d + ε) — exactly RMSNorm followed by A.
 
 Communication per layer (elements; b·s tokens; t-way all-reduce ring bytes = 2(t-1)/t × payload):
     forward   4 all-reduces: b·s·(3r + 1 + r + 2r + 1 + r) = b·s·(7r + 2)  (the +2 are fp32 Σx²)
@@ -53,10 +53,10 @@ def norm_down(ctx: TPContext, x, gamma, w):
 
     x [b, s, d/t], gamma [d/t], w [d/t, n]. The Online-RMSNorm itself is
     boost_jax.pallas.dispatch.online_rmsnorm_matmul (Pallas kernel or its XLA twin per
-    parallel.kernels); we hand it the reduction: ONE variadic all-reduce carrying the partial
-    latent in the compute dtype and Σx² in fp32. The reduced payload is tagged for
-    remat="lowrank".
-    """
+    parallel.kernels); we hand it the reduction of the payload [u_i | s_i]: in fp32 ONE
+    all-reduce of the [b, s, n+1] buffer; in bf16 one psum of the bf16 latent and the fp32 Σx²
+    (two ops that XLA's combiner merges into one variadic all-reduce). The reduced values are
+    tagged for remat="lowrank"."""
     fp32 = jnp.dtype(ctx.dtype) == jnp.float32
 
     def reduce_fn(payload):  # [b, s, n+1] = [u_i | s_i], fp32

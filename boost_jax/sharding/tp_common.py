@@ -80,7 +80,8 @@ def _promote(ctx: TPContext, x):
 
 
 def psum(ctx: TPContext, x):
-    """All-reduce over the TP axes; a tuple/list is reduced by ONE variadic all-reduce.
+    """All-reduce over the TP axes (a pytree: JAX emits one all-reduce per array, which XLA's
+    all-reduce combiner — on by default on CPU and GPU — merges into one variadic op).
 
     On CPU, XLA promotes 16-bit all-reduces to fp32 anyway (AllReducePromotion) and crashes
     doing so inside a partial-auto shard_map (the reduction region holds a sharding
