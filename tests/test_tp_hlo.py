@@ -11,7 +11,6 @@ boost_jax/sharding/tensor_parallel.py (and tp_btp.py, tp_vanilla.py, tp_megatron
 import functools
 
 import jax
-import pytest
 
 from boost_jax.analysis import hlo as H
 from boost_jax.analysis.comm import analyze_compiled

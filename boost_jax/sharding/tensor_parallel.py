@@ -12,9 +12,12 @@ Three ways to cut a decoder block (cfg.parallel.tp_mode; t = TP degree, b·s tok
     vanilla   svd/cola/lax   7 AR, b·s·(5d + 2·d_ff)        7 AR, b·s·(6d + d_ff)
     btp       svd/cola/lax   4 AR, b·s·(7r + 2) (2 fp32)    4 AR, b·s·7r
 
-(MHA; AR = all-reduce over the TP group, ring bytes per device 2(t−1)/t × payload.) The
-derivations are in tp_megatron.py, tp_vanilla.py and tp_btp.py; embedding and head in
-tp_head.py. At 7B (d=4096, d_ff=11008, r=1024) vanilla/btp = 42496/7170 ≈ 5.93× forward and
+(MHA; AR = all-reduce over the TP group, ring bytes per device 2(t−1)/t × payload; LaX under
+vanilla adds a gather of each latent, see tp_vanilla.py.) Once per step, embedding + head
+(tp_head.py): forward AR b·s·d (vocab-parallel embedding; none for btp's d-sharded table) or
+AR b·s·d (btp's gather of h), AR b·s (max) and AR 2·b·s (sum-exp, gold) for the
+distributed softmax CE; backward AR b·s·d. The derivations are in tp_megatron.py,
+tp_vanilla.py and tp_btp.py. At 7B (d=4096, d_ff=11008, r=1024) vanilla/btp = 42496/7170 ≈ 5.93× forward and
 35584/7168 ≈ 4.96× backward; btp/megatron = 0.875× forward.
 
 The whole decoder runs inside ONE `jax.shard_map(..., axis_names=set(tp_axes),

@@ -16,11 +16,13 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.layers.attention import causal_attention
 from boost_jax.layers.model import RESIDUAL_NAME
 from boost_jax.layers.rope import apply_rope
+from boost_jax.pallas import dispatch
 
 # checkpoint_name of every TP-reduced latent (the outputs of the chunk-boundary all-reduces and
 # the Online-RMSNorm statistic); remat="lowrank" saves these plus the residual shard.
@@ -55,13 +57,9 @@ class TPContext:
 
 
 def make_context(cfg, mesh) -> TPContext:
-    import numpy as np
-
     m, par = cfg.model, cfg.parallel
     axes = tuple(par.tp_axes)
     t = int(np.prod([mesh.shape[a] for a in axes]))
-    from boost_jax.pallas import dispatch
-
     kernels = dispatch.resolve(par.kernels)
     return TPContext(
         mode=par.tp_mode, kind=m.arch, axes=axes, t=t, d=m.d_model, d_ff=m.d_ff, r=m.r,
