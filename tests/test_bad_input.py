@@ -36,7 +36,8 @@ ROWS = {
     "missing_config_file": (["--config", "{tmp}/nope.yaml"],
                             r"config file '.*/nope\.yaml' does not exist"),
     "invalid_yaml": (["--config", "{tmp}/broken.yaml"],
-                     r"config file '.*/broken\.yaml' is not valid YAML \(line \d+\); fix the syntax"),
+                     r"config file '.*/broken\.yaml' is not valid YAML \(line \d+\); "
+                     r"fix the syntax"),
     "tp_not_dividing_heads": (
         ["parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.n_heads=3",
          "model.d_model=48"],

@@ -60,18 +60,28 @@ def _reason(e: BaseException) -> str:
         cur = cur.__cause__ or cur.__context__
     text = str(e).strip().splitlines()
     first = text[0] if text else ""
+    for code, what in _STATUS.items():  # tensorstore reports OS errors as status codes
+        if code in first:
+            return f"{what}: {first[first.index(code):][:120]}"
     if len(first) > 160:
         first = first[:157] + "..."
     return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
+_STATUS = {"RESOURCE_EXHAUSTED": "no space left on device",
+           "PERMISSION_DENIED": "permission denied"}
+
+
 class _ShortOrbaxErrors(logging.Filter):
-    """orbax logs a full traceback from its background thread when a save fails; the run reports
-    the failure itself in one line, so keep orbax's record to its message."""
+    """orbax logs full tracebacks and multi-line messages from its background threads when a
+    save fails; the run reports the failure itself in one line, so keep orbax's records short."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if "orbax" in (record.pathname or "") and record.exc_info:
+        if "orbax" in (record.pathname or "") and record.levelno >= logging.WARNING:
             record.exc_info, record.exc_text = None, None
+            msg = record.getMessage().strip().splitlines()
+            msg = msg[0] if msg else ""
+            record.msg, record.args = (msg[:200] + "..." if len(msg) > 200 else msg), None
         return True
 
 
@@ -219,7 +229,8 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ saving
 
-    def save(self, step: int, state: Any, data_state: dict, meta: dict, force: bool = False) -> bool:
+    def save(self, step: int, state: Any, data_state: dict, meta: dict,
+             force: bool = False) -> bool:
         digest = state_digest(state)
         if not np.isfinite(digest).all():
             raise NonFiniteStateError(
@@ -251,11 +262,15 @@ class Checkpointer:
         self._failed = True
         intact = [s for s in self.steps_on_disk() if s != step]
         what = f"step {step}" if step is not None else "a step"
-        keep = (f"the earlier checkpoints (steps {', '.join(map(str, intact))}) in {self.directory} "
-                f"are intact; fix the cause (disk space, permissions) and rerun the same command to "
-                f"resume from step {intact[-1]}" if intact else
+        listed = (f"checkpoint (step {intact[0]})" if len(intact) == 1 else
+                  f"checkpoints (steps {', '.join(map(str, intact))})")
+        keep = (f"the earlier {listed} in {self.directory} "
+                f"{'is' if len(intact) == 1 else 'are'} intact; fix the cause (disk space, "
+                f"permissions) and rerun the same command to resume from step {intact[-1]}"
+                if intact else
                 "no earlier checkpoint exists; fix the cause (disk space, permissions) and rerun")
-        raise CheckpointSaveError(f"saving checkpoint {what} failed ({_reason(e)}); {keep}") from None
+        raise CheckpointSaveError(
+            f"saving checkpoint {what} failed ({_reason(e)}); {keep}") from None
 
     # ------------------------------------------------------------------ restoring
 

@@ -111,7 +111,8 @@ def resolve(cfg: Config, env: Optional[Mapping[str, str]] = None) -> Optional[La
         if "OMPI_MCA_orte_hnp_uri" in env:  # Open MPI 4: JAX finds the coordinator itself
             return Launch(None, None, None, "openmpi")
         raise UserError(f"Open MPI started {ompi_n} processes but no coordinator is known; set "
-                        "distributed.coordinator=HOST:PORT (rank 0's host) or JAX_COORDINATOR_ADDRESS")
+                        "distributed.coordinator=HOST:PORT (rank 0's host) or "
+                        "JAX_COORDINATOR_ADDRESS")
 
     if coord is not None and d.coordinator:
         raise UserError("distributed.coordinator is set but the process count and rank are "
@@ -142,7 +143,7 @@ def setup(cfg: Config, cpu_devices: Optional[int] = None) -> Optional[Launch]:
                           num_processes=launch.num_processes, process_id=launch.process_id)
         try:
             jax.distributed.initialize(**kwargs)
-        except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError / ValueError / XlaRuntimeError
+        except Exception as e:  # noqa: BLE001 - RuntimeError / ValueError / XlaRuntimeError
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
             how = (f"coordinator {launch.coordinator}, {launch.num_processes} processes, this is "
                    f"process {launch.process_id}" if launch.coordinator else f"{launch.source} "

@@ -183,7 +183,8 @@ def run(cfg: Config) -> dict:
             diff = {k: (saved.get("model", {}).get(k), v) for k, v in meta["model"].items()
                     if saved.get("model", {}).get(k) != v}
             raise UserError(f"checkpoint step {step} in {out_dir} has a different model "
-                            f"(saved vs config: {diff}); use a new out_dir or checkpoint.resume=false")
+                            f"(saved vs config: {diff}); use a new out_dir or "
+                            "checkpoint.resume=false")
 
     restored = ckpt.restore_latest(bundle.abstract_state, check_meta) if existing else None
     if restored is not None:
