@@ -104,12 +104,15 @@ def test_two_processes_train_like_one_including_save_and_restore(jax_cache, tmp_
 
 def test_launcher_kills_the_others_when_one_process_dies(tmp_path):
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(textwrap.dedent(f"""
         import os, sys, time
         rank = int(os.environ["JAX_PROCESS_ID"])
-        print(f"hello from {rank} of {os.environ['JAX_NUM_PROCESSES']} "
-              f"via {os.environ['JAX_COORDINATOR_ADDRESS']} {sys.argv[1:]}", flush=True)
-        if rank == 1:
+        print(f"hello from {{rank}} of {{os.environ['JAX_NUM_PROCESSES']}} "
+              f"via {{os.environ['JAX_COORDINATOR_ADDRESS']}} {{sys.argv[1:]}}", flush=True)
+        open(os.path.join({str(tmp_path)!r}, f"started.{{rank}}"), "w").close()
+        if rank == 1:  # fail once everyone is up
+            while len([f for f in os.listdir({str(tmp_path)!r}) if f.startswith("started.")]) < 3:
+                time.sleep(0.05)
             sys.exit(3)
         time.sleep(120)
     """))
@@ -153,6 +156,8 @@ def test_resolve_launcher_environment():
         resolve(_cfg(), {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"})
     with pytest.raises(UserError, match=r"process_id=2 \(env\) must be in 0..1"):
         resolve(_cfg(), dict(env, JAX_PROCESS_ID="2"))
+    # a coordinator alone: JAX's own cluster detection fills in the rest
+    assert resolve(_cfg(), {"JAX_COORDINATOR_ADDRESS": "h:1"}) == Launch(None, None, None, "env")
 
 
 def test_resolve_slurm_and_openmpi():

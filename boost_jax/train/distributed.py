@@ -9,7 +9,8 @@ Where the processes come from, in order (``distributed.mode=auto``):
 3. Open MPI (``OMPI_COMM_WORLD_SIZE`` > 1): rank and size from Open MPI's variables; the
    coordinator from ``distributed.coordinator`` / ``JAX_COORDINATOR_ADDRESS`` or, under
    Open MPI 4 (ORTE), JAX's own detection;
-4. otherwise a single process and no jax.distributed at all.
+4. ``JAX_COORDINATOR_ADDRESS`` alone: JAX's own cluster detection (Kubernetes, TPU, ...);
+5. otherwise a single process and no jax.distributed at all.
 
 ``distributed.mode=explicit`` takes coordinator, num_processes and process_id from the config
 (process_id may come from the environment, as launchers set one rank per process);
@@ -118,6 +119,8 @@ def resolve(cfg: Config, env: Optional[Mapping[str, str]] = None) -> Optional[La
         raise UserError("distributed.coordinator is set but the process count and rank are "
                         "unknown; use distributed.mode=explicit with distributed.num_processes "
                         "and distributed.process_id, or launch under SLURM / Open MPI")
+    if coord is not None:  # JAX_COORDINATOR_ADDRESS alone: let JAX's cluster detection try
+        return Launch(None, None, None, "env")
     return None
 
 
@@ -127,6 +130,16 @@ def setup(cfg: Config, cpu_devices: Optional[int] = None) -> Optional[Launch]:
     Must run before anything creates a JAX backend (device queries, arrays, jit calls).
     Returns the Launch used, or None for a single process.
     """
+    launch = _start(cfg)
+    n = cpu_devices or cfg.distributed.local_cpu_devices
+    if n:
+        from boost_jax.mesh import set_cpu_devices
+
+        set_cpu_devices(n)
+    return launch
+
+
+def _start(cfg: Config) -> Optional[Launch]:
     import jax
 
     launch = resolve(cfg)
@@ -150,11 +163,6 @@ def setup(cfg: Config, cpu_devices: Optional[int] = None) -> Optional[Launch]:
                    "auto-detection")
             raise UserError(f"jax.distributed.initialize failed ({how}): {first}; check that every "
                             "process was started and can reach the coordinator") from None
-    n = cpu_devices or cfg.distributed.local_cpu_devices
-    if n:
-        from boost_jax.mesh import set_cpu_devices
-
-        set_cpu_devices(n)
     return launch
 
 
@@ -164,4 +172,4 @@ def maybe_initialize(cfg: Config) -> None:
     Kept for callers that do not go through train.py; a process whose JAX backend is already up
     cannot join a distributed run any more (jax.distributed raises, reported as a UserError).
     """
-    setup(cfg)
+    _start(cfg)
