@@ -7,9 +7,12 @@ role; every role below is taken from the remaining (data-parallel) axes, `all` =
     plan          params      grads        opt_state  secondary (backward)   weight gathers
     ddp           -           -            -          -                      none
     zero1         -           -            all        -                      none
-    zero3         all         all          all        - (re-gather over all) bf16 (param dtype)
+    zero3         all         all          all        - (re-gather over all) working dtype
     zeropp        all         all          all        pair+node (hpZ)        int8 (qwZ)
-    hierarchical  pair        pair+node    all        pair, int8             param dtype
+    hierarchical  pair        pair+node    all        pair, int8             int8 (secondary)
+
+(qwZ makes every gather of a weight int8, so zeropp's secondary is int8 too. Without qwZ, a
+bf16 secondary over exactly the params axes is the primary itself and is dropped.)
 
 Every role is overridable (`parallel.params_axes=[pair,node]`, `parallel.secondary_axes=[pair,
 node]`, `parallel.secondary_dtype=bfloat16`, `parallel.quantize_gather=true`, ...).
@@ -226,12 +229,8 @@ class Placement:
 
     def opt_state_shardings(self, opt_state, tx=None):
         """Param-shaped leaves of an optax state over opt_state axes; the rest replicated."""
-        import optax
-
-        lay_list = jax.tree.leaves(self.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
         by_path = {_path_key(p): lay for p, lay in jax.tree_util.tree_flatten_with_path(
             self.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))[0]}
-        del lay_list
 
         def one(path, x):
             key = _path_key(path)
@@ -242,7 +241,6 @@ class Placement:
                     return self.named(lay.spec(self.opt_state_axes))
             return self.replicated()
 
-        del optax
         return jax.tree_util.tree_map_with_path(one, opt_state)
 
     # ------------------------------------------------------------------ reporting
