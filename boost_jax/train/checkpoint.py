@@ -122,17 +122,20 @@ def _silence_closed_loop_callbacks() -> None:
 _DIGEST_FNS: dict = {}
 
 
-def state_digest(state: Any) -> np.ndarray:
-    """[n_arrays, 2] float64: each array's sum and sum of absolute values (float32 on device).
+def state_digest(state: Any) -> dict[str, list[float]]:
+    """{array path: [sum, sum of absolute values]} of every array (float32 sums on device).
 
-    Cheap (one reduction per array), identical on every process, and finite exactly when the
-    state holds no NaN/inf (barring float32 overflow of the sums).
+    Cheap (one reduction per array), the same on every process, finite exactly when the state
+    holds no NaN/inf (barring float32 overflow of the sums), and insensitive to sharding and to
+    zero padding, so it also checks a restore under another plan or mesh.
     """
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    leaves, treedef = jax.tree.flatten(state)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    leaves = [x for _, x in flat]
     key = (treedef, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves))
     fn = _DIGEST_FNS.get(key)
     if fn is None:
@@ -149,19 +152,24 @@ def state_digest(state: Any) -> np.ndarray:
         if len(_DIGEST_FNS) > 8:
             _DIGEST_FNS.clear()
         _DIGEST_FNS[key] = fn
-    return np.asarray(fn(leaves), dtype=np.float64)
+    rows = np.asarray(fn(leaves), dtype=np.float64)
+    return {p: [float(r[0]), float(r[1])] for p, r in zip(paths, rows)}
 
 
-def digest_mismatch(got: np.ndarray, want) -> Optional[str]:
-    """None if `got` matches the saved digest `want` (up to float32 reduction order)."""
-    want = np.asarray(want, dtype=np.float64)
-    if want.shape != got.shape:
-        return f"it holds {got.shape[0]} arrays, its metadata {want.shape[0]}"
-    scale = np.abs(want[:, 1]) + 1e-6
-    err = np.abs(got - want).max(axis=1) / scale
-    bad = np.flatnonzero(~(err <= 1e-3))
-    if bad.size:
-        return f"array {int(bad[0])} of the state does not match the digest saved with it"
+def digest_finite(digest: dict) -> bool:
+    return all(np.isfinite(v).all() for v in digest.values())
+
+
+def digest_mismatch(got: dict, want) -> Optional[str]:
+    """None if `got` matches the saved digest `want` on the arrays both have (up to float32
+    reduction order); else which array differs."""
+    if not isinstance(want, dict):  # an older format: nothing to compare by name
+        return None
+    for path in sorted(set(got) & set(want)):
+        g, w = np.asarray(got[path], np.float64), np.asarray(want[path], np.float64)
+        scale = abs(w[1]) + 1e-6
+        if not (np.abs(g - w).max() / scale <= 1e-3):
+            return f"array {path} of the state does not match the digest saved with it"
     return None
 
 
@@ -232,12 +240,12 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict, meta: dict,
              force: bool = False) -> bool:
         digest = state_digest(state)
-        if not np.isfinite(digest).all():
+        if not digest_finite(digest):
             raise NonFiniteStateError(
                 f"the state at step {step} holds non-finite values; not writing checkpoint step "
                 f"{step} (the earlier ones in {self.directory} are intact)")
         self._wait()  # a failed background save surfaces here, before starting another
-        meta = dict(meta, digest=digest.tolist())
+        meta = dict(meta, digest=digest)
         try:
             saved = self.mngr.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
