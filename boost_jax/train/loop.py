@@ -213,7 +213,7 @@ def run(cfg: Config, compiler_options: Optional[dict] = None) -> dict:
         dropped = _trim_metrics(logger_path, start if restored is not None else -1)
         if dropped and start:
             say(f"dropped {dropped} metrics.jsonl rows past step {start} (from a run that "
-                 "stopped after its last checkpoint; those steps are re-done now)")
+                "stopped after its last checkpoint; those steps are re-done now)")
     logger = MetricsLogger(out_dir, cfg.logging.tensorboard, cfg.logging.progress, main_proc)
     if main_proc:
         with open(os.path.join(out_dir, "config.yaml"), "w") as f:
