@@ -21,8 +21,10 @@ tp_vanilla.py and tp_btp.py. At 7B (d=4096, d_ff=11008, r=1024) vanilla/btp = 42
 35584/7168 ≈ 4.96× backward; btp/megatron = 0.875× forward.
 
 The whole decoder runs inside ONE `jax.shard_map(..., axis_names=set(tp_axes),
-check_vma=True)`: params enter with in_specs = tp_param_specs (their data-parallel placement on
-the other axes is left to XLA: those axes stay automatic), tokens enter replicated over TP
+check_vma=True)` (tp_common.tp_shard_map; check_vma=False only for btp with the Pallas kernels
+in interpret mode, i.e. parallel.kernels=pallas without a GPU — exact, see tp_common): params
+enter with in_specs = tp_param_specs (their data-parallel placement on the other axes is left
+to XLA: those axes stay automatic), tokens enter replicated over TP
 (P()) and sharded over the DP axes by the caller, the scalar loss leaves replicated. Layers run
 under lax.scan over the stacked params (a Python loop for scan_layers=False), each wrapped per
 cfg.train.remat: none; full (jax.checkpoint of the whole block: replays its collectives);
@@ -42,7 +44,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.errors import ConfigError
 from boost_jax.sharding.tp_btp import btp_block, btp_init_prev
-from boost_jax.sharding.tp_common import TPContext, make_context, run_layers
+from boost_jax.sharding.tp_common import TPContext, make_context, run_layers, tp_shard_map
 from boost_jax.sharding.tp_head import embed, head_loss
 from boost_jax.sharding.tp_megatron import megatron_block, megatron_init_prev
 from boost_jax.sharding.tp_vanilla import vanilla_block, vanilla_init_prev
@@ -84,15 +86,10 @@ def validate_tp(cfg, mesh) -> None:
     if mode in ("vanilla", "btp") and m.arch not in LOWRANK_ARCHS:
         raise ConfigError(f"parallel.tp_mode={mode} needs a low-rank model.arch (svd, cola, lax) "
                           f"but model.arch={m.arch}; use parallel.tp_mode=megatron for arch=full")
-    if mode == "btp":
+    if mode == "btp":  # the only mode that calls the kernels; fail before data and compile
         from boost_jax.pallas import dispatch
 
-        if not dispatch.shard_map_check_vma(par.kernels):
-            raise ConfigError(
-                f"parallel.kernels={par.kernels} runs the Pallas kernels in interpret mode on "
-                f"this backend, which needs shard_map(check_vma=False), but the TP shard_map "
-                f"leaves the data-parallel axes automatic and needs check_vma=True; use "
-                f"parallel.kernels=auto (or xla) here")
+        dispatch.resolve(par.kernels)  # one-line ConfigError for pallas on TPU
     t = tp_degree(cfg, mesh)
     need = [("model.vocab_size", m.vocab_size)]  # vocab-parallel head (and embedding)
     if mode == "megatron":
@@ -234,9 +231,8 @@ def build_tp_loss_fn(cfg, graphdef, mesh) -> Callable:
 
     def loss_fn(params, batch):
         specs = tp_param_specs(cfg, params)
-        fn = jax.shard_map(functools.partial(_decoder_loss, ctx), mesh=mesh,
-                           in_specs=(specs, P(), P()), out_specs=P(),
-                           axis_names=frozenset(ctx.axes), check_vma=True)
+        fn = tp_shard_map(ctx, functools.partial(_decoder_loss, ctx), mesh,
+                          in_specs=(specs, P(), P()), out_specs=P())
         return fn(params, batch["inputs"], batch["targets"])
 
     return loss_fn
@@ -262,8 +258,8 @@ def build_tp_layers_fn(cfg, mesh) -> Callable:
                               init_prev(ctx, b, s))[0]
 
         specs = tp_param_specs(cfg, {"blocks": blocks})["blocks"]
-        return jax.shard_map(body, mesh=mesh, in_specs=(specs, hspec), out_specs=hspec,
-                             axis_names=frozenset(ctx.axes), check_vma=True)(blocks, h)
+        return tp_shard_map(ctx, body, mesh, in_specs=(specs, hspec), out_specs=hspec)(
+            blocks, h)
 
     return fn
 
@@ -339,8 +335,8 @@ def block_saved_residuals(cfg, mesh, batch: int, seq: int) -> list[tuple[str, in
 
     h = jax.ShapeDtypeStruct((batch, seq, cfg.model.d_model), jnp.dtype(cfg.model.dtype))
     with jax.set_mesh(mesh):
-        jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, hspec), out_specs=hspec,
-                                     axis_names=frozenset(ctx.axes), check_vma=True), blocks, h)
+        jax.eval_shape(tp_shard_map(ctx, body, mesh, in_specs=(specs, hspec), out_specs=hspec),
+                       blocks, h)
     out = []
     for line in buf.getvalue().splitlines():
         m = re.match(r"\s*([a-z0-9]+)\[([0-9,]*)\]\S*\s+(.*)", line)

@@ -1,12 +1,20 @@
 """Pieces shared by the three tensor-parallel decoders (megatron, vanilla, btp).
 
 Everything here runs *inside* `jax.shard_map` over the TP axes only (the data-parallel axes stay
-automatic), with `check_vma=True`: JAX types every value as invariant (identical on all TP
-ranks) or varying, inserts `pcast(..., to="varying")` where an invariant value meets a varying
-one, and transposes psum ↔ pcast, so backward collectives sit exactly where the Megatron f/g
-operators put them. We place some `pcast`s explicitly so that one backward all-reduce covers a
-whole group of projections instead of one per matmul. (`check_vma=False` is not an option: in
-JAX 0.10 a partial-auto shard_map rejects P() outputs without it.)
+automatic; `tp_shard_map` builds it), with `check_vma=True`: JAX types every value as invariant
+(identical on all TP ranks) or varying, inserts `pcast(..., to="varying")` where an invariant
+value meets a varying one, and transposes psum ↔ pcast, so backward collectives sit exactly
+where the Megatron f/g operators put them. We place some `pcast`s explicitly so that one
+backward all-reduce covers a whole group of projections instead of one per matmul.
+
+One exception, ctx.check_vma=False: BTP with parallel.kernels=pallas where the kernels run in
+the Pallas interpreter (no GPU) — the interpreter's loops can't carry varying types. JAX then
+uses its untyped rules: pcast is the identity, psum transposes to psum, the shard_map's
+transpose divides a TP-replicated output's cotangent by the TP degree and psums the cotangent
+of every TP-replicated input. That differentiates the mean over ranks of the per-rank outputs,
+which is the loss itself (it is identical on every rank), so the gradient is the same, only
+with more backward all-reduces — fine for a CPU test path (tests/test_pallas_btp.py: same
+losses as kernels=xla). GPU (compiled Triton) and kernels=xla keep check_vma=True.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class TPContext:
     tie: bool
     kernels: str  # resolved implementation for the fused kernels: xla | pallas
     promote_bf16_reduce: bool  # CPU: all-reduce 16-bit floats in fp32 (see psum below)
+    check_vma: bool = True  # False only for interpreted Pallas kernels (btp, no GPU): see above
 
     @property
     def lax(self) -> bool:
@@ -66,7 +75,40 @@ def make_context(cfg, mesh) -> TPContext:
         n_heads=m.n_heads, kv_heads=m.kv_heads, head_dim=m.head_dim, vocab=m.vocab_size,
         eps=m.norm_eps, rope_theta=m.rope_theta, dtype=jnp.dtype(m.dtype),
         remat=cfg.train.remat, tie=m.tie_embeddings, kernels=kernels,
-        promote_bf16_reduce=jax.default_backend() == "cpu")
+        promote_bf16_reduce=jax.default_backend() == "cpu",
+        # only btp calls the kernels (dispatch.online_rmsnorm_matmul, dispatch.grouped_up)
+        check_vma=par.tp_mode != "btp" or dispatch.shard_map_check_vma(par.kernels))
+
+
+def tp_shard_map(ctx: TPContext, f: Callable, mesh, in_specs, out_specs) -> Callable:
+    """jax.shard_map(f) over ctx.axes (manual; the other mesh axes stay automatic) with
+    check_vma=ctx.check_vma.
+
+    With check_vma=False on CPU, 16-bit float arguments cross the shard_map boundary in fp32
+    (cast back to their dtype first thing inside, so the forward is bit-identical): the
+    untyped transpose psums the cotangent of each TP-replicated argument in its dtype at the
+    boundary, and XLA:CPU crashes promoting a 16-bit all-reduce in a partial-auto shard_map
+    (see psum below). With check_vma=True those reductions are our own psums, already fp32.
+    """
+    def smap(fn):
+        return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                             axis_names=frozenset(ctx.axes), check_vma=ctx.check_vma)
+
+    if ctx.check_vma or not ctx.promote_bf16_reduce:
+        return smap(f)
+
+    def call(*args):
+        dtypes = [x.dtype for x in jax.tree.leaves(args)]
+        tree = jax.tree.structure(args)
+
+        def body(*wide):
+            leaves = [x.astype(dt) for x, dt in zip(jax.tree.leaves(wide), dtypes)]
+            return f(*jax.tree.unflatten(tree, leaves))
+
+        wide = [x.astype(jnp.float32) if _promote(ctx, x) else x for x in jax.tree.leaves(args)]
+        return smap(body)(*jax.tree.unflatten(tree, wide))
+
+    return call
 
 
 # --------------------------------------------------------------------------- collectives
