@@ -276,6 +276,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
     origin = typing.get_origin(tp)
     bad = ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
     if origin is Literal:
+        if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans
+            value = "on" if value else "off"
         if value not in typing.get_args(tp):
             raise ConfigError(f"{key}={value!r} is not valid: expected {_type_name(tp)}")
         return value

@@ -10,3 +10,7 @@ if "xla_force_host_platform_device_count" not in _flags:
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# XLA:CPU fast-compile options for the training loop (tests are compile-bound); subprocesses
+# started by tests inherit it.
+os.environ.setdefault("BOOST_JAX_FAST_COMPILE", "1")

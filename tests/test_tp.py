@@ -293,13 +293,6 @@ def test_validate_tp_accepts(mesh):
     validate_tp(make_cfg("btp", "cola", 4, rank=6), mesh)  # btp replicates the rank
 
 
-def test_pallas_interpret_rejected_under_tp(mesh):
-    cfg = make_cfg("btp", "cola", 2)
-    cfg.parallel.kernels = "pallas"
-    with pytest.raises(ConfigError, match="parallel.kernels"):
-        validate_tp(cfg, mesh)
-
-
 # --------------------------------------------------------------------------- with the plans
 
 

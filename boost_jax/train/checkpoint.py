@@ -284,8 +284,9 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: Any):
         out = self.mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-            meta=ocp.args.JsonRestore()))
+            # strict=False: padded shapes differ between plans/meshes; padding is zeros at the end
+            state=ocp.args.StandardRestore(abstract_state, strict=False),
+            data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
         return out["state"], out["data"], out["meta"]
 
     def restore_meta(self, step: int) -> dict:
