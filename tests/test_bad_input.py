@@ -1,4 +1,5 @@
-"""Every user mistake in docs/errors.md: train.py prints one line `error: ...` on stderr, exits 2,
+"""Every user mistake in README.md ("When something is wrong"): train.py prints one line
+`error: ...` on stderr, exits 2,
 and leaves what was already saved in out_dir untouched.
 
 All rows run as train.py subprocesses, started together (they are independent) so the module
