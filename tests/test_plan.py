@@ -11,7 +11,7 @@ import pytest
 
 from boost_jax.config import load_config
 from boost_jax.mesh import get_topology, make_mesh
-from boost_jax.plan import costmodel as C
+from boost_jax.plan import collectives as N, costmodel as C, roofline as R
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=128",
@@ -135,7 +135,7 @@ def _cfg7b(arch, mode, axes="[pair,node]"):
 def test_tp_bytes_per_layer_match_the_design():
     """DESIGN.md, 7B b=4 s=4096 bf16 forward payload: 0.25 / 1.3 / 0.22 GiB; BTP ≈ 5.9x less
     than vanilla and 0.875x of Megatron."""
-    m = {k: C.block_model(_cfg7b(a, k).model, 4, 4096, k, 4) for a, k in
+    m = {k: R.block_model(_cfg7b(a, k).model, 4, 4096, k, 4) for a, k in
          (("full", "megatron"), ("cola", "vanilla"), ("cola", "btp"))}
     fwd = {k: sum(c.payload for c in b.fwd) for k, b in m.items()}
     assert fwd["megatron"] / 2**30 == pytest.approx(0.25, rel=0.01)
@@ -178,8 +178,8 @@ def test_state_memory_formula_of_the_design():
 def test_collective_time_is_alpha_beta():
     topo = get_topology("frontier")
     a = C.Assumptions(eta_net=1.0)
-    c = C.Coll("x", "all-reduce", 1e9, 8, "node", 2, "tp")
-    t = C.coll_time(c, topo, a)
+    c = N.Coll("x", "all-reduce", 1e9, 8, "node", 2, "tp")
+    t = N.coll_time(c, topo, a)
     assert t == pytest.approx(2 * (2 * 7 / 8 * 1e9 / topo.bw_node + 3 * topo.lat_node))
 
 

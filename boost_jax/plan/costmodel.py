@@ -1,34 +1,22 @@
-"""An α–β + roofline cost model of one training step, per device.
+"""An α–β + roofline cost model of one training step, per device: the workload of a plan.
 
 Everything is per device and per optimizer step unless a name says otherwise. One set of
-assumptions (`Assumptions`) is used for every prediction the planner and the validation make:
+assumptions (`Assumptions`) is used for every prediction the planner and the validation make.
+The pieces live in their own modules:
 
-compute   every kernel of a block is listed with its FLOPs and HBM bytes (GEMMs by their
-          M·K·N, attention, the elementwise ops between them) and costs a roofline
-              t = max(FLOPs / (eta_flops · peak), bytes / (eta_hbm · HBM bandwidth)) + launch
-          backward = 2× a GEMM's forward (dX and dW), 2× an elementwise op's bytes; attention
-          backward 2.5× (flash: recomputes the scores) or 2× (dense). remat=full replays the
-          whole forward of a block; remat=lowrank replays it minus the down-projections whose
-          (reduced) outputs are saved.
-network   every collective is a ring over its group: per device it sends
-              all-reduce 2(n−1)/n·P, all-gather / reduce-scatter (n−1)/n·P
-          (P = the un-sharded buffer) at eta_net × the per-device bandwidth of the slowest level
-          the group spans (topology.bw_pair / bw_node / bw_global), plus a latency α_level ·
-          ⌈log2 n⌉ per call. A ring that crosses nodes is charged the per-device share of the
-          node's NICs for all its bytes (the accounting the design and the analyzer use; an
-          ideal hierarchical algorithm could be up to devices-per-node × faster on that level).
-overlap   tensor-parallel collectives sit on the critical path (the next GEMM needs them): never
-          overlapped. Data-parallel (ZeRO) gathers and reduce-scatters of a micro-batch may hide
-          behind that micro-batch's compute: exposed = max(0, t_dp − dp_overlap · t_compute);
-          dp_overlap = 0 (nothing hidden) by default, and the report also gives the fully
-          overlapped bound. Once-per-step work (cross-node gradient reduction, weight re-gather,
-          optimizer) is exposed.
+compute   boost_jax.plan.roofline: every kernel of a block with its FLOPs and HBM bytes, costed
+          by a roofline (GEMMs, attention, elementwise; backward and remat replays).
+network   boost_jax.plan.collectives: ring collectives at the slowest spanned level's bandwidth
+          plus latency; tensor-parallel ones on the critical path, data-parallel ones possibly
+          hidden behind compute (dp_overlap).
 memory    persistent state from the placement's layouts (exact, padding included) + gradient
           accumulator + gathered weights + saved activations by remat policy + one block's
           working set + logits; "fits" when it is ≤ `hbm_usable` × the device's HBM.
 
-The same functions also turn *measured* collectives (from a compiled step's HLO, see
-`boost_jax.analysis.comm`) into time, so a compiled plan and an analytic one are costed alike.
+This module puts them together for a plan × TP layout: the state sizes from the placement's own
+layouts, the data-parallel / ZeRO collectives the step compiles, the memory estimate and the
+step time (`predict`). A compiled step's measured collectives (a `CommSummary` of
+`collectives.colls_from_report`) can replace the analytic ones.
 """
 
 from __future__ import annotations
@@ -36,315 +24,13 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from boost_jax.analysis.comm import ring_bytes
 from boost_jax.analysis.flops import flops_per_token, param_count
 from boost_jax.mesh import AXES, Topology
-
-# HBM bandwidth per device (bytes/s): vendor datasheets. MI250X 3.2 TB/s per package = 1.6 per
-# GCD; A100-40GB 1.555 TB/s, A100-80GB 2.039 TB/s; H100 SXM 3.35 TB/s; a CPU socket ~50 GB/s.
-HBM_BW = {"frontier": 1.6e12, "perlmutter": 1.555e12, "perlmutter-80": 2.039e12,
-          "dgx-h100": 3.35e12, "cpu": 5e10}
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
-
-
-@dataclass(frozen=True)
-class Assumptions:
-    eta_flops: float = 0.7  # achievable fraction of peak FLOP/s (GEMMs and attention)
-    eta_hbm: float = 0.8  # achievable fraction of HBM bandwidth (elementwise, skinny GEMMs)
-    eta_net: float = 0.8  # achievable fraction of link bandwidth (collectives)
-    launch_s: float = 4e-6  # per-kernel launch/sync overhead
-    dp_overlap: float = 0.0  # fraction of compute that hides data-parallel collectives
-    attention: str = "dense"  # dense (what our XLA step compiles) | flash (causal, fused)
-    hbm_usable: float = 0.9  # usable fraction of HBM (allocator, runtime, fragmentation)
-
-    def describe(self) -> list[str]:
-        return [
-            f"compute: roofline per kernel, {self.eta_flops:.0%} of peak FLOP/s, "
-            f"{self.eta_hbm:.0%} of HBM bandwidth, {self.launch_s * 1e6:.0f} us launch per kernel",
-            f"attention: {self.attention}" + (" (causal half of the scores, no [s,s] in HBM)"
-                                               if self.attention == "flash" else
-                                               " (full [s,s] fp32 scores through HBM, as compiled)"),
-            f"network: ring collectives at {self.eta_net:.0%} of the slowest spanned level's "
-            "per-device bandwidth + alpha*ceil(log2 n) per call",
-            "overlap: tensor-parallel collectives never overlap compute; data-parallel "
-            f"collectives hide behind {self.dp_overlap:.0%} of the micro-batch compute; "
-            "once-per-step reduction, weight re-gather and optimizer are exposed",
-            f"memory: fits when the estimate is <= {self.hbm_usable:.0%} of device HBM",
-        ]
-
-
-# --------------------------------------------------------------------------- kernels
-
-
-@dataclass
-class Op:
-    name: str
-    kind: str  # gemm | attn | elem
-    flops: float
-    bytes: float
-    out_bytes: float  # bytes of its output (saved for backward without remat)
-    lowrank_saved: bool = False  # output kept by remat=lowrank (not recomputed)
-
-
-def _gemm(name, M, K, N, e, saved=False) -> Op:
-    return Op(name, "gemm", 2.0 * M * K * N, e * (M * K + K * N + M * N), e * M * N, saved)
-
-
-def _elem(name, read, write) -> Op:
-    return Op(name, "elem", 0.0, float(read + write), float(write))
-
-
-def _attn(b, s, hl, kvl, hd, e, mode) -> Op:
-    flops = 4.0 * b * s * s * hl * hd
-    io = e * b * s * (2 * hl + 2 * kvl) * hd
-    if mode == "flash":
-        return Op("attention", "attn", flops * 0.5, io, e * b * s * hl * hd + 4 * b * hl * s)
-    scores = b * hl * s * s
-    # scores fp32 written, read by softmax, probs written (compute dtype) and read by p·v
-    return Op("attention", "attn", flops, io + scores * (4 + 4 + e + e), e * b * s * hl * hd
-              + scores * (4 + e))
-
-
-@dataclass
-class TPColl:
-    name: str
-    kind: str
-    payload: float  # bytes
-
-
-@dataclass
-class BlockModel:
-    """One block's forward kernels and TP collectives for one micro-batch on one device."""
-
-    ops: list[Op]
-    fwd: list[TPColl]
-    bwd: list[TPColl]
-    residual_bytes: float  # block input kept by remat=full/lowrank
-    latent_bytes: float  # extra kept by remat=lowrank
-    replays_collectives_lowrank: bool
-
-
-def block_model(m, b: int, s: int, mode: str, t: int, attention: str = "dense") -> BlockModel:
-    """Kernels of one decoder block. mode: none | megatron | vanilla | btp (t = TP degree)."""
-    e = DTYPE_BYTES[m.dtype]
-    T = b * s
-    d, hd, H, K, dff, r = m.d_model, m.head_dim, m.n_heads, m.kv_heads, m.d_ff, m.r
-    full = m.arch == "full"
-    if mode == "none":
-        mode, t = ("megatron" if full else "btp"), 1
-    ops: list[Op] = []
-    fwd: list[TPColl] = []
-    bwd: list[TPColl] = []
-    if mode == "megatron":
-        qn, kn = H * hd // t, K * hd // t
-        ops += [_elem("attn_norm", e * T * d, e * T * d),
-                _gemm("qkv", T, d, qn + 2 * kn, e),
-                _elem("rope", 2 * e * T * (qn + kn), e * T * (qn + kn)),
-                _attn(b, s, H // t, K // t, hd, e, attention),
-                _gemm("o", T, qn, d, e),
-                _elem("residual", 2 * e * T * d, e * T * d),
-                _elem("mlp_norm", e * T * d, e * T * d),
-                _gemm("gate_up", T, d, 2 * dff // t, e),
-                _elem("silu_mul", 2 * e * T * dff // t, e * T * dff // t),
-                _gemm("down", T, dff // t, d, e),
-                _elem("residual", 2 * e * T * d, e * T * d)]
-        if t > 1:
-            fwd = [TPColl("o", "all-reduce", e * T * d), TPColl("down", "all-reduce", e * T * d)]
-            bwd = [TPColl("qkv_in", "all-reduce", e * T * d),
-                   TPColl("gate_up_in", "all-reduce", e * T * d)]
-        return BlockModel(ops, fwd, bwd, e * T * d, 0.0, True)
-    if mode == "vanilla":
-        rl = r // t
-        projs = [("q", d, H * hd), ("k", d, K * hd), ("v", d, K * hd), ("o", H * hd, d),
-                 ("gate", d, dff), ("up", d, dff), ("down", dff, d)]
-
-        def proj(name, din, dout):
-            return [_gemm(f"A_{name}", T, din, rl, e, saved=True),
-                    _elem(f"silu_{name}", e * T * rl, e * T * rl),
-                    _gemm(f"B_{name}", T, rl, dout, e)]
-
-        pm = {p[0]: p for p in projs}
-        ops += [_elem("attn_norm", e * T * d, e * T * d)]
-        for n in ("q", "k", "v"):
-            ops += proj(*pm[n])
-        ops += [_elem("rope", 2 * e * T * (H + K) * hd, e * T * (H + K) * hd),
-                _attn(b, s, H, K, hd, e, attention)]  # replicated: every rank, all heads
-        ops += proj(*pm["o"])
-        ops += [_elem("residual", 2 * e * T * d, e * T * d),
-                _elem("mlp_norm", e * T * d, e * T * d)]
-        ops += proj(*pm["gate"]) + proj(*pm["up"])
-        ops += [_elem("silu_mul", 2 * e * T * dff, e * T * dff)]
-        ops += proj(*pm["down"])
-        ops += [_elem("residual", 2 * e * T * d, e * T * d)]
-        if t > 1:
-            fwd = [TPColl(n, "all-reduce", e * T * dout) for n, _, dout in projs]
-            bwd = [TPColl(f"{n}_in", "all-reduce", e * T * din) for n, din, _ in projs]
-        return BlockModel(ops, fwd, bwd, e * T * d, 7 * e * T * rl, True)
-    if mode == "btp":
-        dl, ql, kl, fl = d // t, H * hd // t, K * hd // t, dff // t
-        ops += [_elem("online_norm", e * T * dl, e * T * dl),
-                _gemm("A_qkv", T, dl, 3 * r, e, saved=True),
-                _elem("silu_qkv", e * T * 3 * r, e * T * 3 * r),
-                _gemm("B_q", T, r, ql, e), _gemm("B_k", T, r, kl, e), _gemm("B_v", T, r, kl, e),
-                _elem("rope", 2 * e * T * (ql + kl), e * T * (ql + kl)),
-                _attn(b, s, H // t, K // t, hd, e, attention),
-                _gemm("A_o", T, ql, r, e, saved=True),
-                _elem("silu_o", e * T * r, e * T * r),
-                _gemm("B_o", T, r, dl, e),
-                _elem("residual", 2 * e * T * dl, e * T * dl),
-                _elem("online_norm", e * T * dl, e * T * dl),
-                _gemm("A_gate_up", T, dl, 2 * r, e, saved=True),
-                _elem("silu_gu", e * T * 2 * r, e * T * 2 * r),
-                _gemm("B_gate", T, r, fl, e), _gemm("B_up", T, r, fl, e),
-                _elem("silu_mul", 2 * e * T * fl, e * T * fl),
-                _gemm("A_down", T, fl, r, e, saved=True),
-                _elem("silu_down", e * T * r, e * T * r),
-                _gemm("B_down", T, r, dl, e),
-                _elem("residual", 2 * e * T * dl, e * T * dl)]
-        if t > 1:
-            stats = 4 * T  # the fp32 Σx² riding in the qkv and gate|up all-reduces
-            fwd = [TPColl("z_qkv", "all-reduce", e * T * 3 * r + stats),
-                   TPColl("z_o", "all-reduce", e * T * r),
-                   TPColl("z_gu", "all-reduce", e * T * 2 * r + stats),
-                   TPColl("z_down", "all-reduce", e * T * r)]
-            bwd = [TPColl("dz_qkv", "all-reduce", e * T * 3 * r),
-                   TPColl("dz_o", "all-reduce", e * T * r),
-                   TPColl("dz_gu", "all-reduce", e * T * 2 * r),
-                   TPColl("dz_down", "all-reduce", e * T * r)]
-        return BlockModel(ops, fwd, bwd, e * T * dl, e * T * 7 * r, False)
-    raise ValueError(f"unknown tp mode {mode!r}")
-
-
-def head_model(m, b: int, s: int, mode: str, t: int) -> BlockModel:
-    """Embedding lookup, final norm, LM head and softmax cross-entropy (logits in fp32)."""
-    e = DTYPE_BYTES[m.dtype]
-    T, d, V = b * s, m.d_model, m.vocab_size
-    vl = V // t if t > 1 else V
-    ops = [_elem("embed", e * T * d // max(t, 1), e * T * d // max(t, 1)),
-           _elem("final_norm", e * T * d, e * T * d),
-           _gemm("lm_head", T, d, vl, e),
-           _elem("cross_entropy", 4 * T * vl * 2, 4 * T * vl)]
-    fwd, bwd = [], []
-    if t > 1:
-        if mode == "btp":
-            fwd = [TPColl("gather_h", "all-gather", e * T * d)]
-            bwd = [TPColl("scatter_dh", "reduce-scatter", e * T * d)]
-        else:
-            fwd = [TPColl("embed", "all-reduce", e * T * d)]
-            bwd = [TPColl("head_dh", "all-reduce", e * T * d)]
-        fwd += [TPColl("ce_max", "all-reduce", 4 * T), TPColl("ce_sum", "all-reduce", 8 * T)]
-    return BlockModel(ops, fwd, bwd, 0.0, 0.0, True)
-
-
-def op_time(op: Op, peak: float, hbm: float, a: Assumptions, backward: bool = False) -> float:
-    f = op.flops
-    by = op.bytes
-    n = 1
-    if backward:
-        if op.kind == "gemm":
-            f, by, n = 2 * f, 2 * by, 2
-        elif op.kind == "attn":
-            f, by, n = f * (2.5 if a.attention == "flash" else 2.0), 2 * by, 1
-        else:
-            by, n = 2 * by, 1
-    return max(f / (a.eta_flops * peak), by / (a.eta_hbm * hbm)) + n * a.launch_s
-
-
-# --------------------------------------------------------------------------- collectives
-
-
-def level_of(axes: Sequence[str]) -> str:
-    axes = set(axes)
-    if not axes:
-        return "none"
-    if "global" in axes:
-        return "global"
-    if "node" in axes:
-        return "node"
-    return "pair"
-
-
-@dataclass
-class Coll:
-    """A collective as the cost model sees it (analytic or measured)."""
-
-    name: str
-    kind: str
-    payload: float  # bytes of the un-sharded buffer (ring formula's P)
-    n: int  # group size
-    level: str  # pair | node | global | none
-    calls: float  # executions per optimizer step
-    phase: str  # tp (critical path) | dp (per micro-batch, may overlap) | step (once per step)
-    axes: tuple = ()
-
-    @property
-    def bytes_per_step(self) -> float:
-        return ring_bytes(self.kind, self.n, self.payload) * self.calls
-
-
-def coll_time(c: Coll, topo: Topology, a: Assumptions) -> float:
-    if c.n <= 1 or c.level not in AXES:
-        return 0.0
-    bw = topo.bandwidth(c.level) * a.eta_net
-    return c.bytes_per_step / bw + c.calls * topo.latency(c.level) * math.ceil(math.log2(c.n))
-
-
-def per_level_bytes(colls: Sequence[Coll]) -> dict[str, float]:
-    out = {lv: 0.0 for lv in AXES}
-    for c in colls:
-        if c.level in out:
-            out[c.level] += c.bytes_per_step
-    return out
-
-
-@dataclass
-class CommSummary:
-    """Collective cost aggregated per phase and per level (linear: can be extrapolated)."""
-
-    phase_time: dict  # tp | dp | step → seconds per optimizer step
-    level_bytes: dict  # pair | node | global → bytes per device per step
-    level_time: dict  # pair | node | global → seconds per step
-
-    @classmethod
-    def of(cls, colls: Sequence[Coll], topo: Topology, a: "Assumptions") -> "CommSummary":
-        ph = {p: 0.0 for p in ("tp", "dp", "step")}
-        lt = {lv: 0.0 for lv in AXES}
-        for c in colls:
-            t = coll_time(c, topo, a)
-            ph[c.phase] = ph.get(c.phase, 0.0) + t
-            if c.level in lt:
-                lt[c.level] += t
-        return cls(ph, per_level_bytes(colls), lt)
-
-    def combine(self, other: "CommSummary", w_self: float, w_other: float) -> "CommSummary":
-        def mix(a, b):
-            return {k: w_self * a.get(k, 0.0) + w_other * b.get(k, 0.0) for k in set(a) | set(b)}
-
-        return CommSummary(mix(self.phase_time, other.phase_time),
-                           mix(self.level_bytes, other.level_bytes),
-                           mix(self.level_time, other.level_time))
-
-
-def colls_from_report(report, tp_axes: Sequence[str], micro_batches: int) -> list[Coll]:
-    """Measured collectives (CommReport) → Colls. Phase: groups inside the TP axes are TP;
-    other collectives inside a loop (layers, micro-batches) are dp; the rest are "step"."""
-    del micro_batches
-    tp = set(tp_axes)
-    out = []
-    for c in report.collectives:
-        axes = tuple(c.axes)
-        if tp and axes and set(axes) <= tp:
-            phase = "tp"
-        elif c.in_loop:
-            phase = "dp"
-        else:
-            phase = "step"
-        out.append(Coll(c.name, c.kind, c.payload_bytes, c.group_size, c.level,
-                        float(c.trip_count or 1), phase, axes))
-    return out
+from boost_jax.plan.collectives import Coll, CommSummary, level_of
+from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
+                                     head_model, op_time)
 
 
 # --------------------------------------------------------------------------- layouts

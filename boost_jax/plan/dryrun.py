@@ -29,8 +29,9 @@ from typing import Optional
 
 from boost_jax.errors import UserError
 from boost_jax.mesh import AXES, Topology
-from boost_jax.plan.costmodel import (Assumptions, CommSummary, DTYPE_BYTES, Prediction,
-                                      colls_from_report, predict, state_sizes)
+from boost_jax.plan.collectives import CommSummary, colls_from_report
+from boost_jax.plan.costmodel import Assumptions, Prediction, predict, state_sizes
+from boost_jax.plan.roofline import DTYPE_BYTES
 
 
 class StepCompileError(RuntimeError):
