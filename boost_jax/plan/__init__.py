@@ -1,6 +1,6 @@
 """Plan a run at cluster scale before paying for it.
 
-    costmodel  α–β + roofline model of one training step (memory, step time of a plan × TP layout)
+    costmodel  α–β + roofline model of one training step: memory, step time of a plan × TP
     roofline   hardware assumptions and the per-kernel roofline of one decoder block
     collectives  α–β cost of ring collectives per topology level (analytic or measured)
     dryrun     AOT compile of the real step on simulated CPU devices, with layer/host extrapolation
