@@ -8,9 +8,31 @@ if "xla_force_host_platform_device_count" not in _flags:
     os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
 # XLA:CPU fast-compile options for the training loop (tests are compile-bound); subprocesses
-# started by tests inherit it.
+# started by tests inherit it, so in-process and subprocess runs compile the same programs and
+# their losses compare exactly.
 os.environ.setdefault("BOOST_JAX_FAST_COMPILE", "1")
+
+
+@pytest.fixture(scope="module")
+def jax_cache(tmp_path_factory):
+    """A persistent compilation cache for a module's training runs, in-process and subprocess
+    alike (pass it as JAX_COMPILATION_CACHE_DIR): the same tiny programs compile once instead of
+    once per run. Restored afterwards."""
+    from jax._src import compilation_cache
+
+    path = str(tmp_path_factory.mktemp("jax_cache"))
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    old = {k: getattr(jax.config, k) for k in keys}
+    for k, v in zip(keys, (path, 0.0, -1)):
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()
+    yield path
+    for k, v in old.items():
+        jax.config.update(k, v)
+    compilation_cache.reset_cache()

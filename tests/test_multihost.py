@@ -26,31 +26,7 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=6
 RUN = TINY + ["train.steps=10", "train.eval_every=5", "checkpoint.every=5"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def jax_cache(tmp_path_factory):
-    """Persistent compilation cache for this module (in-process and the launched processes)."""
-    import jax
-    from jax._src import compilation_cache
-
-    path = str(tmp_path_factory.mktemp("jax_cache"))
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
-    old = {k: getattr(jax.config, k) for k in keys}
-    for k, v in zip(keys, (path, 0.0, -1)):
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
-    # every run here, in-process or not, compiles its step with XLA's fast options (same
-    # programs everywhere, so losses still compare exactly)
-    old_fast = os.environ.get("BOOST_JAX_FAST_COMPILE")
-    os.environ["BOOST_JAX_FAST_COMPILE"] = "1"
-    yield path
-    if old_fast is None:
-        os.environ.pop("BOOST_JAX_FAST_COMPILE", None)
-    else:
-        os.environ["BOOST_JAX_FAST_COMPILE"] = old_fast
-    for k, v in old.items():
-        jax.config.update(k, v)
-    compilation_cache.reset_cache()
+pytestmark = pytest.mark.usefixtures("jax_cache")  # conftest: shared compile cache
 
 
 def _rows(out_dir):
