@@ -9,9 +9,9 @@ abstract shapes (jax.ShapeDtypeStruct: no arrays are allocated) and compiled for
 collectives are read from the compiled HLO by boost_jax.analysis.comm. All 24 layers are
 compiled (the layer loop is a scan, so compile time does not grow with depth).
 
-Columns: `measured` = comm.py's bytes with two XLA:CPU artifacts undone
-(formulas.measured_per_level: bf16 reductions promoted to fp32; reduce-scatter lowered as
-all-reduce + dynamic-slice); `comm.py raw` = as reported; `formula` = formulas.comm_per_step.
+Columns: `measured` = comm.py's bytes, which undo two XLA:CPU artifacts (bf16 reductions
+promoted to fp32; reduce-scatter lowered as all-reduce + dynamic-slice); `comm.py raw` = the
+bytes read off the CPU program (`per_level(raw=True)`); `formula` = formulas.comm_per_step.
 Memory: `state` = weights + fp32 master + Adam moments per device as predicted by the plan and
 as measured (compiled argument bytes minus the token batch); `grads` = the fp32 micro-batch
 accumulator; `secondary` = saved hpZ/LBP partitions (all layers); `temp` = compiled temp bytes.
@@ -43,7 +43,7 @@ def worker(args) -> None:
     from boost_jax.config import load_config
     from boost_jax.layers.model import fast_compile_options
     from boost_jax.mesh import mesh_from_config
-    from boost_jax.sharding.formulas import comm_per_step, measured_per_level
+    from boost_jax.sharding.formulas import comm_per_step
     from boost_jax.train.step import build_step
 
     n = args.cpu_devices
@@ -63,14 +63,14 @@ def worker(args) -> None:
                                                bundle.abstract_batch()).compile()
         secs = time.perf_counter() - t0
         rep = analyze_compiled(compiled, mesh)
-        meas = measured_per_level(rep)
+        meas = {lv: row["bytes"] for lv, row in rep.per_level().items()}
         pred = comm_per_step(bundle.placement, args.micro)
         mem = bundle.placement.memory()
         batch_bytes = 2 * args.batch * args.seq * 4 / n  # inputs + targets, int32
         rows.append({
             "plan": plan, "devices": n, "mesh": dict(mesh.shape), "micro_batches": args.micro,
             "roles": bundle.placement.describe(), "compile_s": round(secs, 1),
-            "raw": {lv: rep.per_level()[lv]["bytes"] for lv in ("pair", "node", "global")},
+            "raw": {lv: rep.per_level(raw=True)[lv]["bytes"] for lv in ("pair", "node", "global")},
             "measured": {lv: meas[lv] for lv in ("pair", "node", "global")},
             "formula": {lv: pred[lv] for lv in ("pair", "node", "global")},
             "memory_pred": {k: v for k, v in mem.items() if k != "padding_by_role"},
@@ -184,9 +184,9 @@ level its collective spans. Roles are `params / grads / opt_state / secondary` a
 
 FOOTER = """
 Reading the table:
-- `measured` undoes two XLA:CPU artifacts in comm.py's raw numbers (bf16 reductions run in
-  fp32; reduce-scatter lowered as all-reduce + dynamic-slice), see
-  boost_jax/sharding/formulas.py. `formula` is formulas.comm_per_step (ring costs, derived in
+- `measured` is comm.py's bytes, which undo two XLA:CPU artifacts in the raw numbers (bf16
+  reductions run in fp32; reduce-scatter lowered as all-reduce + dynamic-slice), see
+  boost_jax/analysis/cpu_lowering.py. `formula` is formulas.comm_per_step (ring costs, derived in
   its docstring); it matches the measured inter-node bytes of every plan.
 - hierarchical crosses nodes once per step (fp32 reduce-scatter of the node's gradient shard,
   bf16 all-gather of the updated node shard): 6Ψ(G−1)/(G·D) bytes, independent of the number

@@ -91,6 +91,50 @@ def test_cpu_all_reduce_plus_dynamic_slice_is_reduce_scatter(mesh):
     assert only(analyze(g, (x, w), mesh)).kind == "all-reduce"
 
 
+def test_bf16_psum_counts_16_bit_payload(mesh):
+    # XLA:CPU runs the bf16 reduction in fp32 (convert → all-reduce with a *_promoted reducer)
+    xb = X.astype(jnp.bfloat16)
+    c = only(analyze(smap(mesh, lambda a: jax.lax.psum(a, "pair"), P("pair"), P()), (xb,), mesh))
+    assert (c.kind, c.level, c.group_size, c.dtypes) == ("all-reduce", "pair", 2, ["f32"])
+    assert c.cpu_fixes == ("fp32-promoted",)
+    assert c.payload_bytes == 4 * 16 * 2 and c.bytes_per_step == pytest.approx(4 * 16 * 2)
+    assert c.raw_bytes_per_step == pytest.approx(4 * 16 * 4)
+
+
+def test_bf16_psum_scatter_counts_16_bit_payload(mesh):
+    f = smap(mesh, lambda a: jax.lax.psum_scatter(a, "node", tiled=True), P(), P("node"))
+    r = analyze(f, (X.astype(jnp.bfloat16),), mesh)
+    c = only(r)
+    assert (c.kind, c.level, c.group_size) == ("reduce-scatter", "node", 2)
+    assert c.cpu_fixes == ("fp32-promoted",)
+    assert c.payload_bytes == 8 * 16 * 2 and c.bytes_per_step == pytest.approx(0.5 * 8 * 16 * 2)
+    assert r.per_level(raw=True)["node"]["bytes"] == pytest.approx(0.5 * 8 * 16 * 4)
+
+
+def test_bf16_reduce_scatter_behind_a_convert(mesh):
+    # bf16 row-parallel matmul, output constrained sharded: XLA:CPU emits a promoted fp32
+    # all-reduce, a convert back to bf16, then the 1/n dynamic-slice (fused with a convert)
+    s = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    x = jax.ShapeDtypeStruct((16, 64), jnp.bfloat16, sharding=s(None, ("pair", "global")))
+    w = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16, sharding=s(("pair", "global"), None))
+    f = lambda x, w: jax.lax.with_sharding_constraint(x @ w, s(("pair", "global")))  # noqa: E731
+    r = analyze(f, (x, w), mesh)
+    c = only(r)
+    assert c.opcode == "all-reduce" and c.kind == "reduce-scatter"
+    assert c.cpu_fixes == ("fp32-promoted", "sliced")
+    assert c.level == "global" and c.group_size == 4
+    assert c.payload_bytes == 16 * 32 * 2
+    assert c.bytes_per_step == pytest.approx(3 / 4 * 16 * 32 * 2)
+    assert c.raw_bytes_per_step == pytest.approx(2 * 3 / 4 * 16 * 32 * 4)
+    assert r.per_level()["global"]["bytes"] == pytest.approx(c.bytes_per_step)
+    assert r.per_level(raw=True)["global"]["bytes"] == pytest.approx(c.raw_bytes_per_step)
+    # replicated output: stays an all-reduce, only the fp32 promotion is undone
+    g = lambda x, w: jax.lax.with_sharding_constraint(x @ w, s())  # noqa: E731
+    c = only(analyze(g, (x, w), mesh))
+    assert c.kind == "all-reduce" and c.cpu_fixes == ("fp32-promoted",)
+    assert c.bytes_per_step == pytest.approx(2 * 3 / 4 * 16 * 32 * 2)
+
+
 def test_psum_in_scan_is_in_loop_with_trip_count(mesh):
     def loop(a):
         def body(c, _):

@@ -2,8 +2,8 @@
 
 Tiny CoLA model in bf16 mixed precision on 8 simulated devices as (pair, node, global) =
 (2, 2, 2), 4 micro-batches unless said otherwise. Per-level bytes come from
-boost_jax.analysis.comm; `measured_per_level` undoes XLA:CPU's fp32 promotion of bf16
-reductions and its all-reduce+dynamic-slice lowering of reduce-scatter (formulas.py).
+boost_jax.analysis.comm, which undoes XLA:CPU's fp32 promotion of bf16 reductions and its
+all-reduce+dynamic-slice lowering of reduce-scatter (bytes as a GPU would move them).
 """
 
 import jax
@@ -14,7 +14,7 @@ from boost_jax.analysis.comm import analyze_compiled
 from boost_jax.config import load_config
 from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import make_mesh
-from boost_jax.sharding.formulas import comm_per_step, measured_per_level
+from boost_jax.sharding.formulas import comm_per_step
 from boost_jax.train.step import build_step
 
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.d_ff=128",
@@ -74,8 +74,8 @@ def test_hierarchical_internode_bytes_match_the_formula(compiled):
 def test_zero3_internode_bytes_grow_with_micro_batches(compiled):
     _, r1 = compiled("zero3", 1)
     _, r4 = compiled("zero3", 4)
-    g1 = measured_per_level(r1)["global"]
-    g4 = measured_per_level(r4)["global"]
+    g1 = r1.per_level()["global"]["bytes"]
+    g4 = r4.per_level()["global"]["bytes"]
     assert g4 / g1 == pytest.approx(4.0, rel=0.05)
     b, _ = compiled("zero3", 4)
     assert g4 == pytest.approx(comm_per_step(b.placement, 4)["global"], rel=0.10)
@@ -96,9 +96,9 @@ def test_zeropp_backward_gathers_stay_inside_the_node(compiled):
     m3 = H.parse_module(r3.hlo_text)
     assert "global" in {c.level for c in r3.filter(kind="all-gather", in_loop=True)
                         if _is_backward(m3, c)}
-    g = measured_per_level(r)["global"]
+    g = r.per_level()["global"]["bytes"]
     assert g == pytest.approx(comm_per_step(b.placement, 4)["global"], rel=0.10)
-    assert g < 0.7 * measured_per_level(r3)["global"]
+    assert g < 0.7 * r3.per_level()["global"]["bytes"]
 
 
 def test_int8_gathers_move_about_half_the_bytes(compiled):
@@ -116,8 +116,8 @@ def test_int8_gathers_move_about_half_the_bytes(compiled):
 
 
 def test_hierarchical_crosses_nodes_far_less_than_zero3_and_zeropp(compiled):
-    g = {p: measured_per_level(compiled(p)[1])["global"] for p in ("hierarchical", "zero3",
-                                                                   "zeropp")}
+    g = {p: compiled(p)[1].per_level()["global"]["bytes"]
+         for p in ("hierarchical", "zero3", "zeropp")}
     assert g["hierarchical"] <= g["zero3"] / 16
     assert g["hierarchical"] <= g["zeropp"] / 4
 

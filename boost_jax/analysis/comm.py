@@ -6,6 +6,10 @@ checked on the compiled program. Each collective's replica groups (partition ids
 `global`; bytes are ring-algorithm bytes sent per device, multiplied by enclosing loop trip
 counts so totals are per optimizer step.
 
+Bytes are what a GPU would move: boost_jax.analysis.cpu_lowering undoes two XLA:CPU artifacts
+(bf16 reductions run in fp32; reduce-scatter lowered as all-reduce + dynamic-slice), and
+`raw_bytes_per_step` / `per_level(raw=True)` keep the bytes read off the CPU program.
+
     python -m boost_jax.analysis.comm --config configs/demo.yaml parallel.plan=zero3 --cpu-devices 8
 """
 
@@ -21,11 +25,11 @@ from typing import Any, Optional, Sequence
 import numpy as np
 
 from boost_jax.analysis import hlo as H
+from boost_jax.analysis.cpu_lowering import lowered_reduce_scatter, undo_cpu_artifacts
 
 LEVELS = ("pair", "node", "global")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
          "collective-broadcast")
-_PASS_THROUGH = ("bitcast", "copy", "reshape")
 
 
 @dataclass
@@ -36,7 +40,9 @@ class Collective:
     shapes: list[str]  # result leaves, e.g. ["f32[4,16]"] (tuple collectives list several)
     dtypes: list[str]
     result_bytes: float  # bytes of the result on one device (all tuple operands)
-    payload_bytes: float  # P of the ring formula (full result; input for reduce-scatter)
+    payload_bytes: float  # P of the ring formula (full result; input for reduce-scatter), as a
+    # GPU would move it (a bf16 reduction XLA:CPU ran in fp32 counts at 16 bits); shapes, dtypes
+    # and result_bytes are as compiled
     groups: list[list[int]]  # partition ids; collective-permute: its (source, target) pairs
     group_size: int
     level: str  # pair | node | global | none (groups of one) | '+'-joined axes on other meshes
@@ -49,6 +55,8 @@ class Collective:
     bytes_per_step: float = 0.0  # × trip_count (× 1 when unknown)
     lowered_as: Optional[str] = None
     reduction: Optional[str] = None  # all-reduce/reduce-scatter combiner root (add, maximum…)
+    raw_bytes_per_step: float = 0.0  # as read off the CPU program, before the CPU corrections
+    cpu_fixes: tuple[str, ...] = ()  # XLA:CPU artifacts undone: "fp32-promoted", "sliced"
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -92,43 +100,6 @@ def _worst(levels: list[str]) -> str:
     return max(levels, key=lambda lv: order.get(lv, 4)) if levels else "none"
 
 
-def _slices_to(module: H.Module, users: dict, name: str, elems: int, n: int):
-    """The slice shape if every use of `name` is a dynamic-slice keeping elems/n, else None."""
-    us, found = users.get(name, []), None
-    if not us:
-        return None
-    for u in us:
-        if u.opcode in _PASS_THROUGH:
-            found = _slices_to(module, users, u.name, elems, n)
-        elif u.opcode == "dynamic-slice":
-            found = u.shape[0] if u.shape[0].elements * n == elems else None
-        elif u.opcode == "fusion":  # CPU fuses the slice (often with a bitcast)
-            comps = [module.computations.get(c) for c in u.called()]
-            found = next((i.shape[0] for c in comps if c for i in c.instrs.values()
-                          if i.opcode == "dynamic-slice" and i.shape[0].elements * n == elems),
-                         None)
-        else:
-            found = None
-        if found is None:
-            return None
-    return found
-
-
-def _lowered_reduce_scatter(module, comp, ins, n) -> Optional[list[H.Array]]:
-    """Sliced result shapes if `ins` is an all-reduce used only through 1/n dynamic-slices."""
-    if n <= 1:
-        return None
-    users = comp.users()
-    if len(ins.shape) == 1:
-        s = _slices_to(module, users, ins.name, ins.shape[0].elements, n)
-        return [s] if s is not None else None
-    gtes = users.get(ins.name, [])  # variadic all-reduce: every element must be sliced
-    if not gtes or any(g.opcode != "get-tuple-element" for g in gtes):
-        return None
-    out = [_slices_to(module, users, g.name, g.shape[0].elements, n) for g in gtes]
-    return None if any(s is None for s in out) else out
-
-
 def extract_collectives(module: H.Module, mesh) -> list[Collective]:
     n_dev = int(np.prod(mesh.devices.shape))
     if module.num_partitions * module.num_replicas != n_dev:
@@ -156,7 +127,7 @@ def extract_collectives(module: H.Module, mesh) -> list[Collective]:
             axes = tuple(a for a in mesh.axis_names if any(a in ax for _, ax in lv))
             lowered = None
             payload = res_bytes
-            sliced = _lowered_reduce_scatter(module, comp, ins, n) if kind == "all-reduce" \
+            sliced = lowered_reduce_scatter(module, comp, ins, n) if kind == "all-reduce" \
                 else None
             if sliced is not None:  # payload stays the all-reduce result (= the RS input)
                 kind, lowered, shape = "reduce-scatter", "all-reduce+dynamic-slice", sliced
@@ -168,14 +139,18 @@ def extract_collectives(module: H.Module, mesh) -> list[Collective]:
                 rc = module.computations.get(ins.attr("to_apply").lstrip("%"))
                 roots = [i.opcode for i in rc.instrs.values() if i.is_root] if rc else []
                 red = roots[0] if roots else None
-            per_call = ring_bytes(kind, n, payload)
+            raw_per_call = ring_bytes(kind, n, payload)
+            kind, lowered, payload, factor, fixes = undo_cpu_artifacts(
+                module, comp, ins, kind, lowered, payload, n)
+            per_call = raw_per_call * factor
             out.append(Collective(
                 name=ins.name, kind=kind, opcode=op, shapes=[str(a) for a in shape],
                 dtypes=[a.dtype for a in shape], result_bytes=res_bytes, payload_bytes=payload,
                 groups=groups, group_size=n, level=level, axes=axes, computation=comp.name,
                 in_loop=bool(loops), loops=list(loops), trip_count=mult,
                 bytes_per_call=per_call, bytes_per_step=per_call * (mult or 1),
-                lowered_as=lowered, reduction=red))
+                lowered_as=lowered, reduction=red,
+                raw_bytes_per_step=raw_per_call * (mult or 1), cpu_fixes=fixes))
     return out
 
 
@@ -257,12 +232,14 @@ class CommReport:
         return [c for c in self.collectives if _match(c.kind, kind) and _match(c.level, level)
                 and _match(c.in_loop, in_loop) and _match(c.computation, computation)]
 
-    def per_level(self) -> dict[str, dict]:
-        """level → {bytes (per device per step), count (ops in the HLO), calls (per step)}."""
+    def per_level(self, raw: bool = False) -> dict[str, dict]:
+        """level → {bytes (per device per step), count (ops in the HLO), calls (per step)}.
+
+        raw: bytes as read off the CPU program, without undoing the XLA:CPU artifacts."""
         out = {lv: {"bytes": 0.0, "count": 0, "calls": 0} for lv in LEVELS}
         for c in self.collectives:
             row = out.setdefault(c.level, {"bytes": 0.0, "count": 0, "calls": 0})
-            row["bytes"] += c.bytes_per_step
+            row["bytes"] += c.raw_bytes_per_step if raw else c.bytes_per_step
             row["count"] += 1
             row["calls"] += c.trip_count or 1
         return out
@@ -292,12 +269,15 @@ class CommReport:
             loop = f"x{c.trip_count if c.trip_count is not None else '?'}" if c.in_loop else "-"
             shape = ",".join(c.shapes)
             shape = shape if len(shape) <= 27 else shape[:24] + "..."
-            kind = c.kind + ("*" if c.lowered_as else "")
+            kind = c.kind + ("*" if c.lowered_as else "") + ("†" if c.cpu_fixes else "")
             lines.append(f"{kind:<19}{c.level:<7}{c.group_size:>3}  {loop:<9}{shape:<28}"
                          f"{_fmt_bytes(c.payload_bytes):>11}{_fmt_bytes(c.bytes_per_step):>12}"
                          f"  {c.computation}")
         if any(c.lowered_as for c in self.collectives):
             lines.append("* lowered by XLA as all-reduce + dynamic-slice")
+        if any(c.cpu_fixes for c in self.collectives):
+            lines.append("† XLA:CPU artifact undone (bf16 reduction run in fp32; reduce-scatter "
+                         "behind a convert): bytes as a GPU would move")
         lines.append("")
         mesh = " x ".join(f"{k}={v}" for k, v in self.mesh_shape.items())
         lines.append(f"per level (bytes sent per device per step, mesh {mesh}):")

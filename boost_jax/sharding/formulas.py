@@ -38,9 +38,9 @@ Memory per device (stored state + the accumulator + saved secondaries):
 Padding (a dim padded to a multiple of the role devices) adds its zeros to every role; the
 report lists it separately. A leaf that could not be sharded counts at full size.
 
-XLA:CPU specifics (only matter when comparing with compiled CPU programs): bf16 reductions are
-run in fp32 (`*_promoted` reducers) and GSPMD lowers a reduce-scatter as all-reduce +
-dynamic-slice; `measured_per_level` undoes both so that numbers match what a GPU would move.
+Compiled CPU programs are compared through boost_jax.analysis.comm, whose bytes already undo
+the XLA:CPU artifacts (bf16 reductions run in fp32; reduce-scatter lowered as all-reduce +
+dynamic-slice), so they are what a GPU would move.
 """
 
 from __future__ import annotations
@@ -215,98 +215,4 @@ def comm_per_step(pl, micro_batches: int, terms: bool = False) -> dict:
     return out
 
 
-# --------------------------------------------------------------------------- measuring on CPU
-
-
-def measured_per_level(report) -> dict:
-    """comm.py's per-level bytes with two XLA:CPU artifacts undone (see module docstring):
-
-    * an all-reduce whose reducer is `*_promoted` ran a bf16 reduction in fp32: half the bytes;
-    * an all-reduce whose every use reaches (through converts, bitcasts, copies and
-      get-tuple-elements) a dynamic-slice of 1/n of it is a reduce-scatter: half the ring cost.
-    Returns {level: bytes} plus "corrections": the list of collectives changed."""
-    from boost_jax.analysis import hlo as H
-
-    module = H.parse_module(report.hlo_text)
-    out = {lv: 0.0 for lv in LEVELS}
-    fixed = []
-    for c in report.collectives:
-        b = c.bytes_per_step
-        if c.kind == "reduce-scatter" and c.lowered_as is None and c.group_size > 1:
-            comp = module.computations.get(c.computation)
-            ins = comp.instrs.get(c.name) if comp else None
-            if ins is not None and (ins.attr("to_apply") or "").endswith("_promoted"):
-                fixed.append((c.name, c.level, c.bytes_per_step, b * 0.5, True, 0.0))
-                b *= 0.5
-        if c.kind == "all-reduce" and c.group_size > 1:
-            comp = module.computations.get(c.computation)
-            ins = comp.instrs.get(c.name) if comp else None
-            if ins is not None:
-                red = (ins.attr("to_apply") or "").lstrip("%")
-                promoted = red.endswith("_promoted")
-                rs = _sliced_fraction(module, comp, ins, c.group_size)
-                f = (0.5 if promoted else 1.0) * (1.0 - 0.5 * rs)
-                if f != 1.0:
-                    fixed.append((c.name, c.level, c.bytes_per_step, b * f, promoted, rs))
-                    b *= f
-        if c.level in out:
-            out[c.level] += b
-    out["total"] = sum(out[lv] for lv in LEVELS)
-    out["corrections"] = fixed
-    return out
-
-
-_PASS = ("bitcast", "copy", "reshape", "convert", "get-tuple-element", "bitcast-convert")
-
-
-def _fusion_is_pass(module, ins) -> bool:
-    comps = [module.computations.get(cn) for cn in ins.called()]
-    ops = {i.opcode for cc in comps if cc for i in cc.instrs.values()} - {"parameter"}
-    return bool(ops) and ops <= set(_PASS)
-
-
-def _sliced_fraction(module, comp, ins, n) -> float:
-    """Fraction of an all-reduce's bytes (per tuple element) that is only used sliced 1/n."""
-    if len(ins.shape) == 1:
-        return 1.0 if _only_sliced(module, comp, ins, n) else 0.0
-    total = sum(a.nbytes for a in ins.shape) or 1.0
-    done = 0.0
-    for g in comp.users().get(ins.name, []):
-        if g.opcode != "get-tuple-element":
-            return 0.0
-        if _only_sliced(module, comp, g, n):
-            done += g.shape[0].nbytes
-    return done / total
-
-
-def _only_sliced(module, comp, ins, n, depth=0) -> bool:
-    """Every use of `ins` ends in a 1/n dynamic-slice (possibly inside a fusion)."""
-    if depth > 8:
-        return False
-    users = comp.users().get(ins.name, [])
-    if not users:
-        return False
-    elems = sum(a.elements for a in ins.shape)
-    for u in users:
-        if u.opcode in _PASS or (u.opcode == "fusion" and _fusion_is_pass(module, u)):
-            if not _only_sliced(module, comp, u, n, depth + 1):
-                return False
-        elif u.opcode == "dynamic-slice":
-            if u.shape[0].elements * n != elems:
-                return False
-        elif u.opcode == "fusion":
-            comps = [module.computations.get(cn) for cn in u.called()]
-            if not any(i.opcode == "dynamic-slice" and i.shape[0].elements * n
-                       == u_operand_elems(ins) for cc in comps if cc for i in cc.instrs.values()):
-                return False
-        else:
-            return False
-    return True
-
-
-def u_operand_elems(ins) -> int:
-    return sum(a.elements for a in ins.shape) if len(ins.shape) == 1 else ins.shape[0].elements
-
-
-__all__ = ["memory_per_device", "comm_per_step", "measured_per_level", "level_of",
-           "int8_payload"]
+__all__ = ["memory_per_device", "comm_per_step", "level_of", "int8_payload"]

@@ -1,0 +1,134 @@
+"""How XLA:CPU lowers collectives, and what a GPU would move instead.
+
+The communication analyzer (boost_jax.analysis.comm) reads collectives off compiled CPU
+programs. Two XLA:CPU artifacts would misstate the traffic of the same program on a GPU:
+
+* XLA:CPU runs bf16 reductions in fp32: an all-reduce / reduce-scatter fed by a convert from
+  bf16, its reducer a `*_promoted` computation. The payload counts at the original 16 bits.
+* GSPMD lowers a reduce-scatter as all-reduce + dynamic-slice of 1/n. `lowered_reduce_scatter`
+  recognises a slice reached through bitcasts, copies and reshapes (the analyzer's raw reading);
+  `undo_cpu_artifacts` also sees one behind a convert (or bitcast-convert, get-tuple-element, a
+  fusion of those): the all-reduce is a reduce-scatter, half the ring bytes. A variadic
+  all-reduce with only some elements sliced keeps its kind and has those elements' share halved.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from boost_jax.analysis import hlo as H
+
+_PASS_THROUGH = ("bitcast", "copy", "reshape")
+
+
+def _slices_to(module: H.Module, users: dict, name: str, elems: int, n: int):
+    """The slice shape if every use of `name` is a dynamic-slice keeping elems/n, else None."""
+    us, found = users.get(name, []), None
+    if not us:
+        return None
+    for u in us:
+        if u.opcode in _PASS_THROUGH:
+            found = _slices_to(module, users, u.name, elems, n)
+        elif u.opcode == "dynamic-slice":
+            found = u.shape[0] if u.shape[0].elements * n == elems else None
+        elif u.opcode == "fusion":  # CPU fuses the slice (often with a bitcast)
+            comps = [module.computations.get(c) for c in u.called()]
+            found = next((i.shape[0] for c in comps if c for i in c.instrs.values()
+                          if i.opcode == "dynamic-slice" and i.shape[0].elements * n == elems),
+                         None)
+        else:
+            found = None
+        if found is None:
+            return None
+    return found
+
+
+def lowered_reduce_scatter(module, comp, ins, n) -> Optional[list[H.Array]]:
+    """Sliced result shapes if `ins` is an all-reduce used only through 1/n dynamic-slices."""
+    if n <= 1:
+        return None
+    users = comp.users()
+    if len(ins.shape) == 1:
+        s = _slices_to(module, users, ins.name, ins.shape[0].elements, n)
+        return [s] if s is not None else None
+    gtes = users.get(ins.name, [])  # variadic all-reduce: every element must be sliced
+    if not gtes or any(g.opcode != "get-tuple-element" for g in gtes):
+        return None
+    out = [_slices_to(module, users, g.name, g.shape[0].elements, n) for g in gtes]
+    return None if any(s is None for s in out) else out
+
+
+def undo_cpu_artifacts(module, comp, ins, kind, lowered, payload, n):
+    """(kind, lowered_as, payload, bytes factor, fixes) with the XLA:CPU artifacts undone.
+
+    The factor multiplies the ring bytes read off the program: 0.5 for a bf16 reduction run in
+    fp32, and (1 − 0.5·f) for an all-reduce of which a fraction f is only used sliced 1/n. The
+    returned payload keeps ring_bytes(kind, n, payload) equal to the corrected bytes."""
+    factor, fixes = 1.0, []
+    if n <= 1 or kind not in ("all-reduce", "reduce-scatter"):
+        return kind, lowered, payload, factor, ()
+    if (ins.attr("to_apply") or "").endswith("_promoted"):
+        factor, payload = 0.5, payload * 0.5
+        fixes.append("fp32-promoted")
+    if kind == "all-reduce":
+        rs = _sliced_fraction(module, comp, ins, n)
+        if rs:
+            factor *= 1.0 - 0.5 * rs
+            fixes.append("sliced")
+        if rs == 1.0:
+            kind, lowered = "reduce-scatter", "all-reduce+convert+dynamic-slice"
+        elif rs:  # partly sliced: the payload whose all-reduce ring bytes equal the mix
+            payload *= 1.0 - 0.5 * rs
+    return kind, lowered, payload, factor, tuple(fixes)
+
+
+_PASS = ("bitcast", "copy", "reshape", "convert", "get-tuple-element", "bitcast-convert")
+
+
+def _fusion_is_pass(module, ins) -> bool:
+    comps = [module.computations.get(cn) for cn in ins.called()]
+    ops = {i.opcode for cc in comps if cc for i in cc.instrs.values()} - {"parameter"}
+    return bool(ops) and ops <= set(_PASS)
+
+
+def _sliced_fraction(module, comp, ins, n) -> float:
+    """Fraction of an all-reduce's bytes (per tuple element) that is only used sliced 1/n."""
+    if len(ins.shape) == 1:
+        return 1.0 if _only_sliced(module, comp, ins, n) else 0.0
+    total = sum(a.nbytes for a in ins.shape) or 1.0
+    done = 0.0
+    for g in comp.users().get(ins.name, []):
+        if g.opcode != "get-tuple-element":
+            return 0.0
+        if _only_sliced(module, comp, g, n):
+            done += g.shape[0].nbytes
+    return done / total
+
+
+def _only_sliced(module, comp, ins, n, depth=0) -> bool:
+    """Every use of `ins` ends in a 1/n dynamic-slice (possibly inside a fusion)."""
+    if depth > 8:
+        return False
+    users = comp.users().get(ins.name, [])
+    if not users:
+        return False
+    elems = sum(a.elements for a in ins.shape)
+    for u in users:
+        if u.opcode in _PASS or (u.opcode == "fusion" and _fusion_is_pass(module, u)):
+            if not _only_sliced(module, comp, u, n, depth + 1):
+                return False
+        elif u.opcode == "dynamic-slice":
+            if u.shape[0].elements * n != elems:
+                return False
+        elif u.opcode == "fusion":
+            comps = [module.computations.get(cn) for cn in u.called()]
+            if not any(i.opcode == "dynamic-slice" and i.shape[0].elements * n
+                       == _operand_elems(ins) for cc in comps if cc for i in cc.instrs.values()):
+                return False
+        else:
+            return False
+    return True
+
+
+def _operand_elems(ins) -> int:
+    return sum(a.elements for a in ins.shape) if len(ins.shape) == 1 else ins.shape[0].elements
