@@ -78,12 +78,17 @@ def _norm_blocks(T: int, d: int):
     return bt, bd, (4 if bt * bd <= 4096 else 8)
 
 
-# ---------------------------------------------------------------- forward kernel
-def _fwd_kernel(x_ref, g_ref, xh_ref, s_ref, r_ref, *, T, d, eps, bt, bd):
+def _tile_masks(T: int, d: int, bt: int, bd: int):
+    """Row, column and tile masks of this program's [bt, bd] tile (ragged edges masked)."""
     rows = pl.program_id(0) * bt + jnp.arange(bt)
     cols = jnp.arange(bd)
     rm, cm = rows < T, cols < d
-    m = rm[:, None] & cm[None, :]
+    return rm, cm, rm[:, None] & cm[None, :]
+
+
+# ---------------------------------------------------------------- forward kernel
+def _fwd_kernel(x_ref, g_ref, xh_ref, s_ref, r_ref, *, T, d, eps, bt, bd):
+    rm, cm, m = _tile_masks(T, d, bt, bd)
     x = plt.load(x_ref, mask=m, other=0).astype(F32)
     g = plt.load(g_ref, mask=cm, other=0).astype(F32)
     s = jnp.sum(x * x, axis=1)
@@ -111,10 +116,7 @@ def _fwd_call(x, g, eps, interpret):
 
 # ---------------------------------------------------------------- backward kernel
 def _bwd_kernel(x_ref, g_ref, gxh_ref, gs_ref, gr_ref, dx_ref, dg_ref, *, T, d, eps, bt, bd):
-    rows = pl.program_id(0) * bt + jnp.arange(bt)
-    cols = jnp.arange(bd)
-    rm, cm = rows < T, cols < d
-    m = rm[:, None] & cm[None, :]
+    rm, cm, m = _tile_masks(T, d, bt, bd)
     x = plt.load(x_ref, mask=m, other=0).astype(F32)
     g = plt.load(g_ref, mask=cm, other=0).astype(F32)
     gxh = plt.load(gxh_ref, mask=m, other=0).astype(F32)
