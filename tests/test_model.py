@@ -18,6 +18,8 @@ from boost_jax.config import ModelConfig
 from boost_jax.layers.model import (LATENT_KEYS, LlamaModel, abstract_model, build_model,
                                     count_params, fast_compile_options)
 
+from weights import random_weights
+
 ARCHS = ["full", "svd", "cola", "lax"]
 B, S = 2, 8
 
@@ -31,19 +33,7 @@ def small_cfg(arch="lax", **kw):
 def np_model(cfg, seed=0, **kw):
     """Model with random NumPy weights (norm scales and gates near their init)."""
     graphdef, state = abstract_model(cfg, **kw)
-    rng = np.random.default_rng(seed)
-
-    def fill(path, x):
-        name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
-        v = rng.normal(size=x.shape)
-        if name in ("scale", "latent_scale"):
-            v = 1.0 + 0.1 * v
-        elif name == "g":
-            v = np.eye(x.shape[-1]) + 0.1 * v
-        else:
-            v = v / np.sqrt(x.shape[-2])
-        return jnp.asarray(v, x.dtype)
-    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(fill, state))
+    return nnx.merge(graphdef, jax.tree.map(jnp.asarray, random_weights(state, seed)))
 
 
 def tokens(seed=0):

@@ -26,6 +26,8 @@ from boost_jax.mesh import make_mesh
 from boost_jax.sharding.tensor_parallel import (
     abstract_params, build_tp_loss_fn, tp_param_specs, tp_shardings, validate_tp)
 
+from weights import random_weights
+
 B, S = 4, 8
 BASE = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=8, d_ff=64, rank=8, max_seq_len=S,
             lax_gate="gate")
@@ -58,20 +60,7 @@ def _params_and_batch(key):
     mc = ModelConfig(**dict(key))
     cfg = Config()
     cfg.model = mc
-    rng = np.random.default_rng(0)
-
-    def fill(path, x):
-        name = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
-        v = rng.normal(size=x.shape)
-        if name in ("scale", "latent_scale"):
-            v = 1.0 + 0.1 * v
-        elif name == "g":
-            v = np.eye(x.shape[-1]) + 0.1 * v
-        else:
-            v = v / np.sqrt(x.shape[-2] if x.ndim > 1 else 1.0)
-        return np.asarray(v, np.float32)
-
-    params = jax.tree_util.tree_map_with_path(fill, abstract_params(cfg))
+    params = random_weights(abstract_params(cfg), 0, np.float32)
     toks = np.asarray(jax.random.randint(jax.random.key(1), (B, S + 1), 0, mc.vocab_size))
     return params, {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
 
