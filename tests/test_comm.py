@@ -71,15 +71,18 @@ def test_psum_scatter_is_reduce_scatter(mesh):
     assert c.bytes_per_step == pytest.approx(0.5 * 8 * 16 * 4)
 
 
+def row_parallel_matmul(mesh, dtype, out_spec):
+    """x @ w contracted over the sharded (pair, global) dim, output constrained to out_spec."""
+    s = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    x = jax.ShapeDtypeStruct((16, 64), dtype, sharding=s(None, ("pair", "global")))
+    w = jax.ShapeDtypeStruct((64, 32), dtype, sharding=s(("pair", "global"), None))
+    return analyze(lambda x, w: jax.lax.with_sharding_constraint(x @ w, s(*out_spec)), (x, w), mesh)
+
+
 def test_cpu_all_reduce_plus_dynamic_slice_is_reduce_scatter(mesh):
     # A row-parallel matmul whose output is constrained sharded: on CPU XLA emits all-reduce
     # followed by a (fused) dynamic-slice of 1/n of it.
-    s = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
-    x = jax.ShapeDtypeStruct((16, 64), jnp.float32, sharding=s(None, ("pair", "global")))
-    w = jax.ShapeDtypeStruct((64, 32), jnp.float32, sharding=s(("pair", "global"), None))
-    f = lambda x, w: jax.lax.with_sharding_constraint(x @ w, s(("pair", "global")))  # noqa: E731
-    r = analyze(f, (x, w), mesh)
-    c = only(r)
+    c = only(row_parallel_matmul(mesh, jnp.float32, [("pair", "global")]))
     assert c.opcode == "all-reduce" and c.kind == "reduce-scatter"
     assert c.lowered_as == "all-reduce+dynamic-slice"
     assert c.level == "global" and c.group_size == 4 and c.axes == ("pair", "global")
@@ -87,8 +90,7 @@ def test_cpu_all_reduce_plus_dynamic_slice_is_reduce_scatter(mesh):
     assert c.shapes == ["f32[4,32]"] and c.payload_bytes == 16 * 32 * 4
     assert c.bytes_per_step == pytest.approx(3 / 4 * 16 * 32 * 4)
     # the same matmul with a replicated output stays an all-reduce
-    g = lambda x, w: jax.lax.with_sharding_constraint(x @ w, s())  # noqa: E731
-    assert only(analyze(g, (x, w), mesh)).kind == "all-reduce"
+    assert only(row_parallel_matmul(mesh, jnp.float32, [])).kind == "all-reduce"
 
 
 def test_bf16_psum_counts_16_bit_payload(mesh):
@@ -114,11 +116,7 @@ def test_bf16_psum_scatter_counts_16_bit_payload(mesh):
 def test_bf16_reduce_scatter_behind_a_convert(mesh):
     # bf16 row-parallel matmul, output constrained sharded: XLA:CPU emits a promoted fp32
     # all-reduce, a convert back to bf16, then the 1/n dynamic-slice (fused with a convert)
-    s = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
-    x = jax.ShapeDtypeStruct((16, 64), jnp.bfloat16, sharding=s(None, ("pair", "global")))
-    w = jax.ShapeDtypeStruct((64, 32), jnp.bfloat16, sharding=s(("pair", "global"), None))
-    f = lambda x, w: jax.lax.with_sharding_constraint(x @ w, s(("pair", "global")))  # noqa: E731
-    r = analyze(f, (x, w), mesh)
+    r = row_parallel_matmul(mesh, jnp.bfloat16, [("pair", "global")])
     c = only(r)
     assert c.opcode == "all-reduce" and c.kind == "reduce-scatter"
     assert c.cpu_fixes == ("fp32-promoted", "sliced")
@@ -129,8 +127,7 @@ def test_bf16_reduce_scatter_behind_a_convert(mesh):
     assert r.per_level()["global"]["bytes"] == pytest.approx(c.bytes_per_step)
     assert r.per_level(raw=True)["global"]["bytes"] == pytest.approx(c.raw_bytes_per_step)
     # replicated output: stays an all-reduce, only the fp32 promotion is undone
-    g = lambda x, w: jax.lax.with_sharding_constraint(x @ w, s())  # noqa: E731
-    c = only(analyze(g, (x, w), mesh))
+    c = only(row_parallel_matmul(mesh, jnp.bfloat16, []))
     assert c.kind == "all-reduce" and c.cpu_fixes == ("fp32-promoted",)
     assert c.bytes_per_step == pytest.approx(2 * 3 / 4 * 16 * 32 * 2)
 
