@@ -25,6 +25,7 @@ Crash safety:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -51,13 +52,19 @@ class NonFiniteStateError(UserError):
 
 def _reason(e: BaseException) -> str:
     """One line for an exception, preferring the OS error at its root (disk full, permission)."""
-    seen, cur = set(), e
+    seen, cur, found = set(), e, []
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
         if isinstance(cur, OSError) and cur.strerror:
-            where = f": {cur.filename}" if cur.filename else ""
-            return f"{cur.strerror}{where}"
+            found.append(cur)
         cur = cur.__cause__ or cur.__context__
+    # orbax's clean-up of the half-written directory can fail on top of the real error
+    # (ENOTEMPTY/ENOENT from racing writer threads): report the cause, not the clean-up
+    causes = [x for x in found if x.errno not in (errno.ENOTEMPTY, errno.ENOENT)] or found
+    if causes:
+        cur = causes[-1]
+        where = f": {cur.filename}" if cur.filename else ""
+        return f"{cur.strerror}{where}"
     text = str(e).strip().splitlines()
     first = text[0] if text else ""
     for code, what in _STATUS.items():  # tensorstore reports OS errors as status codes

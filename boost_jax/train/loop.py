@@ -243,7 +243,7 @@ def run(cfg: Config, compiler_options: Optional[dict] = None) -> dict:
 
     pending_finite = []
 
-    def check_finite(step: int, m: Optional[dict] = None) -> None:
+    def check_finite(step: int) -> None:
         flags = [bool(f) for f in jax.device_get(pending_finite)]
         pending_finite.clear()
         if not all(flags) and not tcfg.skip_nonfinite:
