@@ -49,11 +49,12 @@ def worker(args) -> None:
     n = args.cpu_devices
     topo = "cpu" if n <= 8 else "frontier"  # 8 → (2,2,2); 64 → (2,4,8)
     rows = []
-    for plan in args.plans.split(","):
+    for tp, plan in [(t, p) for t in args.tp.split(",") for p in args.plans.split(",")]:
+        tp_over = [] if tp == "none" else [f"parallel.tp_mode={tp}", "parallel.tp_axes=[pair]"]
         overrides = ["model.param_dtype=bfloat16", "model.dtype=bfloat16",
                      f"train.micro_batches={args.micro}", f"train.global_batch={args.batch}",
                      f"data.seq_len={args.seq}", f"mesh.topology={topo}",
-                     f"parallel.plan={plan}"] + list(args.overrides)
+                     f"parallel.plan={plan}"] + tp_over + list(args.overrides)
         cfg = load_config(args.config, overrides)
         mesh = mesh_from_config(cfg)
         t0 = time.perf_counter()
@@ -68,7 +69,7 @@ def worker(args) -> None:
         mem = bundle.placement.memory()
         batch_bytes = 2 * args.batch * args.seq * 4 / n  # inputs + targets, int32
         rows.append({
-            "plan": plan, "devices": n, "mesh": dict(mesh.shape), "micro_batches": args.micro,
+            "plan": plan, "tp": tp, "devices": n, "mesh": dict(mesh.shape), "micro_batches": args.micro,
             "roles": bundle.placement.describe(), "compile_s": round(secs, 1),
             "raw": {lv: rep.per_level(raw=True)[lv]["bytes"] for lv in ("pair", "node", "global")},
             "measured": {lv: meas[lv] for lv in ("pair", "node", "global")},
@@ -77,7 +78,7 @@ def worker(args) -> None:
             "memory_measured": rep.memory, "batch_bytes": batch_bytes,
             "params": bundle.n_params,
         })
-        print(f"[{n} devices] {plan}: compiled in {secs:.1f}s, global "
+        print(f"[{n} devices] {plan} tp={tp}: compiled in {secs:.1f}s, global "
               f"{meas['global'] / MB:.1f} MB/step", file=sys.stderr, flush=True)
     with open(args.json_out, "w") as f:
         json.dump(rows, f, indent=1)
@@ -99,17 +100,21 @@ def table(rows) -> str:
     from benchmarks.common import markdown_table
 
     out = []
-    for n in sorted({r["devices"] for r in rows}):
-        rs = [r for r in rows if r["devices"] == n]
+    for n, tp in sorted({(r["devices"], r.get("tp", "none")) for r in rows},
+                        key=lambda k: (k[0], k[1] != "none")):
+        rs = [r for r in rows if r["devices"] == n and r.get("tp", "none") == tp]
         hier = next((r for r in rs if r["plan"] == "hierarchical"), None)
         mesh = rs[0]["mesh"]
-        out.append(f"\n**{n} devices**, mesh pair={mesh['pair']} × node={mesh['node']} × "
-                   f"global={mesh['global']}, {rs[0]['micro_batches']} micro-batches, "
-                   f"Ψ = {rs[0]['params'] / 1e6:.1f} M parameters (bf16 weights)\n")
+        tp_txt = "no TP" if tp == "none" else f"{tp} TP over `pair` (data-parallel roles on " \
+                                               "node × global)"
+        out.append(f"\n**{n} devices, {tp_txt}**, mesh pair={mesh['pair']} × node="
+                   f"{mesh['node']} × global={mesh['global']}, {rs[0]['micro_batches']} "
+                   f"micro-batches, Ψ = {rs[0]['params'] / 1e6:.1f} M parameters (bf16 "
+                   "weights)\n")
         head = ["plan", "params / grads / opt / secondary", "pair MB", "node MB",
                 "global MB", "global MB formula", "global MB comm.py raw",
-                "global ÷ hierarchical", "state MB pred / meas", "grads MB", "secondary MB",
-                "temp MB", "compile s"]
+                "global ÷ hierarchical (formula)", "state MB pred / meas", "grads MB",
+                "secondary MB", "temp MB", "compile s"]
         body = []
         for r in rs:
             m, f, raw = r["measured"], r["formula"], r["raw"]
@@ -118,9 +123,11 @@ def table(rows) -> str:
             state_meas = (mm.get("argument", 0) - r["batch_bytes"]) if mm else float("nan")
             ratio = (m["global"] / hier["measured"]["global"]) if hier and \
                 hier["measured"]["global"] else float("nan")
+            fratio = (f["global"] / hier["formula"]["global"]) if hier and \
+                hier["formula"]["global"] else float("nan")
             body.append([r["plan"], _roles(r["roles"]), m["pair"] / MB, m["node"] / MB,
                          m["global"] / MB, f["global"] / MB, raw["global"] / MB,
-                         f"{ratio:.1f}×", f"{state_pred / MB:,.0f} / {state_meas / MB:,.0f}",
+                         f"{ratio:.1f}× ({fratio:.1f}×)", f"{state_pred / MB:,.0f} / {state_meas / MB:,.0f}",
                          mp["grads"] / MB, mp["secondary"] / MB,
                          (mm.get("temp", 0)) / MB, r["compile_s"]])
         out.append(markdown_table(head, body))
@@ -132,6 +139,7 @@ def main() -> int:
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "cola-1b.yaml"))
     p.add_argument("--devices", default="8,64")
     p.add_argument("--plans", default=",".join(PLANS))
+    p.add_argument("--tp", default="none,btp", help="TP modes (btp: over `pair`)")
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--batch", type=int, default=256, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=256)
@@ -150,6 +158,7 @@ def main() -> int:
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--cpu-devices", str(n),
                "--json-out", js, "--config", args.config, "--plans", args.plans,
                "--micro", str(args.micro), "--batch", str(args.batch), "--seq", str(args.seq),
+               "--tp", args.tp,
                *args.overrides]
         env = dict(os.environ, JAX_PLATFORMS="cpu")
         subprocess.run(cmd, check=True, env=env)
@@ -190,8 +199,12 @@ Reading the table:
   its docstring); it matches the measured inter-node bytes of every plan.
 - hierarchical crosses nodes once per step (fp32 reduce-scatter of the node's gradient shard,
   bf16 all-gather of the updated node shard): 6Ψ(G−1)/(G·D) bytes, independent of the number
-  of micro-batches; ZeRO-3 moves k·6Ψ(N−1)/N, ZeRO++ (qwZ int8 forward gather, hpZ backward
-  gather inside the node, bf16 gradient reduce-scatter — no int4 qgZ) k·(q(Ψ)+2Ψ)(N−1)/N.
+  of micro-batches; ZeRO-3 moves k·(2+2+4)Ψ(N−1)/N (gradients reduced in fp32,
+  parallel.grad_accum_dtype), ZeRO++ (qwZ int8 forward gather, hpZ backward gather inside the
+  node, fp32 gradient reduce-scatter — no int4 qgZ) k·(q(Ψ)+4Ψ)(N−1)/N.
+- With BTP over `pair` the same formulas hold for Ψₜ (one device's TP shard) with the
+  data-parallel roles on node × global: one engine runs every plan × TP layout
+  (boost_jax/train/engine.py), so hierarchical+btp also reduces across nodes once per step.
 - state = bf16 weights over `params` + fp32 master and m, v over `opt_state`: predicted by the
   plan, measured as the compiled program's argument bytes minus the token batch.
 - The backward of the gathered plans recomputes each layer (remat=full) and re-gathers its

@@ -4,7 +4,7 @@
 
 1. Per-layer communication of a 7B-shaped layer (d=4096, d_ff=11008, r=1024, 32 heads; BOOST's
    batch 4 x 4096 tokens, bf16), read from compiled HLO of the decoder stack alone
-   (tensor_parallel.layers_program: 2 scanned layers, nothing allocated), with XLA's CPU
+   (analysis/tp_layers.layers_program: 2 scanned layers, nothing allocated), with XLA's CPU
    all-reduce combiner off so each logical collective is counted. Forward, backward, and what
    remat=full / remat=lowrank replay; per-device memory from memory_analysis() and the saved
    activations per layer from print_saved_residuals.
@@ -28,15 +28,14 @@ early_cpu_devices(8)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from boost_jax.analysis import hlo as H  # noqa: E402
 from boost_jax.analysis.comm import analyze_compiled  # noqa: E402
 from boost_jax.config import Config, ModelConfig, ParallelConfig  # noqa: E402
 from boost_jax.layers.model import fast_compile_options  # noqa: E402
 from boost_jax.mesh import make_mesh  # noqa: E402
-from boost_jax.sharding.tensor_parallel import (  # noqa: E402
-    abstract_params, block_saved_residuals, build_tp_loss_fn, layers_program, tp_shardings)
+from boost_jax.analysis.tp_layers import block_saved_residuals, layers_program  # noqa: E402
+from boost_jax.train.step import build_step  # noqa: E402
 
 MODES = (("megatron", "full"), ("vanilla", "cola"), ("btp", "cola"))
 AXES = {2: ["pair"], 4: ["pair", "node"], 8: ["pair", "node", "global"]}
@@ -150,18 +149,16 @@ def part2(a, lines):
     fns, rows = {}, {}
     for t in (8, 2):
         mesh = make_mesh("cpu", shape=[2, 2, 2])
-        dp = tuple(x for x in ("pair", "node", "global") if x not in AXES[t])
-        bsh = NamedSharding(mesh, P(dp or None))
         for mode, arch in MODES:
             cfg = make_cfg(mode, arch, t, dtype="float32", **shape)
-            aparams = abstract_params(cfg)
-            params = jax.tree.map(lambda x: jnp.asarray(
-                rng.normal(size=x.shape) / np.sqrt(x.shape[-1]), x.dtype), aparams)
-            sh = tp_shardings(cfg, mesh, params)
-            params = jax.device_put(params, sh)
+            cfg.train.global_batch, cfg.train.micro_batches = a.small_batch, 1
+            bundle = build_step(cfg, mesh)  # ddp: the step engine's loss-and-gradient program
+            aparams = bundle.abstract_state["params"]
+            sh, bsh = bundle.placement.params_shardings(), bundle.batch_sharding
+            params = jax.device_put(jax.tree.map(lambda x: jnp.asarray(
+                rng.normal(size=x.shape) / np.sqrt(x.shape[-1]), x.dtype), aparams), sh)
             b = jax.device_put(batch, bsh)
-            f = jax.jit(jax.value_and_grad(build_tp_loss_fn(cfg, None, mesh)),
-                        in_shardings=(sh, bsh))
+            f = jax.jit(bundle.engine.grads_fn(1), in_shardings=(sh, bsh))
             with jax.set_mesh(mesh):
                 compiled = f.lower(params, b).compile()
             rep = analyze_compiled(compiled, mesh)
@@ -210,26 +207,24 @@ def main():
     cmd = ".venv/bin/python benchmarks/tensor_parallel.py " + " ".join(sys.argv[1:])
     lines = ["# Tensor parallelism: Megatron (full rank) vs vanilla low-rank TP vs BTP", "",
              f"Reproduce: `{cmd.strip()}` (8 simulated CPU devices; a few minutes). Code: "
-             "`boost_jax/sharding/tensor_parallel.py` (+ `tp_btp.py`, `tp_vanilla.py`, "
-             "`tp_megatron.py`, `tp_head.py`); tests: `tests/test_tp.py`, "
+             "`boost_jax/sharding/tp/` (`specs.py`, `btp.py`, `vanilla.py`, "
+             "`megatron.py`, `head.py`); the step engine `boost_jax/train/engine.py`; tests: `tests/test_tp.py`, "
              "`tests/test_tp_hlo.py`.", ""]
     t0 = time.time()
     part1(a, lines)
     part2(a, lines)
     lines += [
         "## Notes", "",
-        "- XLA CPU promotes 16-bit all-reduces to fp32 (and crashes doing it inside a "
-        "partial-auto shard_map), so on CPU the TP code all-reduces bf16 values in fp32; the "
-        "bf16 byte columns above count 2 bytes per element as a GPU run moves them.",
+        "- XLA CPU promotes 16-bit all-reduces to fp32; the bf16 byte columns above count 2 "
+        "bytes per element as a GPU run moves them (boost_jax/analysis/cpu_lowering.py).",
         "- With bf16 compute, BTP's Online-RMSNorm reduction is one psum of two arrays (the bf16 "
         "latent and the fp32 Σx²): JAX emits two all-reduce ops and XLA's all-reduce combiner "
         "(on by default, CPU and GPU) merges them into one variadic all-reduce. In fp32 it is "
         "one concatenated buffer.",
         "- The combiner is disabled only to count logical collectives; by default XLA CPU merges "
         "independent all-reduces (e.g. vanilla's q, k, v outputs) into one tuple op.",
-        "- BTP's head gathers h with one all-reduce of the zero-padded shard (2x an all-gather's "
-        "bytes, once per step): XLA's partitioner replicates the batch over the data-parallel "
-        "axes around an all-gather inside a partial-auto shard_map.",
+        "- BTP's head gathers h with one all-gather over the TP axes (once per step), inside "
+        "the step's shard_map that is manual over every mesh axis.",
         f"- Generated in {time.time() - t0:.0f} s.", ""]
     text = "\n".join(lines)
     print(text)

@@ -23,7 +23,7 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=6
 
 def _has_validate_tp():
     try:
-        from boost_jax.sharding.tensor_parallel import validate_tp  # noqa: F401
+        from boost_jax.sharding.tp.specs import validate_tp  # noqa: F401
     except ImportError:
         return False
     return True

@@ -253,26 +253,22 @@ def test_no_usable_checkpoint_is_an_error_that_moves_nothing(reference, tmp_path
 def nan_at_step(monkeypatch):
     """Make the loss of one chosen step non-finite, through the real step and loss path.
 
-    The data iterator marks that step's batch (a -1 in inputs[0, 0]); the loss function (patched
-    in boost_jax.train.step) multiplies the real loss by NaN when it sees the mark, so the loss
-    and every gradient are NaN exactly for that batch.
+    The data iterator marks that step's batch (a -1 in inputs[0, 0]); each device's loss
+    (boost_jax.train.engine.Engine.local_loss, patched) is multiplied by NaN when its rows carry
+    the mark, so the loss and every gradient are NaN exactly for that batch.
     """
     import jax.numpy as jnp
 
     import boost_jax.data as data_mod
-    import boost_jax.train.step as step_mod
+    from boost_jax.train.engine import Engine
 
-    real_loss_fn = step_mod.build_loss_fn
+    real_local_loss = Engine.local_loss
 
-    def poisoned_loss_fn(*args, **kwargs):
-        loss_fn = real_loss_fn(*args, **kwargs)
-
-        def fn(params, batch, *rest, **kw):
-            mark = batch["inputs"] < 0
-            clean = {k: jnp.maximum(v, 0) for k, v in batch.items()}
-            return loss_fn(params, clean, *rest, **kw) * jnp.where(jnp.any(mark), jnp.nan, 1.0)
-
-        return fn
+    def poisoned_local_loss(self, params, batch, *rest, **kw):
+        mark = batch["inputs"] < 0
+        clean = {k: jnp.maximum(v, 0) for k, v in batch.items()}
+        return real_local_loss(self, params, clean, *rest, **kw) * jnp.where(
+            jnp.any(mark), jnp.nan, 1.0)
 
     class MarkedIter:
         def __init__(self, it, step):
@@ -299,7 +295,7 @@ def nan_at_step(monkeypatch):
         d.train_iter = MarkedIter(d.train_iter, chosen["step"])
         return d
 
-    monkeypatch.setattr(step_mod, "build_loss_fn", poisoned_loss_fn)
+    monkeypatch.setattr(Engine, "local_loss", poisoned_local_loss)
     monkeypatch.setattr(data_mod, "build_data", build_data)
     return lambda step: chosen.update(step=step)
 

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from boost_jax.config import ModelConfig
+from boost_jax.layers import forward
 from boost_jax.layers.attention import Attention, causal_attention
 from boost_jax.layers.linear import LowRankLinear, lowrank_init_std
 from boost_jax.layers.model import fast_compile_options, jit_init
@@ -167,8 +168,14 @@ def test_attention_module_causal_and_gqa_shapes(arch):
     x2 = x.copy()
     x2[:, 5:] = rng.normal(size=(2, 3, 32))
     pos = jnp.arange(8)
-    y, lat = call(attn, jnp.asarray(x), pos)
-    y2, _ = call(attn, jnp.asarray(x2), pos)
+    p = {"attn": nnx.to_pure_dict(nnx.state(attn, nnx.Param)), "attn_norm": {"scale": jnp.ones(32)}}
+
+    def sublayer(p, x):  # the model's attention sub-layer (norm, projections, RoPE, attention)
+        return forward.attention(forward.Local(cfg), cfg, p, x, pos, {})
+
+    sub = jax.jit(sublayer, compiler_options=fast_compile_options())
+    y, lat = sub(p, jnp.asarray(x))
+    y2, _ = sub(p, jnp.asarray(x2))
     assert y.shape == (2, 8, 32)
     assert set(lat) == {"q", "k", "v", "o"}
     np.testing.assert_allclose(np.asarray(y[:, :5]), np.asarray(y2[:, :5]), rtol=1e-6, atol=1e-6)

@@ -1,8 +1,8 @@
 """BTP training with parallel.kernels=pallas (the Pallas interpreter on CPU) equals kernels=xla.
 
-The TP shard_map is partial-auto (TP axes manual, data-parallel axes automatic); for
-interpreted kernels it runs with check_vma=False (tp_common.tp_shard_map), everywhere else with
-check_vma=True. Each run: build_step on the 2x2x2 CPU mesh (TP over `pair`, data parallel over
+The step's shard_map is manual over every axis; for interpreted kernels it runs with
+check_vma=False (boost_jax/backends/cpu.py, which says how the gradient is recovered), everywhere
+else with check_vma=True. Each run: build_step on the 2x2x2 CPU mesh (TP over `pair`, data parallel over
 `node` x `global`), a few AdamW steps on fixed synthetic batches, fp32: same losses (so same
 gradients and updates) and the loss falls.
 """
@@ -16,8 +16,8 @@ from boost_jax.config import load_config
 from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import make_mesh
 from boost_jax.pallas import dispatch
-from boost_jax.sharding.tensor_parallel import validate_tp
-from boost_jax.sharding.tp_common import make_context
+from boost_jax.sharding.tp.specs import validate_tp
+from boost_jax.backends.cpu import check_vma
 from boost_jax.train.step import build_step
 
 V, B, S, STEPS = 64, 8, 16, 4
@@ -72,8 +72,8 @@ def _train(cfg, mesh, monkeypatch):
 @pytest.mark.parametrize("case", list(CASES))
 def test_btp_pallas_interpret_equals_xla(mesh, case, monkeypatch):
     extra = CASES[case]
-    assert not make_context(_cfg("pallas", extra), mesh).check_vma  # the interpreted path
-    assert make_context(_cfg("xla", extra), mesh).check_vma
+    assert not check_vma(_cfg("pallas", extra))  # the interpreted path
+    assert check_vma(_cfg("xla", extra))
     got, kernels = _train(_cfg("pallas", extra), mesh, monkeypatch)
     want, none = _train(_cfg("xla", extra), mesh, monkeypatch)
     # forward and backward of the fused norm + down-projection and the grouped up-projection
@@ -90,7 +90,7 @@ def test_check_vma_stays_on_where_kernels_compile(mesh, monkeypatch):
     validate_tp(cfg, mesh)
     megatron = _cfg("pallas", ["parallel.tp_axes=[pair]", "model.arch=full",
                                "parallel.tp_mode=megatron"])
-    assert make_context(megatron, mesh).check_vma
+    assert check_vma(megatron)
     monkeypatch.setattr(dispatch, "interpret_mode", lambda: False)
-    assert make_context(cfg, mesh).check_vma
-    assert make_context(_cfg("auto", CASES["cola-t2-ddp"]), mesh).check_vma
+    assert check_vma(cfg)
+    assert check_vma(_cfg("auto", CASES["cola-t2-ddp"]))

@@ -16,7 +16,7 @@ from boost_jax.config import CheckpointConfig, load_config
 from boost_jax.errors import ConfigError
 from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import make_mesh
-from boost_jax.sharding.plans import choose_layout, make_placement, resolve_roles
+from boost_jax.sharding.placement import choose_layout, make_placement, resolve_roles
 from boost_jax.train.step import build_step
 
 ODD = ["model.vocab_size=260", "model.d_model=36", "model.n_layers=2", "model.n_heads=2",
@@ -91,12 +91,12 @@ def runs(mesh, tmp_path_factory):
 
 def _pad_state(bundle, logical_state):
     """ddp's (unpadded) state → this plan's stored layout (zero padding)."""
-    from boost_jax.sharding.secondary import pad_tree
+    from boost_jax.sharding.layout import pad_tree
 
     pl = bundle.placement
 
     def pad_params_like(tree):
-        return jax.tree.map(np.asarray, pad_tree(pl, tree))
+        return jax.tree.map(np.asarray, pad_tree(pl.layouts, tree))
 
     st = dict(logical_state)
     st["params"] = pad_params_like(st["params"])
@@ -211,23 +211,35 @@ def test_losses_fall(runs):
     assert runs["ddp"][-1] < runs["ddp"][0] - 0.05
 
 
-def test_gather_of_a_padded_leaf_is_exact_with_identity_gradient(mesh):
-    from boost_jax.sharding.secondary import gather_leaf, leaf_gathers
+def test_fetch_of_a_padded_leaf_is_exact_and_reduce_scatters_its_gradient(mesh):
+    """One weight under zero3 inside the manual step: the fetch gathers the padded shard into
+    the exact weight, and each device's gradient (its own rows: here weighted by its index + 1)
+    comes back summed over the devices, in the grads sharding, with zero padding."""
+    from boost_jax.sharding.gather import LeafFetch, fetch_leaf, slot_like
+    from boost_jax.sharding.layout import spec_entry
 
     pl = make_placement(_cfg("parallel.plan=zero3"), mesh, {"w": jax.ShapeDtypeStruct(
         (5, 6), jnp.float32)})
-    g = leaf_gathers(pl)["w"]
-    assert g.layout.padded == (5, 8)
+    lay = pl.layouts["w"]
+    assert lay.padded == (5, 8)
+    f = LeafFetch(lay, tuple(mesh.shape.items()), pl.batch_axes, pl.params_axes, pl.grads_axes,
+                  None, False, False, 256, "float32", "float32")
     x = jnp.arange(30, dtype=jnp.float32).reshape(5, 6)
-    xp = jax.device_put(jnp.pad(x, ((0, 0), (0, 2))), NamedSharding(mesh, g.layout.spec(
+    xp = jax.device_put(jnp.pad(x, ((0, 0), (0, 2))), NamedSharding(mesh, lay.spec(
         pl.params_axes)))
+    c = jnp.arange(1, 9, dtype=jnp.float32)
 
-    def f(p):
-        return jnp.sum(gather_leaf(g, p) * x)
+    def body(xp, c):
+        loss = lambda s: c[0] * jnp.sum(fetch_leaf(f, xp, s) * x)  # noqa: E731
+        val, g = jax.value_and_grad(loss)(slot_like(f, f.local_shape(pl.grads_axes), ()))
+        return jax.lax.psum(val, pl.batch_axes), g
 
-    val, grad = jax.jit(jax.value_and_grad(f))(xp)
-    assert float(val) == pytest.approx(float(jnp.sum(x * x)))
-    np.testing.assert_array_equal(np.asarray(grad)[:, :6], np.asarray(x))
+    rows = P(spec_entry(pl.batch_axes))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(lay.spec(pl.params_axes), rows),
+                       out_specs=(P(), lay.spec(pl.grads_axes)))
+    val, grad = jax.jit(fn)(xp, c)
+    assert float(val) == pytest.approx(36 * float(jnp.sum(x * x)))
+    np.testing.assert_array_equal(np.asarray(grad)[:, :6], 36 * np.asarray(x))
     np.testing.assert_array_equal(np.asarray(grad)[:, 6:], 0)
 
 
@@ -273,7 +285,8 @@ def test_checkpoint_restores_under_another_plan_and_mesh(runs):
 
 def test_tensor_parallel_axes_are_left_out_of_the_plan(mesh):
     """hierarchical + BTP over `pair`: weights replicated over DP, grads over node, optimizer
-    state over node+global, TP specs kept — and the same losses as plain ddp."""
+    state over node+global, the cross-node reduction deferred to once a step, TP specs kept —
+    and the same losses as plain ddp."""
     tp_ok = ["model.vocab_size=256", "model.d_model=32", "model.rank=8", "model.d_ff=64"]
     fast = fast_compile_options()
     ref = build_step(_cfg(*tp_ok), mesh, fast)
@@ -284,7 +297,7 @@ def test_tensor_parallel_axes_are_left_out_of_the_plan(mesh):
     pl = b.placement
     assert (pl.params_axes, pl.grads_axes, pl.opt_state_axes) == ((), ("node",),
                                                                  ("node", "global"))
-    assert pl.notes and "every micro-batch" in pl.notes[0]
+    assert pl.deferred_axes == ("global",)  # under TP too: reduced across nodes once a step
     spec = b.abstract_state["opt_state"][0].mu["blocks"]["mlp"]["up"]["b"].sharding.spec
     assert "pair" in str(spec) and "global" in str(spec)
     _, got = _run(b, jax.device_put(_pad_state(b, init), b.state_shardings), 3)

@@ -96,9 +96,10 @@ def test_zeropp_backward_gathers_stay_inside_the_node(compiled):
     m3 = H.parse_module(r3.hlo_text)
     assert "global" in {c.level for c in r3.filter(kind="all-gather", in_loop=True)
                         if _is_backward(m3, c)}
-    g = r.per_level()["global"]["bytes"]
+    g, g3 = r.per_level()["global"]["bytes"], r3.per_level()["global"]["bytes"]
     assert g == pytest.approx(comm_per_step(b.placement, 4)["global"], rel=0.10)
-    assert g < 0.7 * r3.per_level()["global"]["bytes"]
+    # qwZ halves the forward gather's bytes; gradients are reduced in fp32 by both plans
+    assert g < 0.8 * g3
 
 
 def test_int8_gathers_move_about_half_the_bytes(compiled):

@@ -3,9 +3,9 @@
 A 7B-shaped decoder stack (d=4096, d_ff=11008, r=1024, 32 heads, L=2 scanned layers) under
 TP 4 on a 4-device CPU mesh, lowered from ShapeDtypeStructs (nothing allocated), compiled
 with XLA's CPU all-reduce combiner disabled so every logical collective stays visible, and
-read with boost_jax.analysis.comm. Layer-only programs (tensor_parallel.layers_program) keep
+read with boost_jax.analysis.comm. Layer-only programs (analysis.tp_layers.layers_program) keep
 the embedding and head out of the counts. fp32, so elements = bytes / 4. The formulas are in
-boost_jax/sharding/tensor_parallel.py (and tp_btp.py, tp_vanilla.py, tp_megatron.py).
+boost_jax/sharding/tp/ (btp.py, vanilla.py, megatron.py).
 """
 
 import functools
@@ -17,7 +17,7 @@ from boost_jax.analysis.comm import analyze_compiled
 from boost_jax.config import Config, ModelConfig, ParallelConfig
 from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import make_mesh
-from boost_jax.sharding.tensor_parallel import block_saved_residuals, layers_program
+from boost_jax.analysis.tp_layers import block_saved_residuals, layers_program
 
 D, DFF, R, HEADS, L = 4096, 11008, 1024, 32, 2
 BATCH, SEQ = 1, 16
@@ -131,4 +131,4 @@ def test_saved_residuals_per_layer():
     assert act["full"] == 4 * T * D // TP
     assert act["none"] > 3 * act["lowrank"]
     named = [src for t, b, src in saved["lowrank"] if not t.startswith("i32")]
-    assert all("named 'tp_latent'" in s or "named 'residual'" in s for s in named), named
+    assert all("named 'lowrank_latent'" in s or "named 'residual'" in s for s in named), named

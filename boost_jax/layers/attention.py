@@ -1,18 +1,15 @@
-"""Causal self-attention with GQA and RoPE; q, k, v, o are LowRankLinear of the model's arch."""
+"""Causal self-attention with GQA: the score/softmax math and the q, k, v, o projections' params
+(LowRankLinear of the model's arch). The sub-layer itself is boost_jax.layers.forward.attention."""
 
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from boost_jax.layers.linear import LowRankLinear
-from boost_jax.layers.rope import apply_rope
 
-ATTN_PROJ = ("q", "k", "v", "o")
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
@@ -47,18 +44,3 @@ class Attention(nnx.Module):
         self.k = mk(d, cfg.kv_heads * hd)
         self.v = mk(d, cfg.kv_heads * hd)
         self.o = mk(cfg.n_heads * hd, d)
-
-    def __call__(self, x: jax.Array, positions: jax.Array, prev: Optional[dict] = None):
-        """x [b, s, d] (already normed) → (out [b, s, d], {q,k,v,o: latent or None})."""
-        prev = prev or {}
-        b, s, _ = x.shape
-        q, zq = self.q(x, prev.get("q"))
-        k, zk = self.k(x, prev.get("k"))
-        v, zv = self.v(x, prev.get("v"))
-        q = apply_rope(q.reshape(b, s, self.n_heads, self.head_dim), positions, self.rope_theta)
-        k = apply_rope(k.reshape(b, s, self.n_kv_heads, self.head_dim), positions,
-                       self.rope_theta)
-        v = v.reshape(b, s, self.n_kv_heads, self.head_dim)
-        out = causal_attention(q, k, v).reshape(b, s, self.n_heads * self.head_dim)
-        out, zo = self.o(out, prev.get("o"))
-        return out, {"q": zq, "k": zk, "v": zv, "o": zo}

@@ -24,8 +24,9 @@ list indices), e.g. ('blocks', 'attn', 'q', 'a').
 Init: embedding, lm_head and full-rank projections normal(init_std); low-rank a, b normal with
 std r^-1/4·(d_in+d_out)^-1/4 (CoLA); norm scales and lax latent_scale ones; lax gate g = I.
 
-remat: "none"; "full" (whole-block recompute, only block inputs saved); "lowrank" (save the
-rank-r latents tagged "lowrank_latent" in linear.py and block inputs tagged "residual").
+The forward itself is boost_jax.layers.forward (written once; LlamaModel runs it with the
+single-device ops). remat: "none"; "full" (whole-block recompute, only block inputs saved);
+"lowrank" (save the rank-r latents tagged "lowrank_latent" and the residual stream).
 Residual stream and matmuls run in cfg.dtype; norms, softmax and logits in fp32.
 """
 
@@ -36,25 +37,31 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.ad_checkpoint import checkpoint_name
 
-from boost_jax.layers.attention import ATTN_PROJ, Attention
+from boost_jax.config import ModelConfig
+from boost_jax.layers import forward
+from boost_jax.layers.attention import Attention
+from boost_jax.layers.forward import LATENT_KEYS, RESIDUAL_NAME  # noqa: F401 (re-export)
 from boost_jax.layers.linear import LATENT_NAME
-from boost_jax.layers.mlp import MLP_PROJ, MLP
-from boost_jax.layers.norms import RMSNorm
+from boost_jax.layers.mlp import MLP
+from boost_jax.layers.norms import RMSNorm, rms_norm
 
 REMAT_MODES = ("none", "full", "lowrank")
-LATENT_KEYS = ATTN_PROJ + MLP_PROJ  # the 7 latents a lax block passes on
-RESIDUAL_NAME = "residual"
 LOWRANK_POLICY = jax.checkpoint_policies.save_only_these_names(LATENT_NAME, RESIDUAL_NAME)
 
 
-class Block(nnx.Module):
-    """h → h + attn(attn_norm(h)) → + mlp(mlp_norm(h)).
+def checkpoint_wrapper(remat: str) -> Callable:
+    """The per-layer jax.checkpoint of remat none | full | lowrank (single device)."""
+    if remat == "full":
+        return lambda f: jax.checkpoint(f)  # nothing saved but the layer inputs
+    if remat == "lowrank":
+        return lambda f: jax.checkpoint(f, policy=LOWRANK_POLICY)
+    return lambda f: f
 
-    __call__(h, positions, prev=None) -> (h, latents); for lax, prev/latents are dicts of the
-    7 latents keyed by LATENT_KEYS (prev None means zeros); for other archs latents is None.
-    """
+
+class Block(nnx.Module):
+    """One decoder block's params: attn_norm, attn (q, k, v, o), mlp_norm, mlp (gate, up, down).
+    The block's math is boost_jax.layers.forward.block."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         norm = lambda: RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype,  # noqa: E731
@@ -63,24 +70,12 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = norm()
         self.mlp = MLP(cfg, rngs=rngs)
-        self.carries_latents = cfg.arch == "lax"
-
-    def __call__(self, h: jax.Array, positions: jax.Array, prev: Optional[dict] = None):
-        h = checkpoint_name(h, RESIDUAL_NAME)
-        a, lat_a = self.attn(self.attn_norm(h), positions, prev)
-        h = h + a.astype(h.dtype)
-        m, lat_m = self.mlp(self.mlp_norm(h), prev)
-        h = h + m.astype(h.dtype)
-        return h, ({**lat_a, **lat_m} if self.carries_latents else None)
 
 
 class Embedding(nnx.Module):
     def __init__(self, vocab: int, dim: int, *, init_std: float, param_dtype, rngs: nnx.Rngs):
         init = jax.nn.initializers.normal(init_std)
         self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), jnp.dtype(param_dtype)))
-
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embedding[...], tokens, axis=0)
 
 
 class LMHead(nnx.Module):
@@ -89,17 +84,14 @@ class LMHead(nnx.Module):
         self.w = nnx.Param(init(rngs.params(), (dim, vocab), jnp.dtype(param_dtype)))
 
 
-def _call_block(block: Block, h, positions, prev):
-    return block(h, positions, prev)
-
-
 class LlamaModel(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, remat: str = "none", scan_layers: bool = True):
         if remat not in REMAT_MODES:
             raise ValueError(f"remat={remat!r}; expected one of {REMAT_MODES}")
+        # a hashable copy of the config: NNX keeps static attributes in the graphdef
+        self.cfg_items = tuple(sorted(vars(cfg).items()))
         self.remat, self.scan_layers = remat, scan_layers
         self.dtype = jnp.dtype(cfg.dtype)
-        self.arch, self.rank, self.n_layers = cfg.arch, cfg.r, cfg.n_layers
         self.embed = Embedding(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std,
                                param_dtype=cfg.param_dtype, rngs=rngs)
         if scan_layers:
@@ -117,43 +109,29 @@ class LlamaModel(nnx.Module):
             self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, init_std=cfg.init_std,
                                   param_dtype=cfg.param_dtype, rngs=rngs)
 
+    @property
+    def cfg(self):
+        return ModelConfig(**dict(self.cfg_items))
+
+    def params(self) -> dict:
+        """The pure nested param dict (the layout every other module reads)."""
+        return nnx.to_pure_dict(nnx.state(self, nnx.Param))
+
     def head_weight(self) -> jax.Array:
         """The [d, V] output projection (embedding transposed when tied)."""
         return self.embed.embedding[...].T if self.tie_embeddings else self.lm_head.w[...]
-
-    def _block_fn(self):
-        if self.remat == "full":
-            return nnx.remat(_call_block)  # no policy: nothing saved but the block inputs
-        if self.remat == "lowrank":
-            return nnx.remat(_call_block, policy=LOWRANK_POLICY)
-        return _call_block
 
     def __call__(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                  return_hidden: bool = False) -> jax.Array:
         """tokens int32 [b, s] → fp32 logits [b, s, V], or with return_hidden the final-normed
         hidden [b, s, d] in cfg.dtype (project it with head_weight()). positions: [s] or [b, s]
         absolute positions for RoPE (default arange(s)); the causal mask is by index."""
-        b, s = tokens.shape
-        if positions is None:
-            positions = jnp.arange(s, dtype=jnp.int32)
-        h = self.embed(tokens).astype(self.dtype)
-        prev = None
-        if self.arch == "lax":  # first block crosses with zeros
-            prev = {k: jnp.zeros((b, s, self.rank), self.dtype) for k in LATENT_KEYS}
-        fn = self._block_fn()
-        if self.scan_layers:
-            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-            def run(carry, block):
-                return fn(block, carry[0], positions, carry[1])
-            h, _ = run((h, prev), self.blocks)
-        else:
-            for block in self.blocks:
-                h, prev = fn(block, h, positions, prev)
-        h = self.final_norm(h)
-        if return_hidden:
-            return h
-        return jnp.einsum("bsd,dv->bsv", h, self.head_weight().astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        ops, params = forward.Local(self.cfg), self.params()
+        ckpt = checkpoint_wrapper(self.remat)
+        if not return_hidden:
+            return forward.logits(ops, self.cfg, params, tokens, positions, ckpt)
+        h = forward.hidden(ops, self.cfg, params, tokens, positions, checkpoint=ckpt)
+        return rms_norm(h, params["final_norm"]["scale"], self.cfg.norm_eps, self.dtype)
 
 
 def fast_compile_options() -> dict:

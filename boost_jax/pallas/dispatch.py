@@ -15,8 +15,8 @@ Inside jax.shard_map (what the caller must do):
     shard_map needs check_vma=False. Use `shard_map_check_vma(kind)` to pick the flag. With
     check_vma=False, collectives in reduce_fn (psum) still differentiate correctly for
     replicated outputs (out_specs=P()) — tests/test_pallas.py checks this on 4 devices, and
-    tests/test_pallas_btp.py a whole BTP training run (partial-auto TP shard_map, DP axes
-    automatic; boost_jax.sharding.tp_common.tp_shard_map) against kernels=xla.
+    tests/test_pallas_btp.py a whole BTP training run (the step's shard_map, manual over every
+    axis; boost_jax/backends/cpu.py recovers the gradient) against kernels=xla.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from boost_jax.pallas.rmsnorm import F32, align_vma, flat, mm, pow2, sds, triton_params
+from boost_jax.pallas.common import F32, align_vma, flat, mm, pow2, sds, triton_params
 
 
 def _blocks(M, N, K):

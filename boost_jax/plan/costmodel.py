@@ -80,7 +80,8 @@ class StateSizes:
 
 def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
     """Exact per-device element counts (padding included) via the plan's own layouts."""
-    from boost_jax.sharding.plans import is_layout, make_placement
+    from boost_jax.sharding.layout import is_layout
+    from boost_jax.sharding.placement import make_placement
     import jax
 
     mesh = SizesMesh(sizes)
@@ -176,11 +177,7 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
             out.append(Coll(name, kind, payload / leaves, n, level_of(axes), times * leaves,
                             phase, tuple(axes)))
 
-    if par.tp_mode != "none":
-        # TP: every weight gathered over the params axes once per micro-batch, kept for backward
-        add("gather_weights", "all-gather", W * (q8 if pl.quantize_gather else pb), A,
-            micro, "dp" if micro > 1 else "step")
-    elif A:
+    if A:  # per layer, per micro-batch, with or without TP (boost_jax/sharding/gather.py)
         calls = micro
         prim = q8 if pl.quantize_gather else pb
         if S is not None:
@@ -192,10 +189,8 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
         else:
             add("gather_fwd", "all-gather", W * prim, A, calls, "dp")
             add("regather_bwd", "all-gather", W * prim, A, calls, "dp")
-    # gradients: reduce-scatter into the grads sharding inside each deferred group, per micro-batch
-    # (TP modes reduce the gathered tree once per micro-batch, outside the layer loop)
-    add("grad_reduce_scatter", "reduce-scatter", W * gb, G, micro,
-        "dp" if (micro > 1 or par.tp_mode == "none") else "step")
+    # gradients: reduce-scatter into the grads sharding per layer, per micro-batch, in gb
+    add("grad_reduce_scatter", "reduce-scatter", W * gb, G, micro, "dp")
     # once per step: sum the deferred axes R straight into the opt_state sharding
     if R:
         kind = "reduce-scatter" if set(R) <= set(O) else "all-reduce"
@@ -230,10 +225,8 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     del n_r
     mem["grads"] = st.grads * DTYPE_BYTES[par.grad_accum_dtype]
     q8 = 1.0 + 4.0 / par.quant_block
-    if par.tp_mode != "none":
-        mem["gathered_weights"] = st.tp_local_padded * pb if pl.params_axes else 0.0
-    else:
-        mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
+    # one layer's gathered weights in use and the next one's arriving, with or without TP
+    mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
     if pl.secondary_axes is not None:
         mem["secondary"] = st.secondary * (q8 if pl.secondary_int8 or pl.quantize_gather else pb)
     working = sum(o.out_bytes for o in bm.ops)

@@ -206,7 +206,7 @@ def argument_formula(cfg, sizes: dict) -> dict:
     pb = DTYPE_BYTES[cfg.model.param_dtype]
     mixed = cfg.model.param_dtype != "float32"
     n_batch = 1
-    from boost_jax.sharding.plans import resolve_roles
+    from boost_jax.sharding.placement import resolve_roles
 
     for ax in resolve_roles(cfg)["batch"]:
         n_batch *= sizes[ax]

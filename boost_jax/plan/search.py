@@ -108,7 +108,7 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
         try:
             cc = c.config(cfg)
             if cc.parallel.tp_mode != "none":
-                from boost_jax.sharding.tensor_parallel import validate_tp
+                from boost_jax.sharding.tp.specs import validate_tp
 
                 validate_tp(cc, SizesMesh(sizes))
             c.prediction = predict(cc, topo, sizes, a)

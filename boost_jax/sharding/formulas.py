@@ -1,9 +1,9 @@
 """Predicted per-device memory and per-step communication of a placement plan.
 
-Notation: Ψ parameters; bytes per element w (working weights: 2 bf16, 4 fp32), a (gradient
-accumulator, grad_accum_dtype: 4), c (per-micro-batch gradient reduction = the working dtype:
-2 under bf16); k micro-batches; a role over axes X has |X| devices. Ring costs, bytes *sent by
-one device* (what comm.py reports):
+Notation: Ψ parameters (under TP: Ψₜ, the elements of one device's TP shard); bytes per element
+w (working weights: 2 bf16, 4 fp32), a (gradients, reduced and accumulated in grad_accum_dtype:
+4); k micro-batches; a role over axes X has |X| devices. Ring costs, bytes *sent by one
+device* (what comm.py reports):
 
     all-gather over n devices of a result of P bytes      (n−1)/n · P
     reduce-scatter over n devices of an input of P bytes  (n−1)/n · P
@@ -12,25 +12,27 @@ one device* (what comm.py reports):
 A collective belongs to the slowest level among the axes its group spans (global > node >
 pair). int8 payloads are q(Ψ) = Ψ + 4·blocks (one fp32 scale per block of ≤ quant_block).
 
-Per micro-batch (× k), every weight that is gathered (A = params axes ≠ ∅):
+Per micro-batch (× k), as boost_jax.train.engine runs it, every weight that is gathered (A =
+params axes ≠ ∅); the layers re-fetch in backward, the embedding and head do not:
     forward    no secondary: AG_A(Ψw or q)                       re-gathered in backward: + AG_A
                secondary S:  [AG_A(Ψw or q) unless S ⊇ A] + AG_S(Ψw or q)  backward: + AG_S
-    gradient   RS over grads axes of Ψc      (the partial sums of the group's rows)
+    gradient   RS over grads axes of Ψa (AR for a leaf that is not sharded), this device's rows
 Per optimizer step (× 1), R = batch axes − grads axes (the deferred axes):
     reduce     AR over R − opt of Ψa/|grads| ; RS over R ∩ opt of Ψa/|grads|
     weights    AG over opt − grads of Ψw/|grads| (result) ; AG over grads − params of Ψw/|params|
 
-Closed forms for Ψ bf16 weights (w = c = 2, a = 4), N devices, a node of D = |pair·node|
-devices, G nodes; the embedding's backward needs no weight (no re-gather), ignored here:
-    zero3         global: k·(2 + 2 + 2)Ψ·(N−1)/N          (DESIGN's "3Ψ·k" in bf16 elements)
-    zeropp (qwZ+hpZ over the node, bf16 gradients — no qgZ):
-                  global: k·(q(Ψ) + 2Ψ)·(N−1)/N ≈ 3.03Ψ·k   node: 2k·q(Ψ)·(D−1)/D
-                  (DESIGN's 0.75Ψ·k additionally quantizes gradients to int4, qgZ: not done)
+Closed forms for Ψ bf16 weights (w = 2, a = 4), N devices, a node of D = |pair·node| devices,
+G nodes (embedding and head ignored):
+    zero3         global: k·(2 + 2 + 4)Ψ·(N−1)/N
+    zeropp (qwZ+hpZ over the node, fp32 gradients — no qgZ):
+                  global: k·(q(Ψ) + 4Ψ)·(N−1)/N ≈ 5.03Ψ·k   node: 2k·q(Ψ)·(D−1)/D
     hierarchical  global: 4Ψ/D·(G−1)/G + 2Ψ/D·(G−1)/G = 6Ψ(G−1)/(G·D), once per step
-                  pair: k·2·(Ψw or q(Ψ))·(|pair|−1)/|pair| ; node: k·2Ψ·(D−1)/D + AG node
+                  pair: k·2·(Ψw or q(Ψ))·(|pair|−1)/|pair| ; node: k·4Ψ·(D−1)/D + AG node
     ddp           global: 2(N−1)/N·4Ψ once per step (fp32 all-reduce of the accumulator)
     zero1         global: (N−1)/N·(4Ψ + 2Ψ) once per step
-so zero3/hierarchical ≈ k·D·(N−1)/N / ((G−1)/G) ≥ k·D, zeropp/hierarchical ≈ k·D/2.
+so zero3/hierarchical ≈ (4/3)·k·D·(N−1)/N / ((G−1)/G), zeropp/hierarchical ≈ (5/6)·k·D.
+With TP over `pair` the same hold with Ψₜ and D = |node| (e.g. CoLA-1B on 2×2×2: zero3 over
+node+global vs hierarchical's once-per-step reduction across `global`).
 
 Memory per device (stored state + the accumulator + saved secondaries):
     weights Ψw/|params|   master 4Ψ/|opt| (bf16 weights only)   adam 8Ψ/|opt|
@@ -50,6 +52,10 @@ from typing import Optional, Sequence
 
 import jax
 import numpy as np
+
+from boost_jax.sharding import quant
+from boost_jax.sharding.gather import LeafFetch
+from boost_jax.sharding.layout import is_layout
 
 LEVELS = ("pair", "node", "global")
 
@@ -71,25 +77,34 @@ def _bytes(dtype) -> int:
 
 
 def _leaves(pl):
-    from boost_jax.sharding.plans import is_layout
-
     flat = jax.tree_util.tree_flatten_with_path(pl.layouts, is_leaf=is_layout)[0]
     return [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), lay) for p, lay in flat]
 
 
-def int8_payload(gather, chunks: int) -> float:
-    """Bytes of q + scales for one gather of a leaf quantized in `chunks` shards."""
-    shape, qa, block = gather._chunked(chunks)
-    rows = math.prod(shape) // shape[qa]
-    nb = math.ceil(shape[qa] / block)
-    return float(rows * nb * (block + 4))
+def _fetches(pl) -> dict:
+    """LeafFetch per leaf path, as the step builds them (per-layer layouts)."""
+    return {path: LeafFetch(lay.sliced(), tuple(pl.mesh.shape.items()), pl.batch_axes,
+                            pl.params_axes, pl.grads_axes, pl.secondary_axes,
+                            pl.quantize_gather, pl.secondary_int8, pl.quant_block,
+                            pl.param_dtype, pl.grad_accum_dtype)
+            for path, lay in _leaves(pl)}
+
+
+def int8_payload(f: LeafFetch, axes) -> float:
+    """Bytes of q + scales of the whole (TP-local) leaf when each shard over `axes` is
+    quantized on its own (what an int8 all-gather over `axes` delivers)."""
+    qa, shape = f.quant_axis(axes), f.local_shape(axes)
+    return float(f.n(axes) * quant.payload_bytes(shape, f.qblock(shape[qa]), qa))
+
+
+def _tp_local(f: LeafFetch, lay) -> float:
+    """Elements of one device's TP shard of the leaf (all layers), padded."""
+    return lay.padded_numel / math.prod(f.n(tp) for tp in lay.tp)
 
 
 def memory_per_device(pl) -> dict:
     """Predicted bytes per device by role (see module docstring); keys usable with
     comm.compare_memory(..., combine={"argument": ["weights", "master", "adam"]})."""
-    from boost_jax.sharding.secondary import leaf_gathers
-
     mesh = pl.mesh
     w = _bytes(pl.param_dtype)
     a = _bytes(pl.grad_accum_dtype)
@@ -97,10 +112,12 @@ def memory_per_device(pl) -> dict:
     out = {k: 0.0 for k in ("weights", "master", "adam", "grads", "secondary")}
     pad = {k: 0.0 for k in out}
     unsharded = 0.0
-    gathers = dict(zip([p for p, _ in _leaves(pl)],
-                       jax.tree.leaves(leaf_gathers(pl), is_leaf=lambda x: hasattr(x, "layout"))))
+    fetches = _fetches(pl)
     for path, lay in _leaves(pl):
+        f = fetches[path]
         sharded = lay.dim is not None
+        layers = lay.padded[0] if lay.layer_axis else 1
+        local = _tp_local(f, lay)
 
         def share(axes, numel):
             return numel / (_n(mesh, axes) if sharded else 1)
@@ -109,18 +126,19 @@ def memory_per_device(pl) -> dict:
                  "grads": (pl.grads_axes, a)}
         if mixed:
             roles["master"] = (pl.opt_state_axes, 4)
+        frac = local / lay.padded_numel
         for k, (axes, b) in roles.items():
-            out[k] += share(axes, lay.padded_numel) * b
-            pad[k] += share(axes, lay.padded_numel - lay.numel) * b
-        g = gathers[path]
-        if pl.secondary_axes is not None and g.active:
-            S = pl.secondary_axes
-            if g.int8_secondary:
-                out["secondary"] += int8_payload(g, _n(mesh, S)) / _n(mesh, S)
-            elif not (set(S) == set(pl.params_axes)):
-                out["secondary"] += lay.padded_numel * w / _n(mesh, S)
+            out[k] += share(axes, lay.padded_numel) * b * frac
+            pad[k] += share(axes, lay.padded_numel - lay.numel) * b * frac
+        S = pl.secondary_axes
+        int8s = f.secondary_int8 or f.quantize_gather
+        if S is not None and f.gathers:  # kept from forward to backward, every layer
+            if int8s:
+                out["secondary"] += layers * int8_payload(f, S) / _n(mesh, S)
+            elif tuple(S) != tuple(pl.params_axes):
+                out["secondary"] += local * w / _n(mesh, S)
         if not sharded and (pl.params_axes or pl.opt_state_axes):
-            unsharded += lay.numel * (w + 8 + (4 if mixed else 0))
+            unsharded += local * (w + 8 + (4 if mixed else 0))
     out["total"] = sum(out.values())
     out["padding"] = sum(pad.values())
     out["padding_by_role"] = pad
@@ -130,19 +148,19 @@ def memory_per_device(pl) -> dict:
     return out
 
 
-def comm_per_step(pl, micro_batches: int, terms: bool = False) -> dict:
-    """Predicted bytes sent per device per optimizer step, by level (see module docstring).
+def comm_per_step(pl, micro_batches: int, terms: bool = False, tied: bool = False) -> dict:
+    """Predicted bytes sent per device per optimizer step by the plan's collectives (weight
+    gathers and gradient reductions; TP's activation collectives are tp/specs.py's), by level,
+    as boost_jax.train.engine runs them (see module docstring).
 
-    With terms=True also returns the list of (name, level, bytes) contributions."""
-    from boost_jax.sharding.secondary import leaf_gathers
-
+    `tied`: the embedding is also the head (fetched twice). With terms=True also returns the
+    list of (name, kind, level, bytes) contributions."""
     mesh = pl.mesh
     k = micro_batches
     w = _bytes(pl.param_dtype)
-    c = w  # per-micro-batch reduction in the working dtype
     a = _bytes(pl.grad_accum_dtype)
-    A, G, O, S, R = (pl.params_axes, pl.grads_axes, pl.opt_state_axes, pl.secondary_axes,
-                     pl.deferred_axes)
+    P_, G, O, S, R = (pl.params_axes, pl.grads_axes, pl.opt_state_axes, pl.secondary_axes,
+                      pl.deferred_axes)
     out = {lv: 0.0 for lv in LEVELS}
     rows = []
 
@@ -156,59 +174,50 @@ def comm_per_step(pl, micro_batches: int, terms: bool = False) -> dict:
         out[lv] += b
         rows.append((name, kind, lv, b))
 
-    gathers = dict(zip([p for p, _ in _leaves(pl)],
-                       jax.tree.leaves(leaf_gathers(pl), is_leaf=lambda x: hasattr(x, "layout"))))
-    tied = False
+    fetches = _fetches(pl)
     for path, lay in _leaves(pl):
-        g = gathers[path]
+        f = fetches[path]
         name = "/".join(str(p) for p in path)
-        psi = lay.padded_numel
-        embed = path[:1] == ("embed",) and not tied
-        cl = 4 if path[:1] == ("lm_head",) else c  # fp32 logits: the head's dW is fp32
-        if g.active and embed and not any(lay.tp):
-            # forward: one flat gather; backward: no weight needed, one reduce-scatter
-            add(name + " fwd", "AG", A, int8_payload(g, _n(mesh, A)) if g.int8_primary
-                else psi * w, k)
-            add(name + " grad", "RS", G, psi * c, k)
-        elif g.active:
-            needs_bwd = not embed
-            prim = int8_payload(g, _n(mesh, A)) if g.int8_primary else psi * w
+        psi = _tp_local(f, lay)
+        layers = lay.padded[0] if lay.layer_axis else 1
+        uses = 2 if (tied and path[:1] == ("embed",)) else 1
+        remat = path[:1] == ("blocks",)  # layers re-fetch in backward; embedding and head don't
+        if f.gathers:
+            int8p = f.quantize_gather
+            prim = layers * int8_payload(f, P_) if int8p else psi * w
             if S is None:
-                add(name + " fwd", "AG", A, prim, k)
-                if needs_bwd:
-                    add(name + " bwd", "AG", A, prim, k)
+                add(name + " fwd", "AG", P_, prim, k * uses)
+                if remat:
+                    add(name + " bwd", "AG", P_, prim, k)
             else:
-                sec = int8_payload(g, _n(mesh, S)) if g.int8_secondary else psi * w
-                if not g.secondary_is_slice:
-                    add(name + " fwd", "AG", A, prim, k)
-                add(name + " fwd(S)", "AG", S, sec, k)
-                if needs_bwd:
+                int8s = f.secondary_int8 or f.quantize_gather
+                sec = layers * int8_payload(f, S) if int8s else psi * w
+                if tuple(S[:len(P_)]) != tuple(P_):  # S ⊂ P: sliced from a flat gather
+                    add(name + " fwd", "AG", P_, prim, k * uses)
+                add(name + " fwd(S)", "AG", S, sec, k * uses)
+                if remat:
                     add(name + " bwd(S)", "AG", S, sec, k)
-            add(name + " grad", "RS", G, psi * cl, k)
-        elif G or not lay.dim:
-            inner = tuple(x for x in pl.batch_axes if x not in R)
-            if lay.dim is None and inner:
-                add(name + " grad", "AR", inner, psi * c, k)
+        if lay.dim is not None:
+            add(name + " grad", "RS", G, psi * a, k * uses)
+        else:
+            add(name + " grad", "AR", G, psi * a, k * uses)
         n_g = _n(mesh, G) if lay.dim is not None else 1
-        undeferred = tuple(x for x in pl.batch_axes if x not in G and x not in R)
-        if lay.dim is not None:  # (TP only) batch axes reduced every micro-batch, not deferred
-            add(name + " grad(all batch)", "AR", undeferred, psi * c / n_g, k)
         S2 = tuple(x for x in R if x not in O)
         S1 = tuple(x for x in R if x in O)
-        add(name + " reduce(R-opt)", "AR", S2, psi * a / n_g)
         if lay.dim is not None:
+            add(name + " reduce(R-opt)", "AR", S2, psi * a / n_g)
             add(name + " reduce(R)", "RS", S1, psi * a / n_g)
         else:
-            add(name + " reduce(R)", "AR", S1, psi * a)
+            add(name + " reduce(R)", "AR", R, psi * a)
         if lay.dim is not None:
-            if set(A) <= set(G) <= set(O):
+            if set(P_) <= set(G) <= set(O):
                 add(name + " params(opt→grads)", "AG", tuple(x for x in O if x not in G),
                     psi * w / _n(mesh, G))
-                add(name + " params(grads→params)", "AG", tuple(x for x in G if x not in A),
-                    psi * w / _n(mesh, A))
+                add(name + " params(grads→params)", "AG", tuple(x for x in G if x not in P_),
+                    psi * w / _n(mesh, P_))
             else:
-                add(name + " params", "AG", tuple(x for x in O if x not in A),
-                    psi * w / _n(mesh, A))
+                add(name + " params", "AG", tuple(x for x in O if x not in P_),
+                    psi * w / _n(mesh, P_))
     out["total"] = sum(out[lv] for lv in LEVELS)
     if terms:
         out["terms"] = rows

@@ -169,7 +169,7 @@ def run(cfg: Config, compiler_options: Optional[dict] = None) -> dict:
     _check_writable(out_dir, pid)
     mesh = mesh_from_config(cfg)
     try:  # tensor-parallel divisibility: fail before reading data or compiling
-        from boost_jax.sharding.tensor_parallel import validate_tp
+        from boost_jax.sharding.tp.specs import validate_tp
     except ImportError:
         validate_tp = None
     if validate_tp is not None:

@@ -7,23 +7,23 @@ State is a plain pytree (orbax and optax see ordinary arrays):
      "master":    fp32 master weights over opt_state axes (only when param_dtype=bfloat16)
      "opt_state": optax AdamW state; moments over opt_state axes, counters replicated}
 
-Arrays are stored in the plan's layout (boost_jax.sharding.plans): one dim sharded, padded with
-zeros at its end when it does not divide — `bundle.placement.layouts` says which. The model's
-forward is rebuilt inside the step (boost_jax.sharding.secondary.build_forward) and gathers
-each layer's weights just before use; backward re-gathers them (or their secondary partition).
+Arrays are stored in the plan's layout (boost_jax.sharding.placement): one dim sharded, padded
+with zeros at its end when it does not divide — `bundle.placement.layouts` says which.
 
-One step, per micro-batch m (lax.scan), with R = batch axes not covered by grads axes:
-    per group r ∈ R (vmap, spmd_axis_name=R): loss and gradient of its rows; the gradient is
-    reduce-scattered to the grads sharding *inside the group* and added to an accumulator
-    [|R|, ...] (grad_accum_dtype) that stays unreduced over R.
-then once per optimizer step: sum over R straight into the opt_state sharding (reduce-scatter
-across R — the only cross-node gradient traffic of `hierarchical`), clip by global norm, AdamW
-on the fp32 master shard, and gather the new working weights back in stages
-(opt_state → grads → params sharding), so the cross-node part moves only the node's shard.
+One optimizer step, top to bottom in step_fn:
+    1. loss and gradient: boost_jax.train.engine (one shard_map over every mesh axis: the
+       micro-batch loop, per-layer weight gathers, TP collectives, the gradient reduce-scattered
+       into the grads sharding each micro-batch in grad_accum_dtype and reduced over the
+       remaining batch axes once, straight into the opt_state sharding)
+    2. clip by global norm
+    3. AdamW on the fp32 master shard (opt_state sharding)
+    4. the new working weights gathered back in stages (opt_state → grads → params sharding),
+       so the cross-node part moves only the node's shard
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -31,19 +31,14 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
+from boost_jax.backends.cpu import reshard_bits
 from boost_jax.config import Config
-from boost_jax.sharding.plans import Placement, _spec_entry, is_layout, make_placement
-from boost_jax.sharding.secondary import reshard_bits
+from boost_jax.sharding.layout import is_layout, pad_tree, unpad_tree
+from boost_jax.sharding.placement import Placement, make_placement
+from boost_jax.train.engine import Engine
 from boost_jax.train.optim import lr_schedule, make_optimizer
-
-
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    logits = logits.astype(jnp.float32)
-    logz = jax.nn.logsumexp(logits, axis=-1)
-    gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return jnp.mean(logz - gold)
 
 
 def model_factory(cfg: Config) -> Callable[[], nnx.Module]:
@@ -65,35 +60,12 @@ def abstract_params(cfg: Config):
     return graphdef, nnx.to_pure_dict(params)
 
 
-def build_loss_fn(cfg: Config, graphdef, mesh, placement: Placement | None = None) -> Callable:
-    """loss_fn(stored_params, batch[, batch_axes]) -> scalar mean cross-entropy.
-
-    tp_mode=none: the layer-by-layer forward with the plan's gathers. TP: the TP loss on
-    weights gathered over the data-parallel axes up front (no per-layer gather or secondary).
-    """
-    if placement is None:
-        placement = make_placement(cfg, mesh, abstract_params(cfg)[1])
-    if cfg.parallel.tp_mode != "none":
-        from boost_jax.sharding.secondary import gather_tree, leaf_gathers
-        from boost_jax.sharding.tensor_parallel import build_tp_loss_fn
-
-        tp_loss = build_tp_loss_fn(cfg, graphdef, mesh)
-        gathers = leaf_gathers(placement)
-
-        def loss_fn(params, batch, batch_axes=None):
-            return tp_loss(gather_tree(gathers, params), batch)
-
-        return loss_fn
-    from boost_jax.sharding.secondary import build_forward
-
-    return build_forward(cfg, graphdef, placement, cross_entropy)
-
-
 @dataclass
 class StepBundle:
     cfg: Config
     mesh: Any
     placement: Placement
+    engine: Engine
     graphdef: Any
     tx: optax.GradientTransformation
     abstract_state: Any  # ShapeDtypeStructs with shardings (stored, possibly padded shapes)
@@ -116,78 +88,17 @@ class StepBundle:
 
     def logical_params(self, state):
         """Unpadded working weights (a jitted slice; for export and inspection)."""
-        from boost_jax.sharding.secondary import unpad_tree
-
-        return jax.jit(lambda p: unpad_tree(self.placement, p))(state["params"])
+        return jax.jit(lambda p: unpad_tree(self.placement.layouts, p))(state["params"])
 
 
 def _tree_wsc(tree, shardings):
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
-def make_deferred_reduce(pl: Placement, mesh) -> Callable:
-    """acc [|R|, ...] (accum sharding) → Σ over R, in the opt_state sharding.
-
-    When opt_state axes = grads axes + (part of) R, in that order on the sharded dim (the
-    canonical order guarantees it for the presets), this is one explicit reduce-scatter over
-    R ∩ opt (after an all-reduce over R − opt, if any) per leaf inside a shard_map, so the
-    compiled program shows exactly the collective the plan calls for. Otherwise GSPMD does
-    the sum and the resharding."""
-    from jax.sharding import PartitionSpec
-
-    R = pl.deferred_axes
-    lay_tree = pl.layouts
-    S1 = tuple(a for a in R if a in pl.opt_state_axes)
-    S2 = tuple(a for a in R if a not in pl.opt_state_axes)
-    lead = _spec_entry(R)
-
-    def as_tuple(e):
-        return () if e is None else ((e,) if isinstance(e, str) else tuple(e))
-
-    def explicit_ok(lay) -> bool:
-        if lay.dim is None:
-            return True
-        o = as_tuple(lay.spec(pl.opt_state_axes)[lay.dim])
-        g = as_tuple(lay.spec(pl.grads_axes)[lay.dim])
-        return o == g + S1 and all(
-            as_tuple(a) == as_tuple(b) for i, (a, b) in enumerate(
-                zip(lay.spec(pl.opt_state_axes), lay.spec(pl.grads_axes))) if i != lay.dim)
-
-    leaves = jax.tree.leaves(lay_tree, is_leaf=is_layout)
-    ok = bool(R) and all(explicit_ok(l) for l in leaves)
-    out_sh = pl.master_shardings()
-
-    if not ok:
-        def gspmd(acc):
-            return _tree_wsc(jax.tree.map(lambda a: jnp.sum(a, axis=0), acc), out_sh)
-        return gspmd
-
-    in_specs = jax.tree.map(lambda l: PartitionSpec(lead, *l.spec(pl.grads_axes)), lay_tree,
-                            is_leaf=is_layout)
-    out_specs = jax.tree.map(lambda l: l.spec(pl.opt_state_axes), lay_tree, is_leaf=is_layout)
-
-    def body(acc):
-        def one(lay, x):
-            x = x[0]
-            if S2:
-                x = jax.lax.psum(x, S2)
-            if S1:
-                x = (jax.lax.psum(x, S1) if lay.dim is None else
-                     jax.lax.psum_scatter(x, S1, scatter_dimension=lay.dim, tiled=True))
-            return x
-
-        return jax.tree.map(one, lay_tree, acc, is_leaf=is_layout)
-
-    return jax.shard_map(body, mesh=mesh, in_specs=(in_specs,), out_specs=out_specs)
-
-
 def _fast_compile_options() -> dict:
-    try:
-        from boost_jax.layers.model import fast_compile_options
+    from boost_jax.layers.model import fast_compile_options
 
-        return fast_compile_options()
-    except ImportError:  # pragma: no cover
-        return {}
+    return fast_compile_options()
 
 
 def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepBundle:
@@ -195,27 +106,20 @@ def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepB
     boost_jax.layers.model.fast_compile_options() to cut CPU compile time ~4x); the one-off
     init program always compiles with the fast options."""
     graphdef, abs_params = abstract_params(cfg)
-    placement = make_placement(cfg, mesh, abs_params)
-    pl = placement
+    pl = make_placement(cfg, mesh, abs_params)
     lay = pl.layouts
-    is_lay = is_layout
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     pdtype = jnp.dtype(cfg.model.param_dtype)
     mixed = pdtype != jnp.float32  # bf16 working weights + fp32 master copy
-    acc_dtype = jnp.dtype(cfg.parallel.grad_accum_dtype)
 
-    stored = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.padded, pdtype), lay, is_leaf=is_lay)
+    stored = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.padded, pdtype), lay, is_leaf=is_layout)
     stored32 = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.padded, jnp.float32), lay,
-                            is_leaf=is_lay)
+                            is_leaf=is_layout)
     abs_opt = jax.eval_shape(tx.init, stored32)
-
-    params_sh = pl.params_shardings()
-    grads_sh = pl.grads_shardings()
-    master_sh = pl.master_shardings()
-    accum_sh = pl.accum_shardings()
-    opt_sh = pl.opt_state_shardings(abs_opt)
+    params_sh, grads_sh, master_sh = (pl.params_shardings(), pl.grads_shardings(),
+                                      pl.master_shardings())
     rep = pl.replicated()
-    state_sh = {"step": rep, "params": params_sh, "opt_state": opt_sh}
+    state_sh = {"step": rep, "params": params_sh, "opt_state": pl.opt_state_shardings(abs_opt)}
     abs_tree = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": stored,
                 "opt_state": abs_opt}
     if mixed:
@@ -224,98 +128,33 @@ def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepB
     abstract_state = jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abs_tree, state_sh)
     batch_sh = pl.batch_sharding()
-    loss_fn = build_loss_fn(cfg, graphdef, mesh, pl)
+    engine = Engine(cfg, mesh, pl)
+    grads_fn = engine.grads_fn(cfg.train.micro_batches)
     schedule = lr_schedule(cfg.optim, cfg.train.steps)
-    micro = cfg.train.micro_batches
     clip = cfg.optim.clip_norm
     skip_nonfinite = cfg.train.skip_nonfinite
-    R = pl.deferred_axes
-    n_r = 1
-    for a in R:
-        n_r *= mesh.shape[a]
-    inner = pl.inner_batch_axes
-    grads_stage = (pl.grads_axes if set(pl.params_axes) <= set(pl.grads_axes)
-                   <= set(pl.opt_state_axes) else None)
-
-    reduce_deferred = make_deferred_reduce(pl, mesh)
-
-    def split_micro(x):
-        # Row i*M+m goes to micro-batch m so each device's rows stay on that device.
-        b = x.shape[0]
-        x = x.reshape(b // micro, micro, *x.shape[1:]).swapaxes(0, 1)
-        return jax.lax.with_sharding_constraint(
-            x, NamedSharding(mesh, P(None, _spec_entry(pl.batch_axes))))
-
-    def group_rows(x):
-        # [b, ...] (batch axes R-major) → [|R|, b/|R|, ...]: a local reshape
-        x = x.reshape(n_r, x.shape[0] // n_r, *x.shape[1:])
-        return jax.lax.with_sharding_constraint(
-            x, NamedSharding(mesh, P(_spec_entry(R), _spec_entry(inner))))
-
-    def micro_grads(params, b):
-        """(loss [|R|] or scalar, grads) for one micro-batch; grads [|R|, ...] unreduced over R.
-
-        Differentiates w.r.t. a grad_accum_dtype view of the stored weights: the gathers cast
-        it back to the working dtype before moving it, and the gradient comes back (and is
-        reduced) in grad_accum_dtype — Megatron's fp32 gradient reduction by default."""
-        view = jax.tree.map(lambda x: x.astype(acc_dtype), params)
-        if not R:
-            loss, g = jax.value_and_grad(loss_fn)(view, b)
-            return loss, _tree_wsc(g, grads_sh)
-        gb = jax.tree.map(group_rows, b)
-        vg = jax.vmap(jax.value_and_grad(lambda p, x: loss_fn(p, x, inner)), in_axes=(None, 0),
-                      spmd_axis_name=R if len(R) > 1 else R[0])
-        losses, g = vg(view, gb)
-        # per-group losses stay on their group until the end of the step (no cross-R traffic)
-        losses = jax.lax.with_sharding_constraint(losses, NamedSharding(mesh, P(_spec_entry(R))))
-        return losses, _tree_wsc(g, accum_sh)
+    # the updated weights go back opt_state → grads → params sharding, so the cross-node part
+    # moves only the node's shard
+    grads_stage = set(pl.params_axes) <= set(pl.grads_axes) <= set(pl.opt_state_axes)
 
     def step_fn(state, batch):
         params = state["params"]
-        if micro == 1:
-            loss, acc = micro_grads(params, batch)
-            acc = jax.tree.map(lambda g: g.astype(acc_dtype), acc)
-        else:
-            mb = jax.tree.map(split_micro, batch)
-
-            def body(carry, b):
-                loss_sum, acc = carry
-                # tie the weights to this micro-batch: XLA may not hoist their (loop-invariant)
-                # gathers out of the loop, so each micro-batch gathers like DeepSpeed does and
-                # full weights never stay alive across micro-batches
-                p, b = jax.lax.optimization_barrier((params, b))
-                loss, g = micro_grads(p, b)
-                acc = jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
-                return (loss_sum + loss, _tree_wsc(acc, accum_sh if R else grads_sh)), None
-
-            zshape = (lambda s: (n_r, *s)) if R else (lambda s: s)
-            zeros = jax.tree.map(lambda l: jnp.zeros(zshape(l.padded), acc_dtype), lay,
-                                 is_leaf=is_lay)
-            zeros = _tree_wsc(zeros, accum_sh if R else grads_sh)
-            loss0 = jnp.zeros((n_r,) if R else (), jnp.float32)
-            if R:
-                loss0 = jax.lax.with_sharding_constraint(
-                    loss0, NamedSharding(mesh, P(_spec_entry(R))))
-            (loss, acc), _ = jax.lax.scan(body, (loss0, zeros), mb)
-            loss = loss / micro
-        loss = jnp.mean(loss)
-        # once per step: reduce the deferred axes straight into the optimizer's sharding
-        norm = 1.0 / (micro * n_r)
-        if R:
-            grads = reduce_deferred(acc)
-        grads = jax.tree.map(lambda a: a.astype(jnp.float32) * norm, grads if R else acc)
-        grads = _tree_wsc(grads, master_sh)
+        # 1. loss and gradient (micro-batches, per-layer gathers, TP, deferred reduction)
+        loss, grads = grads_fn(params, batch)
+        grads = _tree_wsc(jax.tree.map(lambda g: g.astype(jnp.float32), grads), master_sh)
+        # 2. clip by global norm
         gnorm = optax.tree.norm(grads)
         if clip > 0:
             scale = jnp.minimum(1.0, clip / (gnorm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
+        # 3. AdamW on the fp32 master shard
         master = state["master"] if mixed else _tree_wsc(params, master_sh)
         updates, opt_state = tx.update(grads, state["opt_state"], master)
         new_master = _tree_wsc(optax.apply_updates(master, updates), master_sh)
-        # cast on the opt_state shard, so the gathers below move the working dtype
+        # 4. the new working weights, cast on the opt_state shard so the gathers move pdtype
         new_params = _tree_wsc(jax.tree.map(lambda x: x.astype(pdtype), new_master), master_sh)
         src = master_sh
-        if grads_stage is not None:  # cross-node part first: opt_state → grads sharding
+        if grads_stage:
             new_params = jax.tree.map(reshard_bits, new_params, grads_sh, src)
             src = grads_sh
         new_params = jax.tree.map(reshard_bits, new_params, params_sh, src)
@@ -335,18 +174,14 @@ def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepB
     train_step = jax.jit(step_fn, in_shardings=(state_sh, batch_sh),
                          out_shardings=(state_sh, rep), donate_argnums=(0,),
                          compiler_options=copts or None)
-    eval_step = jax.jit(lambda p, b: loss_fn(p, b), in_shardings=(params_sh, batch_sh),
+    eval_step = jax.jit(engine.loss_fn(), in_shardings=(params_sh, batch_sh),
                         out_shardings=rep, compiler_options=copts or None)
-    import dataclasses
-
     cfg32 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype="float32"))
     factory32 = model_factory(cfg32)
 
     def init_state():
-        from boost_jax.sharding.secondary import pad_tree
-
         def init():
-            p32 = pad_tree(pl, nnx.to_pure_dict(nnx.split(factory32(), nnx.Param)[1]))
+            p32 = pad_tree(lay, nnx.to_pure_dict(nnx.split(factory32(), nnx.Param)[1]))
             state = {"step": jnp.zeros((), jnp.int32),
                      "params": jax.tree.map(lambda x: x.astype(pdtype), p32),
                      "opt_state": tx.init(p32)}
@@ -357,8 +192,8 @@ def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepB
         return jax.jit(init, out_shardings=state_sh,
                        compiler_options=_fast_compile_options() or None)()
 
-    n_params = sum(l.numel for l in jax.tree.leaves(lay, is_leaf=is_lay))
-    return StepBundle(cfg, mesh, placement, graphdef, tx, abstract_state, state_sh, batch_sh,
+    n_params = sum(l.numel for l in jax.tree.leaves(lay, is_leaf=is_layout))
+    return StepBundle(cfg, mesh, pl, engine, graphdef, tx, abstract_state, state_sh, batch_sh,
                       train_step, eval_step, init_state, n_params)
 
 

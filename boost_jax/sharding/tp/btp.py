@@ -34,18 +34,12 @@ Communication per layer (elements; b·s tokens; t-way all-reduce ring bytes = 2(
 
 from __future__ import annotations
 
-from typing import Optional
-
-import jax
 import jax.numpy as jnp
 
 from boost_jax.layers.linear import lax_cross, latent_activation
 from boost_jax.pallas import dispatch
-from boost_jax.sharding.tp_common import (
-    TPContext, local_attention, matmul, name_latent, name_residual, psum, to_varying)
-
-ATTN_IN = ("q", "k", "v")
-MLP_IN = ("gate", "up")
+from boost_jax.sharding.tp.common import TPContext, matmul, name_latent, psum, to_varying
+from boost_jax.sharding.tp.head import TPOps
 
 
 def norm_down(ctx: TPContext, x, gamma, w):
@@ -71,65 +65,33 @@ def norm_down(ctx: TPContext, x, gamma, w):
                                           out_dtype=ctx.dtype)
 
 
-def _finish(ctx: TPContext, z, prev, p):
-    """The reduced latent → the carried latent (LaX crossing on replicated values)."""
-    return lax_cross(z, prev, p, ctx.eps) if ctx.lax else z
+class BTPOps(TPOps):
+    def finish(self, z, prev, p):
+        """The reduced latent → the carried latent (LaX crossing on replicated values)."""
+        return lax_cross(z, prev, p, self.ctx.eps) if self.ctx.lax else z
 
+    def up(self, zs: list, ws: list) -> list:
+        """σ, then the column-parallel B projections as one batched GEMM. The σ'd latents enter
+        per-rank compute through ONE pcast, so backward all-reduces the group's cotangent once."""
+        ctx = self.ctx
+        a = latent_activation(ctx.kind, jnp.concatenate(zs, axis=-1) if len(zs) > 1 else zs[0])
+        a = to_varying(ctx, a)
+        if len(zs) == 1:
+            return [matmul(a, ws[0], ctx.dtype)]
+        parts = jnp.split(a, [sum(z.shape[-1] for z in zs[:i]) for i in range(1, len(zs))],
+                          axis=-1)
+        return dispatch.grouped_up(parts, [w.astype(ctx.dtype) for w in ws], impl=ctx.kernels)
 
-def _up(ctx: TPContext, zs: list, ws: list) -> list:
-    """σ, then column-parallel B projections as one batched GEMM.
+    def project_in(self, h, scale, projs, prevs):
+        """[Online-RMSNorm + grouped A] → AR(n·r + 1) → σ → grouped B (local columns)."""
+        r = self.ctx.r
+        z = norm_down(self.ctx, h, scale, jnp.concatenate([p["a"] for p in projs], axis=-1))
+        zs = [self.finish(z[..., i * r:(i + 1) * r], prev, p)
+              for i, (p, prev) in enumerate(zip(projs, prevs))]
+        return self.up(zs, [p["b"] for p in projs]), zs
 
-    The σ'd latents enter per-rank compute through ONE pcast, so the backward all-reduces the
-    whole group's latent cotangent in one collective.
-    """
-    a = latent_activation(ctx.kind, jnp.concatenate(zs, axis=-1) if len(zs) > 1 else zs[0])
-    a = to_varying(ctx, a)
-    if len(zs) == 1:
-        return [matmul(a, ws[0], ctx.dtype)]
-    offsets = [sum(z.shape[-1] for z in zs[:i]) for i in range(1, len(zs))]
-    parts = jnp.split(a, offsets, axis=-1)
-    return dispatch.grouped_up(parts, [w.astype(ctx.dtype) for w in ws], impl=ctx.kernels)
-
-
-def btp_block(ctx: TPContext, p: dict, h, positions, prev: Optional[dict]):
-    """One decoder block on the d-sharded residual h [b, s, d/t] → (h, latents or None)."""
-    at, ml = p["attn"], p["mlp"]
-    prev = prev or {}
-    h = name_residual(h)
-
-    # attention: [norm + A_qkv] → AR(3r+1) → σ → B_qkv (local heads) → attn → A_o → AR(r)
-    r = ctx.r
-    z = norm_down(ctx, h, p["attn_norm"]["scale"],
-                  jnp.concatenate([at[n]["a"] for n in ATTN_IN], axis=-1))
-    zs = [_finish(ctx, z[..., i * r:(i + 1) * r], prev.get(n), at[n])
-          for i, n in enumerate(ATTN_IN)]
-    q, k, v = _up(ctx, zs, [at[n]["b"] for n in ATTN_IN])
-    o = local_attention(ctx, q, k, v, positions, ctx.n_heads // ctx.t, ctx.kv_heads // ctx.t)
-    zo = _finish(ctx, name_latent(psum(ctx, matmul(o, at["o"]["a"], ctx.dtype))),
-                 prev.get("o"), at["o"])
-    (y,) = _up(ctx, [zo], [at["o"]["b"]])
-    h = name_residual(h + y.astype(h.dtype))
-
-    # MLP: [norm + A_gate|up] → AR(2r+1) → σ → B_gate,B_up (d_ff/t) → A_down → AR(r) → B_down
-    z = norm_down(ctx, h, p["mlp_norm"]["scale"],
-                  jnp.concatenate([ml[n]["a"] for n in MLP_IN], axis=-1))
-    zg = _finish(ctx, z[..., :r], prev.get("gate"), ml["gate"])
-    zu = _finish(ctx, z[..., r:], prev.get("up"), ml["up"])
-    g, u = _up(ctx, [zg, zu], [ml["gate"]["b"], ml["up"]["b"]])
-    m = jax.nn.silu(g) * u
-    zd = _finish(ctx, name_latent(psum(ctx, matmul(m, ml["down"]["a"], ctx.dtype))),
-                 prev.get("down"), ml["down"])
-    (y,) = _up(ctx, [zd], [ml["down"]["b"]])
-    h = h + y.astype(h.dtype)
-    lat = None
-    if ctx.lax:
-        lat = dict(zip(ATTN_IN, zs)) | {"o": zo, "gate": zg, "up": zu, "down": zd}
-    return h, lat
-
-
-def btp_init_prev(ctx: TPContext, b: int, s: int) -> Optional[dict]:
-    """LaX: the first block crosses with zeros (replicated, like every BTP latent)."""
-    if not ctx.lax:
-        return None
-    return {k: jnp.zeros((b, s, ctx.r), ctx.dtype)
-            for k in ("q", "k", "v", "o", "gate", "up", "down")}
+    def project_out(self, x, proj, prev):
+        """A row-parallel → AR(r) → σ → B column-parallel (into the residual's d-slice)."""
+        z = self.finish(name_latent(psum(self.ctx, matmul(x, proj["a"], self.ctx.dtype))),
+                        prev, proj)
+        return self.up([z], [proj["b"]])[0], z

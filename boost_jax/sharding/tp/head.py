@@ -1,12 +1,12 @@
-"""Embedding and LM head under tensor parallelism, with a distributed softmax cross-entropy.
+"""Embedding and LM head under tensor parallelism (vocab-parallel cross-entropy), and TPOps: the
+ops every TP layout inherits (fetch, embedding, head, LaX's first latents).
 
 Embedding table [V, d]:
     btp (untied)   split along d — rank i looks up its own slice h_i, no collective.
     megatron, vanilla, and any tied table: split along V (vocab-parallel): each rank looks up
                    the tokens it owns (zeros elsewhere), then all-reduce [b,s,d] (btp then
                    keeps its d-slice).
-LM head w [d, V] (or the tied table transposed): split along V. BTP gathers h once (b·s·d, as
-an all-reduce of the zero-padded shard — see tp_common.all_gather for why not an all-gather),
+LM head w [d, V] (or the tied table transposed): split along V. BTP all-gathers h once (b·s·d),
 applies the replicated final norm, and each rank computes its logits slice [b, s, V/t] in
 fp32. The cross-entropy never forms replicated [b,s,V] logits:
     m = pmax(max_v logits_i)       (stop-gradient; one all-reduce of b·s)
@@ -14,17 +14,20 @@ fp32. The cross-entropy never forms replicated [b,s,V] logits:
     loss = mean(log S + m − gold)
 Backward: the head input cotangent is all-reduced over ranks (b·s·d, the pcast of the normed
 h entering the per-rank head GEMM); the embedding backward needs no TP collective.
-Per step (elements): forward AR b·s·d (embedding; none for untied btp) + AR b·s·d (btp gather)
-+ AR b·s (max) + AR 2·b·s (sum-exp, gold); backward AR b·s·d.
+Per step (elements): forward AR b·s·d (embedding; none for untied btp) + AG b·s·d (btp gather
+of h) + AR b·s (max) + AR 2·b·s (sum-exp, gold); backward AR b·s·d.
 """
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import jax
 import jax.numpy as jnp
 
+from boost_jax.layers.forward import first_latents
 from boost_jax.layers.norms import rms_norm
-from boost_jax.sharding.tp_common import (
+from boost_jax.sharding.tp.common import (
     TPContext, all_gather, local_slice, psum, rank_index, to_varying)
 
 
@@ -40,8 +43,7 @@ def embed(ctx: TPContext, table, tokens):
     local = tokens - rank_index(ctx) * vt
     own = (local >= 0) & (local < vt)
     e = jnp.take(table, jnp.clip(local, 0, vt - 1), axis=0)
-    e = jnp.where(own[..., None], e, 0).astype(ctx.dtype)  # one rank holds each token's row
-    e = psum(ctx, e)
+    e = psum(ctx, jnp.where(own[..., None], e, 0).astype(ctx.dtype))  # one rank owns each row
     return local_slice(ctx, e, axis=e.ndim - 1) if ctx.mode == "btp" else e
 
 
@@ -53,18 +55,36 @@ def vocab_parallel_cross_entropy(ctx: TPContext, x, w, targets):
     m = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), ctx.axes)
     se = jnp.sum(jnp.exp(logits - m[..., None]), axis=-1)
     local = targets - rank_index(ctx) * vt
-    own = (local >= 0) & (local < vt)
-    # a masked row-sum, not take_along_axis: XLA's sharding propagation replicates a gather's
-    # batch over the automatic (data-parallel) axes, which would run the head un-sharded
     hit = jnp.arange(vt, dtype=local.dtype) == local[..., None]  # all False off this rank
     gold = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
     se, gold = psum(ctx, (se, gold))
     return jnp.mean(jnp.log(se) + m - gold)
 
 
-def head_loss(ctx: TPContext, params: dict, h, targets):
+def head_loss(ctx: TPContext, h, scale, w, targets):
     if ctx.mode == "btp":
         h = all_gather(ctx, h, axis=h.ndim - 1)
-    x = rms_norm(h, params["final_norm"]["scale"], ctx.eps, ctx.dtype)
-    w = params["embed"]["embedding"].T if ctx.tie else params["lm_head"]["w"]
+    x = rms_norm(h, scale, ctx.eps, ctx.dtype)
     return vocab_parallel_cross_entropy(ctx, x, w, targets)
+
+
+class TPOps:
+    """The forward's ops (boost_jax.layers.forward) common to every TP layout; subclasses add
+    project_in / project_out."""
+
+    def __init__(self, ctx: TPContext, fetch: Optional[Callable] = None):
+        self.ctx = ctx
+        self._fetch = fetch
+
+    def fetch(self, stored, slots, path):
+        return stored if self._fetch is None else self._fetch(stored, slots, path)
+
+    def init_prev(self, tokens):
+        """LaX: the first block crosses with zeros (replicated, like every TP latent)."""
+        return first_latents(tokens, self.ctx.r, self.ctx.dtype) if self.ctx.lax else None
+
+    def embed(self, table, tokens):
+        return embed(self.ctx, table, tokens)
+
+    def head_loss(self, h, scale, w, targets):
+        return head_loss(self.ctx, h, scale, w, targets)

@@ -43,16 +43,16 @@ zeros at the end of each dim).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.errors import ConfigError
 from boost_jax.mesh import AXES, axis_size
+from boost_jax.sharding.layout import LeafLayout, choose_layout, spec_entry
+from boost_jax.sharding.tp.specs import tp_param_specs
 
 ALL = "all"
 # plan: params, grads, opt_state, secondary, quantize_gather, secondary_dtype
@@ -68,91 +68,6 @@ PRESETS: dict[str, dict[str, Any]] = {
                          secondary=("pair",), qwz=False, sec_dtype="int8"),
 }
 
-
-def _spec_entry(axes: Sequence[str]):
-    axes = tuple(axes)
-    if not axes:
-        return None
-    return axes[0] if len(axes) == 1 else axes
-
-
-@dataclass(frozen=True)
-class LeafLayout:
-    """How one parameter-shaped array is stored and sharded.
-
-    shape: logical (model) shape; padded: stored shape (== shape unless `pad`);
-    dim: the data-parallel sharded dim (None: replicated over every DP role);
-    tp: per-dim TP axes (() for none); layer_axis: dim 0 is a scanned layer axis.
-    """
-
-    shape: tuple[int, ...]
-    padded: tuple[int, ...]
-    dim: Optional[int]
-    tp: tuple[tuple[str, ...], ...]
-    layer_axis: bool = False
-
-    @property
-    def pad(self) -> int:
-        return 0 if self.dim is None else self.padded[self.dim] - self.shape[self.dim]
-
-    @property
-    def numel(self) -> int:
-        return int(math.prod(self.shape))
-
-    @property
-    def padded_numel(self) -> int:
-        return int(math.prod(self.padded))
-
-    def spec(self, axes: Sequence[str] = ()) -> P:
-        """PartitionSpec with the TP axes plus `axes` (data-parallel) on `dim`."""
-        entries = []
-        for i, tp in enumerate(self.tp):
-            ax = tuple(tp) + (tuple(axes) if i == self.dim else ())
-            entries.append(_spec_entry(ax))
-        return P(*entries)
-
-    def tp_spec(self) -> P:
-        return self.spec(())
-
-    def sliced(self) -> "LeafLayout":
-        """The layout of one layer of a stacked (scanned) array."""
-        if not self.layer_axis:
-            return self
-        return LeafLayout(self.shape[1:], self.padded[1:],
-                          None if self.dim is None else self.dim - 1, self.tp[1:], False)
-
-
-def choose_layout(shape: Sequence[int], n: int, tp: Optional[Sequence] = None,
-                  layer_axis: bool = False, mesh=None) -> LeafLayout:
-    """Pick the dim sharded by n data-parallel devices (pad it if nothing divides).
-
-    Preference: the largest non-TP dim that divides; then a TP dim whose local size divides
-    (DP axes appended after the TP axes on that dim); then pad the largest non-TP dim. A
-    layer axis is never chosen. Nothing eligible (e.g. a 1-D TP-sharded vector that does
-    not divide): replicate over data-parallel axes (dim None, reported as overhead).
-    """
-    shape = tuple(int(s) for s in shape)
-    tp = tuple(tuple(t or ()) if not isinstance(t, str) else (t,) for t in (tp or [()] * len(shape)))
-    if len(tp) != len(shape):
-        raise ValueError(f"tp spec {tp} does not match shape {shape}")
-    if n <= 1 or not shape:
-        return LeafLayout(shape, shape, None, tp, layer_axis)
-    tp_size = [axis_size(mesh, t) if (t and mesh is not None) else 1 for t in tp]
-    cands = [i for i in range(len(shape)) if not (layer_axis and i == 0)]
-    free = [i for i in cands if not tp[i]]
-    by_size = lambda dims: sorted(dims, key=lambda i: (-shape[i] // tp_size[i], i))  # noqa: E731
-    for i in by_size(free):
-        if shape[i] % n == 0:
-            return LeafLayout(shape, shape, i, tp, layer_axis)
-    for i in by_size([c for c in cands if tp[c]]):
-        if (shape[i] // tp_size[i]) % n == 0:
-            return LeafLayout(shape, shape, i, tp, layer_axis)
-    if free:
-        i = by_size(free)[0]
-        padded = list(shape)
-        padded[i] = -(-shape[i] // n) * n
-        return LeafLayout(shape, tuple(padded), i, tp, layer_axis)
-    return LeafLayout(shape, shape, None, tp, layer_axis)
 
 
 def order_axes(roles: Sequence[Sequence[str]], dp_axes: Sequence[str]) -> tuple[str, ...]:
@@ -193,7 +108,7 @@ class Placement:
         return NamedSharding(self.mesh, spec)
 
     def batch_sharding(self) -> NamedSharding:
-        return self.named(P(_spec_entry(self.batch_axes)))
+        return self.named(P(spec_entry(self.batch_axes)))
 
     @property
     def inner_batch_axes(self) -> tuple[str, ...]:
@@ -223,7 +138,7 @@ class Placement:
 
     def accum_shardings(self):
         """The micro-batch gradient accumulator [|R|, *padded] (R major on the new dim 0)."""
-        lead = _spec_entry(self.deferred_axes)
+        lead = spec_entry(self.deferred_axes)
         return jax.tree.map(lambda lay: self.named(P(lead, *lay.spec(self.grads_axes))),
                             self.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
 
@@ -263,7 +178,7 @@ class Placement:
         padding  the part of all the above that is zero padding
         replicated_overhead  bytes a leaf that could not be sharded costs above its share
         """
-        from boost_jax.sharding.formulas import memory_per_device
+        from boost_jax.sharding.formulas import memory_per_device  # noqa: PLC0415
 
         return memory_per_device(self)
 
@@ -342,12 +257,6 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
     tp, dp = r["tp"], r["dp"]
     deferred = tuple(a for a in r["batch"] if a not in r["grads"])
     notes = []
-    if tp and deferred:
-        # vmap(spmd_axis_name) over the TP shard_map is not supported by this JAX: with TP the
-        # gradients are reduced over every batch axis each micro-batch (no deferral)
-        notes.append(f"tensor parallelism: gradients are reduced over {list(deferred)} every "
-                     "micro-batch (deferred reduction needs tp_mode=none)")
-        deferred = ()
     roles = [r["params"], r["grads"], r["opt_state"]] + ([r["secondary"]] if r["secondary"] else [])
     order = order_axes(roles, dp)
     ordered = lambda axes: tuple(a for a in order if a in axes)  # noqa: E731
@@ -378,8 +287,6 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
     n = axis_size(mesh, union)
     tp_specs = None
     if cfg.parallel.tp_mode != "none":
-        from boost_jax.sharding.tensor_parallel import tp_param_specs
-
         tp_specs = tp_param_specs(cfg, abstract_params)
     scan = bool(getattr(cfg.train, "scan_layers", True))
 
@@ -398,12 +305,6 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
                                             is_leaf=lambda s: isinstance(s, P))
 
 
-def is_layout(x) -> bool:
-    return isinstance(x, LeafLayout)
-
-
-def bytes_of(tree) -> int:
-    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
 
 
 def shard_spec(shape: Sequence[int], axes: Sequence[str], mesh) -> P:
@@ -417,4 +318,4 @@ def shard_spec(shape: Sequence[int], axes: Sequence[str], mesh) -> P:
 
 
 __all__ = ["Placement", "LeafLayout", "PRESETS", "make_placement", "make_layouts",
-           "choose_layout", "order_axes", "resolve_roles", "shard_spec", "bytes_of", "replace"]
+           "choose_layout", "order_axes", "resolve_roles", "shard_spec", "replace"]

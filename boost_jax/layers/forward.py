@@ -1,0 +1,205 @@
+"""The decoder forward, written once: embedding → blocks → final norm → head and loss.
+
+Pre-norm LLaMA block, in model terms:
+
+    h += o(attention(rope(q, k, v)))   with (q, k, v) = project_in(RMSNorm(h))
+    h += down(silu(gate) · up)         with (gate, up) = project_in(RMSNorm(h))
+
+Whatever depends on where an array lives or which collective runs is a call on `ops`:
+
+    ops.fetch(stored, slots, path)    stored weights at `path` (("embed",), ("blocks",) for one
+                                      layer of a stack, ("blocks", i), ("final_norm",),
+                                      ("lm_head",)) → the weights to compute with
+    ops.embed(table, tokens)          → residual stream h [b, s, d] (btp: its d-slice)
+    ops.init_prev(tokens)             LaX: the latents the first block crosses with (else None)
+    ops.project_in(h, scale, projs, prevs)   RMSNorm + the projections reading its output
+                                      → ([y per proj], [latent per proj])
+    ops.project_out(x, proj, prev)    one projection whose output joins the residual → (y, latent)
+    ops.head_loss(h, scale, w, targets)      final norm + LM head → mean cross-entropy
+    ops.logits(h, scale, w)           final norm + LM head → fp32 logits (single device only)
+
+`Local` below is the single-device implementation (LlamaModel uses it; the training step gives
+it a per-layer fetch for the plans without TP); the tensor-parallel
+ones (megatron, vanilla, btp) live in boost_jax/sharding/tp/, and the training step gives any
+of them a `fetch` that gathers a layer's weights just before use (boost_jax/sharding/gather.py).
+Attention runs on whatever heads the projections return (all of them here, the local ones
+under TP). Adding, say, QK-norm is an edit of `attention` below.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from boost_jax.layers.attention import causal_attention
+from boost_jax.layers.linear import lowrank_apply
+from boost_jax.layers.norms import rms_norm
+from boost_jax.layers.rope import apply_rope
+
+QKV = ("q", "k", "v")
+GATE_UP = ("gate", "up")
+LATENT_KEYS = ("q", "k", "v", "o", "gate", "up", "down")  # the 7 latents a lax block passes on
+RESIDUAL_NAME = "residual"  # checkpoint_name of the residual stream at each sub-layer input
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean token cross-entropy of fp32 logits [..., V]."""
+    logits = logits.astype(jnp.float32)
+    logz = jax.nn.logsumexp(logits, axis=-1)
+    gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return jnp.mean(logz - gold)
+
+
+def first_latents(tokens, rank: int, dtype) -> dict:
+    """Zero latents [b, s, r] for the first LaX block; derived from `tokens` so that they carry
+    the same (vma) type as the latents later blocks pass on."""
+    z = jnp.broadcast_to((tokens[..., None] * 0).astype(dtype), (*tokens.shape, rank))
+    return {k: z for k in LATENT_KEYS}
+
+
+class Local:
+    """Single-device ops: every weight is whole and nothing is communicated."""
+
+    def __init__(self, cfg, fetch=None):
+        self._fetch = fetch
+        self.kind, self.eps = cfg.arch, cfg.norm_eps
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.rank, self.tie = cfg.r, cfg.tie_embeddings
+
+    def fetch(self, stored, slots, path):
+        return stored if self._fetch is None else self._fetch(stored, slots, path)
+
+    def embed(self, table, tokens):
+        return jnp.take(table, tokens, axis=0).astype(self.dtype)
+
+    def init_prev(self, tokens) -> Optional[dict]:
+        return first_latents(tokens, self.rank, self.dtype) if self.kind == "lax" else None
+
+    def project_in(self, h, scale, projs, prevs):
+        x = rms_norm(h, scale, self.eps, self.dtype)
+        outs = [lowrank_apply(self.kind, p, x, z, eps=self.eps, dtype=self.dtype)
+                for p, z in zip(projs, prevs)]
+        return [y for y, _ in outs], [z for _, z in outs]
+
+    def project_out(self, x, proj, prev):
+        return lowrank_apply(self.kind, proj, x, prev, eps=self.eps, dtype=self.dtype)
+
+    def logits(self, h, scale, w):
+        x = rms_norm(h, scale, self.eps, self.dtype)
+        return jnp.einsum("bsd,dv->bsv", x, w.astype(self.dtype),
+                          preferred_element_type=jnp.float32)
+
+    def head_loss(self, h, scale, w, targets):
+        return cross_entropy(self.logits(h, scale, w), targets)
+
+
+# --------------------------------------------------------------------------- one block
+
+
+def attention(ops, cfg, p: dict, h, positions, prev: dict):
+    """The attention sub-layer's addend to the residual, and its latents."""
+    (q, k, v), zs = ops.project_in(h, p["attn_norm"]["scale"], [p["attn"][n] for n in QKV],
+                                   [prev.get(n) for n in QKV])
+    b, s, hd = q.shape[0], q.shape[1], cfg.head_dim
+    q = apply_rope(q.reshape(b, s, -1, hd), positions, cfg.rope_theta)
+    k = apply_rope(k.reshape(b, s, -1, hd), positions, cfg.rope_theta)
+    o = causal_attention(q, k, v.reshape(b, s, -1, hd))
+    y, zo = ops.project_out(o.reshape(b, s, -1), p["attn"]["o"], prev.get("o"))
+    return y, dict(zip(QKV, zs)) | {"o": zo}
+
+
+def mlp(ops, p: dict, h, prev: dict):
+    """The SwiGLU sub-layer's addend to the residual, and its latents."""
+    (g, u), zs = ops.project_in(h, p["mlp_norm"]["scale"], [p["mlp"][n] for n in GATE_UP],
+                                [prev.get(n) for n in GATE_UP])
+    y, zd = ops.project_out(jax.nn.silu(g) * u, p["mlp"]["down"], prev.get("down"))
+    return y, dict(zip(GATE_UP, zs)) | {"down": zd}
+
+
+def block(ops, cfg, p: dict, h, positions, prev: Optional[dict]):
+    """h → h + attention → + mlp; returns (h, latents for the next lax block or None)."""
+    prev = prev or {}
+    h = checkpoint_name(h, RESIDUAL_NAME)
+    y, lat_a = attention(ops, cfg, p, h, positions, prev)
+    h = checkpoint_name(h + y.astype(h.dtype), RESIDUAL_NAME)
+    y, lat_m = mlp(ops, p, h, prev)
+    h = h + y.astype(h.dtype)
+    return h, (lat_a | lat_m if cfg.arch == "lax" else None)
+
+
+# --------------------------------------------------------------------------- the stack
+
+
+def is_stacked(blocks: dict) -> bool:
+    """Stacked (scan_layers=True) blocks are keyed by name; unstacked ones by layer index."""
+    return not all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in blocks)
+
+
+def run_blocks(ops, cfg, blocks: dict, slots, h, positions, prev, checkpoint: Callable):
+    """All layers: lax.scan over stacked params (one compiled layer), else a Python loop.
+
+    Each layer fetches its weights inside `checkpoint` (a jax.checkpoint wrapper or the
+    identity), so only one layer's gathered weights live at a time and backward re-fetches.
+    `slots` mirrors `blocks` (gradient slots of the training step) or is None.
+    """
+    def layer(lp, ls, h, prev, path=("blocks",)):
+        return block(ops, cfg, ops.fetch(lp, ls, path), h, positions, prev)
+
+    if is_stacked(blocks):
+        layer = checkpoint(layer)
+
+        def body(carry, xs):
+            return layer(xs[0], xs[1], *carry), None
+
+        (h, prev), _ = jax.lax.scan(body, (h, prev), (blocks, slots))
+        return h, prev
+    for key in sorted(blocks, key=int):
+        fn = checkpoint(lambda lp, ls, h, prev, key=key: layer(lp, ls, h, prev, ("blocks", key)))
+        h, prev = fn(blocks[key], None if slots is None else slots[key], h, prev)
+    return h, prev
+
+
+def _part(tree, *keys):
+    for k in keys:
+        if tree is None:
+            return None
+        tree = tree[k]
+    return tree
+
+
+def hidden(ops, cfg, params: dict, tokens, positions=None, slots=None,
+           checkpoint: Callable = lambda f: f):
+    """tokens [b, s] → the residual stream after the last block (before the final norm)."""
+    if positions is None:
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+    emb = ops.fetch(params["embed"], _part(slots, "embed"), ("embed",))
+    h = ops.embed(emb["embedding"], tokens)
+    h, _ = run_blocks(ops, cfg, params["blocks"], _part(slots, "blocks"), h, positions,
+                      ops.init_prev(tokens), checkpoint)
+    return h
+
+
+def head_weights(ops, cfg, params: dict, slots=None):
+    """(final norm scale, [d, V] output projection) fetched for use (tied: the table's T)."""
+    scale = ops.fetch(params["final_norm"], _part(slots, "final_norm"), ("final_norm",))
+    if cfg.tie_embeddings:
+        w = ops.fetch(params["embed"], _part(slots, "embed"), ("embed",))["embedding"].T
+    else:
+        w = ops.fetch(params["lm_head"], _part(slots, "lm_head"), ("lm_head",))["w"]
+    return scale["scale"], w
+
+
+def loss(ops, cfg, params: dict, batch: dict, slots=None, checkpoint: Callable = lambda f: f):
+    """Mean cross-entropy of batch["targets"] given batch["inputs"] (int32 [b, s])."""
+    h = hidden(ops, cfg, params, batch["inputs"], slots=slots, checkpoint=checkpoint)
+    scale, w = head_weights(ops, cfg, params, slots)
+    return ops.head_loss(h, scale, w, batch["targets"])
+
+
+def logits(ops, cfg, params: dict, tokens, positions=None, checkpoint: Callable = lambda f: f):
+    """tokens [b, s] → fp32 logits [b, s, V] (single device)."""
+    h = hidden(ops, cfg, params, tokens, positions, checkpoint=checkpoint)
+    return ops.logits(h, *head_weights(ops, cfg, params))

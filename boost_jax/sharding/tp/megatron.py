@@ -1,0 +1,38 @@
+"""Megatron tensor parallelism for the full-rank baseline (arch=full).
+
+The residual stream is replicated. Attention: q|k|v column-parallel by heads (one GEMM over the
+concatenated local columns), attention on local heads, o row-parallel → all-reduce [b,s,d].
+MLP: gate|up column-parallel (d_ff/t), down row-parallel → all-reduce [b,s,d]. Norm scales are
+replicated.
+
+Parameter split (leading layer axis L omitted): q/k/v/gate/up `w` [d, n] along n (columns),
+o/down `w` [n, d] along n (rows).
+
+Communication per layer (elements, b·s tokens):
+    forward   2 all-reduces, b·s·2d (outputs of o and down)
+    backward  2 all-reduces, b·s·2d (cotangents of the normed inputs of q|k|v and gate|up:
+              Megatron's f operator, one pcast per group)
+    remat=full replays the 2 forward all-reduces; remat=lowrank has no latent to save in a
+    full-rank block (it keeps the residuals only) and also replays them.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from boost_jax.layers.norms import rms_norm
+from boost_jax.sharding.tp.common import matmul, name_reduced, psum, to_varying
+from boost_jax.sharding.tp.head import TPOps
+
+
+class MegatronOps(TPOps):
+    def project_in(self, h, scale, projs, prevs):
+        ctx = self.ctx
+        x = to_varying(ctx, rms_norm(h, scale, ctx.eps, ctx.dtype))
+        ws = [p["w"] for p in projs]
+        y = matmul(x, jnp.concatenate(ws, axis=-1), ctx.dtype)
+        cuts = [sum(w.shape[-1] for w in ws[:i]) for i in range(1, len(ws))]
+        return jnp.split(y, cuts, axis=-1), [None] * len(projs)
+
+    def project_out(self, x, proj, prev):
+        return name_reduced(psum(self.ctx, matmul(x, proj["w"], self.ctx.dtype))), None

@@ -1,0 +1,194 @@
+"""One engine for every plan × TP layout: the loss and its gradient, manual over every mesh axis.
+
+`grads_fn(params, batch) -> (loss, grads)` runs as ONE jax.shard_map over all mesh axes (pair,
+node, global). Each device holds its rows of the batch and its shards of the stored weights,
+and every collective in it is written in one place:
+
+    for each micro-batch m (lax.scan):
+        each layer fetches its weights just before use          sharding/gather.py
+            (AG over params axes, or over the secondary's, int8 or not; backward re-gathers)
+        the blocks run the forward written once                 layers/forward.py
+            (TP layouts add their all-reduces)                  sharding/tp/
+        the gradient of this device's rows lands in the grads
+            sharding (reduce-scatter over grads axes, in
+            grad_accum_dtype) and is added to the accumulator   gather.LeafFetch.reduce
+    once per step: the accumulator, unreduced over the batch
+        axes R that grads do not cover, is reduced straight
+        into the opt_state sharding (RS over R ∩ opt, AR over R − opt)      reduce_deferred
+
+The loss each device differentiates is its rows' mean CE / (data-parallel devices × micro-
+batches), so the reductions above sum to the gradient of the global mean. GSPMD only places
+the step's inputs and outputs; the optimizer (train/step.py) runs on the opt_state shards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from boost_jax.backends import cpu as cpu_quirks
+from boost_jax.layers import forward
+from boost_jax.layers.forward import RESIDUAL_NAME
+from boost_jax.layers.linear import LATENT_NAME
+from boost_jax.sharding.gather import SECONDARY_NAME, LeafFetch, fetch_tree, to_varying
+from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
+from boost_jax.sharding.placement import Placement
+from boost_jax.sharding.tp.common import REDUCED_NAME
+from boost_jax.sharding.tp.specs import make_ops
+
+
+def remat_wrapper(remat: str, gathers: bool) -> Callable:
+    """The per-layer jax.checkpoint for train.remat (none | full | lowrank).
+
+    With gathered weights the gathered copy is never saved (backward re-fetches it), so
+    remat="none" saves every matmul output plus the named values instead (weights are inputs
+    of matmuls, never outputs)."""
+    cp = jax.checkpoint_policies
+    saved = {"none": (LATENT_NAME, RESIDUAL_NAME, REDUCED_NAME), "full": (),
+             "lowrank": (LATENT_NAME, RESIDUAL_NAME)}
+    if remat not in saved:
+        raise ValueError(f"train.remat={remat!r}; expected none, full or lowrank")
+    names = saved[remat] + ((SECONDARY_NAME,) if gathers else ())
+    if remat == "none":
+        if not gathers:
+            return lambda f: f
+        policy = cp.save_from_both_policies(cp.dots_saveable, cp.save_only_these_names(*names))
+    else:
+        policy = cp.save_only_these_names(*names) if names else None
+    return lambda f: jax.checkpoint(f, policy=policy, prevent_cse=False)
+
+
+def _tp_axes(lay: LeafLayout) -> tuple[str, ...]:
+    return tuple(a for tp in lay.tp for a in tp)
+
+
+@dataclass
+class Engine:
+    cfg: Any
+    mesh: Any
+    pl: Placement
+
+    def __post_init__(self):
+        pl, cfg = self.pl, self.cfg
+        self.sizes = tuple((a, int(n)) for a, n in self.mesh.shape.items())
+        self.n_batch = math.prod(dict(self.sizes)[a] for a in pl.batch_axes)
+        self.R = pl.deferred_axes
+        mk = lambda lay: LeafFetch(  # noqa: E731
+            lay.sliced(), self.sizes, pl.batch_axes, pl.params_axes, pl.grads_axes,
+            pl.secondary_axes, pl.quantize_gather, pl.secondary_int8, pl.quant_block,
+            pl.param_dtype, pl.grad_accum_dtype)
+        self.fetches = jax.tree.map(mk, pl.layouts, is_leaf=is_layout)
+        gathers = any(f.gathers for f in jax.tree.leaves(
+            self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch)))
+        self.checkpoint = remat_wrapper(cfg.train.remat, gathers)
+        tp = cfg.parallel.tp_mode != "none"
+        self.ops = make_ops(cfg, self.mesh, self.fetch) if tp else \
+            forward.Local(cfg.model, self.fetch)
+        self.typed = cpu_quirks.check_vma(cfg)
+        self.tp_size = math.prod(dict(self.sizes)[a] for a in pl.tp_axes)
+
+    # ------------------------------------------------------------------ per-device pieces
+    def fetch(self, stored, slots, path):
+        fs = self.fetches
+        for k in path:
+            fs = fs[k]
+        return fetch_tree(fs, stored, slots)
+
+    def local_shape(self, lay: LeafLayout, axes) -> tuple[int, ...]:
+        size = dict(self.sizes)
+        n = math.prod(size[a] for a in axes)
+        return tuple(s // math.prod(size[a] for a in tp) // (n if i == lay.dim else 1)
+                     for i, (s, tp) in enumerate(zip(lay.padded, lay.tp)))
+
+    def slots(self):
+        """Zero gradient slots: this device's grads shard of every leaf, typed as the gradient."""
+        def one(lay, f):
+            z = jnp.zeros(self.local_shape(lay, self.pl.grads_axes),
+                          jnp.dtype(self.pl.grad_accum_dtype))
+            return to_varying(z, f.slot_axes() + _tp_axes(lay)) if self.typed else z
+
+        return jax.tree.map(one, self.pl.layouts, self.fetches, is_leaf=is_layout)
+
+    def explicit(self, lay: LeafLayout) -> bool:
+        """Whether the opt_state shard of `lay` is a reduce-scatter over R ∩ opt of its grads
+        shard (true for every preset: the canonical axis order nests the roles)."""
+        if lay.dim is None:
+            return True
+        s1 = tuple(a for a in self.R if a in self.pl.opt_state_axes)
+        return lay.spec(self.pl.opt_state_axes) == lay.spec(self.pl.grads_axes + s1)
+
+    def reduce_deferred(self, lay: LeafLayout, acc):
+        """Once per step: the accumulator over R → the opt_state shard (else the grads shard)."""
+        s1 = tuple(a for a in self.R if a in self.pl.opt_state_axes)
+        if lay.dim is None or not self.explicit(lay):
+            return jax.lax.psum(acc, self.R) if self.R else acc
+        s2 = tuple(a for a in self.R if a not in s1)
+        if s2:
+            acc = jax.lax.psum(acc, s2)
+        if s1:
+            acc = jax.lax.psum_scatter(acc, s1, scatter_dimension=lay.dim, tiled=True)
+        return acc
+
+    def local_loss(self, params, batch, slots=None):
+        return forward.loss(self.ops, self.cfg.model, params, batch, slots, self.checkpoint)
+
+    # ------------------------------------------------------------------ the two programs
+    def specs(self):
+        pl = self.pl
+        params = jax.tree.map(lambda l: l.spec(pl.params_axes), pl.layouts, is_leaf=is_layout)
+        grads = jax.tree.map(
+            lambda l: l.spec(pl.opt_state_axes if self.explicit(l) else pl.grads_axes),
+            pl.layouts, is_leaf=is_layout)
+        rows = P(spec_entry(pl.batch_axes))
+        return params, {"inputs": rows, "targets": rows}, grads
+
+    def smap(self, body, in_specs, out_specs):
+        return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
+                             check_vma=self.typed)
+
+    def grads_fn(self, micro: int) -> Callable:
+        """(params, batch) -> (mean loss, gradient in the opt_state sharding, accum dtype)."""
+        pspec, bspec, gspec = self.specs()
+        scale = 1.0 / (self.n_batch * micro)
+        acc_dtype = jnp.dtype(self.pl.grad_accum_dtype)
+
+        def body(params, batch):
+            mb = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]),
+                              batch)
+
+            def one(acc, b):
+                # tie the weights to this micro-batch: XLA may not hoist their (loop-invariant)
+                # gathers out of the loop, so full weights never stay alive across micro-batches.
+                # One barrier per leaf: a barrier types its outputs with the union of its
+                # operands' varying axes, and a TP-replicated weight must stay invariant over TP
+                p = jax.tree.map(lambda x: jax.lax.optimization_barrier((x, b["inputs"]))[0],
+                                 params)
+                loss_fn = lambda s: self.local_loss(p, b, s) * scale  # noqa: E731
+                loss, g = jax.value_and_grad(loss_fn)(self.slots())
+                return jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g), loss
+
+            acc, losses = jax.lax.scan(one, self.slots(), mb)
+            grads = jax.tree.map(self.reduce_deferred, self.pl.layouts, acc, is_leaf=is_layout)
+            if not self.typed:
+                grads = cpu_quirks.untyped_tp_grads(self, grads)
+            return self.total(jnp.sum(losses)), grads
+
+        return self.smap(body, (pspec, bspec), (P(), gspec))
+
+    def total(self, loss):
+        """Σ of per-device scaled losses over the data-parallel devices (identical over TP)."""
+        return jax.lax.psum(loss, self.pl.batch_axes) if self.pl.batch_axes else loss
+
+    def loss_fn(self) -> Callable:
+        """(params, batch) -> mean loss (evaluation: forward only, no slots)."""
+        pspec, bspec, _ = self.specs()
+
+        def body(params, batch):
+            return self.total(self.local_loss(params, batch) / self.n_batch)
+
+        return self.smap(body, (pspec, bspec), P())
