@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from boost_jax.compat import known_compile_options
 from boost_jax.layers.attention import ATTN_PROJ, Attention
 from boost_jax.layers.linear import LATENT_NAME
 from boost_jax.layers.mlp import MLP_PROJ, MLP
@@ -162,8 +163,9 @@ def fast_compile_options() -> dict:
     HLO passes still run, so cost_analysis() is unchanged."""
     if jax.default_backend() != "cpu":
         return {}
-    return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-            "xla_cpu_use_fusion_emitters": False}
+    return known_compile_options({"xla_backend_optimization_level": 0,
+                                  "xla_llvm_disable_expensive_passes": True,
+                                  "xla_cpu_use_fusion_emitters": False})
 
 
 def jit_init(make: Callable[[], nnx.Module]) -> nnx.Module:
