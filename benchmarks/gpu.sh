@@ -18,7 +18,8 @@
 # the image's JAX, which `make gpu-dry-run` builds):  GPU_DRY_RUN=1 bash benchmarks/gpu.sh DIR
 # Env: PY (python; default python3, or .venv-gpu/bin/python in a dry run), WHEELS (.whl),
 #      BATCH=64 SEQ=256 (per step, one micro-batch), LAYERS=24, ROUNDS=5, TOPOLOGY=dgx-h100
-#      (peak for MFU: the H200 has the H100's 989 TFLOP/s dense bf16).
+#      (peak for MFU: the H200 has the H100's 989 TFLOP/s dense bf16),
+#      GPU_STEPS="kernels speed e2e" (a rerun can take only the steps that failed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=${GPU_DRY_RUN:-0}
@@ -26,7 +27,8 @@ if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUT=${1:-${OUT:-runs/gpu-bench}}
 WHEELS=${WHEELS:-.whl}
 if [ -z "${PY:-}" ]; then
-  if [ "$DRY" = 1 ] && [ -x .venv-gpu/bin/python ]; then PY=.venv-gpu/bin/python; else PY=python3; fi
+  PY=python3
+  if [ "$DRY" = 1 ] && [ -x .venv-gpu/bin/python ]; then PY=.venv-gpu/bin/python; fi
 fi
 mkdir -p "$OUT" || { echo "error: cannot create $OUT" >&2; exit 2; }
 OUT=$(cd "$OUT" && pwd)
@@ -34,6 +36,8 @@ exec > >(tee "$OUT/gpu.log") 2>&1
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/boost_jax_gpu_cache}
+GPU_STEPS=${GPU_STEPS:-kernels speed e2e}
+want() { [[ " $GPU_STEPS " == *" $1 "* ]]; }
 status=0
 fail() { echo "FAILED: $*"; status=1; }
 T0=$(date +%s)
@@ -43,13 +47,13 @@ if [ "$DRY" = 1 ]; then
   BATCH=4 SEQ=32 ROUNDS=2 TOPOLOGY=cpu
   SHAPE="model.d_model=64 model.n_layers=2 model.n_heads=4 model.d_ff=128 model.rank=16
          model.vocab_size=256 model.max_seq_len=32"
-  SMOKE_SHAPE="$SHAPE"
-  KARGS="--quick"; ITERS=1; T_KERNELS=300; T_SPEED=400; T_SMOKE=200
+  E2E_SHAPE="$SHAPE"
+  KARGS="--quick"; ITERS=1; T_KERNELS=300; T_SPEED=400; T_E2E=200
 else
   BATCH=${BATCH:-64} SEQ=${SEQ:-256} ROUNDS=${ROUNDS:-5} TOPOLOGY=${TOPOLOGY:-dgx-h100}
   SHAPE="model.n_layers=${LAYERS:-24}"
-  SMOKE_SHAPE="model.n_layers=2"
-  KARGS=""; ITERS=3; T_KERNELS=90; T_SPEED=270; T_SMOKE=75
+  E2E_SHAPE="model.n_layers=2"
+  KARGS=""; ITERS=3; T_KERNELS=90; T_SPEED=270; T_E2E=75
 fi
 
 stamp "0. wheels into a temporary target, environment"
@@ -89,38 +93,44 @@ except (OSError, subprocess.TimeoutExpired) as e:
 EOF
 [ "${PIPESTATUS[0]}" = 0 ] || fail "environment check (a wheel or an image package missing)"
 
-stamp "1. kernels: Pallas vs XLA"
-timeout "$T_KERNELS" "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" $KARGS ||
-  fail "kernels.py (exit $?)"
-
-stamp "2. training speed, CoLA-1B shape: BTP pallas vs xla, CoLA vs full rank"
 BTP="parallel.tp_mode=btp parallel.tp_axes=[pair]"
-# shellcheck disable=SC2086  # word splitting of the override lists is intended
-timeout "$T_SPEED" "$PY" benchmarks/train_speed.py --config configs/cola-1b.yaml \
-  --set $SHAPE data.seq_len="$SEQ" train.global_batch="$BATCH" train.micro_batches=1 \
-        mesh.topology="$TOPOLOGY" \
-  --variant cola-btp-pallas $BTP parallel.kernels=pallas \
-  --variant cola-btp-xla $BTP parallel.kernels=xla \
-  --variant cola model.arch=cola \
-  --variant full model.arch=full \
-  --rounds "$ROUNDS" --iters "$ITERS" --warmup "$ITERS" --json "$OUT/train_speed.json" ||
-  fail "train_speed.py (exit $?)"
+if want kernels; then
+  stamp "1. kernels: Pallas vs XLA"
+  timeout -k 10 "$T_KERNELS" "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" $KARGS ||
+    fail "kernels.py (exit $?)"
+fi
 
-stamp "3. train.py end to end (grain data, tensorboardX, orbax checkpoint), parallel.kernels=auto"
-# shellcheck disable=SC2086
-timeout "$T_SMOKE" "$PY" train.py --config configs/cola-1b.yaml out_dir="$TMP/run" $SMOKE_SHAPE \
-  $BTP parallel.kernels=auto mesh.topology="$TOPOLOGY" data.seq_len="$SEQ" \
-  train.global_batch="$BATCH" train.micro_batches=1 train.steps=10 train.log_every=5 \
-  train.eval_every=1000000 train.eval_batches=1 checkpoint.every=1000000 checkpoint.keep=1 \
-  logging.tensorboard=true || fail "train.py (exit $?)"
-if [ -f "$TMP/run/metrics.jsonl" ]; then
-  tail -n 3 "$TMP/run/metrics.jsonl"
-  cp "$TMP/run/metrics.jsonl" "$TMP/smoke_metrics.jsonl"
-  ls "$TMP/run" "$TMP/run/checkpoints" 2>/dev/null | tr '\n' ' '; echo
+if want speed; then
+  stamp "2. training speed, CoLA-1B shape: BTP pallas vs xla, CoLA vs full rank"
+  # shellcheck disable=SC2086  # word splitting of the override lists is intended
+  timeout -k 10 "$T_SPEED" "$PY" benchmarks/train_speed.py --config configs/cola-1b.yaml \
+    --set $SHAPE data.seq_len="$SEQ" train.global_batch="$BATCH" train.micro_batches=1 \
+          mesh.topology="$TOPOLOGY" \
+    --variant cola-btp-pallas $BTP parallel.kernels=pallas \
+    --variant cola-btp-xla $BTP parallel.kernels=xla \
+    --variant cola model.arch=cola \
+    --variant full model.arch=full \
+    --rounds "$ROUNDS" --iters "$ITERS" --warmup "$ITERS" --deadline-s $((T_SPEED - 40)) \
+    --json "$OUT/train_speed.json" || fail "train_speed.py (exit $?)"
+fi
+
+if want e2e; then
+  stamp "3. train.py end to end (grain data, tensorboardX, orbax checkpoint), kernels=auto"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$T_E2E" "$PY" train.py --config configs/cola-1b.yaml out_dir="$TMP/run" \
+    $E2E_SHAPE $BTP parallel.kernels=auto mesh.topology="$TOPOLOGY" data.seq_len="$SEQ" \
+    train.global_batch="$BATCH" train.micro_batches=1 train.steps=10 train.log_every=5 \
+    train.eval_every=1000000 train.eval_batches=1 checkpoint.every=1000000 checkpoint.keep=1 \
+    logging.tensorboard=true || fail "train.py (exit $?)"
+  if [ -f "$TMP/run/metrics.jsonl" ]; then
+    tail -n 3 "$TMP/run/metrics.jsonl"
+    cp "$TMP/run/metrics.jsonl" "$TMP/e2e_metrics.jsonl"
+    ls "$TMP/run" "$TMP/run/checkpoints" 2>/dev/null | tr '\n' ' '; echo
+  fi
 fi
 
 stamp "4. summary"
-"$PY" benchmarks/gpu_summary.py "$OUT" "$TMP/smoke_metrics.jsonl" || fail "gpu_summary.py"
+"$PY" benchmarks/gpu_summary.py "$OUT" "$TMP/e2e_metrics.jsonl" || fail "gpu_summary.py"
 stamp "done, status $status; files in $OUT:"
 ls -la "$OUT"
 exit $status

@@ -51,7 +51,9 @@ def speed_section(path: Path) -> list[str]:
         return [f"no {path.name} (train_speed.py failed or did not run)"]
     data = json.loads(path.read_text())
     rows = {r["variant"]: r for r in data["rows"]}
-    table = [[r["variant"], r.get("arch", ""), r.get("tp_mode", ""), r.get("kernels", ""),
+    # only BTP calls the fused kernels
+    table = [[r["variant"], r["arch"], r["tp_mode"],
+              r["kernels"] if r["tp_mode"] == "btp" else "-",
               f"{r['n_params'] / 1e6:.1f}", f"{r['ms_per_step']:.1f}",
               f"{r['tokens_per_s']:,.0f}",
               f"{r['tokens_per_s_min']:,.0f} - {r['tokens_per_s_max']:,.0f}",
@@ -67,7 +69,7 @@ def speed_section(path: Path) -> list[str]:
     return out
 
 
-def smoke_section(path: Path | None) -> list[str]:
+def e2e_section(path: Path | None) -> list[str]:
     if path is None or not path.exists():
         return ["no metrics (train.py failed or did not run)"]
     rows = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
@@ -86,7 +88,7 @@ def main(argv: list[str]) -> int:
              "## Training speed, CoLA-1B shape (benchmarks/train_speed.py)", "",
              *speed_section(out / "train_speed.json"), "",
              "## train.py end to end", "",
-             *smoke_section(Path(argv[1]) if len(argv) > 1 else None), ""]
+             *e2e_section(Path(argv[1]) if len(argv) > 1 else None), ""]
     text = "\n".join(lines)
     (out / "summary.md").write_text(text)
     print(text)

@@ -2,8 +2,8 @@
 
     python benchmarks/train_speed.py --config configs/cola-1b.yaml \\
         --set train.global_batch=64 train.micro_batches=1 mesh.topology=dgx-h100 \\
-        --variant cola-pallas parallel.tp_mode=btp "parallel.tp_axes=[pair]" parallel.kernels=pallas \\
-        --variant cola-xla parallel.tp_mode=btp "parallel.tp_axes=[pair]" parallel.kernels=xla \\
+        --variant pallas parallel.tp_mode=btp "parallel.tp_axes=[pair]" parallel.kernels=pallas \\
+        --variant xla parallel.tp_mode=btp "parallel.tp_axes=[pair]" parallel.kernels=xla \\
         --variant full model.arch=full --json speed.json
 
 Every variant is the config plus `--set` plus its own overrides, run with the framework's
@@ -13,7 +13,8 @@ drift hits all alike; every variant takes the same steps on the same batch from 
 so their losses compare too. Per variant: tokens/s as median, min and max over the rounds;
 MFU = model FLOPs per token (3x forward, no recompute; analysis/flops.py) x tokens/s over
 devices x the topology's peak; compile seconds; compiled temporaries (and, in the header, the
-process's peak device memory where the backend reports it). A variant that fails to build or compile is reported and skipped.
+process's peak device memory where the backend reports it). A variant that fails to build or
+compile is reported and skipped; --deadline-s keeps the whole run inside a time box.
 """
 
 from __future__ import annotations
@@ -67,40 +68,26 @@ def prepare(name: str, cfg):
     return step, holder, info
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default="configs/cola-1b.yaml")
-    p.add_argument("--set", nargs="*", default=[], metavar="K=V", help="overrides for all")
-    p.add_argument("--variant", nargs="+", action="append", required=True,
-                   metavar=("NAME", "K=V"), help="a variant: its name and its own overrides")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--iters", type=int, default=3, help="steps per round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    p.add_argument("--cpu-devices", type=int, help="simulate N CPU devices")
-    a = p.parse_args(argv)
-
+def build_all(a, deadline):
+    """prepare() each variant, in order, until the deadline -> (fns, holders, rows, peak)."""
     fns, holders, rows = {}, {}, {}
-    cfg = None
+    peak = None  # FLOP/s of all devices, from the (shared) topology of a built variant
     for name, *overrides in a.variant:
+        if deadline is not None and time.perf_counter() > deadline:
+            rows[name] = dict(variant=name, error=f"skipped: past --deadline-s {a.deadline_s:g}")
+            continue
         try:
             cfg = load_config(a.config, [*a.set, "train.steps=1000000", *overrides])
             fns[name], holders[name], rows[name] = prepare(name, cfg)
+            peak = get_topology(cfg.mesh.topology).peak_flops * jax.device_count()
         except Exception as e:  # one broken variant must not cost the others' figures
             traceback.print_exc()
             rows[name] = dict(variant=name, error=f"{type(e).__name__}: {e}"[:500])
-    peak = get_topology(cfg.mesh.topology).peak_flops * jax.device_count()
-    samples = interleaved_samples({k: (lambda f=f: jax.block_until_ready(f())) for k, f in
-                                   fns.items()}, a.rounds, a.iters, a.warmup) if fns else {}
-    for name, secs in samples.items():
-        r = rows[name]
-        tps = [r["tokens_per_step"] / s for s in secs]
-        r.update(tokens_per_s=statistics.median(tps), tokens_per_s_min=min(tps),
-                 tokens_per_s_max=max(tps), ms_per_step=1e3 * statistics.median(secs),
-                 rounds=len(secs), steps=a.warmup + a.rounds * a.iters,
-                 final_loss=float(holders[name]["loss"]))
-        r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / peak
+    return fns, holders, rows, peak
+
+
+def report(a, rows: dict) -> None:
+    """Print the table (and failures); write --json."""
     # all variants live in one process: the peak is theirs together
     peak_mem = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
     header = (f"backend={jax.default_backend()} device={jax.devices()[0].device_kind} "
@@ -121,6 +108,38 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(dict(header=header, rows=list(rows.values())),
                                            indent=1))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="configs/cola-1b.yaml")
+    p.add_argument("--set", nargs="*", default=[], metavar="K=V", help="overrides for all")
+    p.add_argument("--variant", nargs="+", action="append", required=True,
+                   metavar=("NAME", "K=V"), help="a variant: its name and its own overrides")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iters", type=int, default=3, help="steps per round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="past this many seconds compile no further variant and start no "
+                        "new round (report what was measured within a time box)")
+    p.add_argument("--cpu-devices", type=int, help="simulate N CPU devices")
+    a = p.parse_args(argv)
+
+    deadline = None if a.deadline_s is None else time.perf_counter() + a.deadline_s
+    fns, holders, rows, peak = build_all(a, deadline)
+    samples = interleaved_samples({k: (lambda f=f: jax.block_until_ready(f())) for k, f in
+                                   fns.items()}, a.rounds, a.iters, a.warmup, deadline)
+    for name, secs in samples.items():
+        r = rows[name]
+        tps = [r["tokens_per_step"] / s for s in secs]
+        r.update(tokens_per_s=statistics.median(tps), tokens_per_s_min=min(tps),
+                 tokens_per_s_max=max(tps), ms_per_step=1e3 * statistics.median(secs),
+                 rounds=len(secs), steps=a.warmup + len(secs) * a.iters,
+                 final_loss=float(holders[name]["loss"]))
+        r["mfu"] = r["flops_per_token"] * r["tokens_per_s"] / peak
+    report(a, rows)
     return 1 if any("error" in r for r in rows.values()) else 0
 
 
