@@ -30,7 +30,13 @@ if [ -z "${PY:-}" ]; then
   PY=python3
   if [ "$DRY" = 1 ] && [ -x .venv-gpu/bin/python ]; then PY=.venv-gpu/bin/python; fi
 fi
-mkdir -p "$OUT" || { echo "error: cannot create $OUT" >&2; exit 2; }
+ls "$WHEELS"/*.whl >/dev/null 2>&1 ||
+  { echo "error: no wheels in $WHEELS; run benchmarks/gpu_wheels.sh here and carry $WHEELS" >&2
+    exit 2; }
+"$PY" -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' 2>/dev/null ||
+  { echo "error: $PY is not Python 3.12, the GPU image's (wheels are cp312); set PY, or run" \
+         "make gpu-dry-run to build .venv-gpu" >&2; exit 2; }
+mkdir -p "$OUT" || { echo "error: cannot create $OUT; pass another output folder" >&2; exit 2; }
 OUT=$(cd "$OUT" && pwd)
 exec > >(tee "$OUT/gpu.log") 2>&1
 TMP=$(mktemp -d)
@@ -57,12 +63,6 @@ else
 fi
 
 stamp "0. wheels into a temporary target, environment"
-"$PY" -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' 2>/dev/null ||
-  { echo "error: $PY is not Python 3.12, the GPU image's (wheels are cp312); set PY, or run" \
-         "make gpu-dry-run to build .venv-gpu" >&2; exit 2; }
-ls "$WHEELS"/*.whl >/dev/null 2>&1 ||
-  { echo "error: no wheels in $WHEELS; run benchmarks/gpu_wheels.sh here and carry $WHEELS" >&2
-    exit 2; }
 SITE="$TMP/site"
 "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
   --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl ||
