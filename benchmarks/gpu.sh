@@ -39,6 +39,7 @@ ls "$WHEELS"/*.whl >/dev/null 2>&1 ||
 mkdir -p "$OUT" || { echo "error: cannot create $OUT; pass another output folder" >&2; exit 2; }
 OUT=$(cd "$OUT" && pwd)
 exec > >(tee "$OUT/gpu.log") 2>&1
+TEE=$!
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/boost_jax_gpu_cache}
@@ -133,4 +134,6 @@ stamp "4. summary"
 "$PY" benchmarks/gpu_summary.py "$OUT" "$TMP/e2e_metrics.jsonl" || fail "gpu_summary.py"
 stamp "done, status $status; files in $OUT:"
 ls -la "$OUT"
+exec 1>&- 2>&-
+wait "$TEE" 2>/dev/null  # gpu.log complete before the files go back
 exit $status
