@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test bench clean
+.PHONY: train test bench clean gpu-dry-run
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,21 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest tests -n 2 --dist loadfile $(ARGS)
+
+# The GPU check (benchmarks/gpu.sh) on CPU with tiny shapes, in a Python 3.12 stand-in for the
+# GPU machine's image (JAX 0.11.2, no grain/tensorboardX: they come from .whl/ as there).
+PYTHON312 ?= python3.12
+GPU_VENV ?= .venv-gpu
+
+$(GPU_VENV)/.installed: benchmarks/gpu_image_requirements.txt
+	$(PYTHON312) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install -q --upgrade pip
+	$(GPU_VENV)/bin/pip install -q -r benchmarks/gpu_image_requirements.txt
+	touch $@
+
+gpu-dry-run: $(GPU_VENV)/.installed
+	bash benchmarks/gpu_wheels.sh
+	GPU_DRY_RUN=1 PY=$(GPU_VENV)/bin/python bash benchmarks/gpu.sh runs/gpu-dry-run
 
 clean:
 	rm -rf runs .pytest_cache

@@ -19,23 +19,33 @@ def early_cpu_devices(default: int | None = None) -> None:
         set_cpu_devices(n)
 
 
-def interleaved_median(fns: dict[str, Callable[[], object]], rounds: int = 5,
-                       iters: int = 3, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call of each fn, timed in alternating rounds so drift hits all alike.
-
-    Each fn must block until its result is ready (e.g. end with jax.block_until_ready).
-    """
+def interleaved_samples(fns: dict[str, Callable[[], object]], rounds: int = 5,
+                        iters: int = 3, warmup: int = 2,
+                        deadline: float | None = None) -> dict[str, list[float]]:
+    """Seconds per call of each fn in each round, timed in alternating rounds so drift hits
+    all alike. Each fn must block until its result is ready (e.g. end with
+    jax.block_until_ready). Past `deadline` (a time.perf_counter() value) no new round starts
+    after the first."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
+    for i in range(rounds):
+        if i and deadline is not None and time.perf_counter() > deadline:
+            break
         for name, fn in fns.items():
             t0 = time.perf_counter()
             for _ in range(iters):
                 fn()
             samples[name].append((time.perf_counter() - t0) / iters)
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return samples
+
+
+def interleaved_median(fns: dict[str, Callable[[], object]], rounds: int = 5,
+                       iters: int = 3, warmup: int = 2) -> dict[str, float]:
+    """Median over rounds of interleaved_samples."""
+    return {k: statistics.median(v)
+            for k, v in interleaved_samples(fns, rounds, iters, warmup).items()}
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

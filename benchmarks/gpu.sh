@@ -1,77 +1,139 @@
 #!/usr/bin/env bash
-# GPU check of the Pallas kernels, < 5 minutes on one H200; installs nothing.
-#   1. benchmarks/kernels.py: each kernel vs its XLA twin (time, GB/s vs copy bandwidth,
-#      TFLOP/s vs peak, relative error vs XLA) -> OUT/kernels.{txt,json}
-#   2. a few training steps of configs/cola-1b.yaml (BTP code path, t=1) with
-#      parallel.kernels=pallas and then =xla -> tokens/s and MFU from OUT/train-*/metrics.jsonl
-# Usage: benchmarks/gpu.sh [OUT_DIR]        (default runs/gpu-bench)
-# Env:   PY (python), STEPS=20, LAYERS=4 (cola-1b widths, fewer layers to fit the time box;
-#        LAYERS=24 for the full model), BATCH=8, SEQ=1024, TOPOLOGY=dgx-h100 (peak FLOP/s
-#        for MFU; H200 has the H100's 989 TFLOP/s bf16), EXTRA="key=value ..." more overrides,
-#        KARGS="--quick" extra kernels.py flags (a CPU dry run of this script).
+# The GPU check: one command for the lent GPU machine (one H200, its own Python 3.12 image with
+# JAX 0.11.2 + CUDA 13, no network), under 8 minutes. First, here: benchmarks/gpu_wheels.sh
+# (fills .whl/ with the wheels the image lacks). There, with .whl carried:
+#   bash benchmarks/gpu.sh                (writes into $OUT, else runs/gpu-bench)
+# Steps, each under its own time limit; a failed step is reported and the next one still runs:
+#   0. install .whl/*.whl into a temporary target (PYTHONPATH), check our imports come from
+#      there or the image -> env.txt (versions, devices, nvidia-smi)
+#   1. benchmarks/kernels.py: each Pallas kernel vs its XLA twin (time, % of copy bandwidth,
+#      % of peak, error vs XLA) -> kernels.json
+#   2. benchmarks/train_speed.py, CoLA-1B shape (configs/cola-1b.yaml, all 24 layers):
+#      BTP with parallel.kernels=pallas vs xla, plain CoLA, full rank at the same width;
+#      alternating rounds, tokens/s median and spread, MFU -> train_speed.json
+#   3. train.py end to end (data pipeline on grain, tensorboardX, orbax checkpoint), 2 layers,
+#      a few steps -> its metrics in the log
+#   4. summary.md (the tables for benchmarks/README.md); gpu.log holds all output
+# Dry run on CPU, tiny shapes, same steps (wheel install included; needs a Python 3.12 with
+# the image's JAX, which `make gpu-dry-run` builds):  GPU_DRY_RUN=1 bash benchmarks/gpu.sh DIR
+# Env: PY (python; default python3, or .venv-gpu/bin/python in a dry run), WHEELS (.whl),
+#      BATCH=64 SEQ=256 (per step, one micro-batch), LAYERS=24, ROUNDS=5, TOPOLOGY=dgx-h100
+#      (peak for MFU: the H200 has the H100's 989 TFLOP/s dense bf16),
+#      GPU_STEPS="kernels speed e2e" (a rerun can take only the steps that failed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${1:-runs/gpu-bench}
+DRY=${GPU_DRY_RUN:-0}
+if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
+OUT=${1:-${OUT:-runs/gpu-bench}}
+WHEELS=${WHEELS:-.whl}
 if [ -z "${PY:-}" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+  PY=python3
+  if [ "$DRY" = 1 ] && [ -x .venv-gpu/bin/python ]; then PY=.venv-gpu/bin/python; fi
 fi
-STEPS=${STEPS:-20}; LAYERS=${LAYERS:-4}; BATCH=${BATCH:-8}; SEQ=${SEQ:-1024}
-TOPOLOGY=${TOPOLOGY:-dgx-h100}; EXTRA=${EXTRA:-}
-mkdir -p "$OUT"
+ls "$WHEELS"/*.whl >/dev/null 2>&1 ||
+  { echo "error: no wheels in $WHEELS; run benchmarks/gpu_wheels.sh here and carry $WHEELS" >&2
+    exit 2; }
+"$PY" -c 'import sys; assert sys.version_info[:2] == (3, 12), sys.version' 2>/dev/null ||
+  { echo "error: $PY is not Python 3.12, the GPU image's (wheels are cp312); set PY, or run" \
+         "make gpu-dry-run to build .venv-gpu" >&2; exit 2; }
+mkdir -p "$OUT" || { echo "error: cannot create $OUT; pass another output folder" >&2; exit 2; }
+OUT=$(cd "$OUT" && pwd)
+exec > >(tee "$OUT/gpu.log") 2>&1
+TEE=$!
+TMP=$(mktemp -d)
+trap 'rm -rf "$TMP"' EXIT
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/boost_jax_gpu_cache}
+GPU_STEPS=${GPU_STEPS:-kernels speed e2e}
+want() { [[ " $GPU_STEPS " == *" $1 "* ]]; }
 status=0
-$PY -c "import jax; print('jax', jax.__version__, jax.devices())" || exit 1
+fail() { echo "FAILED: $*"; status=1; }
+T0=$(date +%s)
+stamp() { echo "== [$(( $(date +%s) - T0 )) s] $*"; }
 
-echo "== kernel timings (pallas vs xla)"
-timeout 100 $PY benchmarks/kernels.py --topology "$TOPOLOGY" --json "$OUT/kernels.json" ${KARGS:-} \
-  2>&1 | tee "$OUT/kernels.txt"
-[ "${PIPESTATUS[0]}" = 0 ] || { echo "kernels.py FAILED"; status=1; }
+if [ "$DRY" = 1 ]; then
+  BATCH=4 SEQ=32 ROUNDS=2 TOPOLOGY=cpu
+  SHAPE="model.d_model=64 model.n_layers=2 model.n_heads=4 model.d_ff=128 model.rank=16
+         model.vocab_size=256 model.max_seq_len=32"
+  E2E_SHAPE="$SHAPE"
+  KARGS="--quick"; ITERS=1; T_KERNELS=300; T_SPEED=400; T_E2E=200
+else
+  BATCH=${BATCH:-64} SEQ=${SEQ:-256} ROUNDS=${ROUNDS:-5} TOPOLOGY=${TOPOLOGY:-dgx-h100}
+  SHAPE="model.n_layers=${LAYERS:-24}"
+  E2E_SHAPE="model.n_layers=2"
+  KARGS=""; ITERS=3; T_KERNELS=90; T_SPEED=270; T_E2E=75
+fi
 
-for K in pallas xla; do
-  RUN="$OUT/train-$K"
-  rm -rf "$RUN"
-  echo "== train cola-1b (L=$LAYERS) parallel.kernels=$K, $STEPS steps"
-  # eval/checkpoint intervals past the run: only the forced final eval and save happen
-  timeout 110 $PY train.py --config configs/cola-1b.yaml out_dir="$RUN" \
-    parallel.kernels=$K parallel.tp_mode=btp "parallel.tp_axes=[pair]" \
-    mesh.topology="$TOPOLOGY" model.n_layers="$LAYERS" train.steps="$STEPS" \
-    train.global_batch="$BATCH" train.micro_batches=1 data.seq_len="$SEQ" \
-    train.log_every=5 train.eval_every=1000000 train.eval_batches=1 \
-    checkpoint.every=1000000 checkpoint.keep=1 logging.tensorboard=false logging.plot=false \
-    $EXTRA 2>&1 | tail -n 12
-  [ "${PIPESTATUS[0]}" = 0 ] || { echo "train.py kernels=$K FAILED"; status=1; }
-  rm -rf "$RUN/checkpoints"  # GBs of state we do not need
-done
-
-echo "== summary"
-$PY - "$OUT" <<'EOF'
-import json, statistics, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-summary = {}
-kj = out / "kernels.json"
-if kj.exists():
-    rows = json.loads(kj.read_text())["rows"]
-    for r in rows:
-        if r["impl"] == "pallas":
-            print(f"kernel {r['kernel']:>17} {r['pass_']:>8}: {r['speedup_vs_xla']:.2f}x vs xla, "
-                  f"{r['pct_copy_bw']:.0f}% copy BW, {r['pct_peak']:.1f}% peak, "
-                  f"rel err {r['rel_err_vs_xla']:.1e}")
-    summary["kernels"] = rows
-for k in ("pallas", "xla"):
-    m = out / f"train-{k}" / "metrics.jsonl"
-    rows = [json.loads(l) for l in m.open()] if m.exists() else []
-    perf = [r for r in rows if "tokens_per_s" in r][1:] or [r for r in rows if "tokens_per_s" in r]
-    if not perf:
-        print(f"train kernels={k}: no throughput rows in {m}")
-        continue
-    tps = statistics.median(r["tokens_per_s"] for r in perf)  # first window skipped: warm-up
-    mfu = statistics.median(r["mfu"] for r in perf)
-    summary[f"train_{k}"] = dict(tokens_per_s=tps, mfu=mfu, final_loss=perf[-1]["loss"])
-    print(f"train kernels={k:>6}: {tps:,.0f} tokens/s  MFU {mfu:.1%}  loss {perf[-1]['loss']:.4f}")
-if "train_pallas" in summary and "train_xla" in summary:
-    s = summary["train_pallas"]["tokens_per_s"] / summary["train_xla"]["tokens_per_s"]
-    summary["train_speedup_pallas_vs_xla"] = s
-    print(f"train speed-up pallas/xla: {s:.3f}x")
-(out / "summary.json").write_text(json.dumps(summary, indent=1))
+stamp "0. wheels into a temporary target, environment"
+SITE="$TMP/site"
+"$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+  --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl ||
+  { echo "error: installing $WHEELS/*.whl into $SITE failed (see above)" >&2; exit 2; }
+export PYTHONPATH="$SITE:$PWD"
+"$PY" - "$SITE" <<'EOF' | tee "$OUT/env.txt"
+import importlib, importlib.metadata as md, platform, subprocess, sys
+site = sys.argv[1]
+print("python", platform.python_version(), sys.executable)
+for dist in ("jax", "jaxlib", "jax-cuda13-plugin", "flax", "optax", "orbax-checkpoint", "chex",
+             "numpy", "grain", "array-record", "tensorboardX", "tokenizers", "matplotlib",
+             "pyyaml", "rich", "etils", "protobuf", "triton"):
+    try:
+        print(f"  {dist} {md.version(dist)}")
+    except md.PackageNotFoundError:
+        print(f"  {dist} -")
+for mod in ("grain", "tensorboardX", "array_record"):  # must be the carried ones
+    f = importlib.import_module(mod).__file__
+    assert f.startswith(site), f"{mod} imported from {f}, not from the wheels in {site}"
+import jax
+print("devices", jax.devices())
+try:
+    print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,"
+                          "clocks.max.sm", "--format=csv"], capture_output=True, text=True,
+                         timeout=20).stdout)
+except (OSError, subprocess.TimeoutExpired) as e:
+    print("nvidia-smi:", e)
 EOF
+[ "${PIPESTATUS[0]}" = 0 ] || fail "environment check (a wheel or an image package missing)"
+
+BTP="parallel.tp_mode=btp parallel.tp_axes=[pair]"
+if want kernels; then
+  stamp "1. kernels: Pallas vs XLA"
+  timeout -k 10 "$T_KERNELS" "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" $KARGS ||
+    fail "kernels.py (exit $?)"
+fi
+
+if want speed; then
+  stamp "2. training speed, CoLA-1B shape: BTP pallas vs xla, CoLA vs full rank"
+  # shellcheck disable=SC2086  # word splitting of the override lists is intended
+  timeout -k 10 "$T_SPEED" "$PY" benchmarks/train_speed.py --config configs/cola-1b.yaml \
+    --set $SHAPE data.seq_len="$SEQ" train.global_batch="$BATCH" train.micro_batches=1 \
+          mesh.topology="$TOPOLOGY" \
+    --variant cola-btp-pallas $BTP parallel.kernels=pallas \
+    --variant cola-btp-xla $BTP parallel.kernels=xla \
+    --variant cola model.arch=cola \
+    --variant full model.arch=full \
+    --rounds "$ROUNDS" --iters "$ITERS" --warmup "$ITERS" --deadline-s $((T_SPEED - 40)) \
+    --json "$OUT/train_speed.json" || fail "train_speed.py (exit $?)"
+fi
+
+if want e2e; then
+  stamp "3. train.py end to end (grain data, tensorboardX, orbax checkpoint), kernels=auto"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$T_E2E" "$PY" train.py --config configs/cola-1b.yaml out_dir="$TMP/run" \
+    $E2E_SHAPE $BTP parallel.kernels=auto mesh.topology="$TOPOLOGY" data.seq_len="$SEQ" \
+    train.global_batch="$BATCH" train.micro_batches=1 train.steps=10 train.log_every=5 \
+    train.eval_every=1000000 train.eval_batches=1 checkpoint.every=1000000 checkpoint.keep=1 \
+    logging.tensorboard=true || fail "train.py (exit $?)"
+  if [ -f "$TMP/run/metrics.jsonl" ]; then
+    tail -n 3 "$TMP/run/metrics.jsonl"
+    cp "$TMP/run/metrics.jsonl" "$TMP/e2e_metrics.jsonl"
+    ls "$TMP/run" "$TMP/run/checkpoints" 2>/dev/null | tr '\n' ' '; echo
+  fi
+fi
+
+stamp "4. summary"
+"$PY" benchmarks/gpu_summary.py "$OUT" "$TMP/e2e_metrics.jsonl" || fail "gpu_summary.py"
+stamp "done, status $status; files in $OUT:"
+ls -la "$OUT"
+exec 1>&- 2>&-
+wait "$TEE" 2>/dev/null  # gpu.log complete before the files go back
 exit $status

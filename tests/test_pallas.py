@@ -11,6 +11,7 @@ import pytest
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
+from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.errors import ConfigError
@@ -200,8 +201,49 @@ def test_kernels_lower_to_triton():
                *grouped.concat_down(x, [a, a[:, :8]]), *grouped.grouped_up(z, bs)]
         return sum(jnp.sum(o.astype(F32) ** 2) for o in out)
 
-    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    exp = jax.export.export(jax.jit(jax.grad(loss, (0, 1, 2, 3, 4))), platforms=["cuda"],
-                            disabled_checks=skip)(x, g, a, z, bs)
+    text = _export_for_h100(jax.grad(loss, (0, 1, 2, 3, 4)), _h100_mesh((1,), ("x",)),
+                            x, g, a, z, bs)
     # fwd: norm, norm_matmul, concat, grouped; bwd: norm, 2 norm_matmul, 2 concat, 2 grouped
-    assert exp.mlir_module().count("@__gpu$xla.gpu.triton") == 11
+    assert text.count("@__gpu$xla.gpu.triton") == 11
+
+
+def test_compiled_kernels_in_typed_shard_map_lower_to_triton():
+    """The GPU path of BTP: compiled (not interpreted) kernels inside shard_map(check_vma=True).
+    Kernel outputs declare the operands' varying axes; align_vma pcasts the invariant latent
+    to varying for grouped_up, so backward all-reduces its cotangent (pcast -> psum)."""
+    mesh = _h100_mesh((4,), ("tp",))
+    d, r, n = 256, 64, 128
+    x, g = jax.ShapeDtypeStruct((32, d), BF16), jax.ShapeDtypeStruct((d,), BF16)
+    a, b = jax.ShapeDtypeStruct((d, r), BF16), jax.ShapeDtypeStruct((3, r, n), BF16)
+
+    def inner(x, g, a, b):  # x, g, a: this rank's d rows; b: its n columns
+        z = rmsnorm.online_rmsnorm_matmul(x, g, a, d, EPS, lambda p: jax.lax.psum(p, "tp"),
+                                          impl="pallas")  # invariant over tp
+        return grouped.grouped_up(jnp.stack([z] * 3), b)  # varying over tp
+
+    def loss(*args):
+        out = jax.shard_map(inner, mesh=mesh, check_vma=True,
+                            in_specs=(P(None, "tp"), P("tp"), P("tp"), P(None, None, "tp")),
+                            out_specs=P(None, None, "tp"))(*args)
+        return jnp.sum(out.astype(F32) ** 2)
+
+    text = _export_for_h100(jax.grad(loss, (0, 1, 2, 3)), mesh, x, g, a, b)
+    # fwd: norm_matmul, grouped; bwd: 2 norm_matmul, 2 grouped
+    assert text.count("@__gpu$xla.gpu.triton") == 6
+    # forward psum of [U | S]; backward psum of the latent's cotangent (pcast's transpose)
+    assert text.count("stablehlo.all_reduce") == 2
+
+
+def _h100_mesh(shape, names) -> AbstractMesh:
+    """A device-less mesh of H100s: JAX >= 0.11 reads the Triton target GPU from the device."""
+    h100 = AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+    return AbstractMesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+                        abstract_device=h100)
+
+
+def _export_for_h100(fn, mesh: AbstractMesh, *args) -> str:
+    """StableHLO text of jit(fn) exported for CUDA on this CPU host (Triton lowering included)."""
+    skip = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    with use_abstract_mesh(mesh):
+        exp = jax.export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=skip)(*args)
+    return exp.mlir_module()

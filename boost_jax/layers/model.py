@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from boost_jax.compat import known_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
 from boost_jax.layers.attention import Attention
@@ -140,8 +141,9 @@ def fast_compile_options() -> dict:
     HLO passes still run, so cost_analysis() is unchanged."""
     if jax.default_backend() != "cpu":
         return {}
-    return {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True,
-            "xla_cpu_use_fusion_emitters": False}
+    return known_compile_options({"xla_backend_optimization_level": 0,
+                                  "xla_llvm_disable_expensive_passes": True,
+                                  "xla_cpu_use_fusion_emitters": False})
 
 
 def jit_init(make: Callable[[], nnx.Module]) -> nnx.Module:

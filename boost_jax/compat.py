@@ -1,0 +1,27 @@
+"""Differences between the JAX releases the project runs on (0.10.2 here, 0.11.2 on the lent
+GPU image), kept in one place so the callers read as if there were one JAX."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+
+@functools.cache
+def _xla_option_known(name: str, value) -> bool:
+    """Whether this jaxlib's XLA accepts the compile option (0.11 dropped some CPU flags,
+    e.g. xla_cpu_use_fusion_emitters; an unknown one fails the whole compile)."""
+    try:
+        jax.jit(lambda x: x + 1).lower(0.0).compile(compiler_options={name: value})
+    except jax.errors.JaxRuntimeError as e:
+        if "No such compile option" in str(e):
+            return False
+        raise
+    return True
+
+
+def known_compile_options(options: dict) -> dict:
+    """`options` less those this XLA does not know: for speed-only options (fast CPU compile),
+    where an option the running XLA dropped must not stop the program."""
+    return {k: v for k, v in options.items() if _xla_option_known(k, v)}
