@@ -66,7 +66,8 @@ ROWS = {
     "resume_other_model_shape": (
         ["out_dir={saved}", "model.d_model=64"],
         r"checkpoint step 3 in .*/saved has a different model \(saved vs config: "
-        r"\{'d_model': \(32, 64\)\}\); use a new out_dir or checkpoint\.resume=false"),
+        r"\{'d_model': \(32, 64\)\}\); use a new out_dir, or set the saved values back "
+        r"\(model\.d_model=32\) to resume"),
     "fresh_start_over_checkpoints": (
         ["out_dir={saved}", "checkpoint.resume=false"],
         r".*/saved/checkpoints already holds checkpoints \(steps \[3\]\) and "
@@ -88,13 +89,13 @@ def _save_a_checkpoint(out_dir):
     from boost_jax.config import load_config
     from boost_jax.mesh import mesh_from_config
     from boost_jax.train.checkpoint import Checkpointer
-    from boost_jax.train.loop import _model_signature
+    from boost_jax.train.run_config import model_signature
     from boost_jax.train.step import build_step
 
     cfg = load_config(None, TINY + [f"out_dir={out_dir}"])
     bundle = build_step(cfg, mesh_from_config(cfg))
     ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), cfg.checkpoint)
-    ckpt.save(3, bundle.init_state(), {"next_index": 3}, {"model": _model_signature(cfg)})
+    ckpt.save(3, bundle.init_state(), {"next_index": 3}, {"model": model_signature(cfg)})
     ckpt.close()
     with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
         f.write('{"step": 3, "loss": 5.0}\n')
