@@ -80,16 +80,15 @@ def check_resume(saved: Optional[dict], cfg: Config, step: int, where: str):
                if _under(c[0], DEFINING) and not _under(c[0], cfg.checkpoint.accept_changes)]
     if not refused:
         return diff
-    shapes = [c for c in refused if _under(c[0], [f"model.{k}" for k in SHAPE_KEYS])]
-    head = (f"checkpoint step {step} in {where} was trained with other settings that define the "
-            f"model or the data stream ({describe(refused)})")
-    if shapes:
-        raise UserError(f"{head}; the checkpoint cannot hold the new model shape: use a new "
-                        "out_dir, or set those keys back to the saved values to resume")
+    if any(_under(k, [f"model.{m}" for m in SHAPE_KEYS]) for k, _, _ in refused):
+        raise UserError(f"checkpoint step {step} in {where} has a different model "
+                        f"({describe(refused)}); its arrays cannot take the new shapes: use a "
+                        "new out_dir, or set those keys back to the saved values to resume")
     keys = ",".join(k for k, _, _ in refused)
-    raise UserError(f"{head}; resuming would mix them silently: set them back, use a new "
-                    f"out_dir, or accept the change on purpose with "
-                    f"checkpoint.accept_changes=[{keys}]")
+    raise UserError(f"checkpoint step {step} in {where} was trained with other settings that "
+                    f"define the model or the data stream ({describe(refused)}); resuming would "
+                    "mix them silently: set them back, use a new out_dir, or accept the change "
+                    f"on purpose with checkpoint.accept_changes=[{keys}]")
 
 
 def load_saved(path: str) -> Optional[dict]:
