@@ -160,10 +160,11 @@ def _compiler_options(given: Optional[dict]) -> Optional[dict]:
     return None
 
 
-def run(cfg: Config, compiler_options: Optional[dict] = None) -> dict:
+def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False) -> dict:
     """Train as `cfg` says; returns the summary. `compiler_options` go to the train/eval step's
     jit (see _compiler_options). The run holds out_dir's lock (run_lock.py) throughout and sends
-    library logging to out_dir/run.log (run_log.py)."""
+    library logging to out_dir/run.log (run_log.py); with `cli` (train.py, about to exit) a
+    failed run leaves that in place until the process ends."""
     from boost_jax.train.distributed import maybe_initialize
 
     maybe_initialize(cfg)  # no-op when train.py already started jax.distributed
@@ -171,7 +172,7 @@ def run(cfg: Config, compiler_options: Optional[dict] = None) -> dict:
     out_dir = os.path.abspath(cfg.out_dir)
     _check_writable(out_dir, pid)
     with hold_out_dir(out_dir, pid == 0, nproc, _printer(pid == 0, "warning: ")):
-        with RunLog(out_dir, pid) as log:
+        with RunLog(out_dir, pid, keep_after_error=cli) as log:
             return _run(cfg, out_dir, log, compiler_options)
 
 

@@ -4,7 +4,9 @@ orbax, absl and tensorstore report a failing save from several background thread
 its own traceback; on the console they would bury the one line that says what happened and what
 to do. While a run is active, Python logging records, uncaught exceptions of other threads and
 "exception ignored" reports are written to the run log instead (process p > 0: ``run.<p>.log``),
-and the error line names the file. The console keeps the run's own lines.
+and the error line names the file. The console keeps the run's own lines. A command-line run
+that fails keeps this until the process exits: orbax's failed futures report when they are
+collected, during shutdown.
 """
 
 from __future__ import annotations
@@ -29,13 +31,14 @@ class _Mute(logging.Filter):
 
 
 class RunLog:
-    def __init__(self, out_dir: str, process_index: int = 0):
+    def __init__(self, out_dir: str, process_index: int = 0, keep_after_error: bool = False):
         name = "run.log" if process_index == 0 else f"run.{process_index}.log"
         self.path = os.path.join(out_dir, name)
         self._handler: Optional[logging.Handler] = None
         self._muted: list[logging.Handler] = []
         self._mute = _Mute()
         self._hooks = None
+        self._keep_after_error = keep_after_error
 
     def __enter__(self) -> "RunLog":
         root = logging.getLogger()
@@ -52,7 +55,9 @@ class RunLog:
         sys.unraisablehook = self._unraisable
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and self._keep_after_error:
+            return  # a CLI about to exit: what libraries say while shutting down goes here too
         root = logging.getLogger()
         for h in self._muted:
             h.removeFilter(self._mute)
