@@ -481,7 +481,7 @@ def _read_yaml(path: str) -> dict:
     if not isinstance(tree, dict):
         raise ConfigError(
             f"config file {path!r} holds a YAML {type(tree).__name__}, not a mapping of sections; "
-            "write it as `model:`, `train:`, ... blocks of key: value")
+            "write it as model:, train:, ... blocks of key: value")
     return tree
 
 
