@@ -245,18 +245,17 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
         state = bundle.init_state()
         start = 0
     logger_path = os.path.join(out_dir, "metrics.jsonl")
-    entry = None
     if main_proc:
         dropped = _trim_metrics(logger_path, start if restored is not None else -1)
         if dropped and start:
             say(f"dropped {dropped} metrics.jsonl rows past step {start} (from a run that "
                 "stopped after its last checkpoint; those steps are re-done now)")
-        entry = run_config.record(out_dir, cfg, start)
+        run_config.record(out_dir, cfg, start)
     logger = MetricsLogger(out_dir, cfg.logging.tensorboard, cfg.logging.progress, main_proc,
                            purge_step=start + 1 if restored is not None else 0)
     if restored is not None:
         changed = (f" with changed settings: {run_config.describe(accepted)} (configs kept in "
-                   f"{os.path.dirname(entry or logger_path)})" if accepted else "")
+                   f"{os.path.join(out_dir, run_config.HISTORY_DIR)})" if accepted else "")
         say(f"resumed from step {start} in {out_dir}{changed}")
     if nproc > 1:
         logger.line(f"{nproc} processes x {jax.local_device_count()} devices "
