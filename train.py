@@ -1,21 +1,18 @@
 #!/usr/bin/env python
 """Train a model: python train.py --config configs/demo.yaml [key=value ...] [--cpu-devices N]"""
 
-import argparse
 import sys
 
+from boost_jax.cli import OverrideParser
 from boost_jax.errors import cli_main
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="YAML config (default: built-in defaults)")
+    p = OverrideParser(prog="train.py", description=__doc__)
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate N CPU devices per process (testing a mesh on one machine)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.steps=50 out_dir=runs/x")
-    return p.parse_args(argv)
+    return p.parse(argv)
 
 
 @cli_main
@@ -33,7 +30,7 @@ def main(argv=None):
     setup(cfg, args.cpu_devices)
     from boost_jax.train.loop import run
 
-    summary = run(cfg)
+    summary = run(cfg, cli=True)
     # stopped by SIGTERM/SIGINT after saving: 128 + signal, so schedulers see an unfinished run
     return 128 + summary["stopped_by_signal"] if summary.get("stopped_by_signal") else 0
 

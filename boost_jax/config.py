@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -28,7 +29,8 @@ MESH_AXES = ("pair", "node", "global")
 @dataclass
 class ModelConfig:
     arch: Literal["full", "svd", "cola", "lax"] = "cola"
-    vocab_size: int = 256
+    # None: follows data.tokenizer (see resolve_vocab_size); set it to fix the embedding size
+    vocab_size: Optional[int] = None
     d_model: int = 128
     n_layers: int = 4
     n_heads: int = 4
@@ -57,8 +59,11 @@ class ModelConfig:
         return self.rank if self.rank is not None else self.d_model // 4
 
     def validate(self) -> None:
-        for k in ("vocab_size", "d_model", "n_layers", "n_heads", "d_ff", "max_seq_len"):
+        for k in ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "rope_theta",
+                  "norm_eps", "init_std"):
             _positive(f"model.{k}", getattr(self, k))
+        if self.vocab_size is not None:
+            _positive("model.vocab_size", self.vocab_size)
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
@@ -138,6 +143,10 @@ class DataConfig:
 
     def validate(self) -> None:
         _positive("data.seq_len", self.seq_len)
+        if self.tokenizer == "bpe":
+            from boost_jax.data.tokenizers import check_bpe_vocab_size
+
+            check_bpe_vocab_size(self.bpe_vocab_size)
         if not 0.0 < self.val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         if self.max_bytes is not None:
@@ -157,8 +166,14 @@ class OptimConfig:
 
     def validate(self) -> None:
         _positive("optim.lr", self.lr)
-        if not 0.0 <= self.warmup_frac < 1.0:
-            raise ConfigError(f"optim.warmup_frac={self.warmup_frac} must be in [0, 1)")
+        _positive("optim.eps", self.eps)
+        for k, lo, hi, closed in (("warmup_frac", 0.0, 1.0, False), ("b1", 0.0, 1.0, False),
+                                  ("b2", 0.0, 1.0, False), ("min_lr_ratio", 0.0, 1.0, True)):
+            v = getattr(self, k)
+            if not (lo <= v <= hi if closed else lo <= v < hi):
+                raise ConfigError(f"optim.{k}={v} must be in [{lo:g}, {hi:g}{']' if closed else ')'}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optim.weight_decay={self.weight_decay} must be >= 0")
         if self.clip_norm < 0:
             raise ConfigError(f"optim.clip_norm={self.clip_norm} must be >= 0 (0 disables)")
 
@@ -182,6 +197,8 @@ class TrainConfig:
         for k in ("steps", "global_batch", "micro_batches", "eval_every", "eval_batches",
                   "log_every"):
             _positive(f"train.{k}", getattr(self, k))
+        if self.stop_after is not None:
+            _positive("train.stop_after", self.stop_after)
         if self.global_batch % self.micro_batches:
             raise ConfigError(
                 f"train.global_batch={self.global_batch} is not divisible by "
@@ -194,10 +211,17 @@ class CheckpointConfig:
     keep: int = 3
     async_save: bool = True
     resume: bool = True  # resume from the latest checkpoint in out_dir if present
+    # Keys (or whole sections, e.g. data) whose change on resume is accepted on purpose although
+    # it redefines the model or the data stream (see boost_jax/train/run_config.py)
+    accept_changes: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         _positive("checkpoint.every", self.every)
         _positive("checkpoint.keep", self.keep)
+        sections = {f.name for f in dataclasses.fields(Config)}
+        for key in self.accept_changes:
+            if key not in sections and key not in _all_keys(Config):
+                raise _unknown(key, "checkpoint.accept_changes names an ")
 
 
 @dataclass
@@ -237,6 +261,8 @@ class Config:
             if hasattr(sub, "validate"):
                 sub.validate()
         m = self.model
+        if m.vocab_size is None:
+            m.vocab_size = resolve_vocab_size(self.data)
         if self.data.tokenizer == "byte" and m.vocab_size < 256:
             raise ConfigError(
                 f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's 256; "
@@ -251,6 +277,24 @@ class Config:
 
 
 # --------------------------------------------------------------------------- loading
+
+
+VOCAB_MULTIPLE = 128  # an automatic vocabulary is padded to this (TP degrees, aligned matmuls)
+
+
+def resolve_vocab_size(data: DataConfig) -> int:
+    """model.vocab_size when it is not set: the tokenizer's vocabulary (byte: 256; bpe:
+    data.bpe_vocab_size; a tokenizer.json: its size with EOS) rounded up to VOCAB_MULTIPLE.
+    Known before any corpus is read, so the planner and a resumed run get the same size."""
+    if data.tokenizer == "byte":
+        n = 256
+    elif data.tokenizer == "bpe":
+        n = data.bpe_vocab_size
+    else:
+        from boost_jax.data.tokenizers import HFTokenizer
+
+        n = HFTokenizer.from_file(data.tokenizer).vocab_size
+    return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
 
 
 def _positive(key: str, value) -> None:
@@ -311,11 +355,16 @@ def _coerce(key: str, value: Any, tp) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 raise bad from None
+            if not math.isfinite(value):  # `nan`, `inf` typed as strings
+                raise ConfigError(f"{key}={value!r} must be a finite number")
+            return value
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise bad
+        if not math.isfinite(value):
+            raise ConfigError(f"{key}={value!r} must be a finite number")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -336,7 +385,7 @@ def _all_keys(cls, prefix="") -> list[str]:
     return keys
 
 
-def _unknown(key: str) -> ConfigError:
+def _unknown(key: str, lead: str = "") -> ConfigError:
     valid = _all_keys(Config)
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     if not close:  # match on the last component: `stesp` → `train.steps`
@@ -344,7 +393,7 @@ def _unknown(key: str) -> ConfigError:
         close = [k for k in valid if k.split(".")[-1] in
                  difflib.get_close_matches(leaf, [v.split(".")[-1] for v in valid], n=1, cutoff=0.6)]
     hint = f"; did you mean {close[0]!r}?" if close else "; see boost_jax/config.py for valid keys"
-    return ConfigError(f"unknown config key {key!r}{hint}")
+    return ConfigError(f"{lead}unknown config key {key!r}{hint}")
 
 
 def _build(cls, data: dict, prefix: str = ""):
@@ -393,20 +442,53 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     return out
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first: int, again: int):
+        super().__init__(key)
+        self.key, self.first, self.again = key, first, again
+
+
+def _read_yaml(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist; pass --config configs/demo.yaml")
+    try:
+        with open(path) as f:
+            tree = yaml.load(f, Loader=_StrictLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(
+            f"config file {path!r} sets {e.key!r} twice in one block (lines {e.first} and "
+            f"{e.again}); keep one (YAML would silently use only the second)") from None
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise ConfigError(f"config file {path!r} is not valid YAML{where}; fix the syntax") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"config file {path!r} holds a YAML {type(tree).__name__}, not a mapping of sections; "
+            "write it as model:, train:, ... blocks of key: value")
+    return tree
+
+
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
                 validate: bool = True) -> Config:
     """Load YAML at `path` (None: all defaults), apply `key=value` overrides, validate."""
-    tree: dict = {}
-    if path is not None:
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file {path!r} does not exist; pass --config configs/demo.yaml")
-        try:
-            with open(path) as f:
-                tree = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", None)
-            where = f" (line {line + 1})" if line is not None else ""
-            raise ConfigError(f"config file {path!r} is not valid YAML{where}; fix the syntax") from None
+    tree = _read_yaml(path) if path is not None else {}
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree)

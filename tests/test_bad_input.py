@@ -9,6 +9,7 @@ costs about as much as its slowest rows.
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -66,18 +67,58 @@ ROWS = {
     "resume_other_model_shape": (
         ["out_dir={saved}", "model.d_model=64"],
         r"checkpoint step 3 in .*/saved has a different model \(saved vs config: "
-        r"\{'d_model': \(32, 64\)\}\); use a new out_dir or checkpoint\.resume=false"),
+        r"\{'d_model': \(32, 64\)\}\); use a new out_dir, or set the saved values back "
+        r"\(model\.d_model=32\) to resume"),
+    "duplicate_key_in_a_block": (["--config", "{tmp}/dup_key.yaml"],
+                                 r"config file '.*/dup_key\.yaml' sets 'steps' twice in one block "
+                                 r"\(lines 2 and 3\); keep one"),
+    "duplicate_top_level_block": (["--config", "{tmp}/dup_block.yaml"],
+                                  r"config file '.*/dup_block\.yaml' sets 'train' twice in one "
+                                  r"block \(lines 1 and 5\)"),
+    "yaml_list_with_overrides": (["--config", "{tmp}/list.yaml"],
+                                 r"config file '.*/list\.yaml' holds a YAML list, not a mapping of "
+                                 r"sections"),
+    "lr_nan": (["optim.lr=nan"], r"optim\.lr=nan must be a finite number"),
+    "lr_inf": (["optim.lr=.inf"], r"optim\.lr=inf must be a finite number"),
+    "b2_above_one": (["optim.b2=1.5"], r"optim\.b2=1\.5 must be in \[0, 1\)"),
+    "negative_norm_eps": (["model.norm_eps=-1"], r"model\.norm_eps=-1\.0 must be > 0"),
+    "negative_stop_after": (["train.stop_after=-5"], r"train\.stop_after=-5 must be > 0"),
+    "bpe_vocab_too_small": (["data.tokenizer=bpe", "data.bpe_vocab_size=300"],
+                            r"data\.bpe_vocab_size=300 is too small for a byte-level BPE .*; use "
+                            r"at least 512"),
+    "binary_data_source": (["data.source={tmp}/program.txt"],
+                           r"data\.source '.*/program\.txt' is not text \(it holds NUL bytes\); "
+                           r"point data\.source at UTF-8 text"),
+    "unknown_option": (["--cpu-devcies", "8"],
+                       r"unrecognized arguments: --cpu-devcies 8; see train\.py --help"),
+    "accept_unknown_key": (["checkpoint.accept_changes=[data.sorce]"],
+                           r"checkpoint\.accept_changes names an unknown config key 'data\.sorce'"
+                           r"; did you mean 'data\.source'\?"),
     "fresh_start_over_checkpoints": (
-        ["out_dir={saved}", "checkpoint.resume=false"],
-        r".*/saved/checkpoints already holds checkpoints \(steps \[3\]\) and "
+        ["out_dir={saved2}", "checkpoint.resume=false"],
+        r".*/saved2/checkpoints already holds checkpoints \(steps \[3\]\) and "
         r"checkpoint\.resume=false would overwrite them"),
 }
 
 
+# python -m boost_jax.plan rows: id -> (argv, expected message regex after "error: ")
+PLAN_ROWS = {
+    "plan_zero_nodes_search": (["--nodes", "0", "--search"], r"--nodes 0 must be >= 1"),
+    "plan_negative_nodes": (["--nodes", "-2"], r"--nodes -2 must be >= 1"),
+    "plan_zero_cpu_devices": (["--nodes", "1", "--cpu-devices", "0"],
+                              r"--cpu-devices 0 must be >= 1"),
+}
+
+
 def _snapshot(root):
+    """Every file's hash, but the out_dir lock (an empty file a run creates to hold out_dir)."""
+    from boost_jax.train.run_lock import LOCK_FILE
+
     out = {}
     for d, _, files in os.walk(root):
         for f in files:
+            if f == LOCK_FILE and d == str(root):
+                continue
             p = os.path.join(d, f)
             out[os.path.relpath(p, root)] = hashlib.sha256(open(p, "rb").read()).hexdigest()
     return out
@@ -88,13 +129,13 @@ def _save_a_checkpoint(out_dir):
     from boost_jax.config import load_config
     from boost_jax.mesh import mesh_from_config
     from boost_jax.train.checkpoint import Checkpointer
-    from boost_jax.train.loop import _model_signature
+    from boost_jax.train.run_config import model_signature
     from boost_jax.train.step import build_step
 
     cfg = load_config(None, TINY + [f"out_dir={out_dir}"])
     bundle = build_step(cfg, mesh_from_config(cfg))
     ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), cfg.checkpoint)
-    ckpt.save(3, bundle.init_state(), {"next_index": 3}, {"model": _model_signature(cfg)})
+    ckpt.save(3, bundle.init_state(), {"next_index": 3}, {"model": model_signature(cfg)})
     ckpt.close()
     with open(os.path.join(out_dir, "metrics.jsonl"), "w") as f:
         f.write('{"step": 3, "loss": 5.0}\n')
@@ -108,9 +149,16 @@ def results(tmp_path_factory):
     (tmp / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     (tmp / "a_file").write_text("not a directory\n")
     (tmp / "broken.yaml").write_text("train:\n  steps: [1, 2\n")
+    (tmp / "dup_key.yaml").write_text("train:\n  steps: 5\n  steps: 6\n")
+    (tmp / "dup_block.yaml").write_text("train:\n  steps: 5\nmodel:\n  d_model: 32\ntrain:\n"
+                                        "  log_every: 2\n")
+    (tmp / "list.yaml").write_text("- train.steps=5\n- model.d_model=32\n")
+    shutil.copy(sys.executable, tmp / "program.txt")  # an executable renamed .txt
     saved = tmp / "saved"
     _save_a_checkpoint(str(saved))
-    before = _snapshot(saved)
+    saved2 = tmp / "saved2"  # its own copy: two runs on one out_dir would meet its lock
+    shutil.copytree(saved, saved2)
+    before = _snapshot(saved), _snapshot(saved2)
 
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
@@ -118,21 +166,25 @@ def results(tmp_path_factory):
     for name, (extra, _) in ROWS.items():
         if name == "tp_not_dividing_heads" and not _has_validate_tp():
             continue
-        argv = [a.format(tmp=tmp, saved=saved) for a in extra]
+        argv = [a.format(tmp=tmp, saved=saved, saved2=saved2) for a in extra]
         out_dir = [] if any(a.startswith("out_dir=") for a in argv) else [f"out_dir={tmp}/{name}"]
         procs[name] = subprocess.Popen(
             [sys.executable, os.path.join(ROOT, "train.py"), "--cpu-devices", "8", *TINY,
              *out_dir, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             text=True)
+    for name, (argv, _) in PLAN_ROWS.items():
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "boost_jax.plan", "--config", "configs/demo.yaml", *argv],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     res = {}
     for name, p in procs.items():
         out, err = p.communicate(timeout=300)
         res[name] = (p.returncode, out, err)
-    res["_saved_unchanged"] = before == _snapshot(saved)
+    res["_saved_unchanged"] = before == (_snapshot(saved), _snapshot(saved2))
     return res
 
 
-@pytest.mark.parametrize("row", list(ROWS))
+@pytest.mark.parametrize("row", list(ROWS) + list(PLAN_ROWS))
 def test_bad_input_is_one_line_and_exit_2(results, row):
     if row not in results:
         pytest.skip("boost_jax.sharding.tensor_parallel.validate_tp is not there yet")
@@ -141,7 +193,31 @@ def test_bad_input_is_one_line_and_exit_2(results, row):
     assert code == 2, stderr
     assert len(lines) == 1, stderr
     assert lines[0].startswith("error: ")
-    assert re.match(ROWS[row][1], lines[0][len("error: "):]), lines[0]
+    expected = ROWS[row][1] if row in ROWS else PLAN_ROWS[row][1]
+    assert re.match(expected, lines[0][len("error: "):]), lines[0]
+
+
+def _cli(*argv):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_overrides_anywhere_on_the_line():
+    """train.py, the planner and the analyzer take key=value before, between and after options."""
+    r = _cli("train.py", "--config", "configs/demo.yaml", "out_dir=runs/anywhere",
+             "--cpu-devices", "8", "parallel.plan=zero3", "--print-config", "train.steps=7")
+    assert r.returncode == 0, r.stderr
+    assert "out_dir: runs/anywhere" in r.stdout and "plan: zero3" in r.stdout
+    assert "steps: 7" in r.stdout
+    r = _cli("-m", "boost_jax.plan", "--config", "configs/demo.yaml", "model.d_model=64",
+             "--no-compile", "--nodes", "1", "model.n_layers=3", "--json")
+    assert r.returncode == 0, r.stderr
+    r = _cli("-m", "boost_jax.analysis.comm", "--config", "configs/demo.yaml", "model.d_model=64",
+             "--cpu-devices", "8", "train.stesp=3")
+    assert r.returncode == 2 and r.stderr.strip() == (
+        "error: unknown config key 'train.stesp'; did you mean 'train.steps'?"), r.stderr
 
 
 def test_nothing_saved_is_lost(results):

@@ -62,10 +62,10 @@ def test_bpe_train_cache_and_reload(tmp_path):
         calls.append(1)
         return texts
 
-    cfg = DataConfig(tokenizer="bpe", bpe_vocab_size=400)
+    cfg = DataConfig(tokenizer="bpe", bpe_vocab_size=512)
     tok = get_tokenizer(cfg, corpus, str(tmp_path))
     assert calls == [1] and (tmp_path / "tokenizer.json").is_file()
-    assert 257 <= tok.vocab_size <= 400 and tok.eos_id == 0
+    assert 257 <= tok.vocab_size <= 512 and tok.eos_id == 0
     ids = tok.encode(texts[3])
     assert len(ids) < len(texts[3]) / 2  # merges learnt on this vocabulary compress it
     assert tok.decode(ids) == texts[3]
@@ -88,9 +88,9 @@ def test_hf_tokenizer_json(tmp_path):
     assert tok.encode("hello world foo").tolist() == [1, 2, 0]
     assert tok.eos_id == 3 and tok.vocab_size == 4  # no EOS in the file: one is added
     # a trained BPE file loads as a plain path too, keeping its own EOS
-    train_bpe([_text(i) for i in range(5)], 300, str(tmp_path / "b" / "tokenizer.json"))
+    train_bpe([_text(i) for i in range(5)], 512, str(tmp_path / "b" / "tokenizer.json"))
     tok2 = HFTokenizer.from_file(str(tmp_path / "b" / "tokenizer.json"))
-    assert tok2.eos_id == 0 and tok2.vocab_size <= 300
+    assert tok2.eos_id == 0 and tok2.vocab_size <= 512
 
 
 # --------------------------------------------------------------------------- sources

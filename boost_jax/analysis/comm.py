@@ -15,7 +15,6 @@ Bytes are what a GPU would move: boost_jax.analysis.cpu_lowering undoes two XLA:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -344,15 +343,15 @@ def _compile_step(built, mesh):
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from boost_jax.errors import UserError, cli_main
 
-    p = argparse.ArgumentParser(prog="python -m boost_jax.analysis.comm",
-                                description="Collectives, topology levels and bytes of a "
-                                            "training step, from its compiled HLO.")
-    p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+    from boost_jax.cli import OverrideParser
+
+    p = OverrideParser(prog="python -m boost_jax.analysis.comm",
+                       description="Collectives, topology levels and bytes of a training step, "
+                                   "from its compiled HLO.")
     p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--dump-hlo", default=None, metavar="FILE", help="write compiled HLO text")
-    args = p.parse_args(argv)
+    args = p.parse(argv)
 
     @cli_main
     def run() -> int:

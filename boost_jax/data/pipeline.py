@@ -118,10 +118,11 @@ def build_data(cfg, process_index: int = 0, process_count: int = 1,
             "processes; choose a multiple of the process count")
     corpus = load_corpus(d, cache_dir)
     tok = corpus.tokenizer
-    if cfg.model.vocab_size < tok.vocab_size:
+    if cfg.model.vocab_size is not None and cfg.model.vocab_size < tok.vocab_size:
         raise UserError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
-            f"{tok.vocab_size} tokens; set model.vocab_size={tok.vocab_size}")
+            f"{tok.vocab_size} tokens; set model.vocab_size={tok.vocab_size} or leave it unset "
+            "to follow the tokenizer")
     per = t.global_batch // process_count
     train_iter = make_train_iterator(corpus.train, d.seq_len, per, d.seed,
                                      process_index, process_count)

@@ -79,6 +79,28 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
+_SNIFF = 64 * 1024  # bytes of each file checked for being text
+_MAX_BAD_UTF8 = 0.1  # a Latin-1 text has a few percent; binaries have NULs or far more
+
+
+def _check_text(raw: bytes, label: str) -> None:
+    """Refuse a binary file (an executable, an archive, an image renamed .txt): decoded with
+    errors="replace" it would train silently on replacement characters."""
+    head = raw[:_SNIFF]
+    if not head:
+        return
+    why = None
+    if b"\x00" in head:
+        why = "it holds NUL bytes"
+    else:
+        bad = head.decode("utf-8", errors="replace").count("\ufffd")
+        if bad > _MAX_BAD_UTF8 * len(head):
+            why = f"{bad / len(head):.0%} of its first {len(head) // 1024 or 1} KiB is not UTF-8"
+    if why:
+        raise UserError(f"{label} is not text ({why}); point data.source at UTF-8 text, or at a "
+                        ".bin file of token ids")
+
+
 def _walk(root: str, exts: tuple[str, ...], skip: set[str]) -> list[str]:
     """Relative posix paths of files under root with one of exts, in sorted order."""
     out = []
@@ -117,6 +139,7 @@ def _file_docs(path: str, key: str, budget: _Budget) -> list[tuple[str, str]]:
     with open(path, "rb") as f:
         raw = f.read() if budget.left is None else f.read(max(budget.left, 0))
     raw = budget.take(raw) or b""
+    _check_text(raw, f"data.source {path!r}")
     docs, start, i = [], 0, 0
     chunk = min(max(len(raw) // 32, _FILE_CHUNK[0]), _FILE_CHUNK[1])
     while start < len(raw):
@@ -159,6 +182,7 @@ def read_documents(source: str, max_bytes: Optional[int]) -> list[tuple[str, str
         with open(path, "rb") as f:
             raw = budget.take(f.read() if budget.left is None else f.read(budget.left))
         if raw and raw.strip():
+            _check_text(raw, f"data.source file {path!r}")
             docs.append((key, _decode(raw)))
     return docs
 

@@ -16,6 +16,7 @@ import numpy as np
 from boost_jax.errors import UserError
 
 TOKENIZER_FILE = "tokenizer.json"
+BPE_MIN_VOCAB = 512  # 256 bytes + EOS leave no merges below ~257; 512 is a useful minimum
 BPE_EOS = "<|endoftext|>"
 # Special tokens we accept as a user tokenizer's end-of-document marker, in preference order.
 _EOS_NAMES = (BPE_EOS, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]", "<|im_end|>")
@@ -114,6 +115,13 @@ class HFTokenizer:
         return np.concatenate(parts)
 
 
+def check_bpe_vocab_size(vocab_size: int) -> None:
+    if vocab_size < BPE_MIN_VOCAB:
+        raise UserError(
+            f"data.bpe_vocab_size={vocab_size} is too small for a byte-level BPE (256 bytes + EOS "
+            f"+ merges); use at least {BPE_MIN_VOCAB}")
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, save_path: Optional[str] = None) -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 style) on `texts`; EOS `<|endoftext|>` is id 0.
 
@@ -123,10 +131,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, save_path: Optional[str] = 
     from tokenizers import Tokenizer as _HF
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    if vocab_size < 257:
-        raise UserError(
-            f"data.bpe_vocab_size={vocab_size} is too small for a byte-level BPE (256 bytes + EOS); "
-            "use at least 512")
+    check_bpe_vocab_size(vocab_size)
     tok = _HF(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

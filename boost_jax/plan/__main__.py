@@ -17,11 +17,12 @@ topology level, and a predicted step time / tokens/s / TFLOP/s / MFU from the α
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from typing import Optional, Sequence
+
+from boost_jax.cli import OverrideParser
 
 
 def _gb(x: float) -> str:
@@ -39,11 +40,8 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.2f} s"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m boost_jax.plan", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=None, help="YAML config (default: built-in defaults)")
-    p.add_argument("overrides", nargs="*", help="key=value config overrides")
+def build_parser() -> OverrideParser:
+    p = OverrideParser(prog="python -m boost_jax.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", default=None,
                    help="topology profile (default: the config's mesh.topology)")
     p.add_argument("--nodes", type=int, default=None, help="number of hosts (global axis size)")
@@ -153,16 +151,33 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
     return "\n".join(L)
 
 
+def check_args(args) -> None:
+    """Numbers the planner would otherwise divide by or extrapolate from (a negative node
+    count gives a negative step time): one line naming the flag."""
+    from boost_jax.errors import UserError
+
+    for flag, value, least in (("--nodes", args.nodes, 1), ("--cpu-devices", args.cpu_devices, 1),
+                               ("--top", args.top, 1), ("--compile-top", args.compile_top, 0)):
+        if value is not None and value < least:
+            raise UserError(f"{flag} {value} must be >= {least}")
+    if not 0.0 <= args.dp_overlap <= 1.0:
+        raise UserError(f"--dp-overlap {args.dp_overlap} must be in [0, 1]")
+    if args.layers not in ("auto", "full") and not (args.layers.isdigit()
+                                                    and int(args.layers) >= 1):
+        raise UserError(f"--layers {args.layers!r} must be auto, full or a number >= 1")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from boost_jax.errors import UserError, cli_main
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse(argv)
 
     @cli_main
     def run() -> int:
         from boost_jax.config import load_config
         from boost_jax.mesh import get_topology
 
+        check_args(args)
         cfg = load_config(args.config, args.overrides)
         topo = get_topology(args.topology or cfg.mesh.topology)
         from boost_jax.plan import dryrun
@@ -172,8 +187,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         compile_needed = not args.no_compile and not (args.search and not args.compile_top)
         if compile_needed:
             n = args.cpu_devices or min(total, 512)
-            if n <= 0:
-                raise UserError(f"--cpu-devices {n} must be > 0")
             from boost_jax.mesh import set_cpu_devices
 
             set_cpu_devices(min(n, max(total, 1)) if args.cpu_devices is None else n)

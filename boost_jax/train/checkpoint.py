@@ -20,13 +20,13 @@ Crash safety:
 * A save that fails (disk full, permission denied, …) raises :class:`CheckpointSaveError`
   naming the step, the reason and the earlier checkpoints, which stay intact (orbax prunes
   old steps only after a save has finalised). Async saves report their failure at the next
-  save or at close. The failed step's tmp directory is removed by the next start.
+  save or at close. The failed step's tmp directory is removed once the run has stopped
+  (``discard_failed``), or else by the next start.
 """
 
 from __future__ import annotations
 
 import errno
-import logging
 import os
 import shutil
 import time
@@ -77,23 +77,6 @@ def _reason(e: BaseException) -> str:
 
 _STATUS = {"RESOURCE_EXHAUSTED": "no space left on device",
            "PERMISSION_DENIED": "permission denied"}
-
-
-class _ShortOrbaxErrors(logging.Filter):
-    """orbax logs full tracebacks and multi-line messages from its background threads when a
-    save fails; the run reports the failure itself in one line, so keep orbax's records short."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if "orbax" in (record.pathname or "") and record.levelno >= logging.WARNING:
-            record.exc_info, record.exc_text = None, None
-            msg = record.getMessage().strip().splitlines()
-            msg = msg[0] if msg else ""
-            record.msg, record.args = (msg[:200] + "..." if len(msg) > 200 else msg), None
-        return True
-
-
-_FILTER = _ShortOrbaxErrors()
-logging.getLogger("absl").addFilter(_FILTER)
 
 
 def _silence_closed_loop_callbacks() -> None:
@@ -195,6 +178,7 @@ class Checkpointer:
         self._nproc = jax.process_count()
         self._pending: Optional[int] = None  # step of the save still running in the background
         self._failed = False
+        self._failed_step: Optional[int] = None
         self.interrupted = self._interrupted_saves()
         for step, name in self.interrupted:
             self._warn(f"checkpoint step {step} in {self.directory} is incomplete (its save was "
@@ -274,7 +258,7 @@ class Checkpointer:
     def _save_failed(self, step: Optional[int], e: BaseException) -> None:
         # The partial step stays in its tmp directory (writes of other arrays may still be in
         # flight); the next start reports and removes it. Finalised steps are never touched.
-        self._failed = True
+        self._failed, self._failed_step = True, step
         intact = [s for s in self.steps_on_disk() if s != step]
         what = f"step {step}" if step is not None else "a step"
         listed = (f"checkpoint (step {intact[0]})" if len(intact) == 1 else
@@ -284,8 +268,9 @@ class Checkpointer:
                 f"permissions) and rerun the same command to resume from step {intact[-1]}"
                 if intact else
                 "no earlier checkpoint exists; fix the cause (disk space, permissions) and rerun")
-        raise CheckpointSaveError(
-            f"saving checkpoint {what} failed ({_reason(e)}); {keep}") from None
+        error = CheckpointSaveError(f"saving checkpoint {what} failed ({_reason(e)}); {keep}")
+        error.detail = e  # the full chain, for the run log
+        raise error from None
 
     # ------------------------------------------------------------------ restoring
 
@@ -377,6 +362,16 @@ class Checkpointer:
     def close(self) -> None:
         self._wait()
         self.mngr.close()
+
+    def discard_failed(self) -> None:
+        """After abandon(): remove the failed step's partial directory now (process 0) instead of
+        at the next start, so a full disk gets its space back at once. Finalised steps are never
+        touched."""
+        if not self._failed or not self._primary:
+            return
+        for step, name in self._interrupted_saves():
+            if step == self._failed_step or self._failed_step is None:
+                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
 
     def abandon(self) -> None:
         """On an error elsewhere: let a running save finish (it is valid) but raise nothing."""

@@ -15,6 +15,7 @@ incomplete, corrupted and failed saves.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -26,11 +27,15 @@ from typing import Optional
 import jax
 import numpy as np
 
-from boost_jax.config import Config, config_to_yaml
+from boost_jax.config import Config
 from boost_jax.errors import UserError
 from boost_jax.mesh import get_topology, mesh_from_config
-from boost_jax.train.checkpoint import Checkpointer
-from boost_jax.train.metrics import MetricsLogger, Throughput, format_eta, plot_losses
+from boost_jax.train import run_config
+from boost_jax.train.checkpoint import CheckpointSaveError, Checkpointer
+from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot_losses,
+                                     summarize)
+from boost_jax.train.run_lock import hold_out_dir
+from boost_jax.train.run_log import RunLog
 from boost_jax.train.step import build_step
 
 
@@ -38,16 +43,23 @@ class NonFiniteError(UserError):
     pass
 
 
+class OutputWriteError(UserError):
+    """A run output (metrics, TensorBoard, summary) could not be written: disk full, quota."""
+
+
 def _check_writable(out_dir: str, pid: int = 0) -> None:
+    probe = os.path.join(out_dir, f".write_test.{pid}")
     try:
         os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write_test.{pid}")
         with open(probe, "w") as f:
             f.write("ok")
         os.remove(probe)
     except OSError as e:
-        raise UserError(f"out_dir {out_dir!r} is not writable ({e.strerror}); "
-                        "choose another out_dir=...") from None
+        if os.path.exists(probe):
+            os.remove(probe)
+        fix = ("free space on it or choose another out_dir=..." if e.errno in (
+            errno.ENOSPC, errno.EDQUOT) else "choose another out_dir=...")
+        raise UserError(f"out_dir {out_dir!r} is not writable ({e.strerror}); {fix}") from None
 
 
 def _printer(enabled: bool, prefix: str = ""):
@@ -100,12 +112,6 @@ def _to_device(batch: dict, sharding) -> dict:
             for k, v in batch.items()}
 
 
-def _model_signature(cfg: Config) -> dict:
-    m = cfg.model
-    return {k: getattr(m, k) for k in ("arch", "vocab_size", "d_model", "n_layers", "n_heads",
-                                       "n_kv_heads", "d_ff", "rank", "lax_gate", "tie_embeddings")}
-
-
 class _StopSignal:
     """SIGTERM/SIGINT ask the loop to save and exit instead of dying mid-step."""
 
@@ -154,19 +160,55 @@ def _compiler_options(given: Optional[dict]) -> Optional[dict]:
     return None
 
 
-def run(cfg: Config, compiler_options: Optional[dict] = None) -> dict:
+def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False) -> dict:
     """Train as `cfg` says; returns the summary. `compiler_options` go to the train/eval step's
-    jit (see _compiler_options)."""
-    from boost_jax.analysis.flops import flops_per_token
-    from boost_jax.data import build_data
+    jit (see _compiler_options). The run holds out_dir's lock (run_lock.py) throughout and sends
+    library logging to out_dir/run.log (run_log.py); with `cli` (train.py, about to exit) a
+    failed run leaves that in place until the process ends."""
     from boost_jax.train.distributed import maybe_initialize
 
     maybe_initialize(cfg)  # no-op when train.py already started jax.distributed
     pid, nproc = jax.process_index(), jax.process_count()
-    main_proc = pid == 0
-    say, warn = _printer(main_proc), _printer(main_proc, "warning: ")
     out_dir = os.path.abspath(cfg.out_dir)
     _check_writable(out_dir, pid)
+    with hold_out_dir(out_dir, pid == 0, nproc, _printer(pid == 0, "warning: ")):
+        with RunLog(out_dir, pid, keep_after_error=cli) as log:
+            return _run(cfg, out_dir, log, compiler_options)
+
+
+def _resume_check(cfg: Config, out_dir: str, meta: dict, accepted: list):
+    """check_meta for Checkpointer.restore_latest: the saved config (run_config.py), then the
+    model shapes the checkpoint holds."""
+    legacy = run_config.load_saved(os.path.join(out_dir, "config.yaml"))
+
+    def check_meta(step: int, saved: dict) -> None:
+        accepted[:] = run_config.check_resume(saved.get("config") or legacy, cfg, step, out_dir)
+        if saved.get("model") != meta["model"]:
+            diff = {k: (saved.get("model", {}).get(k), v) for k, v in meta["model"].items()
+                    if saved.get("model", {}).get(k) != v}
+            back = " ".join(f"model.{k}={old}" for k, (old, _) in diff.items())
+            raise UserError(f"checkpoint step {step} in {out_dir} has a different model "
+                            f"(saved vs config: {diff}); use a new out_dir, or set the saved "
+                            f"values back ({back}) to resume")
+
+    return check_meta
+
+
+def _write_failed(e: OSError, ckpt, log: RunLog) -> OutputWriteError:
+    steps = ckpt.steps_on_disk()
+    keep = (f"checkpoints up to step {steps[-1]} in {ckpt.directory} are intact; free space and "
+            f"rerun the same command to resume" if steps else "no checkpoint was written yet")
+    what = f"writing {e.filename}" if e.filename else "writing the run's outputs"
+    return OutputWriteError(f"{what} failed ({e.strerror or e}); {keep}; details in {log.path}")
+
+
+def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict]) -> dict:
+    from boost_jax.analysis.flops import flops_per_token
+    from boost_jax.data import build_data
+
+    pid, nproc = jax.process_index(), jax.process_count()
+    main_proc = pid == 0
+    say, warn = _printer(main_proc), _printer(main_proc, "warning: ")
     mesh = mesh_from_config(cfg)
     try:  # tensor-parallel divisibility: fail before reading data or compiling
         from boost_jax.sharding.tp.specs import validate_tp
@@ -190,17 +232,11 @@ def run(cfg: Config, compiler_options: Optional[dict] = None) -> dict:
                         "checkpoint.resume=false would overwrite them; use a new out_dir, or "
                         "checkpoint.resume=true to continue")
 
-    meta = {"model": _model_signature(cfg), "mesh": list(mesh.devices.shape),
-            "plan": cfg.parallel.plan, "tp_mode": cfg.parallel.tp_mode, "processes": nproc}
-
-    def check_meta(step: int, saved: dict) -> None:
-        if saved.get("model") != meta["model"]:
-            diff = {k: (saved.get("model", {}).get(k), v) for k, v in meta["model"].items()
-                    if saved.get("model", {}).get(k) != v}
-            raise UserError(f"checkpoint step {step} in {out_dir} has a different model "
-                            f"(saved vs config: {diff}); use a new out_dir or "
-                            "checkpoint.resume=false")
-
+    meta = {"model": run_config.model_signature(cfg), "mesh": list(mesh.devices.shape),
+            "plan": cfg.parallel.plan, "tp_mode": cfg.parallel.tp_mode, "processes": nproc,
+            "config": cfg.to_dict()}
+    accepted: list = []
+    check_meta = _resume_check(cfg, out_dir, meta, accepted)
     restored = ckpt.restore_latest(bundle.abstract_state, check_meta) if existing else None
     if restored is not None:
         start, state, data_state, _ = restored
@@ -214,12 +250,13 @@ def run(cfg: Config, compiler_options: Optional[dict] = None) -> dict:
         if dropped and start:
             say(f"dropped {dropped} metrics.jsonl rows past step {start} (from a run that "
                 "stopped after its last checkpoint; those steps are re-done now)")
-    logger = MetricsLogger(out_dir, cfg.logging.tensorboard, cfg.logging.progress, main_proc)
-    if main_proc:
-        with open(os.path.join(out_dir, "config.yaml"), "w") as f:
-            f.write(config_to_yaml(cfg))
+        run_config.record(out_dir, cfg, start)
+    logger = MetricsLogger(out_dir, cfg.logging.tensorboard, cfg.logging.progress, main_proc,
+                           purge_step=start + 1 if restored is not None else 0)
     if restored is not None:
-        say(f"resumed from step {start} in {out_dir}")
+        changed = (f" with changed settings: {run_config.describe(accepted)} (configs kept in "
+                   f"{os.path.join(out_dir, run_config.HISTORY_DIR)})" if accepted else "")
+        say(f"resumed from step {start} in {out_dir}{changed}")
     if nproc > 1:
         logger.line(f"{nproc} processes x {jax.local_device_count()} devices "
                     f"({jax.devices()[0].platform})")
@@ -235,11 +272,55 @@ def run(cfg: Config, compiler_options: Optional[dict] = None) -> dict:
                 f"{tokens_per_step} tokens/step")
 
     summary = {"start_step": start, "params": n_params}
+    try:
+        step = _train(cfg, bundle, data, ckpt, logger, thr, state, start, meta, summary, say)
+    except BaseException as e:
+        ckpt.abandon()  # a save still running in the background is valid: let it finish
+        _close_quietly(logger, log)
+        if isinstance(e, CheckpointSaveError):
+            ckpt.discard_failed()  # frees the space a full disk needs for the details below
+            log.exception(str(e), getattr(e, "detail", e))
+            raise CheckpointSaveError(f"{e}; details in {log.path}") from None
+        if isinstance(e, OSError):
+            log.exception("writing a run output failed", e)
+            raise _write_failed(e, ckpt, log) from None
+        raise
+    ckpt.close()
+    summary["final_step"] = step
+    if main_proc:
+        try:
+            _finish(cfg, out_dir, logger, summary)
+        except OSError as e:
+            log.exception("writing the run's final outputs failed", e)
+            raise _write_failed(e, ckpt, log) from None
+    return summary
+
+
+def _close_quietly(logger: MetricsLogger, log: RunLog) -> None:
+    try:
+        logger.close()
+    except OSError as e:
+        log.exception("closing metrics.jsonl / TensorBoard failed", e)
+
+
+def _finish(cfg: Config, out_dir: str, logger: MetricsLogger, summary: dict) -> None:
+    """Process 0: close the logs, plot, write summary.json."""
+    logger.close()
+    if cfg.logging.plot:
+        plot_losses(logger.path, os.path.join(out_dir, "loss.png"), cfg.name)
+    summary.update(summarize(logger.path, summary["final_step"]))
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    logger.line(f"done: {json.dumps(summary)}")
+
+
+def _train(cfg, bundle, data, ckpt, logger, thr, state, start, meta, summary, say) -> int:
+    """The step loop from `start`; returns the last step trained. Fills summary."""
+    tcfg, nproc = cfg.train, jax.process_count()
     if start == 0:
         val = evaluate(bundle, _eval_params(bundle, state), data.val_batches)
         logger.log(0, {"val_loss": val, "val_ppl": math.exp(min(val, 50))})
         logger.line(f"step 0 | val_loss {val:.4f}")
-        summary["initial_val_loss"] = val
 
     pending_finite = []
 
@@ -263,67 +344,52 @@ def run(cfg: Config, compiler_options: Optional[dict] = None) -> dict:
 
     step = start
     t_start = time.perf_counter()
-    try:
-        with _StopSignal() as stop:
-            while step < tcfg.steps:
-                batch = _to_device(next(data.train_iter), bundle.batch_sharding)
-                state, m = bundle.train_step(state, batch)
-                step += 1
-                pending_finite.append(m["finite"])
-                thr.tick()
-                if step == start + 1:
-                    jax.block_until_ready(m["loss"])
-                    summary["first_step_s"] = time.perf_counter() - t_start
-                    thr.reset()
-                row = {}
-                if step % tcfg.log_every == 0 or step == tcfg.steps:
-                    m = jax.device_get(m)
-                    check_finite(step)
-                    perf = thr.report() if thr.steps else {}
-                    row.update(loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
-                               lr=float(m["lr"]), **perf)
-                    eta = (tcfg.steps - step) * perf.get("step_time_s", float("nan"))
-                    logger.line(
-                        f"step {step}/{tcfg.steps} | loss {row['loss']:.4f} | "
-                        f"{perf.get('tokens_per_s', 0):,.0f} tok/s | "
-                        f"{perf.get('tflops_per_device', 0):.3f} TFLOP/s/dev | "
-                        f"MFU {perf.get('mfu', 0):.1%} | ETA {format_eta(eta)}")
-                    thr.reset()
-                if step % tcfg.eval_every == 0 or step == tcfg.steps:
-                    val = evaluate(bundle, _eval_params(bundle, state), data.val_batches)
-                    row.update(val_loss=val, val_ppl=math.exp(min(val, 50)))
-                    logger.line(f"step {step} | val_loss {val:.4f} | "
-                                f"val_ppl {math.exp(min(val, 50)):.2f}")
-                    thr.reset()
-                if row:
-                    logger.log(step, row)
-                if step % cfg.checkpoint.every == 0 or step == tcfg.steps:
-                    save(step)
-                if (tcfg.stop_after is not None and step - start >= tcfg.stop_after
-                        and step < tcfg.steps):
-                    save(step, force=True)
-                    say(f"stop_after={tcfg.stop_after}: saved step {step}, exiting")
-                    break
-                signum = _agree_stop(stop.received, nproc)
-                if signum is not None:
-                    save(step, force=True)
-                    say(f"signal {signum}: saved step {step}, exiting; rerun the same command "
-                        "to resume")
-                    summary["stopped_by_signal"] = int(signum)
-                    break
-    except BaseException:
-        ckpt.abandon()  # a save still running in the background is valid: let it finish
-        raise
-    ckpt.close()
-    summary.update(final_step=step, wall_s=time.perf_counter() - t_start)
-    if main_proc:
-        logger.close()
-        if cfg.logging.plot:
-            plot_losses(logger.path, os.path.join(out_dir, "loss.png"), cfg.name)
-        rows = [json.loads(line) for line in open(logger.path)]
-        vals = [r["val_loss"] for r in rows if isinstance(r.get("val_loss"), float)]
-        summary["final_val_loss"] = vals[-1] if vals else None
-        with open(os.path.join(out_dir, "summary.json"), "w") as f:
-            json.dump(summary, f, indent=2)
-        logger.line(f"done: {json.dumps(summary)}")
-    return summary
+    with _StopSignal() as stop:
+        while step < tcfg.steps:
+            batch = _to_device(next(data.train_iter), bundle.batch_sharding)
+            state, m = bundle.train_step(state, batch)
+            step += 1
+            pending_finite.append(m["finite"])
+            thr.tick()
+            if step == start + 1:
+                jax.block_until_ready(m["loss"])
+                summary["first_step_s"] = time.perf_counter() - t_start
+                thr.reset()
+            row = {}
+            if step % tcfg.log_every == 0 or step == tcfg.steps:
+                m = jax.device_get(m)
+                check_finite(step)
+                perf = thr.report() if thr.steps else {}
+                row.update(loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
+                           lr=float(m["lr"]), **perf)
+                eta = (tcfg.steps - step) * perf.get("step_time_s", float("nan"))
+                logger.line(
+                    f"step {step}/{tcfg.steps} | loss {row['loss']:.4f} | "
+                    f"{perf.get('tokens_per_s', 0):,.0f} tok/s | "
+                    f"{perf.get('tflops_per_device', 0):.3f} TFLOP/s/dev | "
+                    f"MFU {perf.get('mfu', 0):.1%} | ETA {format_eta(eta)}")
+                thr.reset()
+            if step % tcfg.eval_every == 0 or step == tcfg.steps:
+                val = evaluate(bundle, _eval_params(bundle, state), data.val_batches)
+                row.update(val_loss=val, val_ppl=math.exp(min(val, 50)))
+                logger.line(f"step {step} | val_loss {val:.4f} | "
+                            f"val_ppl {math.exp(min(val, 50)):.2f}")
+                thr.reset()
+            if row:
+                logger.log(step, row)
+            if step % cfg.checkpoint.every == 0 or step == tcfg.steps:
+                save(step)
+            if (tcfg.stop_after is not None and step - start >= tcfg.stop_after
+                    and step < tcfg.steps):
+                save(step, force=True)
+                say(f"stop_after={tcfg.stop_after}: saved step {step}, exiting")
+                break
+            signum = _agree_stop(stop.received, nproc)
+            if signum is not None:
+                save(step, force=True)
+                say(f"signal {signum}: saved step {step}, exiting; rerun the same command "
+                    "to resume")
+                summary["stopped_by_signal"] = int(signum)
+                break
+    summary["wall_s"] = time.perf_counter() - t_start
+    return step

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -10,20 +11,51 @@ import time
 from typing import Optional
 
 
+_FILE_SEQ = itertools.count()  # event file names carry pid + sequence: runs never share one
+
+
+class EventFile:
+    """TensorBoard scalars written synchronously, one flushed event per logged row, so a killed
+    run keeps every step it logged (tensorboardX's SummaryWriter queues events for a background
+    thread that flushes every two minutes). `purge_step` tells TensorBoard to drop events of
+    earlier files from that step on: the steps a resumed run re-does."""
+
+    def __init__(self, logdir: str, purge_step: Optional[int] = None):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        os.makedirs(logdir, exist_ok=True)
+        self._Event = Event
+        self._w = EventsWriter(os.path.join(logdir, "events"), f".{os.getpid()}.{next(_FILE_SEQ)}")
+        if purge_step is not None:
+            self._w.write_event(Event(wall_time=time.time(), step=purge_step,
+                                      session_log=SessionLog(status=SessionLog.START)))
+        self._w.flush()
+
+    def add_scalars(self, step: int, values: dict) -> None:
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        vals = [Summary.Value(tag=k, simple_value=float(v)) for k, v in values.items()]
+        self._w.write_event(self._Event(wall_time=time.time(), step=int(step),
+                                        summary=Summary(value=vals)))
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
 class MetricsLogger:
-    """Writes from process 0 only; other processes get a no-op logger."""
+    """Writes from process 0 only; other processes get a no-op logger. Every row reaches the disk
+    when it is logged (metrics.jsonl and TensorBoard alike)."""
 
     def __init__(self, out_dir: str, tensorboard: bool = True, progress: bool = True,
-                 enabled: bool = True):
+                 enabled: bool = True, purge_step: Optional[int] = None):
         self.enabled = enabled
         self.progress = progress and enabled
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self._f = open(self.path, "a") if enabled else None
-        self._tb = None
-        if enabled and tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(out_dir, "tb"))
+        self._tb = EventFile(os.path.join(out_dir, "tb"), purge_step) if (
+            enabled and tensorboard) else None
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -32,19 +64,40 @@ class MetricsLogger:
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
         if self._tb is not None:
-            for k, v in row.items():
-                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
+            self._tb.add_scalars(step, {k: v for k, v in row.items() if k != "step" and isinstance(
+                v, (int, float)) and math.isfinite(v)})
 
     def line(self, text: str) -> None:
         if self.progress:
             print(text, file=sys.stderr, flush=True)
 
     def close(self) -> None:
-        if self._f:
-            self._f.close()
-        if self._tb is not None:
-            self._tb.close()
+        """Close both files; the first error (a full disk) is raised after both are closed."""
+        first = None
+        for f in (self._f, self._tb):
+            if f is None:
+                continue
+            try:
+                f.close()
+            except OSError as e:
+                first = first or e
+        self._f = self._tb = None
+        if first is not None:
+            raise first
+
+
+def summarize(metrics_path: str, final_step: int) -> dict:
+    """Validation losses from metrics.jsonl: the step-0 one (whichever invocation logged it), the
+    one at final_step (None if that step was not evaluated, e.g. a signal stop) and the latest."""
+    vals = {}
+    with open(metrics_path) as f:
+        for line in f:
+            row = json.loads(line)
+            if isinstance(row.get("val_loss"), float):
+                vals[row["step"]] = row["val_loss"]
+    last = max(vals) if vals else None
+    return {"initial_val_loss": vals.get(0), "final_val_loss": vals.get(final_step),
+            "last_val_loss": vals[last] if vals else None, "last_val_step": last}
 
 
 def _plain(v):

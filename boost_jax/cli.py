@@ -1,0 +1,31 @@
+"""Command-line parsing shared by train.py, the planner and the communication analyzer.
+
+Dotted `key=value` config overrides may stand anywhere on the line, before, between or after
+the options, and argparse's own mistakes (an unknown option, a missing value) are one line
+`error: ...` with exit code 2 like every other input error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from boost_jax.errors import EXIT_USER_ERROR
+
+
+class OverrideParser(argparse.ArgumentParser):
+    def __init__(self, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(**kwargs)
+        self.add_argument("--config", default=None,
+                          help="YAML config (default: built-in defaults)")
+        self.add_argument("overrides", nargs="*", metavar="key=value",
+                          help="dotted config overrides, anywhere on the line, e.g. "
+                               "train.steps=50 out_dir=runs/x")
+
+    def parse(self, argv=None) -> argparse.Namespace:
+        return self.parse_intermixed_args(argv)
+
+    def error(self, message: str):
+        print(f"error: {message}; see {self.prog} --help", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)

@@ -1,0 +1,135 @@
+"""What a resumed run may change, and the record of every config a run used.
+
+Each checkpoint carries the config it was trained with. On resume the new config is compared
+with it:
+
+* keys that define the model (``model.*``; ``train.seed``, the initial weights;
+  ``train.scan_layers``, the layout of the saved parameters) or the data stream (``data.*``;
+  ``train.global_batch``, which with the saved iterator position says where the stream
+  continues) may not change silently: the run stops with one line listing the changes. A change
+  that keeps the checkpoint loadable (a new corpus, another seed) can be made on purpose by
+  naming the keys, or whole sections, in ``checkpoint.accept_changes``; a change of the model's
+  shapes cannot (the saved arrays have the old ones).
+* everything else (steps, eval and logging cadence, checkpoint cadence, parallel layout and
+  mesh, optimizer settings) is accepted and reported in the resume line.
+
+``out_dir/config.yaml`` is the config of the latest invocation and ``out_dir/configs/`` keeps
+every distinct config the run has used, numbered, with the step it took over from.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any, Optional
+
+import yaml
+
+from boost_jax.config import Config, config_to_yaml
+from boost_jax.errors import UserError
+
+DEFINING = ("model", "data", "train.global_batch", "train.seed", "train.scan_layers")
+# about this invocation only, never compared
+PER_INVOCATION = ("out_dir", "checkpoint.resume", "checkpoint.accept_changes")
+SHAPE_KEYS = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+              "rank", "lax_gate", "tie_embeddings")
+HISTORY_DIR = "configs"
+
+
+def model_signature(cfg: Config) -> dict:
+    """The model settings that fix the checkpoint's array shapes."""
+    return {k: getattr(cfg.model, k) for k in SHAPE_KEYS}
+
+
+def _under(key: str, names) -> bool:
+    return any(key == n or key.startswith(n + ".") for n in names)
+
+
+def flatten(tree: Any, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix[:-1]: tree}
+    out = {}
+    for k, v in tree.items():
+        out.update(flatten(v, f"{prefix}{k}."))
+    return out
+
+
+def changes(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
+    """(key, saved, new) for every compared key both configs have and that differs."""
+    old, new = flatten(saved), flatten(cfg.to_dict())
+    return [(k, old[k], new[k]) for k in new
+            if k in old and not _under(k, PER_INVOCATION) and _norm(old[k]) != _norm(new[k])]
+
+
+def _norm(v):
+    return list(v) if isinstance(v, tuple) else v
+
+
+def describe(diff) -> str:
+    return ", ".join(f"{k} {old!r} -> {new!r}" for k, old, new in diff)
+
+
+def check_resume(saved: Optional[dict], cfg: Config, step: int, where: str):
+    """Changes from the config that trained checkpoint `step` (None: not recorded); raises a
+    UserError for a change that redefines the model or the data stream and is not accepted."""
+    if not saved:
+        return []
+    diff = changes(saved, cfg)
+    refused = [c for c in diff
+               if _under(c[0], DEFINING) and not _under(c[0], cfg.checkpoint.accept_changes)]
+    if not refused:
+        return diff
+    if any(_under(k, [f"model.{m}" for m in SHAPE_KEYS]) for k, _, _ in refused):
+        raise UserError(f"checkpoint step {step} in {where} has a different model "
+                        f"({describe(refused)}); its arrays cannot take the new shapes: use a "
+                        "new out_dir, or set those keys back to the saved values to resume")
+    keys = ",".join(k for k, _, _ in refused)
+    raise UserError(f"checkpoint step {step} in {where} was trained with other settings that "
+                    f"define the model or the data stream ({describe(refused)}); resuming would "
+                    "mix them silently: set them back, use a new out_dir, or accept the change "
+                    f"on purpose with checkpoint.accept_changes=[{keys}]")
+
+
+def load_saved(path: str) -> Optional[dict]:
+    """A config.yaml written by an earlier run (None if absent or unreadable)."""
+    try:
+        with open(path) as f:
+            tree = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None
+    return tree if isinstance(tree, dict) else None
+
+
+def _comparable(tree: dict) -> dict:
+    return {k: v for k, v in flatten(tree).items() if not _under(k, PER_INVOCATION)}
+
+
+def record(out_dir: str, cfg: Config, start: int) -> Optional[str]:
+    """Write config.yaml and, if this config differs from the newest in configs/, a new numbered
+    entry there (returned). A config.yaml from before configs/ existed is kept first."""
+    hist = os.path.join(out_dir, HISTORY_DIR)
+    os.makedirs(hist, exist_ok=True)
+    entries = sorted(n for n in os.listdir(hist) if n.endswith(".yaml") and n[:3].isdigit())
+    current = os.path.join(out_dir, "config.yaml")
+    if not entries and os.path.exists(current):
+        os.replace(current, os.path.join(hist, "000-earlier.yaml"))
+        entries = ["000-earlier.yaml"]
+    text = config_to_yaml(cfg)
+    new_entry = None
+    last = load_saved(os.path.join(hist, entries[-1])) if entries else None
+    if last is None or _comparable(last) != _comparable(yaml.safe_load(text)):
+        n = int(entries[-1][:3]) + 1 if entries else 0
+        new_entry = os.path.join(hist, f"{n:03d}-step{start}.yaml")
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        _write(new_entry, f"# used from step {start}, started {stamp} on {socket.gethostname()}"
+                          f"\n{text}")
+    _write(current, text)
+    return new_entry
+
+
+def _write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
