@@ -203,3 +203,28 @@ def test_validation_ratios_within_25pct():
     _, lrows = V.lbp_table(V.lbp_predictions())
     bad = [r for r in rows + lrows if abs(r["error"]) > V.TOLERANCE]
     assert not bad, bad
+
+
+# --------------------------------------------------------------------------- analytic == compiled
+
+DRIFT = ["model.d_model=256", "model.n_layers=2", "model.n_heads=4", "model.d_ff=512",
+         "model.rank=64", "model.vocab_size=256", "model.max_seq_len=32", "data.seq_len=32",
+         "data.tokenizer=bpe", "train.global_batch=32", "train.micro_batches=2",
+         "model.param_dtype=bfloat16", "model.dtype=bfloat16", "mesh.shape=[2,2,2]",
+         "mesh.topology=cpu"]
+
+
+@pytest.mark.parametrize("plan", ["ddp", "zero1", "zero3", "zeropp", "hierarchical"])
+@pytest.mark.parametrize("tp", ["none", "btp"])
+def test_analytic_bytes_per_level_match_the_compiled_step(plan, tp):
+    """The cost model's bytes per level (what --search ranks by) against the compiled step's,
+    for every plan with and without BTP: a drift between the model and the engine fails here."""
+    from boost_jax.plan.dryrun import dry_run
+
+    extra = [] if tp == "none" else ["parallel.tp_mode=btp", "parallel.tp_axes=[pair]"]
+    cfg = load_config(None, [*DRIFT, f"parallel.plan={plan}", *extra])
+    dr = dry_run(cfg, get_topology("cpu"), None, jax.device_count(), full_layers_max=4)
+    analytic = dr.prediction.memory["analytic_comm_bytes"]
+    for lv in ("pair", "node", "global"):
+        got, want = analytic[lv], dr.prediction.comm_bytes[lv]
+        assert got == pytest.approx(want, rel=0.10, abs=2e4), (lv, got, want)

@@ -151,9 +151,9 @@ def test_wider_tp_equals_single_device(mesh, plan, mode, arch, t, remat, extra):
 
 def test_btp_head_is_vocab_parallel(mesh):
     """BTP (TP over pair+node, data parallel over global): no TP collective carries logits
-    ([b,s,V] or its 1/t); outside the layers the TP traffic is the h gather (b·s·d) forward and
-    its cotangent backward, plus the CE statistics — all on this device's rows, never the
-    whole batch."""
+    ([b,s,V] or its 1/t); outside the layers the TP traffic is the h all-gather (b·s·d)
+    forward and the reduce-scatter of its cotangent backward, plus the CE statistics and the
+    final norm scale's gradient — all on this device's rows, never the whole batch."""
     from boost_jax.analysis.comm import analyze_compiled
 
     cfg = make_cfg("btp", "cola", AXES[4], model=WIDE, vocab_size=256)
@@ -164,13 +164,16 @@ def test_btp_head_is_vocab_parallel(mesh):
     d, V = cfg.model.d_model, cfg.model.vocab_size
     mine = [c for c in rep.collectives if c.axes and set(c.axes) == {"pair", "node"}]
     depth = max(len(c.loops) for c in mine)
+    t = 4
+    full = {c.name: c.result_bytes * (t if c.kind == "reduce-scatter" else 1) for c in mine}
     for c in mine:
-        assert c.kind in ("all-reduce", "all-gather"), c
-        assert c.result_bytes / 4 <= tokens * d < tokens * V // 4, c  # logits slice: V/4
-    head = [c for c in mine if len(c.loops) < depth and c.result_bytes == tokens * d * 4]
-    assert sorted(c.kind for c in head) == ["all-gather", "all-reduce"]  # h, its cotangent
-    stats = [c for c in mine if len(c.loops) < depth and c.result_bytes < tokens * d * 4]
-    assert sorted(c.result_bytes for c in stats) == [tokens * 4, 2 * tokens * 4]
+        assert c.kind in ("all-reduce", "all-gather", "reduce-scatter"), c
+        assert full[c.name] / 4 <= tokens * d < tokens * V // 4, c  # logits slice: V/4
+    head = [c for c in mine if len(c.loops) < depth and full[c.name] == tokens * d * 4]
+    assert sorted(c.kind for c in head) == ["all-gather", "reduce-scatter"]  # h, its cotangent
+    stats = [c for c in mine if len(c.loops) < depth and full[c.name] < tokens * d * 4]
+    # CE max and (sum-exp, gold) statistics, and the final norm scale's gradient (d floats)
+    assert sorted(c.result_bytes for c in stats) == sorted([tokens * 4, 2 * tokens * 4, d * 4])
 
 
 def test_btp_bf16_matches_single_device_bf16(mesh):

@@ -5,6 +5,8 @@ programs. Two XLA:CPU artifacts would misstate the traffic of the same program o
 
 * XLA:CPU runs bf16 reductions in fp32: an all-reduce / reduce-scatter fed by a convert from
   bf16, its reducer a `*_promoted` computation. The payload counts at the original 16 bits.
+  After XLA's combiner merges it with an fp32 reduction the reducer is the fp32 one: then each
+  operand that is a convert (or a fusion ending in one) from a 16-bit value counts at 16 bits.
 * GSPMD lowers a reduce-scatter as all-reduce + dynamic-slice of 1/n. `lowered_reduce_scatter`
   recognises a slice reached through bitcasts, copies and reshapes (the analyzer's raw reading);
   `undo_cpu_artifacts` also sees one behind a convert (or bitcast-convert, get-tuple-element, a
@@ -70,6 +72,11 @@ def undo_cpu_artifacts(module, comp, ins, kind, lowered, payload, n):
     if (ins.attr("to_apply") or "").endswith("_promoted"):
         factor, payload = 0.5, payload * 0.5
         fixes.append("fp32-promoted")
+    else:  # a combined (variadic) reduction keeps the plain reducer: promoted per operand
+        pf = _promoted_fraction(module, comp, ins)
+        if pf:
+            factor, payload = 1.0 - 0.5 * pf, payload * (1.0 - 0.5 * pf)
+            fixes.append("fp32-promoted operands")
     if kind == "all-reduce":
         rs = _sliced_fraction(module, comp, ins, n)
         if rs:
@@ -83,6 +90,35 @@ def undo_cpu_artifacts(module, comp, ins, kind, lowered, payload, n):
 
 
 _PASS = ("bitcast", "copy", "reshape", "convert", "get-tuple-element", "bitcast-convert")
+_16 = ("bf16", "f16")
+
+
+def _from_16bit(module, comp, name: str) -> bool:
+    """`name` is an fp32 value converted from a 16-bit one (a convert, or a fusion whose root
+    is such a convert): XLA:CPU's promotion of a 16-bit reduction operand."""
+    ins = comp.instrs.get(name)
+    if ins is None or [a.dtype for a in ins.shape] != ["f32"]:
+        return False
+    if ins.opcode == "convert":
+        src = comp.instrs.get(ins.operands[0]) if ins.operands else None
+        return src is not None and src.shape[0].dtype in _16
+    if ins.opcode == "fusion":
+        for cn in ins.called():
+            fc = module.computations.get(cn)
+            root = next((i for i in fc.instrs.values() if i.is_root), None) if fc else None
+            if root is not None and root.opcode == "convert":
+                src = fc.instrs.get(root.operands[0]) if root.operands else None
+                if src is not None and src.shape[0].dtype in _16:
+                    return True
+    return False
+
+
+def _promoted_fraction(module, comp, ins) -> float:
+    """Fraction of a reduction's bytes whose operands are 16-bit values promoted to fp32."""
+    total = sum(a.nbytes for a in ins.shape) or 1.0
+    done = sum(a.nbytes for a, op in zip(ins.shape, ins.operands)
+               if _from_16bit(module, comp, op))
+    return done / total
 
 
 def _fusion_is_pass(module, ins) -> bool:

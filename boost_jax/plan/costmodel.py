@@ -76,6 +76,7 @@ class StateSizes:
     per_layer_tp_local: float  # one block's TP-local elements
     n_leaves: int
     n_block_leaves: int
+    outside_tp_local: float = 0.0  # TP-local elements outside the blocks (embedding, head)
 
 
 def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
@@ -87,7 +88,8 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
     mesh = SizesMesh(sizes)
     pl = make_placement(cfg, mesh, abstract_param_shapes(cfg))
     lays = jax.tree_util.tree_flatten_with_path(pl.layouts, is_leaf=is_layout)[0]
-    acc = dict(tp=0.0, tpp=0.0, params=0.0, grads=0.0, opt=0.0, sec=0.0, rep=0.0, layer=0.0)
+    acc = dict(tp=0.0, tpp=0.0, params=0.0, grads=0.0, opt=0.0, sec=0.0, rep=0.0, layer=0.0,
+               out=0.0)
     nb = 0
     for path, lay in lays:
         tp = math.prod(_size(sizes, t) for t in lay.tp)
@@ -108,8 +110,10 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
         if lay.layer_axis:
             acc["layer"] += lay.numel / tp / lay.shape[0]
             nb += 1
+        elif path[0].key != "blocks":
+            acc["out"] += local
     return StateSizes(acc["tp"], acc["tpp"], acc["params"], acc["grads"], acc["opt"],
-                      acc["sec"], acc["rep"], acc["layer"], len(lays), nb), pl
+                      acc["sec"], acc["rep"], acc["layer"], len(lays), nb, acc["out"]), pl
 
 
 # --------------------------------------------------------------------------- the model
@@ -223,7 +227,12 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     mem["arguments"] = mem["weights"] + mem["master"] + mem["adam"] + mem["batch"]
     n_r = _size(sizes, pl.deferred_axes)
     del n_r
-    mem["grads"] = st.grads * DTYPE_BYTES[par.grad_accum_dtype]
+    gb = DTYPE_BYTES[par.grad_accum_dtype]
+    mem["grads"] = st.grads * gb
+    # the step engine: this micro-batch's gradient before it joins the accumulator, and the
+    # embedding/head fetched whole (working dtype) with their dense gradient
+    mem["micro_grads"] = st.grads * gb
+    mem["embed_head"] = st.outside_tp_local * (pb + gb)
     q8 = 1.0 + 4.0 / par.quant_block
     # one layer's gathered weights in use and the next one's arriving, with or without TP
     mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0

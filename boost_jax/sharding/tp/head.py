@@ -13,9 +13,10 @@ fp32. The cross-entropy never forms replicated [b,s,V] logits:
     S = Σ_ranks Σ_v exp(logits_i − m), gold = Σ_ranks logits_i[target] (one all-reduce of 2·b·s)
     loss = mean(log S + m − gold)
 Backward: the head input cotangent is all-reduced over ranks (b·s·d, the pcast of the normed
-h entering the per-rank head GEMM); the embedding backward needs no TP collective.
+h entering the per-rank head GEMM; btp: the reduce-scatter of h's cotangent, the transpose of
+its gather); the embedding backward needs no TP collective.
 Per step (elements): forward AR b·s·d (embedding; none for untied btp) + AG b·s·d (btp gather
-of h) + AR b·s (max) + AR 2·b·s (sum-exp, gold); backward AR b·s·d.
+of h) + AR b·s (max) + AR 2·b·s (sum-exp, gold); backward AR b·s·d (btp: RS b·s·d).
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ import jax.numpy as jnp
 
 from boost_jax.layers.forward import first_latents
 from boost_jax.layers.norms import rms_norm
-from boost_jax.sharding.tp.common import (
-    TPContext, all_gather, local_slice, psum, rank_index, to_varying)
+from boost_jax.sharding.tp.common import TPContext, local_slice, psum, rank_index, to_varying
 
 
 def embed_d_sharded(ctx: TPContext) -> bool:
@@ -63,7 +63,9 @@ def vocab_parallel_cross_entropy(ctx: TPContext, x, w, targets):
 
 def head_loss(ctx: TPContext, h, scale, w, targets):
     if ctx.mode == "btp":
-        h = all_gather(ctx, h, axis=h.ndim - 1)
+        # typed varying: each rank's head computes only its vocab slice, so the backward of
+        # this gather is the reduce-scatter of the ranks' partial cotangents
+        h = jax.lax.all_gather(h, ctx.axes, axis=h.ndim - 1, tiled=True)
     x = rms_norm(h, scale, ctx.eps, ctx.dtype)
     return vocab_parallel_cross_entropy(ctx, x, w, targets)
 
