@@ -18,7 +18,8 @@ sbatch   reads ``#SBATCH`` options (those on its command line win), prints ``Sub
 srun     starts the step's tasks (block distribution over the nodes) with SLURM_PROCID,
          SLURM_LOCALID, SLURM_NODEID, SLURM_NTASKS / SLURM_NPROCS, SLURM_STEP_ID,
          SLURM_STEP_NUM_TASKS, SLURM_STEP_NUM_NODES, SLURM_STEP_NODELIST, SLURM_TASKS_PER_NODE,
-         SLURMD_NODENAME; ``--kill-on-bad-exit=1`` ends the step when a task fails (SIGTERM, then
+         SLURMD_NODENAME; forwards the tasks' output line by line (``--label``: with the task
+         number); ``--kill-on-bad-exit=1`` ends the step when a task fails (SIGTERM, then
          SIGKILL after 10 s); a signal to srun goes to every task. Binding options
          (--cpus-per-task, --gpu-bind) are accepted and have no effect here.
 scontrol ``requeue JOBID``: the job's script runs again once it has exited.
@@ -40,6 +41,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import NoReturn
 
@@ -51,9 +53,9 @@ IGNORED = {"account", "time", "partition", "qos", "constraint", "output", "error
            "mail-type", "mail-user", "unbuffered"}
 SHORT = {"-N": "nodes", "-n": "ntasks", "-J": "job-name", "-A": "account", "-t": "time",
          "-p": "partition", "-q": "qos", "-C": "constraint", "-o": "output", "-e": "error",
-         "-c": "cpus-per-task", "-K": "kill-on-bad-exit", "-u": "unbuffered",
+         "-c": "cpus-per-task", "-K": "kill-on-bad-exit", "-l": "label", "-u": "unbuffered",
          "-s": "signal"}
-FLAGS = {"requeue", "exclusive", "kill-on-bad-exit", "unbuffered", "full", "batch"}
+FLAGS = {"requeue", "exclusive", "kill-on-bad-exit", "label", "unbuffered", "full", "batch"}
 
 
 def fail(tool: str, msg: str) -> NoReturn:
@@ -176,8 +178,9 @@ def _on_signals(handler) -> None:
 
 
 def srun(argv: list) -> int:
-    known = {"nodes", "ntasks", "ntasks-per-node", "kill-on-bad-exit"}
+    known = {"nodes", "ntasks", "ntasks-per-node", "kill-on-bad-exit", "label"}
     opts, cmd = parse_opts("srun", argv, known)
+    label = "label" in opts
     job_id = os.environ.get("SLURM_JOB_ID")
     if not job_id or not os.path.isdir(job_dir(job_id)):
         fail("srun", "run it inside a job of the local sbatch stand-in")
@@ -209,11 +212,31 @@ def srun(argv: list) -> int:
                    SLURM_NNODES=str(nodes), SLURM_TASKS_PER_NODE=tasks_per_node,
                    SLURM_STEP_TASKS_PER_NODE=tasks_per_node, SLURMD_NODENAME=hosts[node],
                    SLURM_TOPOLOGY_ADDR=hosts[node])
-        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+        procs.append(subprocess.Popen(cmd, env=env, start_new_session=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    lock = threading.Lock()
+    pumps = [threading.Thread(target=_pump, args=(stream, out, lock, f"{rank}: " if label
+                                                  else ""), daemon=True)
+             for rank, p in enumerate(procs) for stream, out in
+             ((p.stdout, sys.stdout.buffer), (p.stderr, sys.stderr.buffer))]
+    for t in pumps:
+        t.start()
     try:
-        return _supervise(procs, opts.get("kill-on-bad-exit", "0") not in ("0", ""))
+        code = _supervise(procs, opts.get("kill-on-bad-exit", "0") not in ("0", ""))
     finally:
         os.remove(pidfile)
+    for t in pumps:
+        t.join(timeout=5)
+    return code
+
+
+def _pump(stream, out, lock: threading.Lock, prefix: str) -> None:
+    """Whole lines, as srun forwards its tasks' output (lines of tasks never interleave)."""
+    for line in iter(stream.readline, b""):
+        with lock:
+            out.write(prefix.encode() + line + (b"" if line.endswith(b"\n") else b"\n"))
+            out.flush()
+    stream.close()
 
 
 def _supervise(procs: list, kill_on_bad_exit: bool) -> int:
