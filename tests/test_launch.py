@@ -94,14 +94,15 @@ def test_cluster_script_runs_the_planned_mesh(cluster_scripts, topo, tmp_path):
     assert (embedded.parallel, embedded.train) == (want.parallel, want.train)
     assert embedded.model == want.model
     i = s["srun"].index("--config")
-    assert s["srun"][i + 1] == "$CONFIG" and s["srun"][i - 2:i] == ["-u", os.path.join(ROOT, "train.py")]
+    assert s["srun"][i + 1] == "$CONFIG"
+    assert s["srun"][i - 2:i] == ["-u", os.path.join(ROOT, "train.py")]
     assert 'CONFIG="$OUT_DIR/job_config.yaml"' in text and s["srun"][-1] == "$@"
 
     # tasks x devices per task = the mesh = nodes x devices per node
     mesh = embedded.mesh.shape
     ppn = int(s["sbatch"]["ntasks-per-node"])
     assert int(s["sbatch"]["nodes"]) == int(s["srun_opts"]["nodes"]) == nodes == mesh[2]
-    assert int(s["srun_opts"]["ntasks"]) == nodes * ppn == int(s["srun_opts"]["ntasks"])
+    assert int(s["srun_opts"]["ntasks"]) == nodes * ppn
     gpus = int(s["sbatch"]["gpus-per-node"])
     assert int(s["srun_opts"]["ntasks"]) * (gpus // ppn) == math.prod(mesh) \
         == nodes * t.devices_per_node

@@ -78,6 +78,7 @@ def _slurm(args, command: str) -> int:
     from boost_jax.errors import UserError
 
     try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             f.write(text)
         os.chmod(args.out, 0o755)
