@@ -7,6 +7,7 @@ pair and a host's devices share a node, matching how runtimes number local devic
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -17,6 +18,74 @@ import numpy as np
 from boost_jax.errors import ConfigError, UserError
 
 AXES = ("pair", "node", "global")
+
+
+@dataclass(frozen=True)
+class JobProfile:
+    """How a cluster runs a job: what `python -m boost_jax.launch slurm` writes into a script.
+
+    One process per GPU, every process seeing all of its node's GPUs (`--gpu-bind=none`): JAX's
+    SLURM detection (train/distributed.py, mode auto) then gives local rank i the node's GPU i,
+    so ranks 2k and 2k+1 drive one MI250X's two GCDs (the `pair` axis). CPU profiles run one
+    process per node that simulates the node's devices.
+    """
+
+    platform: str  # JAX_PLATFORMS: a missing GPU backend fails at start instead of using CPUs
+    processes_per_node: int
+    gpus_per_node: int = 0  # 0: no GPUs requested (CPU profile)
+    cpus_per_task: int = 0  # 0: the scheduler's default
+    partition: Optional[str] = None
+    qos: Optional[str] = None
+    constraint: Optional[str] = None
+    # Shell expression of the scratch file system where out_dir goes; {account} is the project
+    # id in lower case. Empty: out_dir stays relative to the submit directory.
+    scratch: str = ""
+    modules: tuple = ()  # `module load` in order, after `env` (a site module's settings win)
+    env: tuple = ()  # (NAME, value) pairs
+    xla_flags: tuple = ()
+    # Seconds before the time limit when SLURM sends SIGTERM: train.py saves and the job requeues.
+    save_margin_s: int = 300
+
+    @property
+    def needs_account(self) -> bool:
+        return "{account}" in self.scratch
+
+
+# HPE Slingshot settings for NCCL/RCCL over libfabric (HPE shs-ccl-docs ccl_env.sh): the cxi
+# provider's memory-registration cache and queue sizes (hangs and failures without them), GPUDirect
+# RDMA up to the PCIe host bridge, rings over all four NICs (hsn0-3).
+SLINGSHOT_CCL_ENV = (
+    ("FI_MR_CACHE_MONITOR", "userfaultfd"),
+    ("FI_CXI_DISABLE_HOST_REGISTER", "1"),
+    ("FI_CXI_DEFAULT_CQ_SIZE", "131072"),
+    ("NCCL_NET_GDR_LEVEL", "PHB"),
+    ("NCCL_CROSS_NIC", "1"),
+    ("NCCL_SOCKET_IFNAME", "hsn0,hsn1,hsn2,hsn3"),
+)
+# XLA:GPU scheduling that overlaps our written-out collectives (per-layer gathers inside the
+# scanned layers, gradient reduce-scatters) with compute. Each flag is present in the 0.10.2
+# jax-cuda12-pjrt and jax-rocm7-pjrt plugins (an unknown XLA flag aborts the process).
+GPU_XLA_FLAGS = (
+    "--xla_gpu_enable_latency_hiding_scheduler=true",
+    "--xla_gpu_enable_highest_priority_async_stream=true",
+    "--xla_gpu_enable_pipelined_all_gather=true",
+    "--xla_gpu_enable_pipelined_reduce_scatter=true",
+    "--xla_gpu_enable_pipelined_all_reduce=true",
+    "--xla_gpu_enable_while_loop_double_buffering=true",
+)
+# Frontier (OLCF user guide): ROCm 7 for the jax-rocm7 plugin (it links libamdhip64.so.7), the
+# rccl-net-plugin module (aws-ofi plugin and OLCF's RCCL settings for Slingshot), 56 usable cores
+# = 7 per GCD (low-noise mode), the batch partition, Orion scratch $MEMBERWORK/<project>.
+FRONTIER_JOB = JobProfile(
+    "rocm", 8, gpus_per_node=8, cpus_per_task=7, partition="batch",
+    scratch="$MEMBERWORK/{account}", modules=("rocm/7.0.2", "rccl-net-plugin"),
+    env=SLINGSHOT_CCL_ENV + (("HSA_FORCE_FINE_GRAIN_PCIE", "1"),), xla_flags=GPU_XLA_FLAGS)
+# Perlmutter GPU nodes (NERSC docs): -C gpu (hbm80g for the 80 GB nodes), the regular QOS,
+# 64 cores x 2 threads = 32 CPUs per GPU, the nccl module (aws-ofi-nccl for Slingshot),
+# scratch $PSCRATCH.
+PERLMUTTER_JOB = JobProfile(
+    "cuda", 4, gpus_per_node=4, cpus_per_task=32, qos="regular", constraint="gpu",
+    scratch="$PSCRATCH", modules=("nccl",), env=SLINGSHOT_CCL_ENV, xla_flags=GPU_XLA_FLAGS)
 
 
 @dataclass(frozen=True)
@@ -34,6 +103,7 @@ class Topology:
     peak_flops: float  # dense bf16 FLOP/s per device
     hbm_bytes: float  # memory per device
     device: str = ""
+    job: Optional[JobProfile] = None  # how a batch job runs on it (boost_jax.launch)
 
     @property
     def devices_per_node(self) -> int:
@@ -52,24 +122,28 @@ TOPOLOGIES: dict[str, Topology] = {
     # 4 Infinity Fabric links (~200 GB/s each way); packages joined by 50-100 GB/s links (75 used);
     # 4 Slingshot-11 NICs x 25 GB/s per node = 12.5 GB/s per GCD; 191.5 TFLOP/s bf16, 64 GB HBM.
     "frontier": Topology("frontier", 2, 4, 200 * GB, 75 * GB, 12.5 * GB, 2e-6, 4e-6, 1e-5,
-                         191.5e12, 64 * GB, "AMD MI250X GCD"),
+                         191.5e12, 64 * GB, "AMD MI250X GCD", FRONTIER_JOB),
     # Perlmutter GPU nodes (NERSC docs): 4 A100 fully connected by NVLink 3 — 12 links x 25 GB/s
     # per GPU, 4 links (100 GB/s each way) to each of the 3 peers. A pair-level collective has
     # only its direct 100 GB/s; a collective over all 4 GPUs drives all 3 peer links at once
     # (NCCL runs its rings/channels over every link): 3 x 100 = 300 GB/s per GPU each way.
     # 4 Slingshot-11 NICs x 25 GB/s per node = 25 GB/s per GPU; 312 TFLOP/s bf16, 40/80 GB.
     "perlmutter": Topology("perlmutter", 2, 2, 100 * GB, 300 * GB, 25 * GB, 2e-6, 2e-6, 1e-5,
-                           312e12, 40 * GB, "NVIDIA A100-40GB"),
+                           312e12, 40 * GB, "NVIDIA A100-40GB", PERLMUTTER_JOB),
     "perlmutter-80": Topology("perlmutter-80", 2, 2, 100 * GB, 300 * GB, 25 * GB, 2e-6, 2e-6,
-                              1e-5, 312e12, 80 * GB, "NVIDIA A100-80GB"),
+                              1e-5, 312e12, 80 * GB, "NVIDIA A100-80GB",
+                              dataclasses.replace(PERLMUTTER_JOB, constraint="gpu&hbm80g")),
     # DGX H100 (NVIDIA datasheet): 8 H100 SXM on NVSwitch, NVLink 4 450 GB/s each way per GPU;
     # 8 x 400 Gb/s InfiniBand = 50 GB/s per GPU; 989 TFLOP/s dense bf16, 80 GB HBM3.
+    # Job: a generic SLURM cluster of DGX nodes (NCCL's InfiniBand defaults, no site modules).
     "dgx-h100": Topology("dgx-h100", 2, 4, 450 * GB, 450 * GB, 50 * GB, 2e-6, 2e-6, 8e-6,
-                         989e12, 80 * GB, "NVIDIA H100 SXM"),
+                         989e12, 80 * GB, "NVIDIA H100 SXM",
+                         JobProfile("cuda", 8, gpus_per_node=8, xla_flags=GPU_XLA_FLAGS)),
     # Simulated CPU devices for tests and laptops; bandwidths mirror Frontier's ratios so the
     # communication analysis means something, FLOP/s is a rough per-core figure.
+    # Job: one process per node simulating its 4 devices (the local SLURM stand-in's dry run).
     "cpu": Topology("cpu", 2, 2, 200 * GB, 75 * GB, 12.5 * GB, 2e-6, 4e-6, 1e-5,
-                    5e10, 8 * GB, "host CPU"),
+                    5e10, 8 * GB, "host CPU", JobProfile("cpu", 1)),
 }
 
 

@@ -62,7 +62,35 @@ def build_parser() -> OverrideParser:
     p.add_argument("--dp-overlap", type=float, default=0.0,
                    help="fraction of compute that hides data-parallel collectives (0..1)")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--emit-config", default=None, metavar="FILE",
+                   help="write the layout (with --search: the best that fits) as a config that "
+                        "train.py and python -m boost_jax.launch slurm take unchanged")
     return p
+
+
+def emit_config(path: str, cfg, pred, topo, command: str) -> None:
+    """The planned run as a YAML config: mesh.topology and mesh.shape carry the cluster layout,
+    so `python -m boost_jax.launch slurm --config FILE` needs no --topology or --nodes."""
+    from boost_jax.config import config_to_yaml
+    from boost_jax.errors import UserError
+
+    lay, s = pred.layout, pred.sizes
+    head = [f"# {cfg.name} on {topo.name}: {s['global']} nodes, pair {s['pair']} x node "
+            f"{s['node']} x global {s['global']} = {pred.devices} devices",
+            f"# layout: plan {lay['plan']}, TP {lay['tp_mode']} x{lay['tp']} over "
+            f"{lay['tp_axes'] or '-'}, {pred.micro_batches} micro-batches, remat {lay['remat']}",
+            f"# predicted: {pred.memory['total'] / 2**30:.1f} GiB per device of "
+            f"{topo.hbm_bytes / 2**30:.0f} GiB, {pred.step_time:.3f} s per step, "
+            f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}",
+            f"# written by: {command}", ""]
+    try:
+        with open(path, "w") as f:
+            f.write("\n".join(head) + config_to_yaml(cfg))
+    except OSError as e:
+        raise UserError(f"cannot write --emit-config {path!r} ({e.strerror}); choose another "
+                        "path") from None
+    print(f"wrote {path}: train with python train.py --config {path}, or write a batch job with "
+          f"python -m boost_jax.launch slurm --config {path}", file=sys.stderr)
 
 
 def report_text(dr, cfg, topo, compiled: bool) -> str:
@@ -168,8 +196,12 @@ def check_args(args) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    import shlex
+
     from boost_jax.errors import UserError, cli_main
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = "python -m boost_jax.plan " + shlex.join(argv)
     args = build_parser().parse(argv)
 
     @cli_main
@@ -209,6 +241,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(json.dumps(res.to_dict(), indent=1, default=str))
             else:
                 print(print_search(res, cfg, topo, full, top=args.top))
+            if args.emit_config:
+                if not res.fitting:
+                    raise UserError(f"no layout fits, so --emit-config {args.emit_config} was "
+                                    "not written; try more nodes or a smaller global batch")
+                best = res.fitting[0]
+                emit_config(args.emit_config, best.config(cfg), best.prediction, topo, command)
             return 0
         compiled, failure = not args.no_compile, None
         try:
@@ -246,6 +284,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                     f"NOT COMPILED: the step failed to compile ({failure}); "
                                     "analytic model only")
             print(text)
+        if args.emit_config:
+            pred = out.prediction if compiled else out
+            if failure or not pred.memory["fits"]:
+                why = "the step does not compile" if failure else (
+                    f"it needs {pred.memory['total'] / 2**30:.1f} GiB per device, more than "
+                    f"{pred.assumptions.hbm_usable:.0%} of {topo.hbm_bytes / 2**30:.0f} GiB")
+                raise UserError(f"this layout does not fit ({why}), so --emit-config "
+                                f"{args.emit_config} was not written; --search lists layouts "
+                                "that fit")
+            emit_config(args.emit_config, cfg, pred, topo, command)
         return 1 if failure else 0
 
     return run()

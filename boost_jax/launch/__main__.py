@@ -1,0 +1,95 @@
+"""Write a ready batch script for a training run on a cluster.
+
+    python -m boost_jax.launch slurm --config configs/cola-7b.yaml --topology frontier \\
+        --nodes 48 --account abc123 --time 02:00:00 --out job.sbatch [key=value ...]
+    sbatch job.sbatch
+
+The topology profile (boost_jax/mesh.py) supplies the node layout, the environment and the
+scratch file system; the config (with any overrides) is embedded in the script. A config written
+by `python -m boost_jax.plan ... --emit-config FILE` needs no --topology or --nodes: its mesh
+says both.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from typing import Optional, Sequence
+
+from boost_jax.cli import OverrideParser
+from boost_jax.errors import cli_main
+
+
+def build_parser() -> OverrideParser:
+    p = OverrideParser(prog="python -m boost_jax.launch slurm",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--topology", default=None,
+                   help="topology profile (default: the config's mesh.topology)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="number of nodes (default: the config's mesh.shape / mesh.nodes)")
+    p.add_argument("--account", default=None, help="project to charge (#SBATCH --account)")
+    p.add_argument("--time", default="02:00:00", help="time limit per job (default 02:00:00); "
+                   "the job requeues itself until training is done")
+    p.add_argument("--partition", default=None, help="partition (default: the profile's)")
+    p.add_argument("--qos", default=None, help="quality of service (default: the profile's)")
+    p.add_argument("--module", action="append", default=None, metavar="NAME",
+                   help="module to load instead of the profile's (repeat for several)")
+    p.add_argument("--python", default=None,
+                   help="Python on the compute nodes (default: this one, %(default)s)")
+    p.add_argument("--out", default=None, help="write the script here (default: stdout)")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m boost_jax.launch slurm --config X.yaml [--topology T] "
+              "[--nodes N] [--account A] [--time T] [--out FILE] [key=value ...]\n\n" + __doc__)
+        return 0
+    if argv[0] != "slurm":
+        print(f"error: unknown launcher {argv[0]!r}; use: python -m boost_jax.launch slurm ...",
+              file=sys.stderr)
+        return 2
+    args = build_parser().parse(argv[1:])
+    return _slurm(args, "python -m boost_jax.launch " + shlex.join(argv))
+
+
+@cli_main
+def _slurm(args, command: str) -> int:
+    from boost_jax.config import load_config
+    from boost_jax.launch.slurm import make_job, render
+    from boost_jax.mesh import get_topology
+
+    cfg = load_config(args.config, args.overrides)
+    topo = get_topology(args.topology or cfg.mesh.topology)
+    job = make_job(cfg, topo, args.nodes, account=args.account, time=args.time,
+                   partition=args.partition, qos=args.qos, modules=args.module,
+                   python=args.python, command=command)
+    text = render(job)
+    p = job.predicted
+    if not p["fits"]:
+        print(f"warning: the planner estimates {p['memory'] / 2**30:.1f} GiB per device, more "
+              f"than {p['hbm_usable']:.0%} of {topo.hbm_bytes / 2**30:.0f} GiB; check with "
+              "python -m boost_jax.plan before submitting", file=sys.stderr)
+    if args.out is None:
+        sys.stdout.write(text)
+        return 0
+    from boost_jax.errors import UserError
+
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(text)
+        os.chmod(args.out, 0o755)
+    except OSError as e:
+        raise UserError(f"cannot write {args.out!r} ({e.strerror}); choose another --out") \
+            from None
+    print(f"wrote {args.out}: {job.nodes} nodes x {job.profile.processes_per_node} processes x "
+          f"{job.devices_per_process} device(s) on {topo.name}, out_dir {job.out_dir}; submit "
+          f"with: sbatch {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""A ready SLURM batch script for one training run on a topology profile's cluster.
+
+The script holds everything the job needs, so a requeued job (or a copy run a year later) runs
+the same thing:
+
+- `#SBATCH` resources: nodes, one task per process (``JobProfile.processes_per_node``), GPUs
+  and CPUs per task, account / time / partition / QOS / constraint, ``--requeue``,
+  ``--signal=TERM@<save margin>`` and append-mode output ``%x-%j.out``;
+- the environment of the profile: collective library and network variables, site modules,
+  ``JAX_PLATFORMS`` (a missing GPU backend fails at start instead of training on the CPUs),
+  XLA flags, and ``XLA_PYTHON_CLIENT_MEM_FRACTION`` = the planner's usable HBM fraction, so a
+  layout the planner says fits is allowed that memory;
+- the resolved config as a heredoc, written next to the run's checkpoints on the scratch file
+  system (``JobProfile.scratch``) and passed to train.py with ``--config``;
+- ``srun --kill-on-bad-exit=1`` (a dead process would leave the others waiting in a collective);
+- resume on requeue: SLURM sends SIGTERM ``save_margin_s`` before the time limit, train.py
+  saves and exits 143, the script then runs ``scontrol requeue`` and the requeued job resumes
+  from that checkpoint (the same script, the same out_dir). A node failure requeues the job
+  too (``--requeue``) and it resumes from the last checkpoint.
+
+Arguments given to ``sbatch job.sbatch ...`` after the script are passed on to train.py as
+extra overrides (e.g. ``train.stop_after=100``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shlex
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from boost_jax.config import Config, config_to_yaml
+from boost_jax.errors import ConfigError, UserError
+from boost_jax.mesh import AXES, JobProfile, Topology
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TRAIN_PY = os.path.join(ROOT, "train.py")
+EXIT_SIGTERM = 143  # train.py after saving on SIGTERM: 128 + 15
+_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+
+
+@dataclass
+class Job:
+    cfg: Config  # mesh.topology / mesh.shape set to the job's
+    topo: Topology
+    profile: JobProfile
+    sizes: dict
+    account: Optional[str]
+    time: str
+    partition: Optional[str]
+    qos: Optional[str]
+    modules: tuple
+    out_dir: str  # shell expression
+    python: str
+    command: str  # the command line that wrote the script
+    predicted: Optional[dict] = None  # planner's memory and step time, for the header
+
+    @property
+    def nodes(self) -> int:
+        return self.sizes["global"]
+
+    @property
+    def processes(self) -> int:
+        return self.nodes * self.profile.processes_per_node
+
+    @property
+    def devices_per_process(self) -> int:
+        return self.topo.devices_per_node // self.profile.processes_per_node
+
+
+def time_seconds(text: str) -> int:
+    """SLURM's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    m = _TIME.match(text.strip())
+    if not m:
+        raise UserError(f"--time {text!r} is not a SLURM time limit; use HH:MM:SS (e.g. "
+                        "02:00:00) or D-HH:MM:SS")
+    d, a, b, c = m.groups()
+    if d is not None:  # D-H[:M[:S]]
+        h, mi, s = int(a), int(b or 0), int(c or 0)
+        return ((int(d) * 24 + h) * 60 + mi) * 60 + s
+    if b is None:  # M
+        return int(a) * 60
+    if c is None:  # M:S
+        return int(a) * 60 + int(b)
+    return (int(a) * 60 + int(b)) * 60 + int(c)
+
+
+def job_sizes(cfg: Config, topo: Topology, nodes: Optional[int]) -> dict:
+    """(pair, node, global) of the job; the config's mesh.shape must match the node."""
+    per_node = topo.devices_per_node
+    if nodes is None:
+        nodes = cfg.mesh.shape[2] if cfg.mesh.shape is not None else cfg.mesh.nodes
+    if nodes is None:
+        raise UserError(f"how many nodes? pass --nodes N (a {topo.name} node has {per_node} "
+                        "devices), or set mesh.nodes / mesh.shape in the config")
+    if nodes < 1:
+        raise UserError(f"--nodes {nodes} must be >= 1")
+    if cfg.mesh.shape is not None:
+        p, n, _ = cfg.mesh.shape
+        if p * n != per_node:
+            raise UserError(
+                f"mesh.shape={list(cfg.mesh.shape)} puts pair {p} x node {n} = {p * n} devices "
+                f"on each node but a {topo.name} node has {per_node} ({topo.device}); use "
+                f"mesh.shape=[{topo.pair},{topo.node},{nodes}] or drop mesh.shape")
+    else:
+        p, n = topo.pair, topo.node
+    return {"pair": int(p), "node": int(n), "global": int(nodes)}
+
+
+def check_layout(cfg: Config, topo: Topology, sizes: dict) -> dict:
+    """The checks train.py would make on the cluster, made now: TP divisibility, the batch
+    over the data-parallel devices; returns the planner's analytic memory and step time."""
+    from boost_jax.plan.costmodel import SizesMesh, predict
+
+    try:
+        if cfg.parallel.tp_mode != "none":
+            from boost_jax.sharding.tp.specs import validate_tp
+
+            validate_tp(cfg, SizesMesh(sizes))
+        p = predict(cfg, topo, sizes)
+    except (ConfigError, ValueError) as e:
+        raise UserError(str(e).splitlines()[0]) from None
+    return {"memory": p.memory["total"], "fits": p.memory["fits"], "step_time": p.step_time,
+            "hbm_usable": p.assumptions.hbm_usable}
+
+
+def out_dir_expr(cfg: Config, profile: JobProfile, account: Optional[str]) -> str:
+    """out_dir on the scratch file system as a shell word (absolute out_dirs are kept): the
+    profile's root is expanded by the job's shell, the config's path never is."""
+    if os.path.isabs(cfg.out_dir) or not profile.scratch:
+        return shlex.quote(cfg.out_dir)
+    root = profile.scratch.replace("{account}", (account or "").lower())
+    return f'"{root}"/{shlex.quote(os.path.normpath(cfg.out_dir))}'
+
+
+def make_job(cfg: Config, topo: Topology, nodes: Optional[int], account: Optional[str] = None,
+             time: str = "02:00:00", partition: Optional[str] = None, qos: Optional[str] = None,
+             modules: Optional[list] = None, python: Optional[str] = None,
+             command: str = "") -> Job:
+    profile = topo.job
+    if profile is None:
+        raise UserError(f"topology {topo.name!r} has no job settings; give it a JobProfile in "
+                        "boost_jax/mesh.py (processes per node, GPUs, environment, scratch)")
+    if profile.needs_account and not account:
+        raise UserError(f"--account is needed on {topo.name}: the project id that is charged "
+                        f"and names the scratch directory ({profile.scratch}); e.g. "
+                        "--account abc123")
+    if account is not None and not re.match(r"^[A-Za-z0-9_.-]+$", account):
+        raise UserError(f"--account {account!r} is not a project id (letters, digits, _ . -)")
+    secs = time_seconds(time)
+    if secs <= profile.save_margin_s:
+        raise UserError(f"--time {time} leaves no time to train: SLURM asks the job to save "
+                        f"{profile.save_margin_s} s before the limit; ask for more time")
+    sizes = job_sizes(cfg, topo, nodes)
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
+        cfg.mesh, topology=topo.name, shape=[sizes[a] for a in AXES], nodes=None))
+    predicted = check_layout(cfg, topo, sizes)
+    python = python or os.path.abspath(sys.executable)
+    if not os.path.isfile(TRAIN_PY):
+        raise UserError(f"train.py is not at {TRAIN_PY}; run the launcher from a checkout of "
+                        "boost_jax (pip install -e .)")
+    return Job(cfg, topo, profile, sizes, account, time, partition or profile.partition,
+               qos or profile.qos, tuple(profile.modules if modules is None else modules),
+               out_dir_expr(cfg, profile, account), python, command, predicted)
+
+
+def _sbatch_lines(job: Job) -> list[str]:
+    pr = job.profile
+    opts = [("job-name", job.cfg.name), ("account", job.account), ("nodes", job.nodes),
+            ("ntasks-per-node", pr.processes_per_node),
+            ("gpus-per-node", pr.gpus_per_node or None),
+            ("cpus-per-task", pr.cpus_per_task or None), ("time", job.time),
+            ("partition", job.partition), ("qos", job.qos), ("constraint", pr.constraint),
+            ("output", "%x-%j.out"), ("open-mode", "append"), ("requeue", ""),
+            ("signal", f"TERM@{pr.save_margin_s}")]
+    return [f"#SBATCH --{k}={v}" if v != "" else f"#SBATCH --{k}" for k, v in opts
+            if v is not None]
+
+
+def srun_command(job: Job) -> str:
+    """The job step: one task per process; the options one per line, then train.py."""
+    pr = job.profile
+    opts = [f"--nodes={job.nodes}", f"--ntasks={job.processes}",
+            f"--ntasks-per-node={pr.processes_per_node}"]
+    if pr.cpus_per_task:
+        opts.append(f"--cpus-per-task={pr.cpus_per_task}")
+    if pr.gpus_per_node:
+        opts.append("--gpu-bind=none")  # every process sees its node's GPUs; JAX picks by rank
+    opts.append("--kill-on-bad-exit=1")
+    train = [shlex.quote(job.python), "-u", shlex.quote(TRAIN_PY), "--config", '"$CONFIG"',
+             'out_dir="$OUT_DIR"']
+    if pr.platform == "cpu":
+        train += ["--cpu-devices", str(job.devices_per_process)]
+    return " \\\n    ".join(["srun", *opts, " ".join(train + ['"$@"'])])
+
+
+def _header(job: Job) -> list[str]:
+    c, s, pr = job.cfg, job.sizes, job.profile
+    par = c.parallel
+    lines = [f"# boost_jax: {c.name} on {job.topo.name} ({job.topo.device}): {job.nodes} nodes x "
+             f"{pr.processes_per_node} processes x {job.devices_per_process} device(s) = "
+             f"{math.prod(s.values())} devices = pair {s['pair']} x node {s['node']} x global "
+             f"{s['global']}",
+             f"# layout: plan {par.plan}, TP {par.tp_mode} over {par.tp_axes or '-'}, "
+             f"{c.train.micro_batches} micro-batches, remat {c.train.remat}, global batch "
+             f"{c.train.global_batch} x {c.data.seq_len} tokens"]
+    if job.predicted:
+        p = job.predicted
+        lines.append(f"# planner (analytic): {p['memory'] / 2**30:.1f} GiB per device of "
+                     f"{job.topo.hbm_bytes / 2**30:.0f} GiB, {p['step_time']:.3f} s per step")
+    if job.command:
+        lines.append(f"# written by: {job.command}")
+    lines += ["# submit: sbatch THIS_FILE [key=value ...]  (extra overrides go to train.py)",
+              "# resumes by itself: SIGTERM before the time limit -> checkpoint -> requeue"]
+    return lines
+
+
+def render(job: Job) -> str:
+    pr = job.profile
+    env = list(pr.env) + [("JAX_PLATFORMS", pr.platform)]
+    if pr.xla_flags:
+        env.append(("XLA_FLAGS", " ".join(pr.xla_flags)))
+    if pr.gpus_per_node:
+        env.append(("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{job.predicted['hbm_usable']:.2f}"))
+    L = ["#!/bin/bash", *_sbatch_lines(job), *_header(job), ""]
+    L.append('echo "boost_jax: job ${SLURM_JOB_ID} on ${SLURM_JOB_NUM_NODES} nodes '
+             '(${SLURM_JOB_NODELIST}), restart ${SLURM_RESTART_COUNT:-0}"')
+    if env:
+        L.append("# collective library, network and JAX settings of the profile "
+                 "(boost_jax/mesh.py)")
+        L += [f"export {k}={shlex.quote(v)}" for k, v in env]
+    if job.modules:
+        L.append("# site modules last: their settings win over the defaults above")
+        L += [f"module load {shlex.quote(m)} || exit 1" for m in job.modules]
+    yaml_text = config_to_yaml(job.cfg)
+    L += ["", f"OUT_DIR={job.out_dir}", 'CONFIG="$OUT_DIR/job_config.yaml"',
+          'mkdir -p "$OUT_DIR" || exit 1',
+          "# the resolved config (train.py --config takes it unchanged)",
+          "cat > \"$CONFIG\" <<'BOOST_JAX_CONFIG'", yaml_text.rstrip("\n"), "BOOST_JAX_CONFIG",
+          "", srun_command(job), "status=$?",
+          f"if [ \"$status\" -eq {EXIT_SIGTERM} ]; then",
+          '    echo "boost_jax: saved a checkpoint on SIGTERM (time limit near); requeueing job '
+          '${SLURM_JOB_ID} to resume it"',
+          '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+          "fi",
+          'exit "$status"', ""]
+    return "\n".join(L)
