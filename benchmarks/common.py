@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -57,3 +58,32 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+
+
+def sync_readme(results_path: str) -> None:
+    """Copy a results file into benchmarks/README.md between its markers
+
+        <!-- results/NAME.md -->  ...  <!-- end results/NAME.md -->
+
+    so the README shows each figure exactly as the script that measured it wrote it (its
+    headings one level down). A README without the markers is left alone."""
+    name = "results/" + os.path.basename(results_path)
+    begin, end = f"<!-- {name} -->", f"<!-- end {name} -->"
+    with open(README) as f:
+        text = f.read()
+    if begin not in text or end not in text:
+        return
+    with open(results_path) as f:
+        body = f.read().strip()
+    out, fenced = [], False
+    for line in body.splitlines():
+        fenced ^= line.startswith("```")
+        out.append("#" + line if line.startswith("#") and not fenced else line)
+    body = "\n".join(out)
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    with open(README, "w") as f:
+        f.write(f"{head}{begin}\n{body}\n{end}{tail}")

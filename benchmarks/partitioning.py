@@ -176,6 +176,9 @@ def main() -> int:
         with open(args.out, "w") as f:
             f.write(HEADER.format(cmd=cmdline.strip(), micro=args.micro, batch=args.batch,
                                   seq=args.seq) + text + "\n" + FOOTER)
+        from benchmarks.common import sync_readme
+
+        sync_readme(args.out)
     return 0
 
 

@@ -25,7 +25,7 @@ set_cpu_devices(384)
 
 import jax  # noqa: E402
 
-from benchmarks.common import markdown_table  # noqa: E402
+from benchmarks.common import markdown_table, sync_readme  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import get_topology, make_mesh  # noqa: E402
 from boost_jax.plan.dryrun import dry_run  # noqa: E402
@@ -173,6 +173,7 @@ def main() -> int:
     print(text)
     with open(a.out, "w") as f:
         f.write(text)
+    sync_readme(a.out)
     return 0
 
 

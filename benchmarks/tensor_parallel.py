@@ -21,7 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import early_cpu_devices, interleaved_median, markdown_table  # noqa: E402
+from benchmarks.common import early_cpu_devices, interleaved_median, markdown_table, sync_readme  # noqa: E402
 
 early_cpu_devices(8)
 
@@ -231,6 +231,7 @@ def main():
     if a.out:
         with open(a.out, "w") as f:
             f.write(text)
+        sync_readme(a.out)
 
 
 if __name__ == "__main__":

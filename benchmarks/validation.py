@@ -13,6 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.common import sync_readme  # noqa: E402
 from boost_jax.mesh import get_topology  # noqa: E402
 from boost_jax.plan import validate as V  # noqa: E402
 
@@ -148,6 +149,7 @@ def main() -> int:
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(doc)
+    sync_readme(args.out)
     print(doc)
     return 0
 
