@@ -113,11 +113,37 @@ def _from_16bit(module, comp, name: str) -> bool:
     return False
 
 
+def _back_to_16bit(module, comp, name: str) -> bool:
+    """Every use of `name` converts it back to 16 bits (a convert, or a fusion of only that):
+    the other half of XLA:CPU's promotion. Our own fp32 reductions (e.g. gradients reduced in
+    grad_accum_dtype) keep their fp32 result."""
+    users = comp.users().get(name, [])
+    for u in users:
+        if [a.dtype for a in u.shape] != [u.shape[0].dtype] or u.shape[0].dtype not in _16:
+            return False
+        if u.opcode == "fusion":
+            ops = {i.opcode for cn in u.called() if module.computations.get(cn)
+                   for i in module.computations[cn].instrs.values()}
+            if not ops <= {"parameter", "convert", "bitcast", "copy", "reshape"}:
+                return False
+        elif u.opcode != "convert":
+            return False
+    return bool(users)
+
+
 def _promoted_fraction(module, comp, ins) -> float:
-    """Fraction of a reduction's bytes whose operands are 16-bit values promoted to fp32."""
+    """Fraction of a reduction's bytes whose operands are 16-bit values promoted to fp32 and
+    whose results go straight back to 16 bits."""
     total = sum(a.nbytes for a in ins.shape) or 1.0
-    done = sum(a.nbytes for a, op in zip(ins.shape, ins.operands)
-               if _from_16bit(module, comp, op))
+    if len(ins.shape) == 1:
+        results = [ins.name]
+    else:
+        by_index = {g.attr("index"): g.name for g in comp.users().get(ins.name, [])
+                    if g.opcode == "get-tuple-element"}
+        results = [by_index.get(str(i)) for i in range(len(ins.shape))]
+    done = sum(a.nbytes for a, op, res in zip(ins.shape, ins.operands, results)
+               if res is not None and _from_16bit(module, comp, op)
+               and _back_to_16bit(module, comp, res))
     return done / total
 
 
