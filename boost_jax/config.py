@@ -495,5 +495,11 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     return cfg.validate() if validate else cfg
 
 
+def config_from_dict(tree: dict, validate: bool = True) -> Config:
+    """A Config from its to_dict() form (e.g. the copy a checkpoint keeps of its config)."""
+    cfg = _build(Config, tree)
+    return cfg.validate() if validate else cfg
+
+
 def config_to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
