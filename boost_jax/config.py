@@ -45,6 +45,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # start from these weights (a folder written by python -m boost_jax.export, or a Hugging
+    # Face LlamaForCausalLM for arch=full) instead of a random init; see boost_jax/hf.py
+    init_from: Optional[str] = None
 
     @property
     def kv_heads(self) -> int:
@@ -73,6 +76,9 @@ class ModelConfig:
                 f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head dim d_model/n_heads={self.head_dim} must be even for RoPE")
+        if self.init_from is not None and not os.path.isdir(self.init_from):
+            raise ConfigError(f"model.init_from {self.init_from!r} does not exist; point it at a "
+                              "folder written by python -m boost_jax.export")
         if self.arch != "full" and not 0 < self.r <= min(self.d_model, self.d_ff):
             raise ConfigError(
                 f"model.rank={self.r} must be in 1..min(d_model, d_ff)={min(self.d_model, self.d_ff)}")
