@@ -125,7 +125,7 @@ class Decoder:
     for a total length `length` so the timed loop runs no compilation."""
 
     def __init__(self, cfg, params: dict, length: int, sampling: Sampling,
-                 n_valid: Optional[int] = None):
+                 n_valid: Optional[int] = None, compiler_options: Optional[dict] = None):
         self.cfg, self.params, self.length, self.s = cfg, params, length, sampling
         ops = forward.Local(cfg)
 
@@ -135,15 +135,16 @@ class Decoder:
                          n_valid)
             return ids, logits, cache
 
-        self._step = jax.jit(step, donate_argnums=(1,))
+        self._step = jax.jit(step, donate_argnums=(1,), compiler_options=compiler_options)
+        self._programs: dict = {}
 
-    def _compiled(self, cache, n: int):
-        key = jax.random.key(0)
-        pos = jnp.zeros((), jnp.int32)
-        tok = lambda s: jax.ShapeDtypeStruct((1, s), jnp.int32)  # noqa: E731
-        prefill = self._step.lower(self.params, cache, tok(n), pos, key).compile()
-        decode = self._step.lower(self.params, cache, tok(1), pos, key).compile()
-        return prefill, decode
+    def _compiled(self, cache, s: int):
+        """The step compiled for s tokens (kept: later prompts of that length reuse it)."""
+        if s not in self._programs:
+            args = (self.params, cache, jax.ShapeDtypeStruct((1, s), jnp.int32),
+                    jnp.zeros((), jnp.int32), jax.random.key(0))
+            self._programs[s] = self._step.lower(*args).compile()
+        return self._programs[s]
 
     def generate(self, prompt: np.ndarray, max_new: int, eos_id: Optional[int] = None,
                  on_token: Callable[[int], None] = lambda i: None):
@@ -153,7 +154,7 @@ class Decoder:
         max_new = min(max_new, self.length - n)
         t0 = time.perf_counter()
         cache = init_cache(self.cfg, 1, self.length)
-        prefill, decode = self._compiled(cache, n)
+        prefill, decode = self._compiled(cache, n), self._compiled(cache, 1)
         compile_s = time.perf_counter() - t0
         key = jax.random.key(self.s.seed)
         ids, logits = [], []
