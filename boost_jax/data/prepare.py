@@ -207,14 +207,14 @@ def encode_task(task: list) -> tuple[np.ndarray, int, int, int]:
     texts = [t for t, _ in docs]
     if hasattr(tok, "_tok"):  # a Hugging Face tokenizer: one batched call
         encs = tok._tok.encode_batch(texts, add_special_tokens=False) if texts else []
-        seqs = [np.asarray(e.ids, np.int64) for e in encs]
+        seqs = [np.asarray(e.ids, np.int32) for e in encs]
     else:
         seqs = [tok.encode(t) for t in texts]
-    eos = np.array([tok.eos_id], np.int64)
+    eos = np.array([tok.eos_id], np.int32)
     parts = []
     for ids, (_, end) in zip(seqs, docs):
         parts += [ids, eos] if end else [ids]
-    ids = np.concatenate(parts) if parts else np.zeros((0,), np.int64)
+    ids = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
     top = int(ids.max()) if ids.size else -1
     return ids.astype(dtype), sum(end for _, end in docs), top, sum(x[3] for x in task)
 
