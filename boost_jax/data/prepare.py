@@ -33,7 +33,7 @@ from boost_jax.data.token_bin import meta_path, write_meta
 from boost_jax.errors import UserError, cli_main
 
 PIECE = 1 << 20  # bytes of a text file read at a time
-TASK = 4 << 20  # bytes of text per worker task
+TASK = 1 << 20  # bytes of text per worker task (with the window below, bounds memory)
 EXTS = (".txt", ".md", ".py", ".jsonl", ".parquet", ".arrow")
 
 
