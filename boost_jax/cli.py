@@ -1,4 +1,5 @@
-"""Command-line parsing shared by train.py, the planner and the communication analyzer.
+"""Command-line parsing shared by train.py, the planner, the communication analyzer and the
+tools that use a trained run (generate, evaluate, export, data.prepare).
 
 Dotted `key=value` config overrides may stand anywhere on the line, before, between or after
 the options, and argparse's own mistakes (an unknown option, a missing value) are one line
@@ -13,9 +14,20 @@ import sys
 from boost_jax.errors import EXIT_USER_ERROR
 
 
-class OverrideParser(argparse.ArgumentParser):
+class Parser(argparse.ArgumentParser):
+    """argparse whose mistakes are one line `error: ...` and exit code 2."""
+
     def __init__(self, **kwargs):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(**kwargs)
+
+    def error(self, message: str):
+        print(f"error: {message}; see {self.prog} --help", file=sys.stderr)
+        sys.exit(EXIT_USER_ERROR)
+
+
+class OverrideParser(Parser):
+    def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.add_argument("--config", default=None,
                           help="YAML config (default: built-in defaults)")
@@ -25,7 +37,3 @@ class OverrideParser(argparse.ArgumentParser):
 
     def parse(self, argv=None) -> argparse.Namespace:
         return self.parse_intermixed_args(argv)
-
-    def error(self, message: str):
-        print(f"error: {message}; see {self.prog} --help", file=sys.stderr)
-        sys.exit(EXIT_USER_ERROR)

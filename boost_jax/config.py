@@ -45,6 +45,9 @@ class ModelConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype
     tie_embeddings: bool = False
     init_std: float = 0.02
+    # start from these weights (a folder written by python -m boost_jax.export, or a Hugging
+    # Face LlamaForCausalLM for arch=full) instead of a random init; see boost_jax/hf.py
+    init_from: Optional[str] = None
 
     @property
     def kv_heads(self) -> int:
@@ -73,6 +76,9 @@ class ModelConfig:
                 f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
         if self.head_dim % 2:
             raise ConfigError(f"head dim d_model/n_heads={self.head_dim} must be even for RoPE")
+        if self.init_from is not None and not os.path.isdir(self.init_from):
+            raise ConfigError(f"model.init_from {self.init_from!r} does not exist; point it at a "
+                              "folder written by python -m boost_jax.export")
         if self.arch != "full" and not 0 < self.r <= min(self.d_model, self.d_ff):
             raise ConfigError(
                 f"model.rank={self.r} must be in 1..min(d_model, d_ff)={min(self.d_model, self.d_ff)}")
@@ -491,6 +497,12 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
     tree = _read_yaml(path) if path is not None else {}
     for key, value in parse_overrides(overrides or []):
         _set_dotted(tree, key, value)
+    cfg = _build(Config, tree)
+    return cfg.validate() if validate else cfg
+
+
+def config_from_dict(tree: dict, validate: bool = True) -> Config:
+    """A Config from its to_dict() form (e.g. the copy a checkpoint keeps of its config)."""
     cfg = _build(Config, tree)
     return cfg.validate() if validate else cfg
 

@@ -1,13 +1,25 @@
-"""Data: tokenizers, corpus sources, and the grain training/eval pipeline."""
+"""Data: tokenizers, corpus sources, the grain training/eval pipeline, and `prepare` (a corpus
+tokenized ahead of time into a .bin memmap).
 
-from boost_jax.data.pipeline import (DataBundle, PackedSequences, build_data,
-                                     make_eval_batches, make_train_iterator)
-from boost_jax.data.sources import Corpus, load_corpus, read_documents, split_documents
-from boost_jax.data.tokenizers import (ByteTokenizer, HFTokenizer, Tokenizer, get_tokenizer,
-                                       train_bpe)
+Names are imported on first use, so tools that need only the tokenizers or the .bin format
+(python -m boost_jax.data.prepare and its worker processes) start without grain and JAX.
+"""
 
-__all__ = [
-    "ByteTokenizer", "Corpus", "DataBundle", "HFTokenizer", "PackedSequences", "Tokenizer",
-    "build_data", "get_tokenizer", "load_corpus", "make_eval_batches", "make_train_iterator",
-    "read_documents", "split_documents", "train_bpe",
-]
+import importlib
+
+_WHERE = {
+    "DataBundle": "pipeline", "PackedSequences": "pipeline", "build_data": "pipeline",
+    "make_eval_batches": "pipeline", "make_train_iterator": "pipeline",
+    "Corpus": "sources", "load_corpus": "sources", "read_documents": "sources",
+    "split_documents": "sources",
+    "ByteTokenizer": "tokenizers", "HFTokenizer": "tokenizers", "Tokenizer": "tokenizers",
+    "get_tokenizer": "tokenizers", "train_bpe": "tokenizers",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

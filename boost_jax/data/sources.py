@@ -3,7 +3,8 @@
 `data.source` is one of:
   stdlib          the Python standard library's own *.py files (no download; the default)
   path/file.jsonl one document per line, from its string "text" field
-  path/file.bin   pre-tokenized ids, np.memmap with data.bin_dtype (read lazily, zero copy)
+  path/file.bin   pre-tokenized ids, np.memmap with data.bin_dtype (read lazily, zero copy;
+                  checked against the metadata `prepare` writes next to it: token_bin.py)
   path/file       any other file: UTF-8 text, cut into line-aligned chunks (<= 16 KiB) as documents
   path/dir        every .txt/.py/.md/.jsonl file below it, recursively
 
@@ -25,6 +26,7 @@ from typing import Optional
 
 import numpy as np
 
+from boost_jax.data.token_bin import open_bin
 from boost_jax.data.tokenizers import Tokenizer, get_tokenizer
 from boost_jax.errors import UserError
 
@@ -206,25 +208,13 @@ def split_documents(docs: list[tuple[str, str]], val_fraction: float):
 
 
 def _load_bin(data_cfg, tokenizer: Tokenizer):
-    """Pre-tokenized ids; validation is the contiguous tail (no document boundaries to hash)."""
-    path = data_cfg.source
-    itemsize = np.dtype(data_cfg.bin_dtype).itemsize
-    size = os.path.getsize(path)
-    if size % itemsize:
-        raise UserError(
-            f"data.source {path!r} is {size} bytes, not a multiple of data.bin_dtype="
-            f"{data_cfg.bin_dtype} ({itemsize} bytes); set the dtype it was written with")
-    n = size // itemsize
+    """Pre-tokenized ids, memory-mapped (token_bin.py); validation is the contiguous tail (no
+    document boundaries to hash)."""
+    cap = None
     if data_cfg.max_bytes is not None:
-        n = min(n, data_cfg.max_bytes // itemsize)
-    if n < 2:
-        raise UserError(f"data.source {path!r} holds fewer than 2 tokens; it needs a real corpus")
-    arr = np.memmap(path, dtype=data_cfg.bin_dtype, mode="r", shape=(n,))
-    top, low = int(arr.max()), int(arr.min())
-    if low < 0 or top >= tokenizer.vocab_size:
-        raise UserError(
-            f"data.source {path!r} holds token id {top if top >= 0 else low} outside the tokenizer's "
-            f"0..{tokenizer.vocab_size - 1}; set data.tokenizer to the tokenizer.json it was made with")
+        cap = data_cfg.max_bytes // np.dtype(data_cfg.bin_dtype).itemsize
+    arr = open_bin(data_cfg.source, data_cfg, tokenizer, max_tokens=cap)
+    n = len(arr)
     n_val = max(1, int(round(n * data_cfg.val_fraction)))
     return arr[: n - n_val], arr[n - n_val:]
 

@@ -45,6 +45,7 @@ class ByteTokenizer:
     vocab_size = 256
     eos_id = 0
     name = "byte"
+    fingerprint = "byte"  # what a prepared .bin records to tell tokenizers apart
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32)
@@ -76,6 +77,13 @@ class HFTokenizer:
             eos = BPE_EOS
         self.eos_id = int(tok.token_to_id(eos))
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def fingerprint(self) -> str:
+        """sha256 of the tokenizer's canonical JSON: equal exactly when the id mapping is."""
+        import hashlib
+
+        return "sha256:" + hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()
 
     @classmethod
     def from_file(cls, path: str) -> "HFTokenizer":

@@ -11,12 +11,14 @@ from flax import nnx
 from boost_jax.layers.linear import LowRankLinear
 
 
-
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset=None) -> jax.Array:
     """softmax(q·kᵀ/√hd + causal) · v with GQA.
 
     q [b, sq, H, hd]; k, v [b, sk, K, hd] with K | H (query head h uses kv head h // (H/K)).
-    When sq < sk the queries are the last sq positions (KV-cache style offset).
+    Query i sits at key position offset + i and sees keys 0..offset + i. By default
+    offset = sk - sq: when sq < sk the queries are the last sq positions (KV-cache style).
+    A fixed-size KV cache passes the number of keys filled before these queries (may be
+    traced), so the unfilled slots after them are masked.
     Scores and softmax in fp32; the full [sq, sk] score matrix is computed and masked, which
     is also what flops.py counts.
     """
@@ -25,7 +27,8 @@ def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     qg = q.reshape(b, sq, K, H // K, hd)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / math.sqrt(hd))
-    mask = (jnp.arange(sq)[:, None] + (sk - sq)) >= jnp.arange(sk)[None, :]
+    offset = sk - sq if offset is None else offset
+    mask = (jnp.arange(sq)[:, None] + offset) >= jnp.arange(sk)[None, :]
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)

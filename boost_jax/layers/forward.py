@@ -99,14 +99,18 @@ class Local:
 # --------------------------------------------------------------------------- one block
 
 
-def attention(ops, cfg, p: dict, h, positions, prev: dict):
-    """The attention sub-layer's addend to the residual, and its latents."""
+def attention(ops, cfg, p: dict, h, positions, prev: dict, attend: Callable = causal_attention):
+    """The attention sub-layer's addend to the residual, and its latents.
+
+    `attend(q, k, v)` (rotated q, k and v as [b, s, heads, hd]) is causal_attention over
+    these s positions; a KV-cache decoder (boost_jax/infer/decode.py) passes one that writes
+    k, v into its cache and attends over everything cached so far."""
     (q, k, v), zs = ops.project_in(h, p["attn_norm"]["scale"], [p["attn"][n] for n in QKV],
                                    [prev.get(n) for n in QKV])
     b, s, hd = q.shape[0], q.shape[1], cfg.head_dim
     q = apply_rope(q.reshape(b, s, -1, hd), positions, cfg.rope_theta)
     k = apply_rope(k.reshape(b, s, -1, hd), positions, cfg.rope_theta)
-    o = causal_attention(q, k, v.reshape(b, s, -1, hd))
+    o = attend(q, k, v.reshape(b, s, -1, hd))
     y, zo = ops.project_out(o.reshape(b, s, -1), p["attn"]["o"], prev.get("o"))
     return y, dict(zip(QKV, zs)) | {"o": zo}
 
@@ -119,11 +123,12 @@ def mlp(ops, p: dict, h, prev: dict):
     return y, dict(zip(GATE_UP, zs)) | {"down": zd}
 
 
-def block(ops, cfg, p: dict, h, positions, prev: Optional[dict]):
+def block(ops, cfg, p: dict, h, positions, prev: Optional[dict],
+          attend: Callable = causal_attention):
     """h → h + attention → + mlp; returns (h, latents for the next lax block or None)."""
     prev = prev or {}
     h = checkpoint_name(h, RESIDUAL_NAME)
-    y, lat_a = attention(ops, cfg, p, h, positions, prev)
+    y, lat_a = attention(ops, cfg, p, h, positions, prev, attend)
     h = checkpoint_name(h + y.astype(h.dtype), RESIDUAL_NAME)
     y, lat_m = mlp(ops, p, h, prev)
     h = h + y.astype(h.dtype)

@@ -243,6 +243,12 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
         data.train_iter.set_state(data_state)
     else:
         state = bundle.init_state()
+        if cfg.model.init_from:
+            from boost_jax import hf
+
+            hf.check_tokenizer(cfg.model.init_from, data.tokenizer)
+            state = hf.init_state_from(bundle, state, cfg.model.init_from)
+            say(f"initialised from {cfg.model.init_from}")
         start = 0
     logger_path = os.path.join(out_dir, "metrics.jsonl")
     if main_proc:

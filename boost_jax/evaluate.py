@@ -1,0 +1,160 @@
+"""Measure a trained run on text: python -m boost_jax.evaluate --run runs/demo [--data SOURCE]
+
+Loss (mean next-token cross-entropy, nats), perplexity (e^loss) and bits per byte (total nats /
+ln 2 / UTF-8 bytes of the predicted text; comparable across tokenizers) of one checkpoint.
+
+--data val (the default) scores exactly the windows the run scores at every eval step (the
+run's validation split, train.eval_batches batches of train.global_batch windows), so it
+reproduces the logged val_loss of that step. Any other SOURCE (a text file, a folder, a .jsonl,
+or a .bin of token ids) is tokenized with the run's tokenizer and scored whole, in
+non-overlapping windows of data.seq_len (+1 for the last target), up to --max-tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+
+from boost_jax.cli import Parser
+from boost_jax.errors import UserError, cli_main
+
+
+def parse_args(argv=None):
+    p = Parser(prog="python -m boost_jax.evaluate", description=__doc__)
+    p.add_argument("--run", required=True, help="the training run's out_dir, e.g. runs/demo")
+    p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
+    p.add_argument("--data", default="val",
+                   help="val (the run's validation windows), or a text/.jsonl/.bin source")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="score at most this many tokens of SOURCE (default: all)")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    args = p.parse_args(argv)
+    if args.batch_size < 1 or (args.max_tokens is not None and args.max_tokens < 2):
+        p.error("--batch-size must be >= 1 and --max-tokens >= 2")
+    return args
+
+
+def run_val_windows(run) -> np.ndarray:
+    """The run's own eval windows [n, seq_len + 1] (as train/loop.py evaluates them)."""
+    import os
+
+    from boost_jax.data.pipeline import make_eval_batches
+    from boost_jax.data.sources import load_corpus
+    from boost_jax.infer.load import TOKENIZER_DIR
+
+    cfg = run.cfg
+    corpus = load_corpus(cfg.data, os.path.join(run.path, TOKENIZER_DIR))
+    batches = make_eval_batches(corpus.val, cfg.data.seq_len, cfg.train.global_batch,
+                                cfg.train.eval_batches)
+    return np.concatenate([np.concatenate([b["inputs"], b["targets"][:, -1:]], axis=1)
+                           for b in batches])
+
+
+def source_tokens(run, source: str, max_tokens):
+    """Token ids of a whole source under the run's tokenizer (a .bin is memory-mapped)."""
+    from boost_jax.data.sources import read_documents
+    from boost_jax.data.token_bin import open_bin
+
+    if source.endswith(".bin"):
+        return open_bin(source, run.cfg.data, run.tokenizer, "--data")
+    budget = None if max_tokens is None else max_tokens * 16  # bytes enough for the tokens
+    docs = read_documents(source, budget)
+    if not docs:
+        raise UserError(f"--data {source!r} holds no text; point it at a non-empty corpus")
+    return run.tokenizer.encode_documents([t for _, t in docs])
+
+
+def windows_of(tokens, seq_len: int, max_tokens) -> "PackedSequences":  # noqa: F821
+    from boost_jax.data.pipeline import PackedSequences
+
+    if max_tokens is not None:
+        tokens = tokens[:max_tokens + 1]
+    src = PackedSequences(tokens, seq_len)
+    if len(src) == 0:
+        raise UserError(f"the data holds {len(tokens)} tokens, fewer than one window of "
+                        f"data.seq_len+1={seq_len + 1}; use more text")
+    return src
+
+
+def target_bytes(tokenizer, targets: np.ndarray) -> int:
+    """UTF-8 bytes of the text the targets spell (document breaks count none)."""
+    from boost_jax.data.tokenizers import ByteTokenizer
+
+    if isinstance(tokenizer, ByteTokenizer):
+        return int(np.count_nonzero(targets != tokenizer.eos_id))
+    return sum(len(tokenizer.decode(row).encode("utf-8")) for row in targets)
+
+
+def window_losses(cfg):
+    """jit: (params, windows [b, s+1]) → summed cross-entropy per window [b] (fp32)."""
+    import jax
+    import jax.numpy as jnp
+
+    from boost_jax.layers import forward
+
+    ops = forward.Local(cfg)
+
+    def fn(params, windows):
+        logits = forward.logits(ops, cfg, params, windows[:, :-1])
+        logz = jax.nn.logsumexp(logits, axis=-1)
+        gold = jnp.take_along_axis(logits, windows[:, 1:, None], axis=-1)[..., 0]
+        return jnp.sum(logz - gold, axis=-1)
+
+    return jax.jit(fn)
+
+
+def score(run, windows, batch_size: int, label: str) -> dict:
+    """Loss, perplexity and bits per byte over `windows` (any sequence of [s+1] id arrays)."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    fn = window_losses(run.cfg.model)
+    n = len(windows)
+    nats, tokens, nbytes = 0.0, 0, 0
+    with Progress(transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task(f"scoring {label}", total=n)
+        for start in range(0, n, batch_size):
+            rows = np.stack([np.asarray(windows[i], np.int32)
+                             for i in range(start, min(start + batch_size, n))])
+            real = len(rows)
+            if real < batch_size:  # one compiled shape: pad the last batch, drop its rows
+                rows = np.concatenate([rows, np.repeat(rows[-1:], batch_size - real, 0)])
+            nats += float(np.sum(np.asarray(fn(run.params, rows))[:real], dtype=np.float64))
+            tokens += real * (rows.shape[1] - 1)
+            nbytes += target_bytes(run.tokenizer, rows[:real, 1:])
+            bar.advance(task, real)
+    loss = nats / tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 700)),
+            "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
+            "tokens": tokens, "bytes": nbytes, "windows": n}
+
+
+@cli_main
+def main(argv=None):
+    args = parse_args(argv)
+    from boost_jax.infer.load import open_run, quiet_libraries
+
+    quiet_libraries()
+    run = open_run(args.run, args.step)
+    if args.data == "val":
+        windows, label = run_val_windows(run), "the run's validation windows"
+    else:
+        tokens = source_tokens(run, args.data, args.max_tokens)
+        windows, label = windows_of(tokens, run.cfg.data.seq_len, args.max_tokens), args.data
+    result = score(run, windows, args.batch_size, label)
+    result.update(run=args.run, step=run.step, data=args.data)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{args.run} step {run.step} on {label}: loss {result['loss']:.4f} | perplexity "
+              f"{result['perplexity']:.3f} | bits/byte {result['bits_per_byte']:.4f} | "
+              f"{result['tokens']:,} tokens in {result['windows']} windows")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

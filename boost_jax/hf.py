@@ -1,0 +1,301 @@
+"""Hugging Face interop: a model's weights as safetensors + config.json, and back.
+
+Our LLaMA is Hugging Face's LlamaForCausalLM: pre-norm RMSNorm blocks, SwiGLU, RoPE in the
+half-split rotate_half convention (layers/rope.py), GQA with query head h reading kv head
+h // (H/K) (HF's repeat_kv). Only the storage differs: we keep a projection as w [d_in, d_out]
+(y = x @ w), torch keeps nn.Linear.weight [d_out, d_in], so every matrix is transposed (exact).
+
+    ours                                  safetensors name (layer i)
+    embed/embedding [V, d]                model.embed_tokens.weight
+    blocks/attn_norm/scale                model.layers.i.input_layernorm.weight
+    blocks/attn/{q,k,v,o}/w               model.layers.i.self_attn.{q,k,v,o}_proj.weight (.T)
+    blocks/mlp_norm/scale                 model.layers.i.post_attention_layernorm.weight
+    blocks/mlp/{gate,up,down}/w           model.layers.i.mlp.{gate,up,down}_proj.weight (.T)
+    final_norm/scale                      model.norm.weight
+    lm_head/w [d, V]                      lm_head.weight (.T; absent when tied)
+
+Low-rank projections (P = any of the seven prefixes above) store their factors as two Linear
+weights: a [d_in, r] as P.down.weight (.T), b [r, d_out] as P.up.weight (.T); lax adds
+P.latent_scale [r] and, with lax_gate=gate, g as P.cross.weight (.T).
+
+    arch=full   model.safetensors is a LlamaForCausalLM checkpoint.
+    arch=svd    model.safetensors is a LlamaForCausalLM checkpoint with each W = a @ b merged
+                (fp32), and lowrank.safetensors keeps the factors, so import is exact.
+    cola, lax   model.safetensors holds the factors; y = silu(z) @ b with z = x @ a (cola) or
+                z = RMSNorm_r(x @ a + G(z of the same projection in the previous block)) (lax)
+                is not a LLaMA, so config.json names model_type boost_jax_<arch>.
+
+config.json carries the LLaMA fields and a "boost_jax" section with the full ModelConfig, the
+run, step and tokenizer, which is what `model.init_from=DIR` reads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+from boost_jax.errors import UserError
+
+MODEL_FILE = "model.safetensors"
+FACTORS_FILE = "lowrank.safetensors"
+CONFIG_FILE = "config.json"
+PROJ = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+        "o": "self_attn.o_proj", "gate": "mlp.gate_proj", "up": "mlp.up_proj",
+        "down": "mlp.down_proj"}
+GROUP = {"q": "attn", "k": "attn", "v": "attn", "o": "attn", "gate": "mlp", "up": "mlp",
+         "down": "mlp"}
+NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+FACTOR_NAMES = {"a": "down.weight", "b": "up.weight", "latent_scale": "latent_scale",
+                "g": "cross.weight"}
+
+
+def _t(x) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(x).T)
+
+
+def layer_list(blocks: dict) -> list[dict]:
+    """Per-layer param dicts, from stacked (leading layer axis) or per-index blocks."""
+    import jax
+
+    from boost_jax.layers.forward import is_stacked
+
+    if not is_stacked(blocks):
+        return [blocks[k] for k in sorted(blocks, key=int)]
+    n = len(jax.tree.leaves(blocks)[0])
+    return [jax.tree.map(lambda x, i=i: np.asarray(x)[i], blocks) for i in range(n)]
+
+
+def to_tensors(cfg, params: dict) -> tuple[dict, dict]:
+    """(model.safetensors tensors, lowrank.safetensors tensors or {}) of logical params."""
+    params = _numpy(params)
+    main, factors = {"model.embed_tokens.weight": params["embed"]["embedding"],
+                     "model.norm.weight": params["final_norm"]["scale"]}, {}
+    if not cfg.tie_embeddings:
+        main["lm_head.weight"] = _t(params["lm_head"]["w"])
+    for i, lp in enumerate(layer_list(params["blocks"])):
+        pre = f"model.layers.{i}"
+        for ours, theirs in NORMS.items():
+            main[f"{pre}.{theirs}.weight"] = lp[ours]["scale"]
+        for name, path in PROJ.items():
+            p, key = lp[GROUP[name]][name], f"{pre}.{path}"
+            if cfg.arch == "full":
+                main[f"{key}.weight"] = _t(p["w"])
+                continue
+            dest = factors if cfg.arch == "svd" else main
+            for k, v in p.items():
+                dest[f"{key}.{FACTOR_NAMES[k]}"] = _t(v) if v.ndim == 2 else v
+            if cfg.arch == "svd":
+                w = np.matmul(p["a"].astype(np.float32), p["b"].astype(np.float32))
+                main[f"{key}.weight"] = _t(w.astype(p["a"].dtype))
+    return main, factors
+
+
+def _numpy(tree):
+    import jax
+
+    return jax.tree.map(lambda x: np.asarray(x), tree)
+
+
+def from_tensors(cfg, tensors: dict, stacked: bool, dtype) -> dict:
+    """Logical params (numpy, `dtype`) from the tensors named as in the module docstring."""
+    def get(name):
+        if name not in tensors:
+            raise KeyError(name)
+        return np.asarray(tensors[name]).astype(dtype)
+
+    layers = []
+    for i in range(cfg.n_layers):
+        pre = f"model.layers.{i}"
+        lp = {ours: {"scale": get(f"{pre}.{theirs}.weight")} for ours, theirs in NORMS.items()}
+        lp["attn"], lp["mlp"] = {}, {}
+        for name, path in PROJ.items():
+            key = f"{pre}.{path}"
+            if cfg.arch == "full":
+                p = {"w": _t(get(f"{key}.weight"))}
+            else:
+                p = {"a": _t(get(f"{key}.down.weight")), "b": _t(get(f"{key}.up.weight"))}
+                if cfg.arch == "lax":
+                    p["latent_scale"] = get(f"{key}.latent_scale")
+                    if cfg.lax_gate == "gate":
+                        p["g"] = _t(get(f"{key}.cross.weight"))
+            lp[GROUP[name]][name] = p
+        layers.append(lp)
+    if stacked:
+        import jax
+
+        blocks = jax.tree.map(lambda *xs: np.stack(xs), *layers)
+    else:
+        blocks = dict(enumerate(layers))
+    params = {"embed": {"embedding": get("model.embed_tokens.weight")}, "blocks": blocks,
+              "final_norm": {"scale": get("model.norm.weight")}}
+    if not cfg.tie_embeddings:
+        params["lm_head"] = {"w": _t(get("lm_head.weight"))}
+    return params
+
+
+def hf_config(cfg, extra: dict) -> dict:
+    """config.json: LlamaConfig fields plus our "boost_jax" section."""
+    llama = cfg.arch in ("full", "svd")
+    return {
+        "architectures": ["LlamaForCausalLM" if llama else f"BoostJax{cfg.arch.title()}ForCausalLM"],
+        "model_type": "llama" if llama else f"boost_jax_{cfg.arch}",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_bias": False,
+        "mlp_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": cfg.param_dtype, "initializer_range": cfg.init_std,
+        "boost_jax": dict(extra, model=dataclasses.asdict(cfg),
+                          factors=FACTORS_FILE if cfg.arch == "svd" else None),
+    }
+
+
+# --------------------------------------------------------------------------- files
+
+
+def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) -> list[str]:
+    """model.safetensors (+ lowrank.safetensors for svd) and config.json into `out`."""
+    from safetensors.numpy import save_file
+
+    main, factors = to_tensors(cfg, params)
+    meta = {"format": "pt"}  # transformers expects it
+    save_file(main, os.path.join(out, MODEL_FILE), metadata=meta)
+    files = [MODEL_FILE]
+    if factors:
+        save_file(factors, os.path.join(out, FACTORS_FILE), metadata=meta)
+        files.append(FACTORS_FILE)
+    with open(os.path.join(out, CONFIG_FILE), "w") as f:
+        json.dump(dict(hf_config(cfg, extra), **(top or {})), f, indent=2)
+    return files + [CONFIG_FILE]
+
+
+def read_tensors(path: str, names: Optional[list[str]] = None) -> dict:
+    """Every tensor of DIR's model.safetensors (or its sharded index) and lowrank.safetensors."""
+    from safetensors.numpy import load_file
+
+    files = []
+    index = os.path.join(path, MODEL_FILE + ".index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(path, MODEL_FILE)):
+        files = [MODEL_FILE]
+    if os.path.isfile(os.path.join(path, FACTORS_FILE)):
+        files.append(FACTORS_FILE)
+    out = {}
+    for name in files:
+        out.update(load_file(os.path.join(path, name)))
+    return out
+
+
+def read_config(path: str, key: str = "model.init_from") -> dict:
+    cfg_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isdir(path) or not os.path.isfile(cfg_path):
+        raise UserError(f"{key} {path!r} is not a model directory (no {CONFIG_FILE}); point it "
+                        "at a folder written by python -m boost_jax.export or a Hugging Face "
+                        "LlamaForCausalLM")
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def saved_model(conf: dict):
+    """The ModelConfig a directory holds: ours from the boost_jax section, else a plain
+    LlamaForCausalLM read as arch=full."""
+    from boost_jax.config import ModelConfig
+
+    ours = (conf.get("boost_jax") or {}).get("model")
+    if ours:
+        names = {f.name for f in dataclasses.fields(ModelConfig)}
+        return ModelConfig(**{k: v for k, v in ours.items() if k in names})
+    if conf.get("model_type") != "llama":
+        raise UserError(f"a {conf.get('model_type')!r} model cannot start a run; export one "
+                        "with python -m boost_jax.export or use a LlamaForCausalLM")
+    if conf.get("rope_scaling"):
+        raise UserError("a LlamaForCausalLM with rope_scaling cannot start a run (our RoPE is "
+                        "the unscaled one)")
+    d, h = conf["hidden_size"], conf["num_attention_heads"]
+    if conf.get("head_dim", d // h) != d // h:
+        raise UserError(f"head_dim={conf['head_dim']} differs from hidden_size / "
+                        f"num_attention_heads={d // h}, which this model assumes")
+    return ModelConfig(
+        arch="full", vocab_size=conf["vocab_size"], d_model=d, n_layers=conf["num_hidden_layers"],
+        n_heads=h, n_kv_heads=conf.get("num_key_value_heads", h), d_ff=conf["intermediate_size"],
+        max_seq_len=conf.get("max_position_embeddings", 2048),
+        rope_theta=conf.get("rope_theta", 10000.0), norm_eps=conf.get("rms_norm_eps", 1e-6),
+        tie_embeddings=conf.get("tie_word_embeddings", False))
+
+
+SHAPES = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+          "rank", "lax_gate", "tie_embeddings")
+
+
+def check_compatible(path: str, saved, cfg) -> None:
+    """A one-line error naming the overrides that make `cfg` take the saved model's arrays."""
+    def value(c, k):
+        return c.kv_heads if k == "n_kv_heads" else c.r if k == "rank" else getattr(c, k)
+
+    keys = [k for k in SHAPES if not (saved.arch == "full" and k in ("rank", "lax_gate"))
+            and not (saved.arch != "lax" and k == "lax_gate")]
+    diff = [k for k in keys if value(saved, k) != value(cfg, k)]
+    if diff:
+        have = ", ".join(f"model.{k} {value(cfg, k)} vs {value(saved, k)}" for k in diff)
+        fix = " ".join(f"model.{k}={value(saved, k)}" for k in diff)
+        raise UserError(f"model.init_from {path!r} holds another model ({have}); set {fix}")
+
+
+def load_init(path: str, cfg, stacked: bool) -> dict:
+    """Logical params (numpy, model.param_dtype) of DIR for a run whose model is `cfg`."""
+    conf = read_config(path)
+    check_compatible(path, saved_model(conf), cfg)
+    import jax.numpy as jnp
+
+    try:
+        return from_tensors(cfg, read_tensors(path), stacked, jnp.dtype(cfg.param_dtype))
+    except KeyError as e:
+        raise UserError(f"model.init_from {path!r} lacks the tensor {e.args[0]!r}; it is not a "
+                        f"complete {cfg.arch} checkpoint of this model") from None
+
+
+def check_tokenizer(path: str, tokenizer) -> None:
+    """The run must tokenize as the model it starts from did (ids are rows of its embedding)."""
+    conf = read_config(path)
+    theirs = (conf.get("boost_jax") or {}).get("tokenizer_fingerprint")
+    tok_file = os.path.join(path, "tokenizer.json")
+    if theirs is None and os.path.isfile(tok_file):
+        from boost_jax.data.tokenizers import HFTokenizer
+
+        theirs = HFTokenizer.from_file(tok_file).fingerprint
+    if theirs is not None and theirs != tokenizer.fingerprint:
+        want = "byte" if theirs == "byte" else tok_file
+        raise UserError(f"model.init_from {path!r} was trained with another tokenizer than "
+                        f"data.tokenizer={getattr(tokenizer, 'name', '?')}; set "
+                        f"data.tokenizer={want}")
+
+
+def init_state_from(bundle, state: dict, path: str) -> dict:
+    """A fresh train state whose weights (and fp32 master copy) are DIR's, in the plan's
+    layout; the optimizer moments stay at their initial zeros."""
+    import jax
+    import jax.numpy as jnp
+
+    from boost_jax.sharding.layout import pad_tree
+
+    cfg = bundle.cfg
+    params = load_init(path, cfg.model, cfg.train.scan_layers)
+    lay = bundle.placement.layouts
+
+    def put(dtype, shardings):
+        cast = lambda p: pad_tree(lay, jax.tree.map(lambda x: x.astype(dtype), p))  # noqa: E731
+        return jax.jit(cast, out_shardings=shardings)(params)
+
+    state = dict(state, params=put(jnp.dtype(cfg.model.param_dtype),
+                                   bundle.state_shardings["params"]))
+    if "master" in state:
+        state["master"] = put(jnp.float32, bundle.state_shardings["master"])
+    return state

@@ -1,0 +1,144 @@
+"""Open a training run for use: its config, tokenizer and the weights of one checkpoint.
+
+A checkpoint stores the working weights in the layout of the plan that trained it: sharded over
+its mesh, a dim zero-padded at its end where it did not divide (boost_jax/sharding/layout.py).
+Only `state.params` is read (orbax partial restore: the optimizer state stays on disk), straight
+into the logical (unpadded) shapes on one device: orbax reassembles the shards and
+`strict=False` drops the padding. So a checkpoint saved under any plan, TP layout, mesh or
+process count loads on whatever device is present. The restored weights are checked against
+the digest saved with the step (checkpoint.py), so a corrupted file is refused, not sampled.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from boost_jax.config import Config, config_from_dict
+from boost_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer
+from boost_jax.errors import UserError
+
+CHECKPOINTS = "checkpoints"  # under out_dir, as train/loop.py writes them
+TOKENIZER_DIR = "tokenizer"  # out_dir/tokenizer/tokenizer.json: a run's trained BPE
+
+
+@dataclass
+class Run:
+    path: str
+    cfg: Config  # the config that trained the checkpoint
+    step: int
+    params: Any  # logical (unpadded) weights on one device, model.param_dtype
+    tokenizer: Tokenizer
+
+
+def quiet_libraries() -> None:
+    """absl (orbax) warnings about read-only managers and the like are noise on a CLI."""
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.ERROR)
+    except ImportError:  # pragma: no cover - absl comes with orbax
+        pass
+
+
+def _manager(ckpt_dir: str):
+    import orbax.checkpoint as ocp
+
+    handlers = {"state": ocp.PyTreeCheckpointHandler(), "meta": ocp.JsonCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler()}
+    return ocp.CheckpointManager(ckpt_dir, item_handlers=handlers,
+                                 options=ocp.CheckpointManagerOptions(read_only=True))
+
+
+def checkpoint_steps(run_dir: str) -> tuple[str, list[int]]:
+    """(checkpoint directory, its finalised steps); a one-line error if there are none."""
+    if not os.path.isdir(run_dir):
+        raise UserError(f"no run at {run_dir!r} (no such directory); pass --run the out_dir of "
+                        "a training run, e.g. --run runs/demo")
+    ckpt_dir = os.path.join(os.path.abspath(run_dir), CHECKPOINTS)
+    steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) \
+        if os.path.isdir(ckpt_dir) else []
+    if not steps:
+        raise UserError(f"run {run_dir!r} has no checkpoint (nothing in {ckpt_dir}); train it "
+                        f"first (python train.py ... out_dir={run_dir}) or pass another --run")
+    return ckpt_dir, steps
+
+
+def pick_step(run_dir: str, steps: list[int], step: Optional[int]) -> int:
+    if step is None:
+        return steps[-1]
+    if step not in steps:
+        raise UserError(f"run {run_dir!r} has no checkpoint step {step} (it has steps "
+                        f"{steps}); pass one of them, or leave out --step for the latest")
+    return step
+
+
+def _saved_config(run_dir: str, meta: dict) -> Config:
+    from boost_jax.train.run_config import load_saved
+
+    tree = meta.get("config") or load_saved(os.path.join(run_dir, "config.yaml"))
+    if not tree:
+        raise UserError(f"run {run_dir!r} keeps no config (neither in its checkpoint nor "
+                        "config.yaml); it was not written by train.py")
+    return config_from_dict(tree)
+
+
+def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dict] = None):
+    """The logical weights of checkpoint `step`, on `device` (default: the first device)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from boost_jax.train.checkpoint import digest_mismatch, state_digest
+    from boost_jax.train.step import abstract_params
+
+    sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    _, logical = abstract_params(cfg)
+    dtype = cfg.model.param_dtype
+    item = {"params": jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding), logical)}
+    args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=x.shape,
+                                                       dtype=x.dtype, strict=False), item)
+    restore = ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True)
+    try:
+        state = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
+    except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
+        from boost_jax.train.checkpoint import _reason
+
+        raise UserError(f"checkpoint step {step} in {mngr.directory} cannot be read "
+                        f"({_reason(e)}); pass another --step") from None
+    bad = digest_mismatch(state_digest(state), (meta or {}).get("digest"))
+    if bad:
+        raise UserError(f"checkpoint step {step} in {mngr.directory} is corrupted ({bad}); pass "
+                        "another --step")
+    return state["params"]
+
+
+def run_tokenizer(cfg: Config, run_dir: str) -> Tokenizer:
+    """The tokenizer the run trained with (a BPE trained by the run lives in its out_dir)."""
+    kind = cfg.data.tokenizer
+    if kind == "byte":
+        return ByteTokenizer()
+    path = os.path.join(run_dir, TOKENIZER_DIR, TOKENIZER_FILE) if kind == "bpe" else kind
+    if not os.path.isfile(path):
+        raise UserError(f"run {run_dir!r} was trained with the tokenizer {path!r}, which no "
+                        "longer exists; put it back (the ids must match the model's)")
+    return HFTokenizer.from_file(path)
+
+
+def open_run(run_dir: str, step: Optional[int] = None, device=None) -> Run:
+    """Config, tokenizer and logical weights of checkpoint `step` (default: the latest)."""
+    import orbax.checkpoint as ocp
+
+    ckpt_dir, steps = checkpoint_steps(run_dir)
+    step = pick_step(run_dir, steps, step)
+    mngr = _manager(ckpt_dir)
+    try:
+        meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    except Exception:  # noqa: BLE001
+        meta = {}
+    cfg = _saved_config(run_dir, meta or {})
+    tokenizer = run_tokenizer(cfg, run_dir)
+    params = restore_params(mngr, step, cfg, device, meta)
+    mngr.close()
+    return Run(os.path.abspath(run_dir), cfg, step, params, tokenizer)

@@ -1,0 +1,146 @@
+"""python -m boost_jax.data.prepare: the ids it writes, its sources, its metadata checks, and its
+memory, which must not grow with the corpus."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from boost_jax.data.prepare import prepare
+from boost_jax.data.sources import load_corpus
+from boost_jax.data.token_bin import read_meta
+from boost_jax.data.tokenizers import ByteTokenizer, HFTokenizer, train_bpe
+from boost_jax.config import DataConfig
+from boost_jax.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = [f"document {i}: " + "héllo wörld → " * (i % 7 + 1) + "\n" for i in range(300)]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("bpe") / "tokenizer.json")
+    train_bpe(DOCS * 3, 600, save_path=path)
+    return path
+
+
+def _expected(tok, docs):
+    return np.concatenate([np.append(tok.encode(d), tok.eos_id) for d in docs])
+
+
+def test_jsonl_ids_are_the_documents_then_eos(tmp_path, bpe):
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    for spec, workers in (("byte", 1), (bpe, 2)):
+        out = str(tmp_path / f"c{workers}.bin")
+        meta = prepare(str(src), out, spec, workers=workers, progress=False, task_bytes=2000)
+        tok = ByteTokenizer() if spec == "byte" else HFTokenizer.from_file(spec)
+        ids = np.fromfile(out, dtype=meta["dtype"])
+        assert np.array_equal(ids, _expected(tok, DOCS))
+        assert meta["n_documents"] == len(DOCS) and meta["n_tokens"] == len(ids)
+        assert meta["max_id"] == ids.max() and read_meta(out)["tokenizer_fingerprint"] == \
+            tok.fingerprint
+
+
+def test_text_file_is_one_document_whatever_the_pieces(tmp_path, monkeypatch):
+    from boost_jax.data import prepare as prep
+
+    text = "".join(DOCS) + "no newline at the end: ü"
+    (tmp_path / "t.txt").write_text(text)
+    monkeypatch.setattr(prep, "PIECE", 37)  # pieces cut after line breaks / characters
+    meta = prepare(str(tmp_path / "t.txt"), str(tmp_path / "t.bin"), "byte", 1, progress=False,
+                   task_bytes=100)
+    ids = np.fromfile(tmp_path / "t.bin", dtype=np.uint16)
+    assert np.array_equal(ids, _expected(ByteTokenizer(), [text])) and meta["n_documents"] == 1
+    line = "é" * 40  # no line break at all: pieces end on character boundaries
+    (tmp_path / "u.txt").write_text(line)
+    prepare(str(tmp_path / "u.txt"), str(tmp_path / "u.bin"), "byte", 1, progress=False)
+    assert np.fromfile(tmp_path / "u.bin", np.uint16).tobytes() == \
+        np.append(np.frombuffer(line.encode(), np.uint8), 0).astype(np.uint16).tobytes()
+
+
+def test_parquet_and_saved_hf_dataset(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": list(range(len(DOCS))), "content": DOCS})
+    pq.write_table(table, tmp_path / "c.parquet", row_group_size=70)
+    ds = tmp_path / "saved_ds"  # the layout datasets' save_to_disk writes
+    ds.mkdir()
+    (ds / "dataset_info.json").write_text("{}")
+    with pa.ipc.new_stream(str(ds / "data-00000-of-00001.arrow"), table.schema) as w:
+        for batch in table.to_batches(max_chunksize=50):
+            w.write_batch(batch)
+    want = _expected(ByteTokenizer(), DOCS)
+    for src in (tmp_path / "c.parquet", ds):
+        out = str(tmp_path / f"{src.name}.bin")
+        prepare(str(src), out, "byte", 2, field="content", progress=False)
+        assert np.array_equal(np.fromfile(out, np.uint16), want)
+    with pytest.raises(UserError, match=r"has no column 'text' \(columns: \['id', 'content'\]\)"):
+        prepare(str(tmp_path / "c.parquet"), str(tmp_path / "x.bin"), "byte", 1, progress=False)
+
+
+def test_training_checks_the_metadata(tmp_path, bpe):
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 4))
+    out = str(tmp_path / "c.bin")
+    prepare(str(src), out, bpe, 1, progress=False)
+    cfg = DataConfig(source=out, tokenizer=bpe, max_bytes=None, val_fraction=0.1)
+    corpus = load_corpus(cfg)
+    assert isinstance(corpus.train, np.memmap) and len(corpus.train) + len(corpus.val) == \
+        read_meta(out)["n_tokens"]
+    with pytest.raises(UserError, match=r"was tokenized with '.*', another tokenizer than this "
+                                        r"run's 'byte'; set data\.tokenizer="):
+        load_corpus(DataConfig(source=out, tokenizer="byte", max_bytes=None))
+    with pytest.raises(UserError, match=r"holds uint16 ids .* but data\.bin_dtype=uint32; set "
+                                        r"data\.bin_dtype=uint16"):
+        load_corpus(DataConfig(source=out, tokenizer=bpe, bin_dtype="uint32", max_bytes=None))
+    with open(out, "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(UserError, match=r"changed after prepare"):
+        load_corpus(DataConfig(source=out, tokenizer=bpe, max_bytes=1 << 30))
+
+
+PEAK = """
+import resource, sys
+from boost_jax.data.prepare import main
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    assert not e.code, e.code
+# VmHWM: this process's own peak (ru_maxrss would include the pytest process it was forked from)
+me = next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("VmHWM"))
+print("PEAK_KB", me, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
+
+
+def _peak_kb(src, out, workers=2):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, "-c", PEAK, str(src), str(out), "--tokenizer", "byte",
+                        "--workers", str(workers), "--no-progress"], env=env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    me, kids = (int(x) for x in p.stdout.split("PEAK_KB")[1].split())
+    return me, kids
+
+
+def test_memory_does_not_grow_with_the_corpus(tmp_path):
+    """Preparing a 64 MiB text file (128 MiB of uint16 ids) takes no more memory than a 16 MiB
+    one (each process's peak RSS within 32 MiB, while the extra 48 MiB of text alone would
+    add 96 MiB of ids if they were held), and every process stays far below the size
+    of the corpus: memory depends on the task size and worker count, not on the corpus."""
+    line = ("def f(x):\n    return x * 2  # " + "é" * 20 + "\n").encode()
+    block = line * ((1 << 20) // len(line))
+    small, big = tmp_path / "small.txt", tmp_path / "big.txt"
+    for path, mib in ((small, 16), (big, 64)):
+        with open(path, "wb") as f:
+            for _ in range(mib):
+                f.write(block)
+    base = _peak_kb(small, tmp_path / "small.bin")
+    peak = _peak_kb(big, tmp_path / "big.bin")
+    assert os.path.getsize(tmp_path / "big.bin") > 120 << 20
+    assert peak[0] - base[0] < 32 << 10 and peak[1] - base[1] < 32 << 10, (base, peak)
+    assert max(peak) < 128 << 10, peak  # KiB: under 128 MiB each, the ids alone are 128 MiB
