@@ -50,7 +50,9 @@ def worker(args) -> None:
     topo = "cpu" if n <= 8 else "frontier"  # 8 → (2,2,2); 64 → (2,4,8)
     rows = []
     for tp, plan in [(t, p) for t in args.tp.split(",") for p in args.plans.split(",")]:
-        tp_over = [] if tp == "none" else [f"parallel.tp_mode={tp}", "parallel.tp_axes=[pair]"]
+        # d_ff 5461 does not split over TP 2: the TP rows use 5462 (still padded for the plans)
+        tp_over = [] if tp == "none" else [f"parallel.tp_mode={tp}", "parallel.tp_axes=[pair]",
+                                           "model.d_ff=5462"]
         overrides = ["model.param_dtype=bfloat16", "model.dtype=bfloat16",
                      f"train.micro_batches={args.micro}", f"train.global_batch={args.batch}",
                      f"data.seq_len={args.seq}", f"mesh.topology={topo}",
@@ -205,6 +207,7 @@ Reading the table:
   of micro-batches; ZeRO-3 moves k·(2+2+4)Ψ(N−1)/N (gradients reduced in fp32,
   parallel.grad_accum_dtype), ZeRO++ (qwZ int8 forward gather, hpZ backward gather inside the
   node, fp32 gradient reduce-scatter — no int4 qgZ) k·(q(Ψ)+4Ψ)(N−1)/N.
+- The BTP rows use d_ff = 5462 (5461 does not divide by the TP degree 2).
 - With BTP over `pair` the same formulas hold for Ψₜ (one device's TP shard) with the
   data-parallel roles on node × global: one engine runs every plan × TP layout
   (boost_jax/train/engine.py), so hierarchical+btp also reduces across nodes once per step.

@@ -39,7 +39,7 @@ from boost_jax.sharding.gather import SECONDARY_NAME, LeafFetch, fetch_tree, to_
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
 from boost_jax.sharding.placement import Placement
 from boost_jax.sharding.tp.common import REDUCED_NAME
-from boost_jax.sharding.tp.specs import make_ops
+from boost_jax.sharding.tp.specs import make_ops, validate_tp
 
 
 def remat_wrapper(remat: str, gathers: bool) -> Callable:
@@ -87,6 +87,8 @@ class Engine:
             self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch)))
         self.checkpoint = remat_wrapper(cfg.train.remat, gathers)
         tp = cfg.parallel.tp_mode != "none"
+        if tp:
+            validate_tp(cfg, self.mesh)  # one-line ConfigError if the model can't be cut
         self.ops = make_ops(cfg, self.mesh, self.fetch) if tp else \
             forward.Local(cfg.model, self.fetch)
         self.typed = cpu_quirks.check_vma(cfg)
