@@ -61,11 +61,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
-        self._f.write(json.dumps(row) + "\n")
-        self._f.flush()
+        # TensorBoard first: a run killed between the two writes then has every metrics.jsonl
+        # row in its event file too (the rows past the restored step are re-done on resume)
         if self._tb is not None:
             self._tb.add_scalars(step, {k: v for k, v in row.items() if k != "step" and isinstance(
                 v, (int, float)) and math.isfinite(v)})
+        self._f.write(json.dumps(row) + "\n")
+        self._f.flush()
 
     def line(self, text: str) -> None:
         if self.progress:
