@@ -20,15 +20,11 @@ import numpy as np
 import pytest
 
 from boost_jax.config import load_config
+from train_proc import TINY
 from boost_jax.mesh import TOPOLOGIES, get_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "scripts", "local_slurm")
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
-        "model.rank=8", "model.max_seq_len=32", "data.seq_len=32", "data.max_bytes=300000",
-        "train.global_batch=8", "train.eval_batches=2", "train.log_every=1",
-        "logging.tensorboard=false", "logging.plot=false", "optim.lr=0.01",
-        "optim.warmup_frac=0.1"]
 RUN = TINY + ["train.steps=20", "train.eval_every=5", "checkpoint.every=5"]
 LAYOUTS = {  # topology -> (nodes, planner overrides)
     "frontier": (48, ["parallel.plan=hierarchical", "parallel.tp_mode=btp",

@@ -8,6 +8,12 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a tiny CoLA run the multi-process tests train (1 x 8 devices against 2 x 4)
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
+        "model.rank=8", "model.max_seq_len=32", "data.seq_len=32", "data.max_bytes=300000",
+        "train.global_batch=8", "train.eval_batches=2", "train.log_every=1",
+        "logging.tensorboard=false", "logging.plot=false", "optim.lr=0.01",
+        "optim.warmup_frac=0.1"]
 
 
 def train_env(jax_cache):

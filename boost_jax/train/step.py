@@ -101,38 +101,34 @@ def _fast_compile_options() -> dict:
     return fast_compile_options()
 
 
-def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepBundle:
-    """The plan's StepBundle. `compiler_options` go to the train/eval jits (tests pass
-    boost_jax.layers.model.fast_compile_options() to cut CPU compile time ~4x); the one-off
-    init program always compiles with the fast options."""
-    graphdef, abs_params = abstract_params(cfg)
-    pl = make_placement(cfg, mesh, abs_params)
+def state_layout(pl: Placement, tx, pdtype):
+    """(abstract state with shardings, state shardings) of the plan (see the module docstring)."""
     lay = pl.layouts
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    pdtype = jnp.dtype(cfg.model.param_dtype)
-    mixed = pdtype != jnp.float32  # bf16 working weights + fp32 master copy
-
     stored = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.padded, pdtype), lay, is_leaf=is_layout)
     stored32 = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.padded, jnp.float32), lay,
                             is_leaf=is_layout)
     abs_opt = jax.eval_shape(tx.init, stored32)
-    params_sh, grads_sh, master_sh = (pl.params_shardings(), pl.grads_shardings(),
-                                      pl.master_shardings())
-    rep = pl.replicated()
-    state_sh = {"step": rep, "params": params_sh, "opt_state": pl.opt_state_shardings(abs_opt)}
+    state_sh = {"step": pl.replicated(), "params": pl.params_shardings(),
+                "opt_state": pl.opt_state_shardings(abs_opt)}
     abs_tree = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": stored,
                 "opt_state": abs_opt}
-    if mixed:
-        state_sh["master"] = master_sh
+    if pdtype != jnp.float32:  # bf16 working weights + fp32 master copy
+        state_sh["master"] = pl.master_shardings()
         abs_tree["master"] = stored32
-    abstract_state = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abs_tree, state_sh)
-    batch_sh = pl.batch_sharding()
-    engine = Engine(cfg, mesh, pl)
+    abstract = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            abs_tree, state_sh)
+    return abstract, state_sh
+
+
+def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
+    """(state, batch) -> (state, metrics): one optimizer step, top to bottom."""
+    pdtype = jnp.dtype(cfg.model.param_dtype)
+    mixed = pdtype != jnp.float32
+    params_sh, grads_sh, master_sh = (pl.params_shardings(), pl.grads_shardings(),
+                                      pl.master_shardings())
     grads_fn = engine.grads_fn(cfg.train.micro_batches)
     schedule = lr_schedule(cfg.optim, cfg.train.steps)
     clip = cfg.optim.clip_norm
-    skip_nonfinite = cfg.train.skip_nonfinite
     # the updated weights go back opt_state → grads → params sharding, so the cross-node part
     # moves only the node's shard
     grads_stage = set(pl.params_axes) <= set(pl.grads_axes) <= set(pl.opt_state_axes)
@@ -162,7 +158,7 @@ def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepB
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
         if mixed:
             new_state["master"] = new_master
-        if skip_nonfinite:
+        if cfg.train.skip_nonfinite:
             # A bad batch leaves the weights and moments untouched; the step counter advances.
             kept = dict(state, step=state["step"] + 1)
             new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, kept)
@@ -170,31 +166,47 @@ def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepB
                    "finite": finite}
         return new_state, metrics
 
-    copts = dict(compiler_options or {})
-    train_step = jax.jit(step_fn, in_shardings=(state_sh, batch_sh),
-                         out_shardings=(state_sh, rep), donate_argnums=(0,),
-                         compiler_options=copts or None)
-    eval_step = jax.jit(engine.loss_fn(), in_shardings=(params_sh, batch_sh),
-                        out_shardings=rep, compiler_options=copts or None)
+    return step_fn
+
+
+def make_init(cfg: Config, pl: Placement, tx, state_sh) -> Callable:
+    """() -> the initial state, sharded (one jitted program, fast-compile options)."""
+    pdtype = jnp.dtype(cfg.model.param_dtype)
     cfg32 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype="float32"))
     factory32 = model_factory(cfg32)
 
-    def init_state():
-        def init():
-            p32 = pad_tree(lay, nnx.to_pure_dict(nnx.split(factory32(), nnx.Param)[1]))
-            state = {"step": jnp.zeros((), jnp.int32),
-                     "params": jax.tree.map(lambda x: x.astype(pdtype), p32),
-                     "opt_state": tx.init(p32)}
-            if mixed:
-                state["master"] = p32
-            return state
+    def init():
+        p32 = pad_tree(pl.layouts, nnx.to_pure_dict(nnx.split(factory32(), nnx.Param)[1]))
+        state = {"step": jnp.zeros((), jnp.int32),
+                 "params": jax.tree.map(lambda x: x.astype(pdtype), p32),
+                 "opt_state": tx.init(p32)}
+        if pdtype != jnp.float32:
+            state["master"] = p32
+        return state
 
-        return jax.jit(init, out_shardings=state_sh,
-                       compiler_options=_fast_compile_options() or None)()
+    return lambda: jax.jit(init, out_shardings=state_sh,
+                           compiler_options=_fast_compile_options() or None)()
 
-    n_params = sum(l.numel for l in jax.tree.leaves(lay, is_leaf=is_layout))
+
+def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepBundle:
+    """The plan's StepBundle. `compiler_options` go to the train/eval jits (tests pass
+    boost_jax.layers.model.fast_compile_options() to cut CPU compile time ~4x); the one-off
+    init program always compiles with the fast options."""
+    graphdef, abs_params = abstract_params(cfg)
+    pl = make_placement(cfg, mesh, abs_params)
+    tx = make_optimizer(cfg.optim, cfg.train.steps)
+    abstract_state, state_sh = state_layout(pl, tx, jnp.dtype(cfg.model.param_dtype))
+    engine = Engine(cfg, mesh, pl)
+    batch_sh, rep = pl.batch_sharding(), pl.replicated()
+    copts = dict(compiler_options or {}) or None
+    train_step = jax.jit(make_step_fn(cfg, pl, engine, tx), in_shardings=(state_sh, batch_sh),
+                         out_shardings=(state_sh, rep), donate_argnums=(0,),
+                         compiler_options=copts)
+    eval_step = jax.jit(engine.loss_fn(), in_shardings=(state_sh["params"], batch_sh),
+                        out_shardings=rep, compiler_options=copts)
+    n_params = sum(l.numel for l in jax.tree.leaves(pl.layouts, is_leaf=is_layout))
     return StepBundle(cfg, mesh, pl, engine, graphdef, tx, abstract_state, state_sh, batch_sh,
-                      train_step, eval_step, init_state, n_params)
+                      train_step, eval_step, make_init(cfg, pl, tx, state_sh), n_params)
 
 
 def build_step_for_analysis(cfg: Config, mesh, compiler_options: dict | None = None):
