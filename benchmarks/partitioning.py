@@ -29,7 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
+PLANS = ("ddp", "zero1", "zero3", "zeropp", "zeropp+qgz", "hierarchical")
+VARIANTS = {"zeropp+qgz": ["parallel.plan=zeropp", "parallel.quantize_grads=true"]}
 MB = 1e6
 
 
@@ -56,7 +57,7 @@ def worker(args) -> None:
         overrides = ["model.param_dtype=bfloat16", "model.dtype=bfloat16",
                      f"train.micro_batches={args.micro}", f"train.global_batch={args.batch}",
                      f"data.seq_len={args.seq}", f"mesh.topology={topo}",
-                     f"parallel.plan={plan}"] + tp_over + list(args.overrides)
+                     *VARIANTS.get(plan, [f"parallel.plan={plan}"])] + tp_over + list(args.overrides)
         cfg = load_config(args.config, overrides)
         mesh = mesh_from_config(cfg)
         t0 = time.perf_counter()
@@ -208,6 +209,9 @@ Reading the table:
   parallel.grad_accum_dtype), ZeRO++ (qwZ int8 forward gather, hpZ backward gather inside the
   node, fp32 gradient reduce-scatter — no int4 qgZ) k·(q(Ψ)+4Ψ)(N−1)/N.
 - The BTP rows use d_ff = 5462 (5461 does not divide by the TP degree 2).
+- zeropp+qgz adds ZeRO++'s qgZ (`parallel.quantize_grads=true`): each micro-batch's gradient
+  is reduced by two all-to-alls of int4 blocks (inside the node, then across nodes) instead of
+  an fp32 reduce-scatter over all devices.
 - With BTP over `pair` the same formulas hold for Ψₜ (one device's TP shard) with the
   data-parallel roles on node × global: one engine runs every plan × TP layout
   (boost_jax/train/engine.py), so hierarchical+btp also reduces across nodes once per step.

@@ -115,6 +115,9 @@ class ParallelConfig:
     secondary_dtype: Optional[Literal["bfloat16", "int8"]] = None
     # int8 weight gathers (qwZ); None: the preset (true for zeropp). Implies an int8 secondary.
     quantize_gather: Optional[bool] = None
+    # int4 gradient reduce-scatter by all-to-all, inside the node then across (ZeRO++'s qgZ);
+    # None: the preset (off for every plan for now). Needs sharded gradients.
+    quantize_grads: Optional[bool] = None
     quant_block: int = 256
     # dtype of the micro-batch gradient accumulator (sharded over grads axes)
     grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"

@@ -29,6 +29,7 @@ from typing import Any, Optional
 from boost_jax.analysis.flops import flops_per_token, param_count
 from boost_jax.mesh import AXES, Topology
 from boost_jax.plan.collectives import Coll, CommSummary, level_of
+from boost_jax.sharding.gather import qgz_stages
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
                                      head_model, op_time)
 
@@ -193,8 +194,15 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
         else:
             add("gather_fwd", "all-gather", W * prim, A, calls, "dp")
             add("regather_bwd", "all-gather", W * prim, A, calls, "dp")
-    # gradients: reduce-scatter into the grads sharding per layer, per micro-batch, in gb
-    add("grad_reduce_scatter", "reduce-scatter", W * gb, G, micro, "dp")
+    # gradients: reduce-scatter into the grads sharding per layer, per micro-batch, in gb; with
+    # qgZ an int4 all-to-all per stage (inside the node, then across), 1/2 byte + scales
+    if pl.quantize_grads:
+        q4, w_stage = 0.5 + 4.0 / par.quant_block, W
+        for axes in qgz_stages(G):
+            add("grad_all_to_all_int4", "all-to-all", w_stage * q4, axes, micro, "dp")
+            w_stage /= _size(sizes, axes)
+    else:
+        add("grad_reduce_scatter", "reduce-scatter", W * gb, G, micro, "dp")
     # once per step: sum the deferred axes R straight into the opt_state sharding
     if R:
         kind = "reduce-scatter" if set(R) <= set(O) else "all-reduce"

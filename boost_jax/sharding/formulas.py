@@ -16,7 +16,9 @@ Per micro-batch (× k), as boost_jax.train.engine runs it, every weight that is 
 params axes ≠ ∅); the layers re-fetch in backward, the embedding and head do not:
     forward    no secondary: AG_A(Ψw or q)                       re-gathered in backward: + AG_A
                secondary S:  [AG_A(Ψw or q) unless S ⊇ A] + AG_S(Ψw or q)  backward: + AG_S
-    gradient   RS over grads axes of Ψa (AR for a leaf that is not sharded), this device's rows
+    gradient   RS over grads axes of Ψa (AR for a leaf that is not sharded), this device's rows;
+               with qgZ (zeropp): an all-to-all of int4 blocks inside the node, AA(qΨ), then
+               across nodes, AA(qΨ/D), q(Ψ) = Ψ/2 + 4·blocks
 Per optimizer step (× 1), R = batch axes − grads axes (the deferred axes):
     reduce     AR over R − opt of Ψa/|grads| ; RS over R ∩ opt of Ψa/|grads|
     weights    AG over opt − grads of Ψw/|grads| (result) ; AG over grads − params of Ψw/|params|
@@ -24,13 +26,14 @@ Per optimizer step (× 1), R = batch axes − grads axes (the deferred axes):
 Closed forms for Ψ bf16 weights (w = 2, a = 4), N devices, a node of D = |pair·node| devices,
 G nodes (embedding and head ignored):
     zero3         global: k·(2 + 2 + 4)Ψ·(N−1)/N
-    zeropp (qwZ+hpZ over the node, fp32 gradients — no qgZ):
-                  global: k·(q(Ψ) + 4Ψ)·(N−1)/N ≈ 5.03Ψ·k   node: 2k·q(Ψ)·(D−1)/D
+    zeropp (qwZ+hpZ over the node, qgZ int4 gradients):
+                  global: k·(q₈(Ψ)·(N−1)/N + q₄(Ψ)/D·(G−1)/G) ≈ k·(1.01 + 0.5/D)Ψ
+                  node: 2k·q₈(Ψ)·(D−1)/D + k·q₄(Ψ)·(D−1)/D
     hierarchical  global: 4Ψ/D·(G−1)/G + 2Ψ/D·(G−1)/G = 6Ψ(G−1)/(G·D), once per step
                   pair: k·2·(Ψw or q(Ψ))·(|pair|−1)/|pair| ; node: k·4Ψ·(D−1)/D + AG node
     ddp           global: 2(N−1)/N·4Ψ once per step (fp32 all-reduce of the accumulator)
     zero1         global: (N−1)/N·(4Ψ + 2Ψ) once per step
-so zero3/hierarchical ≈ (4/3)·k·D·(N−1)/N / ((G−1)/G), zeropp/hierarchical ≈ (5/6)·k·D.
+so zero3/hierarchical ≈ (4/3)·k·D·(N−1)/N / ((G−1)/G), zeropp/hierarchical ≈ k·D/6 + k/12.
 With TP over `pair` the same hold with Ψₜ and D = |node| (e.g. CoLA-1B on 2×2×2: zero3 over
 node+global vs hierarchical's once-per-step reduction across `global`).
 
@@ -54,7 +57,7 @@ import jax
 import numpy as np
 
 from boost_jax.sharding import quant
-from boost_jax.sharding.gather import LeafFetch
+from boost_jax.sharding.gather import LeafFetch, qgz_stages
 from boost_jax.sharding.layout import is_layout
 
 LEVELS = ("pair", "node", "global")
@@ -83,11 +86,7 @@ def _leaves(pl):
 
 def _fetches(pl) -> dict:
     """LeafFetch per leaf path, as the step builds them (per-layer layouts)."""
-    return {path: LeafFetch(lay.sliced(), tuple(pl.mesh.shape.items()), pl.batch_axes,
-                            pl.params_axes, pl.grads_axes, pl.secondary_axes,
-                            pl.quantize_gather, pl.secondary_int8, pl.quant_block,
-                            pl.param_dtype, pl.grad_accum_dtype)
-            for path, lay in _leaves(pl)}
+    return {path: LeafFetch.of(pl, lay) for path, lay in _leaves(pl)}
 
 
 def int8_payload(f: LeafFetch, axes) -> float:
@@ -95,6 +94,19 @@ def int8_payload(f: LeafFetch, axes) -> float:
     quantized on its own (what an int8 all-gather over `axes` delivers)."""
     qa, shape = f.quant_axis(axes), f.local_shape(axes)
     return float(f.n(axes) * quant.payload_bytes(shape, f.qblock(shape[qa]), qa))
+
+
+def qgz_payloads(f: LeafFetch, layers: int) -> list[tuple[tuple, float]]:
+    """(axes, all-to-all buffer bytes) of each qgZ stage for one leaf (all its layers): each
+    device's n chunks of int4 blocks + fp32 scales (gather.LeafFetch.int4_reduce_scatter)."""
+    out, elems = [], math.prod(f.local_shape(()))
+    for axes in qgz_stages(f.grads_axes):
+        n = f.n(axes)
+        m = elems // n
+        block = f.qblock(m) + f.qblock(m) % 2
+        out.append((axes, layers * n * quant.payload_bytes_int4(m, block)))
+        elems = m
+    return out
 
 
 def _tp_local(f: LeafFetch, lay) -> float:
@@ -169,7 +181,7 @@ def comm_per_step(pl, micro_batches: int, terms: bool = False, tied: bool = Fals
         lv = level_of(axes)
         if n <= 1 or lv is None or payload <= 0:
             return
-        f = 2.0 * (n - 1) / n if kind == "AR" else (n - 1) / n
+        f = 2.0 * (n - 1) / n if kind == "AR" else (n - 1) / n  # AG, RS, AA (all-to-all)
         b = f * payload * times
         out[lv] += b
         rows.append((name, kind, lv, b))
@@ -197,7 +209,10 @@ def comm_per_step(pl, micro_batches: int, terms: bool = False, tied: bool = Fals
                 add(name + " fwd(S)", "AG", S, sec, k * uses)
                 if remat:
                     add(name + " bwd(S)", "AG", S, sec, k)
-        if lay.dim is not None:
+        if lay.dim is not None and f.quantize_grads and G:
+            for axes, payload in qgz_payloads(f, layers):
+                add(name + " grad(int4)", "AA", axes, payload, k * uses)
+        elif lay.dim is not None:
             add(name + " grad", "RS", G, psi * a, k * uses)
         else:
             add(name + " grad", "AR", G, psi * a, k * uses)

@@ -79,6 +79,15 @@ class LeafFetch:
     block: int
     dtype: str  # working-weight dtype: what the gathers move (before int8)
     grad_dtype: str  # what the gradient is reduced and accumulated in
+    quantize_grads: bool = False  # qgZ: int4 all-to-all reduce-scatter of the gradient
+
+    @classmethod
+    def of(cls, pl, lay: LeafLayout) -> "LeafFetch":
+        """The fetch of one leaf of a placement (per-layer layout of a stacked leaf)."""
+        return cls(lay.sliced(), tuple((a, int(n)) for a, n in pl.mesh.shape.items()),
+                   pl.batch_axes, pl.params_axes, pl.grads_axes, pl.secondary_axes,
+                   pl.quantize_gather, pl.secondary_int8, pl.quant_block, pl.param_dtype,
+                   pl.grad_accum_dtype, pl.quantize_grads)
 
     def n(self, axes) -> int:
         size = dict(self.sizes)
@@ -176,11 +185,39 @@ class LeafFetch:
             widths[self.dim] = (0, self.layout.pad)
             ct = jnp.pad(ct, widths)
         G = self.grads_axes
-        if G and self.dim is not None:
+        if G and self.dim is not None and self.quantize_grads:
+            for axes in qgz_stages(G):
+                ct = self.int4_reduce_scatter(ct, axes)
+        elif G and self.dim is not None:
             ct = jax.lax.psum_scatter(ct, G, scatter_dimension=self.dim, tiled=True)
         elif G:
             ct = jax.lax.psum(ct, G)
         return to_varying(ct, self.slot_axes())
+
+    def int4_reduce_scatter(self, ct, axes):
+        """ZeRO++'s qgZ step over `axes`: split the sharded dim into one chunk per device,
+        quantize each chunk to int4 blocks, all-to-all, dequantize and sum what arrives (fp32):
+        the reduce-scatter of psum_scatter(tiled) at a quarter of fp32's bytes."""
+        n, d = self.n(axes), self.dim
+        x = jnp.moveaxis(ct, d, 0)
+        shard = (x.shape[0] // n,) + x.shape[1:]  # chunk i: rows i·L/n … (i+1)·L/n of dim
+        x = x.reshape(n, -1)
+        m = x.shape[1]
+        block = self.qblock(m) + self.qblock(m) % 2  # int4 packs two values a byte
+        q, s = quant.quantize_int4(x, block)
+        q = jax.lax.all_to_all(q, axes, 0, 0, tiled=True)
+        s = jax.lax.all_to_all(s, axes, 0, 0, tiled=True)
+        y = jnp.sum(quant.dequantize_int4(q, s, m), axis=0)
+        return jnp.moveaxis(y.reshape(shard), 0, d).astype(ct.dtype)
+
+
+def qgz_stages(G: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """qgZ reduces inside the node first, then across nodes: the grads axes split into the
+    intra-node prefix and the rest (one stage if the canonical order does not allow it)."""
+    inner = tuple(a for a in G if a != "global")
+    if inner and len(inner) < len(G) and G[:len(inner)] == inner:
+        return [inner, G[len(inner):]]
+    return [G]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -55,17 +55,21 @@ from boost_jax.sharding.layout import LeafLayout, choose_layout, spec_entry
 from boost_jax.sharding.tp.specs import tp_param_specs
 
 ALL = "all"
-# plan: params, grads, opt_state, secondary, quantize_gather, secondary_dtype
+# plan: params, grads, opt_state, secondary, quantize_gather (qwZ), quantize_grads (qgZ),
+# secondary_dtype
 PRESETS: dict[str, dict[str, Any]] = {
-    "ddp": dict(params=(), grads=(), opt_state=(), secondary=None, qwz=False, sec_dtype="bfloat16"),
-    "zero1": dict(params=(), grads=(), opt_state=ALL, secondary=None, qwz=False,
+    "ddp": dict(params=(), grads=(), opt_state=(), secondary=None, qwz=False, qgz=False,
+                sec_dtype="bfloat16"),
+    "zero1": dict(params=(), grads=(), opt_state=ALL, secondary=None, qwz=False, qgz=False,
                   sec_dtype="bfloat16"),
-    "zero3": dict(params=ALL, grads=ALL, opt_state=ALL, secondary=None, qwz=False,
+    "zero3": dict(params=ALL, grads=ALL, opt_state=ALL, secondary=None, qwz=False, qgz=False,
                   sec_dtype="bfloat16"),
+    # qgZ stays opt-in (parallel.quantize_grads=true) until the cost model's ZeRO++ rows are
+    # revalidated with it (see benchmarks/README.md, section 5)
     "zeropp": dict(params=ALL, grads=ALL, opt_state=ALL, secondary=("pair", "node"), qwz=True,
-                   sec_dtype="bfloat16"),
+                   qgz=False, sec_dtype="bfloat16"),
     "hierarchical": dict(params=("pair",), grads=("pair", "node"), opt_state=ALL,
-                         secondary=("pair",), qwz=False, sec_dtype="int8"),
+                         secondary=("pair",), qwz=False, qgz=False, sec_dtype="int8"),
 }
 
 
@@ -102,6 +106,7 @@ class Placement:
     param_dtype: str = "float32"
     grad_accum_dtype: str = "float32"
     notes: list[str] = field(default_factory=list)
+    quantize_grads: bool = False  # qgZ: int4 all-to-all gradient reduce-scatter
 
     # ------------------------------------------------------------------ shardings by role
     def named(self, spec: P) -> NamedSharding:
@@ -165,6 +170,7 @@ class Placement:
                 "opt_state": list(self.opt_state_axes), "tp": list(self.tp_axes),
                 "secondary": None if self.secondary_axes is None else list(self.secondary_axes),
                 "secondary_int8": self.secondary_int8, "quantize_gather": self.quantize_gather,
+                "quantize_grads": self.quantize_grads,
                 "deferred_grad_axes": list(self.deferred_axes)}
 
     def memory(self) -> dict:
@@ -244,7 +250,14 @@ def resolve_roles(cfg) -> dict:
         if extra:
             raise ConfigError(f"parallel.{name}_axes {extra} are not batch axes "
                               f"({list(roles['batch'])}); shard {name} only over batch axes")
-    roles.update(secondary=sec, qwz=bool(qwz),
+    qgz = par.quantize_grads if par.quantize_grads is not None else preset["qgz"]
+    if qgz and not roles["grads"]:
+        if par.quantize_grads:
+            raise ConfigError(f"parallel.quantize_grads=true needs sharded gradients, but plan "
+                              f"{par.plan!r} keeps them replicated; set parallel.grads_axes or "
+                              "drop it")
+        qgz = False
+    roles.update(secondary=sec, qwz=bool(qwz), qgz=bool(qgz),
                  sec_int8=(sec is not None and (sec_dtype == "int8" or bool(qwz))),
                  tp=tp, dp=dp)
     return roles
@@ -267,7 +280,7 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
         mesh, par.plan, batch, ordered(r["params"]), ordered(r["grads"]), ordered(r["opt_state"]),
         tp, None if r["secondary"] is None else ordered(r["secondary"]), r["sec_int8"], r["qwz"],
         par.quant_block, tuple(a for a in order if a in deferred),
-        param_dtype=cfg.model.param_dtype,
+        quantize_grads=r["qgz"], param_dtype=cfg.model.param_dtype,
         grad_accum_dtype=getattr(par, "grad_accum_dtype", "float32"), notes=notes)
     n_batch = axis_size(mesh, batch)
     micro = cfg.train.global_batch // cfg.train.micro_batches

@@ -139,3 +139,41 @@ def max_error_bound(x: jax.Array, block: int = DEFAULT_BLOCK, axis: int = -1) ->
 
 __all__ = ["quantize", "dequantize", "fake_quant", "quantized_all_gather", "payload_bytes",
            "max_error_bound", "DEFAULT_BLOCK"]
+
+
+# --------------------------------------------------------------------------- int4 (qgZ)
+
+QMAX4 = 7.0
+
+
+def quantize_int4(x: jax.Array, block: int = DEFAULT_BLOCK):
+    """x [..., m] → (packed uint8 [..., nb, block/2], scale fp32 [..., nb]): symmetric int4 per
+    block of `block` (even) elements along the last axis, two values per byte (low nibble
+    first), stored as q + 8 in 1..15. |dequantize − x| ≤ scale/2 = max|block| / 14."""
+    if block <= 0 or block % 2:
+        raise ValueError(f"block={block} must be a positive even number")
+    m = x.shape[-1]
+    nb = _blocks(m, block)
+    xf = x.astype(jnp.float32)
+    if nb * block != m:
+        xf = jnp.pad(xf, [(0, 0)] * (x.ndim - 1) + [(0, nb * block - m)])
+    xb = xf.reshape(x.shape[:-1] + (nb, block))
+    scale = jnp.max(jnp.abs(xb), axis=-1) / QMAX4
+    safe = jnp.where(scale > 0, scale, 1.0)
+    q = (jnp.clip(jnp.round(xb / safe[..., None]), -QMAX4, QMAX4) + 8).astype(jnp.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4), scale
+
+
+def dequantize_int4(packed: jax.Array, scale: jax.Array, m: int) -> jax.Array:
+    """Inverse of quantize_int4 → fp32 [..., m]."""
+    lo = (packed & 0xF).astype(jnp.float32) - 8
+    hi = (packed >> 4).astype(jnp.float32) - 8
+    q = jnp.stack([lo, hi], axis=-1).reshape(packed.shape[:-1] + (2 * packed.shape[-1],))
+    y = q * scale[..., None]
+    return y.reshape(y.shape[:-2] + (-1,))[..., :m]
+
+
+def payload_bytes_int4(m: int, block: int = DEFAULT_BLOCK) -> int:
+    """Bytes of packed int4 + fp32 scales for m elements (what a qgZ all-to-all moves)."""
+    nb = _blocks(m, block)
+    return nb * (block // 2 + 4)

@@ -78,11 +78,8 @@ class Engine:
         self.sizes = tuple((a, int(n)) for a, n in self.mesh.shape.items())
         self.n_batch = math.prod(dict(self.sizes)[a] for a in pl.batch_axes)
         self.R = pl.deferred_axes
-        mk = lambda lay: LeafFetch(  # noqa: E731
-            lay.sliced(), self.sizes, pl.batch_axes, pl.params_axes, pl.grads_axes,
-            pl.secondary_axes, pl.quantize_gather, pl.secondary_int8, pl.quant_block,
-            pl.param_dtype, pl.grad_accum_dtype)
-        self.fetches = jax.tree.map(mk, pl.layouts, is_leaf=is_layout)
+        self.fetches = jax.tree.map(lambda lay: LeafFetch.of(pl, lay), pl.layouts,
+                                    is_leaf=is_layout)
         gathers = any(f.gathers for f in jax.tree.leaves(
             self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch)))
         self.checkpoint = remat_wrapper(cfg.train.remat, gathers)
