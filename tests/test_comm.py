@@ -331,3 +331,47 @@ def test_cli_with_step_builder(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         comm.main(["train.stesp=3"])
     assert e.value.code == 2
+
+
+# --------------------------------------------------------------------------- all-reduce + slice rule
+# On CPU an all-reduce counts as a reduce-scatter only if its result is used solely through a
+# 1/n dynamic-slice of that very result.
+
+RS_AXES = ("pair", "global")  # 4 devices per group
+
+
+def _slice_mine(v):
+    return jax.lax.dynamic_slice_in_dim(v, jax.lax.axis_index(RS_AXES) * 4, 4, 0)
+
+
+def _rule(mesh, f, n_args, out):
+    fn = smap(mesh, f, (P(),) * n_args, out)
+    args = (jnp.ones((16, 32), jnp.float32),) * n_args
+    return only(comm.analyze_compiled(comm.compile_fn(fn, args, mesh), mesh))
+
+
+def test_psum_only_sliced_is_reduce_scatter(mesh):
+    c = _rule(mesh, lambda a: _slice_mine(jax.lax.psum(a, RS_AXES)), 1, P())
+    assert c.kind == "reduce-scatter" and c.group_size == 4
+    assert c.bytes_per_step == pytest.approx(3 / 4 * 16 * 32 * 4)  # half the all-reduce's
+
+
+def test_psum_also_used_whole_stays_all_reduce(mesh):
+    def f(a):
+        s = jax.lax.psum(a, RS_AXES)
+        return _slice_mine(s), s.sum()
+
+    c = _rule(mesh, f, 1, (P(), P()))
+    assert c.kind == "all-reduce" and "sliced" not in c.cpu_fixes
+    assert c.bytes_per_step == pytest.approx(2 * 3 / 4 * 16 * 32 * 4)
+
+
+def test_slice_of_another_value_in_the_fusion_is_not_a_reduce_scatter(mesh):
+    # XLA fuses the slice of b and the (static) use of the psum into one fusion
+    def f(a, b):
+        s = jax.lax.psum(a, RS_AXES)
+        return _slice_mine(b * 2) + s[:4] * 3
+
+    c = _rule(mesh, f, 2, P())
+    assert c.kind == "all-reduce" and "sliced" not in c.cpu_fixes
+    assert c.bytes_per_step == pytest.approx(2 * 3 / 4 * 16 * 32 * 4)
