@@ -7,7 +7,9 @@ programs. Two XLA:CPU artifacts would misstate the traffic of the same program o
   bf16, its reducer a `*_promoted` computation. The payload counts at the original 16 bits.
   After XLA's combiner merges it with an fp32 reduction the reducer is the fp32 one: then each
   operand that is a convert (or a fusion ending in one) from a 16-bit value counts at 16 bits.
-* GSPMD lowers a reduce-scatter as all-reduce + dynamic-slice of 1/n. `lowered_reduce_scatter`
+* GSPMD lowers a reduce-scatter as all-reduce + dynamic-slice of 1/n. It counts as one only if
+  each slice reads the all-reduce's own result (inside a fusion: the parameter it feeds) and the
+  full result has no other user. `lowered_reduce_scatter`
   recognises a slice reached through bitcasts, copies and reshapes (the analyzer's raw reading);
   `undo_cpu_artifacts` also sees one behind a convert (or bitcast-convert, get-tuple-element, a
   fusion of those): the all-reduce is a reduce-scatter, half the ring bytes. A variadic
