@@ -248,6 +248,12 @@ class DistributedConfig:
     num_processes: Optional[int] = None
     process_id: Optional[int] = None
     local_cpu_devices: Optional[int] = None  # CPU devices per process (development)
+    # Seconds a process waits for the coordinator and its peers before giving up (JAX's default)
+    init_timeout_s: int = 300
+
+    def validate(self) -> None:
+        if self.init_timeout_s < 1:
+            raise ConfigError(f"distributed.init_timeout_s={self.init_timeout_s} must be >= 1")
 
 
 @dataclass

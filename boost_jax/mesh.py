@@ -100,10 +100,19 @@ class Topology:
     lat_pair: float
     lat_node: float
     lat_global: float
-    peak_flops: float  # dense bf16 FLOP/s per device
+    # Dense bf16 FLOP/s per device; None: measured on this machine (see `peak_flops`).
+    nominal_peak_flops: Optional[float]
     hbm_bytes: float  # memory per device
     device: str = ""
     job: Optional[JobProfile] = None  # how a batch job runs on it (boost_jax.launch)
+
+    @property
+    def peak_flops(self) -> float:
+        if self.nominal_peak_flops is not None:
+            return self.nominal_peak_flops
+        from boost_jax.backends.cpu_peak import cpu_peak_flops  # lazy: probes on first use
+
+        return cpu_peak_flops()
 
     @property
     def devices_per_node(self) -> int:
@@ -140,10 +149,11 @@ TOPOLOGIES: dict[str, Topology] = {
                          989e12, 80 * GB, "NVIDIA H100 SXM",
                          JobProfile("cuda", 8, gpus_per_node=8, xla_flags=GPU_XLA_FLAGS)),
     # Simulated CPU devices for tests and laptops; bandwidths mirror Frontier's ratios so the
-    # communication analysis means something, FLOP/s is a rough per-core figure.
+    # communication analysis means something; peak FLOP/s is this machine's measured fp32 GEMM
+    # rate shared by its simulated devices (boost_jax.backends.cpu_peak).
     # Job: one process per node simulating its 4 devices (the local SLURM stand-in's dry run).
     "cpu": Topology("cpu", 2, 2, 200 * GB, 75 * GB, 12.5 * GB, 2e-6, 4e-6, 1e-5,
-                    5e10, 8 * GB, "host CPU", JobProfile("cpu", 1)),
+                    None, 8 * GB, "host CPU", JobProfile("cpu", 1)),
 }
 
 

@@ -16,6 +16,9 @@ jax.config.update("jax_num_cpu_devices", 8)
 # started by tests inherit it, so in-process and subprocess runs compile the same programs and
 # their losses compare exactly.
 os.environ.setdefault("BOOST_JAX_FAST_COMPILE", "1")
+# The `cpu` topology's peak FLOP/s is otherwise measured on the machine: fixed here so plans and
+# MFU figures in tests do not depend on the machine's speed or load.
+os.environ.setdefault("BOOST_JAX_CPU_PEAK_FLOPS", "5e10")
 
 
 @pytest.fixture(scope="module")

@@ -331,3 +331,88 @@ def test_cli_with_step_builder(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         comm.main(["train.stesp=3"])
     assert e.value.code == 2
+
+
+# --------------------------------------------------------------------------- all-reduce + slice rule
+# On CPU an all-reduce counts as a reduce-scatter only if its result is used solely through a
+# 1/n dynamic-slice of that very result.
+
+RS_AXES = ("pair", "global")  # 4 devices per group
+
+
+def _slice_mine(v):
+    return jax.lax.dynamic_slice_in_dim(v, jax.lax.axis_index(RS_AXES) * 4, 4, 0)
+
+
+def _rule(mesh, f, n_args, out):
+    fn = smap(mesh, f, (P(),) * n_args, out)
+    args = (jnp.ones((16, 32), jnp.float32),) * n_args
+    return only(comm.analyze_compiled(comm.compile_fn(fn, args, mesh), mesh))
+
+
+def test_psum_only_sliced_is_reduce_scatter(mesh):
+    c = _rule(mesh, lambda a: _slice_mine(jax.lax.psum(a, RS_AXES)), 1, P())
+    assert c.kind == "reduce-scatter" and c.group_size == 4
+    assert c.bytes_per_step == pytest.approx(3 / 4 * 16 * 32 * 4)  # half the all-reduce's
+
+
+def test_psum_also_used_whole_stays_all_reduce(mesh):
+    def f(a):
+        s = jax.lax.psum(a, RS_AXES)
+        return _slice_mine(s), s.sum()
+
+    c = _rule(mesh, f, 1, (P(), P()))
+    assert c.kind == "all-reduce" and "sliced" not in c.cpu_fixes
+    assert c.bytes_per_step == pytest.approx(2 * 3 / 4 * 16 * 32 * 4)
+
+
+def test_slice_of_another_value_in_the_fusion_is_not_a_reduce_scatter(mesh):
+    # XLA fuses the slice of b and the (static) use of the psum into one fusion
+    def f(a, b):
+        s = jax.lax.psum(a, RS_AXES)
+        return _slice_mine(b * 2) + s[:4] * 3
+
+    c = _rule(mesh, f, 2, P())
+    assert c.kind == "all-reduce" and "sliced" not in c.cpu_fixes
+    assert c.bytes_per_step == pytest.approx(2 * 3 / 4 * 16 * 32 * 4)
+
+
+# --------------------------------------------------------------------------- the CLI for real
+
+COMM_TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
+             "model.rank=8", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=8",
+             "parallel.plan=ddp"]
+
+
+def test_cli_analyzes_the_real_training_step():
+    import json
+    import os
+    import subprocess
+
+    import numpy as np
+
+    from boost_jax.config import load_config
+    from boost_jax.mesh import mesh_from_config
+    from boost_jax.train.step import build_step
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)  # --cpu-devices must make the 8 devices itself
+    p = subprocess.run([sys.executable, "-m", "boost_jax.analysis.comm", "--config",
+                        "configs/demo.yaml", "--cpu-devices", "8", "--json", *COMM_TINY],
+                       cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    d = json.loads(p.stdout)
+    cfg = load_config(os.path.join(root, "configs", "demo.yaml"), COMM_TINY)
+    params = build_step(cfg, mesh_from_config(cfg)).abstract_state["params"]
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
+    # ddp over all 8 devices: one combined fp32 all-reduce of every gradient (and the loss)
+    assert d["mesh"] == {"pair": 2, "node": 2, "global": 2}
+    [c] = d["collectives"]
+    assert (c["kind"], c["level"], c["group_size"]) == ("all-reduce", "global", 8)
+    assert set(c["dtypes"]) == {"f32"} and len(c["dtypes"]) > len(jax.tree.leaves(params))
+    assert 4 * n_params <= c["payload_bytes"] < 4 * n_params + 64
+    assert c["bytes_per_step"] == pytest.approx(2 * 7 / 8 * c["payload_bytes"])
+    assert d["per_level"]["global"]["bytes"] == pytest.approx(c["bytes_per_step"])
+    assert d["per_level"]["pair"]["count"] == d["per_level"]["node"]["count"] == 0
+    assert d["time_estimate_s"]["global"] > 0 and d["memory"]

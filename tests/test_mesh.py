@@ -1,3 +1,5 @@
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -40,3 +42,49 @@ def test_small_device_counts_degrade_gracefully():
     assert mesh_shape(topo, 1) == (1, 1, 1)
     assert mesh_shape(topo, 2) == (2, 1, 1)
     assert mesh_shape(topo, 6) == (2, 1, 3)
+
+
+def test_cpu_peak_is_measured_lazily_and_cached_per_machine(monkeypatch, tmp_path):
+    from boost_jax.backends import cpu_peak
+
+    monkeypatch.delenv(cpu_peak.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_peak, "_memo", {})
+    calls = []
+    monkeypatch.setattr(cpu_peak, "measure_gemm_flops", lambda: calls.append(1) or 8e11)
+    topo = get_topology("cpu")
+    make_mesh("cpu")
+    assert calls == []  # looking the profile up does not probe
+    assert topo.peak_flops == pytest.approx(8e11 / jax.local_device_count())
+    assert calls == [1]
+    saved = json.loads((tmp_path / "boost_jax" / "cpu_peak.json").read_text())
+    assert saved == {cpu_peak.machine_key(): 8e11}
+    monkeypatch.setattr(cpu_peak, "_memo", {})  # a new process: reads the cache, no probe
+    assert topo.peak_flops == pytest.approx(8e11 / jax.local_device_count()) and calls == [1]
+    monkeypatch.setenv(cpu_peak.ENV, "3e10")
+    assert topo.peak_flops == 3e10
+    monkeypatch.setenv(cpu_peak.ENV, "fast")
+    with pytest.raises(UserError, match="BOOST_JAX_CPU_PEAK_FLOPS='fast' is not a positive"):
+        topo.peak_flops
+    assert get_topology("frontier").peak_flops == 191.5e12
+
+
+def test_cpu_gemm_probe_measures_a_positive_rate():
+    from boost_jax.backends import cpu_peak
+
+    assert cpu_peak.measure_gemm_flops(n=64, rounds=2) > 0
+
+
+def test_bad_cpu_peak_setting_is_a_one_line_error():
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, BOOST_JAX_CPU_PEAK_FLOPS="fast")
+    p = subprocess.run([sys.executable, "-m", "boost_jax.plan", "--config", "configs/demo.yaml",
+                        "--topology", "cpu", "--no-compile"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == ("error: BOOST_JAX_CPU_PEAK_FLOPS='fast' is not a positive number "
+                                "of FLOP/s per device; set it to e.g. 5e10 or unset it to "
+                                "measure this machine")

@@ -166,3 +166,71 @@ def test_resolve_explicit_config():
     cfg = _cfg("distributed.mode=explicit", "distributed.coordinator=h:1",
                "distributed.num_processes=2")
     assert resolve(cfg, {"JAX_PROCESS_ID": "1"}) == Launch("h:1", 2, 1, "config")
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(jax_cache, rank, port, log, *args):
+    env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+               JAX_PROCESS_ID=str(rank), JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+               JAX_COMPILATION_CACHE_DIR=jax_cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="-1")
+    env.pop("XLA_FLAGS", None)
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--cpu-devices",
+                             "4", *args], cwd=ROOT, env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_saved_step(jax_cache, tmp_path):
+    import signal
+
+    out = str(tmp_path / "run")
+    args = [*TINY, "train.steps=500", "checkpoint.every=1000", "logging.progress=false",
+            f"out_dir={out}"]  # only the signal makes a checkpoint
+    port, logs = _free_port(), [open(tmp_path / f"rank{r}.log", "w") for r in range(2)]
+    procs = [_rank(jax_cache, r, port, logs[r], *args) for r in range(2)]
+    try:
+        metrics, deadline = os.path.join(out, "metrics.jsonl"), time.time() + 300
+        while not (os.path.exists(metrics) and any("loss" in r for r in _rows(out))):
+            assert time.time() < deadline and all(p.poll() is None for p in procs), \
+                open(tmp_path / "rank0.log").read()
+            time.sleep(0.05)
+        procs[1].send_signal(signal.SIGTERM)  # rank 1 only: rank 0 learns it from rank 1
+        codes = [p.wait(240) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = open(tmp_path / "rank0.log").read() + open(tmp_path / "rank1.log").read()
+    assert codes == [128 + signal.SIGTERM] * 2, text
+    saved = sorted(os.listdir(os.path.join(out, "checkpoints")))
+    assert len(saved) == 1 and saved[0].isdigit() and 1 <= int(saved[0]) < 500, saved
+    step = int(saved[0])
+    state = os.listdir(os.path.join(out, "checkpoints", saved[0], "state"))
+    assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(state)  # both wrote the same step
+    assert f"signal {int(signal.SIGTERM)}: saved step {step}, exiting" in text
+    assert max(r["step"] for r in _rows(out) if "loss" in r) == step
+
+
+def test_unreachable_coordinator_is_a_one_line_error(tmp_path):
+    port = _free_port()  # nobody listens there: rank 1 waits for rank 0's coordinator in vain
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--cpu-devices", "4",
+                        "distributed.mode=explicit", f"distributed.coordinator=127.0.0.1:{port}",
+                        "distributed.num_processes=2", "distributed.process_id=1",
+                        "distributed.init_timeout_s=2", f"out_dir={tmp_path / 'run'}"],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (
+        f"error: jax.distributed.initialize failed (coordinator 127.0.0.1:{port}, 2 processes, "
+        f"this is process 1): nothing answers at 127.0.0.1:{port} after 2 s (Connection "
+        "refused); check that every process was started and can reach the coordinator")
+    assert not os.path.exists(tmp_path / "run")

@@ -7,7 +7,9 @@ programs. Two XLA:CPU artifacts would misstate the traffic of the same program o
   bf16, its reducer a `*_promoted` computation. The payload counts at the original 16 bits.
   After XLA's combiner merges it with an fp32 reduction the reducer is the fp32 one: then each
   operand that is a convert (or a fusion ending in one) from a 16-bit value counts at 16 bits.
-* GSPMD lowers a reduce-scatter as all-reduce + dynamic-slice of 1/n. `lowered_reduce_scatter`
+* GSPMD lowers a reduce-scatter as all-reduce + dynamic-slice of 1/n. It counts as one only if
+  each slice reads the all-reduce's own result (inside a fusion: the parameter it feeds) and the
+  full result has no other user. `lowered_reduce_scatter`
   recognises a slice reached through bitcasts, copies and reshapes (the analyzer's raw reading);
   `undo_cpu_artifacts` also sees one behind a convert (or bitcast-convert, get-tuple-element, a
   fusion of those): the all-reduce is a reduce-scatter, half the ring bytes. A variadic
@@ -32,12 +34,9 @@ def _slices_to(module: H.Module, users: dict, name: str, elems: int, n: int):
         if u.opcode in _PASS_THROUGH:
             found = _slices_to(module, users, u.name, elems, n)
         elif u.opcode == "dynamic-slice":
-            found = u.shape[0] if u.shape[0].elements * n == elems else None
+            found = u.shape[0] if _slices(u, name, elems, n) else None
         elif u.opcode == "fusion":  # CPU fuses the slice (often with a bitcast)
-            comps = [module.computations.get(c) for c in u.called()]
-            found = next((i.shape[0] for c in comps if c for i in c.instrs.values()
-                          if i.opcode == "dynamic-slice" and i.shape[0].elements * n == elems),
-                         None)
+            found = _fused_slice(module, u, name, elems, n)
         else:
             found = None
         if found is None:
@@ -180,17 +179,48 @@ def _only_sliced(module, comp, ins, n, depth=0) -> bool:
             if not _only_sliced(module, comp, u, n, depth + 1):
                 return False
         elif u.opcode == "dynamic-slice":
-            if u.shape[0].elements * n != elems:
+            if not _slices(u, ins.name, elems, n):
                 return False
         elif u.opcode == "fusion":
-            comps = [module.computations.get(cn) for cn in u.called()]
-            if not any(i.opcode == "dynamic-slice" and i.shape[0].elements * n
-                       == _operand_elems(ins) for cc in comps if cc for i in cc.instrs.values()):
+            if _fused_slice(module, u, ins.name, elems, n) is None:
                 return False
         else:
             return False
     return True
 
 
-def _operand_elems(ins) -> int:
-    return sum(a.elements for a in ins.shape) if len(ins.shape) == 1 else ins.shape[0].elements
+def _slices(ds, name: str, elems: int, n: int) -> bool:
+    """`ds` is a dynamic-slice of `name` itself (not of another value) keeping elems/n."""
+    return ds.operands[:1] == [name] and ds.shape[0].elements * n == elems
+
+
+def _fused_slice(module, fusion, name: str, elems: int, n: int) -> Optional[H.Array]:
+    """The slice shape if, inside `fusion`, every use of the parameter(s) fed by `name` ends
+    (through pass-through ops) in a 1/n dynamic-slice of it; else None. A slice of another
+    value in the same fusion, or any other use of the full value, does not count."""
+    positions = {str(k) for k, op in enumerate(fusion.operands) if op == name}
+    found = None
+    for cn in fusion.called():
+        fc = module.computations.get(cn)
+        for p in (fc.instrs.values() if fc and positions else ()):
+            if p.opcode == "parameter" and p.raw_args in positions:
+                s = _fused_uses_sliced(fc, p.name, elems, n)
+                if s is None:
+                    return None
+                found = s
+    return found
+
+
+def _fused_uses_sliced(fc, name: str, elems: int, n: int, depth=0) -> Optional[H.Array]:
+    uses, found = fc.users().get(name, []), None
+    if not uses or depth > 8:
+        return None
+    for u in uses:
+        if u.opcode in _PASS and not u.is_root:
+            found = _fused_uses_sliced(fc, u.name, elems, n, depth + 1)
+        else:
+            found = u.shape[0] if u.opcode == "dynamic-slice" and _slices(u, name, elems, n) \
+                else None
+        if found is None:
+            return None
+    return found

@@ -25,6 +25,8 @@ the cross-process collectives use gloo (JAX's default on this version; set expli
 from __future__ import annotations
 
 import os
+import socket
+import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -139,6 +141,22 @@ def setup(cfg: Config, cpu_devices: Optional[int] = None) -> Optional[Launch]:
     return launch
 
 
+def _unreachable(addr: str, timeout_s: float) -> Optional[str]:
+    """Why nothing answers at the coordinator's address within timeout_s, else None. XLA's
+    client aborts the whole process (no Python exception) when it cannot reach the coordinator,
+    so the other ranks look first; rank 0 may still be starting, hence the retries."""
+    host, _, port = addr.rpartition(":")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=2.0).close()
+            return None
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                return f"nothing answers at {addr} after {timeout_s:g} s ({e.strerror or e})"
+            time.sleep(0.2)
+
+
 def _start(cfg: Config) -> Optional[Launch]:
     import jax
 
@@ -150,19 +168,23 @@ def _start(cfg: Config) -> Optional[Launch]:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         except Exception:  # noqa: BLE001 - option absent on other JAX versions
             pass
-        kwargs = {}
+        kwargs = {"initialization_timeout": cfg.distributed.init_timeout_s}
         if launch.coordinator is not None:
-            kwargs = dict(coordinator_address=launch.coordinator,
+            kwargs.update(coordinator_address=launch.coordinator,
                           num_processes=launch.num_processes, process_id=launch.process_id)
+        how = (f"coordinator {launch.coordinator}, {launch.num_processes} processes, this is "
+               f"process {launch.process_id}" if launch.coordinator else f"{launch.source} "
+               "auto-detection")
         try:
-            jax.distributed.initialize(**kwargs)
+            why = (_unreachable(launch.coordinator, cfg.distributed.init_timeout_s)
+                   if launch.coordinator and launch.process_id else None)
+            if why is None:
+                jax.distributed.initialize(**kwargs)
         except Exception as e:  # noqa: BLE001 - RuntimeError / ValueError / XlaRuntimeError
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-            how = (f"coordinator {launch.coordinator}, {launch.num_processes} processes, this is "
-                   f"process {launch.process_id}" if launch.coordinator else f"{launch.source} "
-                   "auto-detection")
-            raise UserError(f"jax.distributed.initialize failed ({how}): {first}; check that every "
-                            "process was started and can reach the coordinator") from None
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        if why is not None:
+            raise UserError(f"jax.distributed.initialize failed ({how}): {why}; check that every "
+                            "process was started and can reach the coordinator")
     return launch
 
 
