@@ -371,7 +371,7 @@ class Checkpointer:
             return
         for step, name in self._interrupted_saves():
             if step == self._failed_step or self._failed_step is None:
-                shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+                _remove_settled(os.path.join(self.directory, name))
 
     def abandon(self) -> None:
         """On an error elsewhere: let a running save finish (it is valid) but raise nothing."""
@@ -385,3 +385,14 @@ class Checkpointer:
             self.mngr.close()
         except Exception:  # noqa: BLE001
             pass
+
+
+def _remove_settled(path: str, settle_s: float = 0.3, limit_s: float = 5.0) -> None:
+    """rmtree `path` until it stays gone for `settle_s`: orbax's writer threads of a failed save
+    can still create files in it for a moment after the save has been reported failed."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        shutil.rmtree(path, ignore_errors=True)
+        time.sleep(settle_s)
+        if not os.path.exists(path) or time.monotonic() > deadline:
+            return
