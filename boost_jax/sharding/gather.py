@@ -256,10 +256,11 @@ def fetch_tree(fetches, stored, slots=None):
     return jax.tree.map(fetch_leaf, fetches, stored, slots, is_leaf=is_f)
 
 
-def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...]):
-    """Zeros shaped like this device's grads shard, typed as the backward's result."""
+def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...], typed: bool = True):
+    """Zeros shaped like this device's grads shard, typed (under check_vma) as the backward's
+    result."""
     z = jnp.zeros(local_shape, jnp.dtype(f.grad_dtype))
-    return to_varying(z, f.slot_axes() + tp_axes)
+    return to_varying(z, f.slot_axes() + tp_axes) if typed else z
 
 
 __all__ = ["LeafFetch", "fetch_leaf", "fetch_tree", "slot_like", "to_varying", "varying_axes",

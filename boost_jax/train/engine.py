@@ -35,7 +35,7 @@ from boost_jax.backends import cpu as cpu_quirks
 from boost_jax.layers import forward
 from boost_jax.layers.forward import RESIDUAL_NAME
 from boost_jax.layers.linear import LATENT_NAME
-from boost_jax.sharding.gather import SECONDARY_NAME, LeafFetch, fetch_tree, to_varying
+from boost_jax.sharding.gather import SECONDARY_NAME, LeafFetch, fetch_tree, slot_like
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
 from boost_jax.sharding.placement import Placement
 from boost_jax.sharding.tp.common import REDUCED_NAME
@@ -107,9 +107,8 @@ class Engine:
     def slots(self):
         """Zero gradient slots: this device's grads shard of every leaf, typed as the gradient."""
         def one(lay, f):
-            z = jnp.zeros(self.local_shape(lay, self.pl.grads_axes),
-                          jnp.dtype(self.pl.grad_accum_dtype))
-            return to_varying(z, f.slot_axes() + _tp_axes(lay)) if self.typed else z
+            return slot_like(f, self.local_shape(lay, self.pl.grads_axes), _tp_axes(lay),
+                             self.typed)
 
         return jax.tree.map(one, self.pl.layouts, self.fetches, is_leaf=is_layout)
 
