@@ -1,0 +1,54 @@
+"""Config files: strict YAML (a key given twice in one block is an error, not silently the last)
+read into a plain mapping, every problem a one-line ConfigError naming the fix."""
+
+from __future__ import annotations
+
+import os
+
+import yaml
+
+from boost_jax.errors import ConfigError
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first: int, again: int):
+        super().__init__(key)
+        self.key, self.first, self.again = key, first, again
+
+
+def read_yaml(path: str) -> dict:
+    """The mapping in the YAML file at `path`, or a one-line ConfigError naming the problem."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config file {path!r} does not exist; pass --config configs/demo.yaml")
+    try:
+        with open(path) as f:
+            tree = yaml.load(f, Loader=_StrictLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(
+            f"config file {path!r} sets {e.key!r} twice in one block (lines {e.first} and "
+            f"{e.again}); keep one (YAML would silently use only the second)") from None
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise ConfigError(f"config file {path!r} is not valid YAML{where}; fix the syntax") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"config file {path!r} holds a YAML {type(tree).__name__}, not a mapping of sections; "
+            "write it as model:, train:, ... blocks of key: value")
+    return tree
