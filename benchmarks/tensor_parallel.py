@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import early_cpu_devices, interleaved_median, markdown_table, sync_readme  # noqa: E402
+from benchmarks.common import early_cpu_devices, interleaved_samples, markdown_table, sync_readme  # noqa: E402
 
 early_cpu_devices(8)
 
@@ -174,10 +175,13 @@ def part2(a, lines):
             n_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(aparams))
             rows[name] = [n_params, rep.memory["argument"] / MiB, rep.memory["temp"] / MiB,
                           tp_bytes / MiB]
-    times = interleaved_median(fns, rounds=a.rounds, iters=2, warmup=1)
+    samples = interleaved_samples(fns, rounds=a.rounds, iters=2, warmup=1)
+    times = {k: statistics.median(v) for k, v in samples.items()}
     tokens = a.small_batch * a.small_seq
     out = [[k.split(" | ")[0], k.split(" | ")[1], f"{v[0] / 1e6:.2f}M", f"{v[1]:.2f}",
-            f"{v[2]:.2f}", f"{v[3]:.2f}", f"{tokens / times[k]:,.0f}"] for k, v in rows.items()]
+            f"{v[2]:.2f}", f"{v[3]:.2f}", f"{tokens / times[k]:,.0f}",
+            f"{tokens / max(samples[k]):,.0f}–{tokens / min(samples[k]):,.0f}"]
+           for k, v in rows.items()]
     lines += [
         f"## 2. Small model end to end on 8 simulated CPU devices (fp32, value_and_grad of the "
         f"TP loss)",
@@ -185,10 +189,12 @@ def part2(a, lines):
         f"d=256, L=4, 8 heads, d_ff=688, r=64, V=2048; batch {a.small_batch} x {a.small_seq}. "
         "Memory per device from memory_analysis(); TP MiB = ring bytes per device per step "
         "over the TP axes (forward + backward, embedding and head included); tokens/s = "
-        "median wall clock on this machine's simulated devices.",
+        f"median wall clock on this machine's simulated devices over {a.rounds} alternating "
+        "rounds, with the range over the rounds (rows whose ranges overlap show no measurable "
+        "difference).",
         "",
         markdown_table(["parallel", "mode", "params", "arguments MiB", "temp MiB",
-                        "TP comm MiB/step", "tokens/s"], out),
+                        "TP comm MiB/step", "tokens/s", "tokens/s range"], out),
         "",
     ]
 
