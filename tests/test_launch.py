@@ -16,11 +16,10 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import pytest
 
 from boost_jax.config import load_config
-from train_proc import TINY
+from train_proc import TINY, assert_same_metrics
 from boost_jax.mesh import TOPOLOGIES, get_topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -260,9 +259,4 @@ def test_local_job_trains_and_resumes_after_requeue_like_one_process(jax_cache, 
 
     a, b = rows(one), rows(two)
     assert [x["step"] for x in b if "loss" in x] == list(range(1, 21))  # re-done rows dropped
-    for key in ("loss", "val_loss"):
-        ra = {x["step"]: x[key] for x in a if key in x}
-        rb = {x["step"]: x[key] for x in b if key in x}
-        assert sorted(ra) == sorted(rb)
-        np.testing.assert_allclose([rb[k] for k in sorted(ra)], [ra[k] for k in sorted(ra)],
-                                   rtol=1e-5)
+    assert_same_metrics(a, b)

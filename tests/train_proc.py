@@ -92,3 +92,16 @@ class TrainProcess:
             if time.monotonic() - t0 > timeout:
                 raise AssertionError(f"timed out waiting:\n{self.output}")
             time.sleep(poll)
+
+
+def assert_same_metrics(want: list, got: list, rtol: float = 1e-5) -> None:
+    """metrics.jsonl rows of two runs: the same steps log loss and val_loss, with equal values."""
+    import numpy as np
+
+    for key in ("loss", "val_loss"):
+        ra = {r["step"]: r[key] for r in want if key in r}
+        rb = {r["step"]: r[key] for r in got if key in r}
+        assert sorted(ra) == sorted(rb), key
+        np.testing.assert_allclose([rb[s] for s in sorted(ra)], [ra[s] for s in sorted(ra)],
+                                   rtol=rtol)
+
