@@ -19,7 +19,6 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.mesh import axis_size
@@ -139,9 +138,5 @@ def unpad_tree(layouts, tree):
     return jax.tree.map(unpad, layouts, tree, is_leaf=is_layout)
 
 
-def bytes_of(tree) -> int:
-    return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree)))
-
-
 __all__ = ["LeafLayout", "choose_layout", "spec_entry", "is_layout", "pad", "unpad", "pad_tree",
-           "unpad_tree", "bytes_of"]
+           "unpad_tree"]

@@ -320,15 +320,5 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
 
 
 
-def shard_spec(shape: Sequence[int], axes: Sequence[str], mesh) -> P:
-    """Spec sharding one dim of `shape` over `axes` (largest that divides; else replicated).
-
-    Kept for callers that shard arrays outside the train state; the step uses LeafLayout."""
-    lay = choose_layout(shape, axis_size(mesh, axes), None, False, mesh)
-    if lay.pad:
-        return P()
-    return lay.spec(axes)
-
-
 __all__ = ["Placement", "LeafLayout", "PRESETS", "make_placement", "make_layouts",
-           "choose_layout", "order_axes", "resolve_roles", "shard_spec", "replace"]
+           "choose_layout", "order_axes", "resolve_roles", "replace"]
