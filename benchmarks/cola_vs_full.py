@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import early_cpu_devices, interleaved_median, markdown_table  # noqa: E402
+from benchmarks.common import early_cpu_devices, interleaved_samples, markdown_table  # noqa: E402
 
 early_cpu_devices(1)
 
@@ -64,18 +65,21 @@ def main():
 
         fns[arch] = step
         info[arch] = (param_count(cfg.model), flops_per_token(cfg.model, a.seq)["train"])
-    t = interleaved_median(fns, rounds=a.rounds)
+    samples = interleaved_samples(fns, rounds=a.rounds)
+    t = {k: statistics.median(v) for k, v in samples.items()}
     tok = a.batch * a.seq
     base = t.get("full")
     rows = []
     for arch, sec in t.items():
         n, fpt = info[arch]
+        per_round = [f / x for f, x in zip(samples["full"], samples[arch])] if base else [0]
         rows.append([arch, n / 1e6, fpt / 1e6, sec * 1e3, tok / sec,
-                     (base / sec) if base else float("nan"), fpt * tok / sec / peak])
+                     (base / sec) if base else float("nan"),
+                     f"{min(per_round):.2f}–{max(per_round):.2f}", fpt * tok / sec / peak])
     print(f"d={a.d} L={a.layers} H={a.heads} d_ff={a.d_ff} r={a.rank} batch={a.batch} seq={a.seq} "
           f"dtype={a.dtype} backend={jax.default_backend()}")
     print(markdown_table(["arch", "params (M)", "train MFLOP/token", "ms/step", "tokens/s",
-                          "speed vs full", "MFU"], rows))
+                          "speed vs full", "per-round range", "MFU"], rows))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import early_cpu_devices, interleaved_median, markdown_table  # noqa: E402
+from benchmarks.common import early_cpu_devices, interleaved_samples, markdown_table  # noqa: E402
 
 early_cpu_devices(1)
 
@@ -27,7 +28,8 @@ from flax import nnx  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import make_mesh  # noqa: E402
 from boost_jax.train.optim import make_optimizer  # noqa: E402
-from boost_jax.train.step import build_step, cross_entropy, model_factory  # noqa: E402
+from boost_jax.layers.forward import cross_entropy  # noqa: E402
+from boost_jax.train.step import build_step, model_factory  # noqa: E402
 
 
 def main():
@@ -77,12 +79,15 @@ def main():
         hand["p"], hand["o"], loss = minimal_step(hand["p"], hand["o"], batch)
         jax.block_until_ready(loss)
 
-    t = interleaved_median({"framework": framework, "minimal": minimal}, rounds=a.rounds)
+    samples = interleaved_samples({"framework": framework, "minimal": minimal}, rounds=a.rounds)
+    t = {k: statistics.median(v) for k, v in samples.items()}
+    ratios = [f / m for f, m in zip(samples["framework"], samples["minimal"])]
     tok = a.batch * a.seq
     rows = [[k, v * 1e3, tok / v] for k, v in t.items()]
     print(f"{a.arch} d={d} L={a.layers} batch={a.batch} seq={a.seq}, backend={jax.default_backend()}")
     print(markdown_table(["step", "ms/step (median)", "tokens/s"], rows))
-    print(f"framework / minimal step time: {t['framework'] / t['minimal']:.3f}")
+    print(f"framework / minimal step time: {t['framework'] / t['minimal']:.3f} (per round "
+          f"{min(ratios):.3f}–{max(ratios):.3f}; a range that holds 1 is no measurable difference)")
 
 
 if __name__ == "__main__":
