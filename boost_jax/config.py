@@ -123,8 +123,13 @@ class ParallelConfig:
     # dtype of the micro-batch gradient accumulator (sharded over grads axes)
     grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"
     kernels: Literal["auto", "pallas", "xla"] = "auto"
+    # Pipeline stages, carved out of the `global` axis (boost_jax/sharding/stages.py) and the
+    # schedule over train.micro_batches (boost_jax/train/pipeline.py)
+    pp_stages: int = 1
+    pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
 
     def validate(self) -> None:
+        _positive("parallel.pp_stages", self.pp_stages)
         for name in ("tp_axes", "batch_axes", "params_axes", "grads_axes", "opt_state_axes",
                      "secondary_axes"):
             axes = getattr(self, name)
@@ -286,6 +291,10 @@ class Config:
         if self.data.seq_len > m.max_seq_len:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        if self.parallel.pp_stages > 1:
+            from boost_jax.sharding import stages
+
+            stages.validate(self)
         return self
 
     def to_dict(self) -> dict:

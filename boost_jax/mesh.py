@@ -18,6 +18,7 @@ import numpy as np
 from boost_jax.errors import ConfigError, UserError
 
 AXES = ("pair", "node", "global")
+STAGE = "stage"  # pipeline stages: split off `global` (make_mesh), never a data-parallel role
 
 
 @dataclass(frozen=True)
@@ -205,8 +206,12 @@ def mesh_shape(topology: Topology, n_devices: int, shape: Optional[Sequence[int]
 
 
 def make_mesh(topology: str | Topology = "cpu", shape: Optional[Sequence[int]] = None,
-              nodes: Optional[int] = None, devices: Optional[Sequence] = None):
-    """Build a `jax.sharding.Mesh` with axes (pair, node, global) and Auto axis types."""
+              nodes: Optional[int] = None, devices: Optional[Sequence] = None, stages: int = 1):
+    """Build a `jax.sharding.Mesh` with axes (pair, node, global) and Auto axis types.
+
+    With `stages` > 1 pipeline stages the hosts split into `stage` × `global`: a 4th axis
+    STAGE (major: each stage is a contiguous run of hosts) and `global` left with the
+    data-parallel host groups, so pair/node/global keep their meaning for every plan."""
     import jax
     from jax.sharding import AxisType, Mesh
 
@@ -215,12 +220,21 @@ def make_mesh(topology: str | Topology = "cpu", shape: Optional[Sequence[int]] =
     devs.sort(key=lambda d: (d.process_index, d.id))
     p, n, g = mesh_shape(topo, len(devs), shape, nodes)
     # device k = g*(N*P) + n*P + p: pairs and nodes are contiguous runs of ids
-    arr = np.array(devs[: p * n * g], dtype=object).reshape(g, n, p).transpose(2, 1, 0)
-    return Mesh(arr, AXES, axis_types=(AxisType.Auto,) * 3)
+    arr = np.array(devs[: p * n * g], dtype=object)
+    if stages == 1:
+        return Mesh(arr.reshape(g, n, p).transpose(2, 1, 0), AXES,
+                    axis_types=(AxisType.Auto,) * 3)
+    if g % stages:
+        raise ConfigError(
+            f"parallel.pp_stages={stages} does not divide the {g} host groups of the `global` "
+            f"axis (mesh {p}x{n}x{g}); choose stages that divide {g}, or more nodes")
+    arr = arr.reshape(stages, g // stages, n, p).transpose(3, 2, 1, 0)
+    return Mesh(arr, AXES + (STAGE,), axis_types=(AxisType.Auto,) * 4)
 
 
 def mesh_from_config(cfg) -> "jax.sharding.Mesh":  # noqa: F821
-    return make_mesh(cfg.mesh.topology, cfg.mesh.shape, cfg.mesh.nodes)
+    return make_mesh(cfg.mesh.topology, cfg.mesh.shape, cfg.mesh.nodes,
+                     stages=cfg.parallel.pp_stages)
 
 
 def axis_size(mesh, axes: Sequence[str]) -> int:

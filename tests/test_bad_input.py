@@ -49,6 +49,24 @@ ROWS = {
         ["mesh.shape=[2,2,4]"],
         r"mesh \(pair=2, node=2, global=4\) needs 16 devices but only 8 are present; use "
         r"--cpu-devices 16"),
+    "pp_more_stages_than_layers": (
+        ["model.n_layers=1", "parallel.pp_stages=2", "train.micro_batches=2"],
+        r"parallel\.pp_stages=2 is more stages than the model's 1 layers"),
+    "pp_1f1b_too_few_micro_batches": (
+        ["parallel.pp_stages=2"],
+        r"parallel\.pp_schedule=1f1b needs at least as many micro-batches as stages: "
+        r"train\.micro_batches=1 < parallel\.pp_stages=2; set train\.micro_batches>=2"),
+    "pp_stages_not_dividing_global": (
+        ["model.n_layers=3", "parallel.pp_stages=3", "train.micro_batches=4"],
+        r"parallel\.pp_stages=3 does not divide the 2 host groups of the `global` axis"),
+    "pp_stage_without_layer": (
+        ["model.n_layers=5", "parallel.pp_stages=4", "mesh.shape=[2,1,4]",
+         "train.micro_batches=4"],
+        r"parallel\.pp_stages=4 splits 5 layers into runs of 2, which leaves stage 3 without "
+        r"a layer"),
+    "pp_tied_embeddings": (
+        ["model.tie_embeddings=true", "parallel.pp_stages=2", "train.micro_batches=2"],
+        r"model\.tie_embeddings=true with parallel\.pp_stages>1"),
     "missing_data_path": (["data.source={tmp}/no/such/corpus.txt"],
                           r"data\.source '.*/no/such/corpus\.txt' does not exist"),
     "empty_data_file": (["data.source={tmp}/empty.txt"],

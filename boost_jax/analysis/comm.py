@@ -89,7 +89,7 @@ def classify_group(members: Sequence[int], mesh) -> tuple[str, tuple[str, ...]]:
         return "+".join(varying), varying
     if set(varying) <= {"pair"}:
         return "pair", varying
-    if "global" not in varying:
+    if "global" not in varying and "stage" not in varying:  # stages are groups of hosts
         return "node", varying
     return "global", varying
 

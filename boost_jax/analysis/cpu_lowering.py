@@ -5,6 +5,8 @@ programs. Two XLA:CPU artifacts would misstate the traffic of the same program o
 
 * XLA:CPU runs bf16 reductions in fp32: an all-reduce / reduce-scatter fed by a convert from
   bf16, its reducer a `*_promoted` computation. The payload counts at the original 16 bits.
+  It moves a bf16 collective-permute (pipeline stage sends) in fp32 too: converted from 16
+  bits before and straight back after; it counts at 16 bits.
   After XLA's combiner merges it with an fp32 reduction the reducer is the fp32 one: then each
   operand that is a convert (or a fusion ending in one) from a 16-bit value counts at 16 bits.
 * GSPMD lowers a reduce-scatter as all-reduce + dynamic-slice of 1/n. It counts as one only if
@@ -66,6 +68,8 @@ def undo_cpu_artifacts(module, comp, ins, kind, lowered, payload, n):
     fp32, and (1 − 0.5·f) for an all-reduce of which a fraction f is only used sliced 1/n. The
     returned payload keeps ring_bytes(kind, n, payload) equal to the corrected bytes."""
     factor, fixes = 1.0, []
+    if kind == "collective-permute" and _permute_promoted(module, comp, ins):
+        return kind, lowered, payload * 0.5, 0.5, ("fp32-promoted",)
     if n <= 1 or kind not in ("all-reduce", "reduce-scatter"):
         return kind, lowered, payload, factor, ()
     if (ins.attr("to_apply") or "").endswith("_promoted"):
@@ -128,6 +132,25 @@ def _back_to_16bit(module, comp, name: str) -> bool:
         elif u.opcode != "convert":
             return False
     return bool(users)
+
+
+def _permute_promoted(module, comp, ins) -> bool:
+    """A collective-permute XLA:CPU moves in fp32 for a 16-bit value: its operand converts
+    from 16 bits (a convert, or a fusion holding one) and every use converts straight back."""
+    if [a.dtype for a in ins.shape] != ["f32"] or not ins.operands:
+        return False
+    src = comp.instrs.get(ins.operands[0])
+    if src is None or not _back_to_16bit(module, comp, ins.name):
+        return False
+    if src.opcode == "convert":
+        return _from_16bit(module, comp, src.name)
+    for cn in src.called() if src.opcode == "fusion" else ():
+        fc = module.computations.get(cn)
+        for i in (fc.instrs.values() if fc else ()):
+            arg = fc.instrs.get(i.operands[0]) if i.opcode == "convert" and i.operands else None
+            if arg is not None and arg.shape and arg.shape[0].dtype in _16:
+                return True
+    return False
 
 
 def _promoted_fraction(module, comp, ins) -> float:

@@ -38,7 +38,7 @@ def untyped_tp_grads(engine, grads):
     t, axes = engine.tp_size, engine.pl.tp_axes
 
     def one(lay, g):
-        replicated = not any(lay.tp)
+        replicated = not any(a in axes for tp in lay.tp for a in tp)
         return (jax.lax.psum(g, axes) if replicated and axes else g) / t
 
     return jax.tree.map(one, engine.pl.layouts, grads,

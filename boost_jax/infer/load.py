@@ -89,19 +89,26 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
     import jax
     import orbax.checkpoint as ocp
 
+    from boost_jax.train import restage
     from boost_jax.train.checkpoint import digest_mismatch, state_digest
     from boost_jax.train.step import abstract_params
 
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     _, logical = abstract_params(cfg)
     dtype = cfg.model.param_dtype
-    item = {"params": jax.tree.map(
+    want = {"params": jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding), logical)}
-    args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(sharding=sharding, global_shape=x.shape,
-                                                       dtype=x.dtype, strict=False), item)
-    restore = ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True)
+    stages = cfg.parallel.pp_stages
     try:
+        item = want
+        if stages > 1:  # end weights stacked over stages (boost_jax/train/restage.py)
+            saved = restage.saved_shapes(os.path.join(str(mngr.directory), str(step)))
+            item = restage.restore_target(want, saved, stages, 1)
+        args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(
+            sharding=sharding, global_shape=x.shape, dtype=x.dtype, strict=False), item)
+        restore = ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True)
         state = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
+        state = restage.convert(state, want, stages, 1)
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
         from boost_jax.train.checkpoint import _reason
 

@@ -143,12 +143,15 @@ def is_stacked(blocks: dict) -> bool:
     return not all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in blocks)
 
 
-def run_blocks(ops, cfg, blocks: dict, slots, h, positions, prev, checkpoint: Callable):
+def run_blocks(ops, cfg, blocks: dict, slots, h, positions, prev, checkpoint: Callable,
+               active=None):
     """All layers: lax.scan over stacked params (one compiled layer), else a Python loop.
 
     Each layer fetches its weights inside `checkpoint` (a jax.checkpoint wrapper or the
     identity), so only one layer's gathered weights live at a time and backward re-fetches.
-    `slots` mirrors `blocks` (gradient slots of the training step) or is None.
+    `slots` mirrors `blocks` (gradient slots of the training step) or is None. `active`
+    (bool per stacked layer, pipeline stages) skips a layer where false: its output is its
+    input, so its (zero-padded) weights get no gradient.
     """
     def layer(lp, ls, h, prev, path=("blocks",)):
         return block(ops, cfg, ops.fetch(lp, ls, path), h, positions, prev)
@@ -157,9 +160,13 @@ def run_blocks(ops, cfg, blocks: dict, slots, h, positions, prev, checkpoint: Ca
         layer = checkpoint(layer)
 
         def body(carry, xs):
-            return layer(xs[0], xs[1], *carry), None
+            out = layer(xs[0], xs[1], *carry)
+            if active is not None:
+                out = jax.tree.map(lambda new, old: jnp.where(xs[2], new, old), out, carry)
+            return out, None
 
-        (h, prev), _ = jax.lax.scan(body, (h, prev), (blocks, slots))
+        xs = (blocks, slots) if active is None else (blocks, slots, active)
+        (h, prev), _ = jax.lax.scan(body, (h, prev), xs)
         return h, prev
     for key in sorted(blocks, key=int):
         fn = checkpoint(lambda lp, ls, h, prev, key=key: layer(lp, ls, h, prev, ("blocks", key)))

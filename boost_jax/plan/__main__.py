@@ -40,11 +40,22 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.2f} s"
 
 
+def _hosts(sizes: dict) -> int:
+    return sizes["global"] * sizes.get("stage", 1)
+
+
+def _mesh_text(sizes: dict) -> str:
+    text = f"pair {sizes['pair']} x node {sizes['node']} x global {sizes['global']}"
+    return text + (f" x stage {sizes['stage']}" if sizes.get("stage", 1) > 1 else "")
+
+
 def build_parser() -> OverrideParser:
     p = OverrideParser(prog="python -m boost_jax.plan", description=__doc__.split("\n\n")[0])
     p.add_argument("--topology", default=None,
                    help="topology profile (default: the config's mesh.topology)")
-    p.add_argument("--nodes", type=int, default=None, help="number of hosts (global axis size)")
+    p.add_argument("--nodes", type=int, default=None,
+                   help="number of hosts (the global axis; with pipeline stages, stages x the "
+                        "data-parallel host groups)")
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulated CPU devices to compile on (default: the run's device count, "
                         "capped at 512); a bigger run is compiled on fewer hosts")
@@ -75,10 +86,11 @@ def emit_config(path: str, cfg, pred, topo, command: str) -> None:
     from boost_jax.errors import UserError
 
     lay, s = pred.layout, pred.sizes
-    head = [f"# {cfg.name} on {topo.name}: {s['global']} nodes, pair {s['pair']} x node "
-            f"{s['node']} x global {s['global']} = {pred.devices} devices",
+    head = [f"# {cfg.name} on {topo.name}: {_hosts(s)} nodes, {_mesh_text(s)} = "
+            f"{pred.devices} devices",
             f"# layout: plan {lay['plan']}, TP {lay['tp_mode']} x{lay['tp']} over "
-            f"{lay['tp_axes'] or '-'}, {pred.micro_batches} micro-batches, remat {lay['remat']}",
+            f"{lay['tp_axes'] or '-'}, {lay.get('pipeline_stages', 1)} pipeline stage(s), "
+            f"{pred.micro_batches} micro-batches, remat {lay['remat']}",
             f"# predicted: {pred.memory['total'] / 2**30:.1f} GiB per device of "
             f"{topo.hbm_bytes / 2**30:.0f} GiB, {pred.step_time:.3f} s per step, "
             f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}",
@@ -100,20 +112,22 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
     n = p.devices
     L = [f"plan for {cfg.name}: {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
          f"({p.memory.get('params_total', 0) / 1e9:.2f}B params) on {topo.name} "
-         f"({topo.device}): {sizes['global']} nodes, {n} devices = pair {sizes['pair']} x node "
-         f"{sizes['node']} x global {sizes['global']}"]
+         f"({topo.device}): {_hosts(sizes)} nodes, {n} devices = {_mesh_text(sizes)}"]
     pl = lay["placement"]
     L.append(f"layout: plan {lay['plan']} (params {pl['params'] or '-'}, grads {pl['grads'] or '-'}"
              f", opt_state {pl['opt_state'] or '-'}, secondary {pl['secondary'] or '-'}"
              f"{' int8' if pl['secondary_int8'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''})"
-             f"; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; remat {lay['remat']}; "
+             f"; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; "
+             + (f"{lay['pipeline_stages']} pipeline stages ({lay['pp_schedule']}); "
+                if lay.get("pipeline_stages", 1) > 1 else "")
+             + f"remat {lay['remat']}; "
              f"{p.micro_batches} micro-batches x {p.micro_batch_per_device} seq/device of "
              f"{cfg.data.seq_len} tokens ({p.tokens_per_step} tokens/step)")
     if compiled:
         progs = dr.compiled
         cs = dr.compile_sizes
         L.append(f"compiled: {len(progs)} program(s) on {math.prod(cs.values())} simulated CPU "
-                 f"devices (pair {cs['pair']} x node {cs['node']} x global {cs['global']}), "
+                 f"devices ({_mesh_text(cs)}), "
                  f"layers {[c.n_layers for c in progs]}, "
                  f"{sum(c.compile_s for c in progs):.0f} s, abstract shapes (nothing allocated)")
         for note in dr.notes:
@@ -228,8 +242,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         a = Assumptions(attention=args.attention, dp_overlap=args.dp_overlap)
         cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
-            cfg.mesh, topology=topo.name, shape=[full["pair"], full["node"], full["global"]],
-            nodes=None))
+            cfg.mesh, topology=topo.name, shape=dryrun.mesh_hosts(full), nodes=None))
         from boost_jax.analysis.flops import param_count
 
         if args.search:

@@ -33,7 +33,7 @@ def level_of(axes: Sequence[str]) -> str:
     axes = set(axes)
     if not axes:
         return "none"
-    if "global" in axes:
+    if "global" in axes or "stage" in axes:  # pipeline stages are groups of hosts
         return "global"
     if "node" in axes:
         return "node"
@@ -109,8 +109,8 @@ def colls_from_report(report, tp_axes: Sequence[str], micro_batches: int) -> lis
     out = []
     for c in report.collectives:
         axes = tuple(c.axes)
-        if tp and axes and set(axes) <= tp:
-            phase = "tp"
+        if (tp and axes and set(axes) <= tp) or c.kind == "collective-permute":
+            phase = "tp"  # on the critical path: TP collectives and the pipeline's sends
         elif c.in_loop:
             phase = "dp"
         else:

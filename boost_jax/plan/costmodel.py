@@ -27,9 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from boost_jax.analysis.flops import flops_per_token, param_count
-from boost_jax.mesh import AXES, Topology
-from boost_jax.plan.collectives import Coll, CommSummary, level_of
+from boost_jax.mesh import AXES, STAGE, Topology
+from boost_jax.plan.collectives import Coll, CommSummary, coll_time, level_of
 from boost_jax.sharding.gather import qgz_stages
+from boost_jax.sharding.stages import layers_per_stage
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
                                      head_model, op_time)
 
@@ -41,9 +42,16 @@ class SizesMesh:
     """A stand-in for jax.sharding.Mesh carrying only axis sizes (for analytic placement)."""
 
     def __init__(self, sizes: dict[str, int]):
-        self.shape = {a: int(sizes[a]) for a in AXES}
-        self.axis_names = AXES
+        names = AXES + ((STAGE,) if sizes.get(STAGE, 1) > 1 else ())
+        self.shape = {a: int(sizes[a]) for a in names}
+        self.axis_names = names
         self.size = int(math.prod(self.shape.values()))
+
+
+def with_stages(cfg, sizes: dict) -> dict:
+    """`sizes` with the `stage` axis of cfg's pipeline (global = the data-parallel hosts)."""
+    pp = cfg.parallel.pp_stages
+    return {**sizes, STAGE: pp} if pp > 1 else {a: v for a, v in sizes.items() if a != STAGE}
 
 
 def _size(sizes, axes) -> int:
@@ -86,6 +94,7 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
     from boost_jax.sharding.placement import make_placement
     import jax
 
+    sizes = with_stages(cfg, sizes)
     mesh = SizesMesh(sizes)
     pl = make_placement(cfg, mesh, abstract_param_shapes(cfg))
     lays = jax.tree_util.tree_flatten_with_path(pl.layouts, is_leaf=is_layout)[0]
@@ -108,10 +117,12 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
             acc["sec"] += role(pl.secondary_axes)
         if lay.dim is None:
             acc["rep"] += local
-        if lay.layer_axis:
-            acc["layer"] += lay.numel / tp / lay.shape[0]
-            nb += 1
-        elif path[0].key != "blocks":
+        if path[0].key == "blocks":
+            if lay.layer_axis:  # one layer, TP-local (a stage's share of the stack is not)
+                tp_only = math.prod(_size(sizes, [a for a in t if a != STAGE]) for t in lay.tp)
+                acc["layer"] += lay.numel / tp_only / lay.shape[0]
+                nb += 1
+        else:
             acc["out"] += local
     return StateSizes(acc["tp"], acc["tpp"], acc["params"], acc["grads"], acc["opt"],
                       acc["sec"], acc["rep"], acc["layer"], len(lays), nb, acc["out"]), pl
@@ -159,12 +170,23 @@ def tp_info(cfg, sizes) -> tuple[str, int]:
     return mode, t
 
 
+def fetch_calls(cfg) -> tuple[int, int]:
+    """(forward, backward) passes over each weight per step: one of each per micro-batch;
+    with pipeline stages one forward per tick with F, and per tick with B the re-run forward
+    and the backward (boost_jax/train/pipeline.py), masked ticks included."""
+    m, pp = cfg.train.micro_batches, cfg.parallel.pp_stages
+    if pp == 1:
+        return m, m
+    ticks = m + pp - 1
+    return 2 * ticks, ticks
+
+
 def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
     """Data-parallel / ZeRO collectives of the step (what boost_jax.train.step compiles)."""
     m, par = cfg.model, cfg.parallel
     pb = DTYPE_BYTES[m.param_dtype]
     gb = DTYPE_BYTES[par.grad_accum_dtype]
-    micro = cfg.train.micro_batches
+    fwd_calls, micro = fetch_calls(cfg)
     L = m.n_layers
     q8 = 1.0 + 4.0 / par.quant_block  # int8 + one fp32 scale per block
     A, G, O = pl.params_axes, pl.grads_axes, pl.opt_state_axes
@@ -183,17 +205,16 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
                             phase, tuple(axes)))
 
     if A:  # per layer, per micro-batch, with or without TP (boost_jax/sharding/gather.py)
-        calls = micro
         prim = q8 if pl.quantize_gather else pb
         if S is not None:
             sb = q8 if (pl.secondary_int8 or pl.quantize_gather) else pb
             if not set(A) <= set(S):  # ZeRO++: flat gather over A, then the secondary's gather
-                add("gather_fwd", "all-gather", W * prim, A, calls, "dp")
-            add("gather_secondary", "all-gather", W * sb, S, calls, "dp")
-            add("regather_bwd", "all-gather", W * sb, S, calls, "dp")
+                add("gather_fwd", "all-gather", W * prim, A, fwd_calls, "dp")
+            add("gather_secondary", "all-gather", W * sb, S, fwd_calls, "dp")
+            add("regather_bwd", "all-gather", W * sb, S, micro, "dp")
         else:
-            add("gather_fwd", "all-gather", W * prim, A, calls, "dp")
-            add("regather_bwd", "all-gather", W * prim, A, calls, "dp")
+            add("gather_fwd", "all-gather", W * prim, A, fwd_calls, "dp")
+            add("regather_bwd", "all-gather", W * prim, A, micro, "dp")
     # gradients: reduce-scatter into the grads sharding per layer, per micro-batch, in gb; with
     # qgZ an int4 all-to-all per stage (inside the node, then across), 1/2 byte + scales
     if pl.quantize_grads:
@@ -216,7 +237,7 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
             [a for a in G if a not in A], 1, "step")
     else:
         add("gather_update", "all-gather", W / nA * pb, [a for a in O if a not in A], 1, "step")
-    n_all = [a for a in AXES if sizes[a] > 1]
+    n_all = [a for a in (*AXES, STAGE) if sizes.get(a, 1) > 1]
     if n_all:
         out.append(Coll("grad_norm", "all-reduce", 4.0 * leaves, _size(sizes, n_all),
                         level_of(n_all), 1, "step", tuple(n_all)))
@@ -229,7 +250,8 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     m, par = cfg.model, cfg.parallel
     pb = DTYPE_BYTES[m.param_dtype]
     mixed = m.param_dtype != "float32"
-    L = m.n_layers
+    pp = par.pp_stages
+    L = layers_per_stage(m.n_layers, pp) if pp > 1 else m.n_layers
     mem = {"weights": st.params * pb, "master": st.opt * 4 if mixed else 0.0,
            "adam": st.opt * 8, "batch": 2 * 4 * b * cfg.data.seq_len * cfg.train.micro_batches}
     mem["arguments"] = mem["weights"] + mem["master"] + mem["adam"] + mem["batch"]
@@ -255,38 +277,59 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     else:
         acts = L * (bm.residual_bytes + bm.latent_bytes) + working
     mem["activations"] = acts
+    if pp > 1:  # the stage inputs a device keeps (train/pipeline.py: Schedule.depth + 1)
+        from boost_jax.train.pipeline import Schedule
+
+        depth = Schedule(par.pp_schedule, pp, cfg.train.micro_batches).depth + 1
+        mem["stage_inputs"] = depth * stage_send_bytes(cfg, sizes, b)
     mem["logits"] = sum(o.out_bytes for o in hm.ops) * 2
     mem["layer_grads"] = st.per_layer_tp_local * 4
     mem["total"] = sum(v for k, v in mem.items() if k not in ("arguments",))
     return mem
 
 
+def stage_send_bytes(cfg, sizes, b: int) -> float:
+    """One device's send between stages: its [b, s, d] slice of the residual stream (BTP: d/t;
+    Megatron and vanilla TP keep it whole on every rank), plus LaX's 7 latents of r."""
+    m = cfg.model
+    mode, t = tp_info(cfg, sizes)
+    d = m.d_model / t if mode == "btp" else m.d_model
+    width = d + (7 * (m.r / t if mode == "btp" else m.r) if m.arch == "lax" else 0)
+    return DTYPE_BYTES[m.dtype] * b * cfg.data.seq_len * width
+
+
 def predict(cfg, topo: Topology, sizes: dict[str, int],
-            assumptions: Optional[Assumptions] = None, measured: Optional[CommSummary] = None,
-            pipeline_stages: int = 1) -> Prediction:
+            assumptions: Optional[Assumptions] = None,
+            measured: Optional[CommSummary] = None) -> Prediction:
     """Analytic (or measured-collective) prediction of one optimizer step on `sizes`.
 
     `measured`: collective cost of a compiled step (CommSummary of colls_from_report, possibly
-    extrapolated), used instead of the analytic collective list. `pipeline_stages` > 1 models 1F1B pipelining analytically (validation only:
-    the step does not implement pipelines): each stage holds L/p blocks, the micro-batches run
-    through p stages with a (p−1)-slot bubble and a point-to-point activation send per slot.
+    extrapolated), used instead of the analytic collective list. With parallel.pp_stages = P
+    (`sizes` global = the data-parallel host groups; the `stage` axis is added) the step is the
+    engine's pipeline (boost_jax/train/pipeline.py): m+P−1 ticks with a forward (F = the
+    stage's k = ceil(L/P) layers + head) and m+P−1 with a backward (B = F re-run + its
+    backward), so compute = (m+P−1)·(F+B) — bubble (P−1)/(m+P−1) — and 2(m+P−1)−1
+    activation sends on the critical path.
     """
     a = assumptions or Assumptions()
     m = cfg.model
+    sizes = with_stages(cfg, sizes)
     mode, t = tp_info(cfg, sizes)
     st, pl = state_sizes(cfg, sizes)
-    n_dev = _size(sizes, AXES)
+    n_dev = int(math.prod(sizes.values()))
     n_batch = _size(sizes, pl.batch_axes)
     micro = cfg.train.micro_batches
     s = cfg.data.seq_len
     b = cfg.train.global_batch // micro // n_batch  # sequences per device per micro-batch
     peak, hbm = topo.peak_flops, HBM_BW.get(topo.name, 1.6e12)
-    pp = pipeline_stages
-    L = m.n_layers // pp
+    pp = cfg.parallel.pp_stages
+    L = layers_per_stage(m.n_layers, pp) if pp > 1 else m.n_layers
+    ticks = micro + pp - 1
     bm = block_model(m, b, s, mode, t, a.attention)
     hm = head_model(m, b, s, mode, t)
 
-    def block_times(model: BlockModel, layers: int):
+    def block_times(model: BlockModel) -> tuple[float, float, float]:
+        """(forward, backward, remat replay) of one block or the head."""
         fwd = sum(op_time(o, peak, hbm, a) for o in model.ops)
         bwd = sum(op_time(o, peak, hbm, a, backward=True) for o in model.ops)
         if cfg.train.remat == "full" or (cfg.train.remat == "lowrank" and m.arch == "full"):
@@ -295,26 +338,41 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
             rec = sum(op_time(o, peak, hbm, a) for o in model.ops if not o.lowrank_saved)
         else:
             rec = 0.0
-        return layers * (fwd + bwd + rec)
+        return fwd, bwd, rec
 
+    (bf, bb, br), (hf, hb, hr) = block_times(bm), block_times(hm)
+    if pp == 1:
+        t_compute = micro * (L * (bf + bb + br) + hf + hb + hr)
+    else:
+        t_f = L * bf + hf
+        t_compute = ticks * (t_f + t_f + L * (bb + br) + hb + hr)
     remat_replays = cfg.train.remat == "full" or (cfg.train.remat == "lowrank"
                                                   and bm.replays_collectives_lowrank)
-    t_comp_micro = block_times(bm, L) + (block_times(hm, 1) if pp == 1 else
-                                         block_times(hm, 1) / pp)
-    # TP collectives of one micro-batch (analytic; measured ones replace them below)
+    fwd_calls, bwd_calls = fetch_calls(cfg)
+    # TP collectives (analytic; measured ones replace them below)
     tp_axes = cfg.parallel.tp_axes
     colls: list[Coll] = []
     if t > 1:
         lv = level_of(tp_axes)
         for c in bm.fwd:
             colls.append(Coll(f"tp_fwd_{c.name}", c.kind, c.payload, t, lv,
-                              micro * L * (2 if remat_replays else 1), "tp", tuple(tp_axes)))
-        for c in bm.bwd:
-            colls.append(Coll(f"tp_bwd_{c.name}", c.kind, c.payload, t, lv, micro * L, "tp",
+                              L * (fwd_calls + (bwd_calls if remat_replays else 0)), "tp",
                               tuple(tp_axes)))
-        for c in hm.fwd + hm.bwd:
-            colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv,
-                              micro / (pp if pp > 1 else 1), "tp", tuple(tp_axes)))
+        for c in bm.bwd:
+            colls.append(Coll(f"tp_bwd_{c.name}", c.kind, c.payload, t, lv, L * bwd_calls, "tp",
+                              tuple(tp_axes)))
+        for c in hm.fwd:
+            colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, fwd_calls, "tp",
+                              tuple(tp_axes)))
+        for c in hm.bwd:
+            colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, bwd_calls, "tp",
+                              tuple(tp_axes)))
+    if pp > 1:
+        from boost_jax.train.pipeline import Schedule
+
+        sends = Schedule(cfg.parallel.pp_schedule, pp, micro).sends
+        colls.append(Coll("stage_send", "collective-permute", stage_send_bytes(cfg, sizes, b),
+                          2, "global", sends, "tp", (STAGE,)))
     colls += dp_collectives(cfg, sizes, st, pl)
     notes = []
     if measured is not None:
@@ -323,38 +381,27 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     else:
         comm = CommSummary.of(colls, topo, a)
         notes.append("collectives: analytic (the step's placement, not compiled)")
+    if pp > 1:
+        notes.append(f"pipeline: {pp} stages of {L} layers, {cfg.parallel.pp_schedule} over "
+                     f"{micro} micro-batches: bubble {(pp - 1) / ticks:.0%}, each B tick re-runs "
+                     "its stage forward")
     t_tp = comm.phase_time.get("tp", 0.0)
     t_dp = comm.phase_time.get("dp", 0.0)
     t_stepc = comm.phase_time.get("step", 0.0)
     # optimizer: fp32 master/m/v/grad read+written on the opt_state shard (memory bound)
     opt_bytes = st.opt * (4 + 4 + 4 + 4) * 2 + st.params * DTYPE_BYTES[m.param_dtype]
     t_opt = opt_bytes / (a.eta_hbm * hbm) + 40 * a.launch_s
-    t_compute = micro * t_comp_micro
-    p2p = 0.0
-    if pp > 1:
-        # 1F1B: (micro + p − 1) slots of one stage's fwd+bwd; an activation send per slot
-        e = DTYPE_BYTES[m.dtype]
-        act = e * b * s * m.d_model / max(t, 1)
-        p2p = 2 * (micro + pp - 1) * (act / (topo.bw_global * a.eta_net) + topo.lat_global)
-        t_compute = (micro + pp - 1) * t_comp_micro
-        t_tp = t_tp * (micro + pp - 1) / micro
-        notes.append(f"pipeline: {pp} stages, 1F1B with {micro} micro-batches modelled "
-                     "analytically (not implemented in the step)")
+    # the stage sends (part of t_tp: on the critical path), reported apart
+    p2p = sum(coll_time(c, topo, a) for c in colls if c.name == "stage_send") \
+        if measured is None else 0.0
     exposed_dp = max(0.0, t_dp - a.dp_overlap * t_compute)
-    total = t_compute + t_tp + exposed_dp + t_stepc + t_opt + p2p
-    total_overlap = t_compute + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt + p2p
+    total = t_compute + t_tp + exposed_dp + t_stepc + t_opt
+    total_overlap = t_compute + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt
     tokens = cfg.train.global_batch * s
     fpt = flops_per_token(m, s)
-    model_flops = fpt["train"] * tokens / (n_dev * pp)
-    rec_factor = 4 / 3 if cfg.train.remat != "none" else 1.0
+    model_flops = fpt["train"] * tokens / n_dev
+    rec_factor = (4 / 3 if cfg.train.remat != "none" else 1.0) + (1 / 3 if pp > 1 else 0.0)
     mem = memory_estimate(cfg, sizes, st, pl, bm, hm, b)
-    if pp > 1:
-        for k in ("weights", "master", "adam", "grads", "gathered_weights", "activations",
-                  "secondary", "arguments"):
-            if k in mem:
-                mem[k] /= pp
-        mem["activations"] *= min(pp, micro)  # 1F1B keeps up to p micro-batches in flight
-        mem["total"] = sum(v for k, v in mem.items() if k not in ("arguments", "total"))
     mem["hbm"] = topo.hbm_bytes
     mem["fits"] = mem["total"] <= a.hbm_usable * topo.hbm_bytes
     per_level = {lv: comm.level_bytes.get(lv, 0.0) for lv in AXES}
@@ -363,6 +410,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     return Prediction(
         layout=dict(plan=cfg.parallel.plan, tp_mode=mode, tp_axes=list(tp_axes), tp=t,
                     remat=cfg.train.remat, micro_batches=micro, pipeline_stages=pp,
+                    pp_schedule=cfg.parallel.pp_schedule if pp > 1 else None,
                     placement=pl.describe()),
         sizes=dict(sizes), devices=n_dev, tokens_per_step=tokens, micro_batch_per_device=b,
         micro_batches=micro, flops_per_device=model_flops,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from boost_jax.errors import UserError
-from boost_jax.mesh import AXES, Topology
+from boost_jax.mesh import STAGE, Topology
 from boost_jax.plan.collectives import CommSummary, colls_from_report
 from boost_jax.plan.costmodel import Assumptions, Prediction, predict, state_sizes
 from boost_jax.plan.roofline import DTYPE_BYTES
@@ -47,20 +47,35 @@ def full_sizes(cfg, topo: Topology, nodes: Optional[int]) -> dict[str, int]:
     else:
         p, n = topo.pair, topo.node
         g = nodes if nodes is not None else (cfg.mesh.nodes or 1)
-    return {"pair": int(p), "node": int(n), "global": int(g)}
+    pp = cfg.parallel.pp_stages
+    if pp == 1:
+        return {"pair": int(p), "node": int(n), "global": int(g)}
+    if g % pp:
+        raise UserError(f"parallel.pp_stages={pp} does not divide the {g} nodes; choose a node "
+                        "count that is a multiple of the stages")
+    return {"pair": int(p), "node": int(n), "global": int(g) // pp, STAGE: pp}
 
 
 def compile_sizes(sizes: dict, max_devices: int) -> dict:
+    """The mesh compiled on: fewer data-parallel hosts (`global` ≥ 2 where the run has 2) when
+    the run has more devices than are simulated; pair, node and stages stay."""
     total = math.prod(sizes.values())
     if total <= max_devices:
         return dict(sizes)
-    per_node = sizes["pair"] * sizes["node"]
+    per_node = sizes["pair"] * sizes["node"] * sizes.get(STAGE, 1)
     g = max_devices // per_node
-    if g < 2:
+    if g < min(2, sizes["global"]):
+        need = per_node * min(2, sizes["global"])
         raise UserError(
-            f"cannot keep pair={sizes['pair']} x node={sizes['node']} with global>=2 on "
-            f"{max_devices} simulated devices; pass --cpu-devices {2 * per_node} or more")
+            f"cannot keep pair={sizes['pair']} x node={sizes['node']} (x {sizes.get(STAGE, 1)} "
+            f"stages) with global>=2 on {max_devices} simulated devices; pass --cpu-devices "
+            f"{need} or more")
     return {**sizes, "global": min(g, sizes["global"])}
+
+
+def mesh_hosts(sizes: dict) -> list[int]:
+    """mesh.shape of `sizes`: [pair, node, hosts], the hosts holding the stages too."""
+    return [sizes["pair"], sizes["node"], sizes["global"] * sizes.get(STAGE, 1)]
 
 
 def scaled_config(cfg, sizes: dict, full: dict, n_layers: Optional[int] = None):
@@ -76,7 +91,7 @@ def scaled_config(cfg, sizes: dict, full: dict, n_layers: Optional[int] = None):
     model = cfg.model if n_layers is None else dataclasses.replace(cfg.model, n_layers=n_layers)
     return dataclasses.replace(
         cfg, model=model,
-        mesh=dataclasses.replace(cfg.mesh, shape=[sizes[a] for a in AXES], nodes=None),
+        mesh=dataclasses.replace(cfg.mesh, shape=mesh_hosts(sizes), nodes=None),
         train=dataclasses.replace(cfg.train, global_batch=gb))
 
 
@@ -103,7 +118,7 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
     from boost_jax.train.step import build_step_for_analysis
 
     c = scaled_config(cfg, sizes, full, n_layers)
-    mesh = make_mesh(topo, [sizes[x] for x in AXES], devices=jax.devices())
+    mesh = make_mesh(topo, mesh_hosts(sizes), devices=jax.devices(), stages=sizes.get(STAGE, 1))
     t0 = time.perf_counter()
     try:
         fn, args = build_step_for_analysis(c, mesh)
@@ -223,13 +238,15 @@ def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
     a = a or Assumptions()
     full = full_sizes(cfg, topo, nodes)
     small = compile_sizes(full, max_devices)
-    L = cfg.model.n_layers
+    # per-stage layers: what the compiled program's scan runs (all layers without stages)
+    pp = cfg.parallel.pp_stages
+    L = -(-cfg.model.n_layers // pp)
     notes = []
     two_point = L > full_layers_max
     if two_point:
         p1, p2 = LAYER_POINTS
-        progs = [compile_once(cfg, full, small, topo, a, p1, keep_report),
-                 compile_once(cfg, full, small, topo, a, p2, keep_report)]
+        progs = [compile_once(cfg, full, small, topo, a, p1 * pp, keep_report),
+                 compile_once(cfg, full, small, topo, a, p2 * pp, keep_report)]
         c1, c2 = progs
         w = (L - p1) / (p2 - p1)
         comm = c1.comm.combine(c2.comm, 1 - w, w)  # X(p1) + (L−p1)·(X(p2) − X(p1))/(p2−p1)
@@ -237,8 +254,9 @@ def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
         flops = _lin(c1.matmul_flops, c2.matmul_flops, L)
         xla_flops = _lin(c1.flops, c2.flops, L)
         args_c = _lin(c1.memory.get("argument", 0), c2.memory.get("argument", 0), L)
-        notes.append(f"layers: compiled with {p1} and {p2} of {L} layers; per-layer figures "
-                     "extrapolated linearly (scan over layers: cost is additive)")
+        per = " per stage" if pp > 1 else ""
+        notes.append(f"layers: compiled with {p1} and {p2} of {L} layers{per}; per-layer "
+                     "figures extrapolated linearly (scan over layers: cost is additive)")
     else:
         progs = [compile_once(cfg, full, small, topo, a, None, keep_report)]
         comm, temp = progs[0].comm, progs[0].memory.get("temp", 0)
@@ -247,7 +265,9 @@ def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
     glob = small["global"] != full["global"]
     if glob:
         notes.append(f"mesh: compiled on pair={small['pair']} x node={small['node']} x "
-                     f"global={small['global']} ({math.prod(small.values())} devices) instead "
+                     f"global={small['global']}"
+                     + (f" x stage={small[STAGE]}" if STAGE in small else "")
+                     + f" ({math.prod(small.values())} devices) instead "
                      f"of global={full['global']}; collectives spanning `global` re-costed at "
                      "the full group size, persistent state from the placement formula at the "
                      "full size")

@@ -12,8 +12,8 @@ BOOST (MLSys 2026), iteration seconds, seq 4096, batch 4, A100 (Perlmutter, 40 G
                  BTP = CoLA + BTP. One TP group (TP2: one NVLink pair; TP4: one node), no DP.
     remat        whole-block recompute for all three (the reference code's only checkpointing
                  mode, DESIGN.md); flash attention (the published stacks use it).
-    13B PP2      2 pipeline stages over 2 nodes, the batch as 4 micro-batches of 1 (1F1B):
-                 modelled analytically (we do not implement pipelines) — marked in the table.
+    13B PP2      2 pipeline stages over 2 nodes, the batch as 4 micro-batches of 1, 1F1B:
+                 the engine's pipeline (parallel.pp_stages=2), costed by plan/costmodel.py.
 LBP (arXiv 2501.04266), 20B GPT on Frontier:
     shape        GPT-NeoX-20B: d=6144 L=44 H=64 vocab 50432, seq 2048; its 2-matrix 4d MLP
                  is replaced by our SwiGLU with d_ff = 16384 (same parameter count, 20.6B).
@@ -66,7 +66,8 @@ def boost_config(size: str, method: str, remat: str = "full", topology: str = "p
         f"model.n_layers={sh['L']}", f"model.n_heads={sh['H']}", f"model.d_ff={sh['d_ff']}",
         f"model.rank={sh['d'] // 4}", "model.max_seq_len=4096", "data.seq_len=4096",
         "model.param_dtype=bfloat16", "model.dtype=bfloat16", f"parallel.tp_mode={mode}",
-        f"parallel.tp_axes={axes}", "train.global_batch=4", f"train.micro_batches={micro}",
+        f"parallel.tp_axes={axes}", f"parallel.pp_stages={sh['pp']}",
+        "train.global_batch=4", f"train.micro_batches={micro}",
         f"train.remat={remat}", f"mesh.topology={topology}", *extra])
 
 
@@ -82,7 +83,7 @@ def boost_predictions(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
     for size in sizes:
         sh = BOOST_SHAPES[size]
         out[size] = {m: predict(boost_config(size, m, remat, topology), topo, boost_sizes(size),
-                                assumptions, pipeline_stages=sh["pp"])
+                                assumptions)
                      for m, _, _ in BOOST_METHODS}
     return out
 
@@ -139,7 +140,7 @@ def boost_tables(preds: dict) -> tuple[str, str, list]:
     for size, by_m in preds.items():
         sh = BOOST_SHAPES[size]
         pub = dict(zip(("full", "vanilla", "btp"), BOOST_PUBLISHED[size]))
-        par = f"TP{sh['tp']}" + (f" PP{sh['pp']}*" if sh["pp"] > 1 else "")
+        par = f"TP{sh['tp']}" + (f" PP{sh['pp']}" if sh["pp"] > 1 else "")
         for m in ("full", "vanilla", "btp"):
             p = by_m[m]
             err = rel_err(p.step_time, pub[m])

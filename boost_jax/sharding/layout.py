@@ -37,7 +37,11 @@ class LeafLayout:
 
     shape: logical (model) shape; padded: stored shape (== shape unless `pad`);
     dim: the data-parallel sharded dim (None: replicated over every DP role);
-    tp: per-dim TP axes (() for none); layer_axis: dim 0 is a scanned layer axis.
+    tp: per-dim model-parallel axes (() for none): TP axes, and the pipeline `stage` axis on
+    dim 0 of a stage-split array (boost_jax/sharding/stages.py);
+    layer_axis: dim 0 is a scanned layer axis (or the stage slots of a pipeline end weight);
+    owner: a pipeline end weight stored as [stages, *leaf]: the slot holding the real leaf
+    (the others are zeros).
     """
 
     shape: tuple[int, ...]
@@ -45,6 +49,7 @@ class LeafLayout:
     dim: Optional[int]
     tp: tuple[tuple[str, ...], ...]
     layer_axis: bool = False
+    owner: Optional[int] = None
 
     @property
     def pad(self) -> int:
@@ -52,7 +57,8 @@ class LeafLayout:
 
     @property
     def numel(self) -> int:
-        return int(math.prod(self.shape))
+        """Logical parameters (one slot of a pipeline end weight)."""
+        return int(math.prod(self.shape[1:] if self.owner is not None else self.shape))
 
     @property
     def padded_numel(self) -> int:
@@ -115,19 +121,24 @@ def is_layout(x) -> bool:
 
 
 def pad(lay: LeafLayout, x):
-    """Logical array → stored (zero-padded) array."""
-    if not lay.pad:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[lay.dim] = (0, lay.pad)
-    return jnp.pad(x, widths)
+    """Logical array → stored (zero-padded; a pipeline end weight into its owner's slot)."""
+    if lay.owner is not None:
+        x = x[None]
+    widths = [(0, p - s) for s, p in zip(lay.shape[-x.ndim:], lay.padded[-x.ndim:])]
+    if lay.owner is not None:
+        widths[0] = (lay.owner, lay.padded[0] - lay.owner - 1)
+    return jnp.pad(x, widths) if any(w != (0, 0) for w in widths) else x
 
 
 def unpad(lay: LeafLayout, x):
     """Stored (padded) array → logical array."""
-    if not lay.pad:
+    if lay.owner is not None:
+        x, shape = x[lay.owner], lay.shape[1:]
+    else:
+        shape = lay.shape
+    if tuple(x.shape) == tuple(shape):
         return x
-    return jax.lax.slice_in_dim(x, 0, lay.shape[lay.dim], axis=lay.dim)
+    return x[tuple(slice(0, s) for s in shape)]
 
 
 def pad_tree(layouts, tree):

@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.errors import ConfigError
 from boost_jax.mesh import AXES, axis_size
+from boost_jax.sharding import stages
 from boost_jax.sharding.layout import LeafLayout, choose_layout, spec_entry
 from boost_jax.sharding.tp.specs import tp_param_specs
 
@@ -266,6 +267,7 @@ def resolve_roles(cfg) -> dict:
 def make_placement(cfg, mesh, abstract_params=None) -> Placement:
     """The plan's Placement; with `abstract_params` (pure dict of shapes) it carries layouts."""
     par = cfg.parallel
+    stages.validate(cfg)
     r = resolve_roles(cfg)
     tp, dp = r["tp"], r["dp"]
     deferred = tuple(a for a in r["batch"] if a not in r["grads"])
@@ -313,9 +315,16 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
         return choose_layout(x.shape, n, tp, layer, mesh)
 
     if tp_specs is None:
-        return jax.tree_util.tree_map_with_path(one, abstract_params)
-    return jax.tree_util.tree_map_with_path(one, abstract_params, tp_specs,
-                                            is_leaf=lambda s: isinstance(s, P))
+        layouts = jax.tree_util.tree_map_with_path(one, abstract_params)
+    else:
+        layouts = jax.tree_util.tree_map_with_path(one, abstract_params, tp_specs,
+                                                   is_leaf=lambda s: isinstance(s, P))
+    P_ = cfg.parallel.pp_stages
+    if P_ == 1:
+        return layouts
+    return jax.tree_util.tree_map_with_path(
+        lambda path, lay: stages.stage_layout(_path_key(path), lay, cfg.model.n_layers, P_),
+        layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
 
 
 

@@ -168,10 +168,11 @@ def digest_mismatch(got: dict, want) -> Optional[str]:
 
 class Checkpointer:
     def __init__(self, directory: str, cfg: CheckpointConfig,
-                 warn: Optional[Callable[[str], None]] = None):
+                 warn: Optional[Callable[[str], None]] = None, stages: int = 1):
         import jax
 
         self.directory = os.path.abspath(directory)
+        self.stages = stages  # pipeline stages of the state restored into (train/restage.py)
         self.async_save = cfg.async_save
         self._warn = warn or (lambda msg: None)
         self._primary = jax.process_index() == 0
@@ -275,11 +276,18 @@ class Checkpointer:
     # ------------------------------------------------------------------ restoring
 
     def restore(self, step: int, abstract_state: Any):
+        from boost_jax.train import restage
+
+        old = restage.saved_stages(self.restore_meta(step))
+        target = abstract_state if old == self.stages else restage.restore_target(
+            abstract_state, restage.saved_shapes(os.path.join(self.directory, str(step))), old,
+            self.stages)
         out = self.mngr.restore(step, args=ocp.args.Composite(
             # strict=False: padded shapes differ between plans/meshes; padding is zeros at the end
-            state=ocp.args.StandardRestore(abstract_state, strict=False),
+            state=ocp.args.StandardRestore(target, strict=False),
             data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()))
-        return out["state"], out["data"], out["meta"]
+        state = restage.convert(out["state"], abstract_state, old, self.stages)
+        return state, out["data"], out["meta"]
 
     def restore_meta(self, step: int) -> dict:
         return self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]

@@ -35,11 +35,13 @@ from boost_jax.backends import cpu as cpu_quirks
 from boost_jax.layers import forward
 from boost_jax.layers.forward import RESIDUAL_NAME
 from boost_jax.layers.linear import LATENT_NAME
+from boost_jax.mesh import STAGE
 from boost_jax.sharding.gather import SECONDARY_NAME, LeafFetch, fetch_tree, slot_like
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
 from boost_jax.sharding.placement import Placement
 from boost_jax.sharding.tp.common import REDUCED_NAME
 from boost_jax.sharding.tp.specs import make_ops, validate_tp
+from boost_jax.train.pipeline import Pipeline
 
 
 def remat_wrapper(remat: str, gathers: bool) -> Callable:
@@ -90,6 +92,7 @@ class Engine:
             forward.Local(cfg.model, self.fetch)
         self.typed = cpu_quirks.check_vma(cfg)
         self.tp_size = math.prod(dict(self.sizes)[a] for a in pl.tp_axes)
+        self.pipeline = Pipeline(self) if STAGE in self.mesh.shape else None
 
     # ------------------------------------------------------------------ per-device pieces
     def fetch(self, stored, slots, path):
@@ -158,35 +161,48 @@ class Engine:
         def body(params, batch):
             mb = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]),
                               batch)
+            acc0 = jax.tree.map(lambda z: z.astype(acc_dtype), self.slots())
+            if self.pipeline is not None:
+                loss, acc = self.pipeline.run(params, mb, self.tie, scale, True, acc0)
+            else:
+                def one(acc, b):
+                    p = self.tie(params, b["inputs"])
+                    loss_fn = lambda s: self.local_loss(p, b, s) * scale  # noqa: E731
+                    loss, g = jax.value_and_grad(loss_fn)(self.slots())
+                    return jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g), loss
 
-            def one(acc, b):
-                # tie the weights to this micro-batch: XLA may not hoist their (loop-invariant)
-                # gathers out of the loop, so full weights never stay alive across micro-batches.
-                # One barrier per leaf: a barrier types its outputs with the union of its
-                # operands' varying axes, and a TP-replicated weight must stay invariant over TP
-                p = jax.tree.map(lambda x: jax.lax.optimization_barrier((x, b["inputs"]))[0],
-                                 params)
-                loss_fn = lambda s: self.local_loss(p, b, s) * scale  # noqa: E731
-                loss, g = jax.value_and_grad(loss_fn)(self.slots())
-                return jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g), loss
-
-            acc, losses = jax.lax.scan(one, self.slots(), mb)
+                acc, losses = jax.lax.scan(one, acc0, mb)
+                loss = jnp.sum(losses)
             grads = jax.tree.map(self.reduce_deferred, self.pl.layouts, acc, is_leaf=is_layout)
             if not self.typed:
                 grads = cpu_quirks.untyped_tp_grads(self, grads)
-            return self.total(jnp.sum(losses)), grads
+            return self.total(loss), grads
 
         return self.smap(body, (pspec, bspec), (P(), gspec))
 
+    @staticmethod
+    def tie(params, anchor):
+        """The weights tied to one micro-batch: XLA may not hoist their (loop-invariant)
+        gathers out of the loop, so full weights never stay alive across micro-batches. One
+        barrier per leaf: a barrier types its outputs with the union of its operands' varying
+        axes, and a TP-replicated weight must stay invariant over TP."""
+        return jax.tree.map(lambda x: jax.lax.optimization_barrier((x, anchor))[0], params)
+
     def total(self, loss):
-        """Σ of per-device scaled losses over the data-parallel devices (identical over TP)."""
-        return jax.lax.psum(loss, self.pl.batch_axes) if self.pl.batch_axes else loss
+        """Σ of per-device scaled losses over the data-parallel devices (identical over TP;
+        with pipeline stages only the last stage's is not zero)."""
+        axes = self.pl.batch_axes + ((STAGE,) if self.pipeline is not None else ())
+        return jax.lax.psum(loss, axes) if axes else loss
 
     def loss_fn(self) -> Callable:
         """(params, batch) -> mean loss (evaluation: forward only, no slots)."""
         pspec, bspec, _ = self.specs()
 
         def body(params, batch):
+            if self.pipeline is not None:
+                mb = jax.tree.map(lambda x: x[None], batch)
+                loss, _ = self.pipeline.run(params, mb, self.tie, 1.0 / self.n_batch, False)
+                return self.total(loss)
             return self.total(self.local_loss(params, batch) / self.n_batch)
 
         return self.smap(body, (pspec, bspec), P())

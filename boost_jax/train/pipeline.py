@@ -1,0 +1,220 @@
+"""Pipeline parallelism inside the engine's shard_map: stages pass activations by collective-permute.
+
+P stages (the mesh's `stage` axis, boost_jax/sharding/stages.py), m micro-batches, lock-step
+ticks; at tick t stage s runs the forward (F) of micro-batch f(t, s) and/or the backward (B) of
+micro-batch b(t, s):
+
+    1f1b   warmup P−1 ticks F · steady m ticks F and B · cooldown P−1 ticks B
+           f = t − s,  b = t − 2(P−1) + s
+           stage s holds the inputs of micro-batches b..f: at most 2(P−1−s)+1 ≤ 2P−1, flat in m
+    gpipe  m+P−1 ticks F, then m+P−1 ticks B
+           f = t − s,  b = t − (m+P−1) − (P−1−s)
+           stage s holds the inputs of all m micro-batches
+
+A tick costs the time of one F plus (in the steady phase) one B whatever a stage does, so both
+keep every stage busy m of m+P−1 tick-slots: bubble (P−1)/(m+P−1).
+
+F: the stage forward (the embedding on stage 0, its layers, the final norm + head + loss on
+stage P−1) on the activation received from s−1; its output goes to s+1 and its input is saved.
+B: `jax.vjp` of the same stage forward, re-run from the saved input (GPipe's re-materialization:
+a stage keeps only [rows, s, d] per micro-batch in flight; the layer remat policy applies
+inside) with the gradient received from s+1 (stage P−1: the loss's); the input's gradient goes
+to s−1, and the weights' gradients, reduce-scattered into the grads sharding by
+sharding/gather.py as without stages, are added to the accumulator. A tick outside a stage's
+range of micro-batches computes on stale data and is masked: the only collectives that cross
+stages are these sends (and the step's scalar loss).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from boost_jax.layers import forward
+from boost_jax.mesh import STAGE
+from boost_jax.sharding.gather import to_varying
+from boost_jax.sharding.stages import ENDS, layers_per_stage
+
+
+@dataclass(frozen=True)
+class Schedule:
+    kind: str  # 1f1b | gpipe
+    stages: int
+    micro: int
+
+    @property
+    def phases(self) -> tuple[tuple[int, bool, bool, bool], ...]:
+        """(ticks, forward?, backward?, send?) in order; the final tick sends nothing (its
+        input gradient would go to no stage)."""
+        P, m = self.stages, self.micro
+        if self.kind == "1f1b":
+            ph = ((P - 1, True, False, True), (m, True, True, True), (P - 2, False, True, True))
+        else:
+            ph = ((m + P - 1, True, False, True), (m + P - 2, False, True, True))
+        return tuple(p for p in ph + ((1, False, True, False),) if p[0] > 0)
+
+    def forward_micro(self, t, s):
+        return t - s
+
+    def backward_micro(self, t, s):
+        P, m = self.stages, self.micro
+        if self.kind == "1f1b":
+            return t - 2 * (P - 1) + s
+        return t - (m + P - 1) - (P - 1 - s)
+
+    @property
+    def depth(self) -> int:
+        """Stage inputs a device keeps (its buffer holds one more slot for masked writes)."""
+        return min(self.micro, 2 * self.stages - 1) if self.kind == "1f1b" else self.micro
+
+    @property
+    def sends(self) -> int:
+        """Collective-permutes per step: one per tick with F plus one per tick with B, but
+        the final tick's: 2(m+P−1) − 1 for both schedules."""
+        return sum(n * (int(f) + int(b)) for n, f, b, send in self.phases if send)
+
+    @property
+    def bubble(self) -> float:
+        return (self.stages - 1) / (self.micro + self.stages - 1)
+
+
+def _varying(sds) -> frozenset:
+    mat = getattr(sds, "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", ()) or getattr(sds, "vma", ()) or ())
+
+
+def squeeze_ends(tree):
+    """The stage-slot dim of the end weights off (a device holds one slot)."""
+    if tree is None:
+        return None
+    return {k: (jax.tree.map(lambda x: x[0], v) if k in ENDS else v) for k, v in tree.items()}
+
+
+def send(tree, stages: int, step: int):
+    """Each stage's `tree` to stage s+step (step ±1); the stage with no sender gets zeros."""
+    perm = [(i, i + step) for i in range(stages) if 0 <= i + step < stages]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, STAGE, perm), tree)
+
+
+class Pipeline:
+    """The loss and gradient of one device's stage over a schedule (used by train/engine.py)."""
+
+    def __init__(self, engine):
+        self.e = engine
+        cfg = engine.cfg
+        self.P = int(engine.mesh.shape[STAGE])
+        self.L = cfg.model.n_layers
+        self.k = layers_per_stage(self.L, self.P)
+        self.kind = cfg.parallel.pp_schedule
+
+    # ------------------------------------------------------------------ one stage
+    def stage_fn(self, params, slots, x, tokens, targets):
+        """x = (h, latents) from the previous stage (None: start from the embedding)
+        → ((h, latents) for the next stage, this stage's loss (meaningful on the last))."""
+        e, cfg = self.e, self.e.cfg.model
+        ops, s = e.ops, jax.lax.axis_index(STAGE)
+        p, sl = squeeze_ends(params), squeeze_ends(slots)
+        part = lambda key: None if sl is None else sl[key]  # noqa: E731
+        emb = ops.fetch(p["embed"], part("embed"), ("embed",))
+        h, prev = ops.embed(emb["embedding"], tokens), ops.init_prev(tokens)
+        if x is not None:
+            first = s == 0
+            h = jnp.where(first, h, x[0])
+            prev = jax.tree.map(lambda a, b: jnp.where(first, a, b), prev, x[1])
+        elif e.typed:  # typing only (zeros_like_outputs): latents pass stage-varying weights
+            prev = jax.tree.map(lambda a: to_varying(a, (STAGE,)), prev)
+        active = s * self.k + jnp.arange(self.k) < self.L
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        h, prev = forward.run_blocks(ops, cfg, p["blocks"], part("blocks"), h, positions, prev,
+                                     e.checkpoint, active)
+        scale, w = forward.head_weights(ops, cfg, p, sl)
+        return (h, prev), ops.head_loss(h, scale, w, targets)
+
+    def zeros_like_outputs(self, params, slots, tokens, targets):
+        """Zero (activation, latents) and loss typed as the stage forward's outputs."""
+        def typed(sds):
+            z = jnp.zeros(sds.shape, sds.dtype)
+            return to_varying(z, tuple(_varying(sds))) if self.e.typed else z
+
+        x = None
+        for _ in range(3):  # the carry's type: a fixed point of the stage forward
+            out, loss = jax.eval_shape(lambda x: self.stage_fn(params, slots, x, tokens, targets),
+                                       x)
+            new = jax.tree.map(typed, out)
+            if x is not None and jax.tree.map(_varying, out) == jax.tree.map(_varying, prev_out):
+                break
+            x, prev_out = new, out
+        return x, typed(loss)
+
+    # ------------------------------------------------------------------ the schedule
+    def run(self, params, mb, tie, scale: float, backward: bool, acc=None):
+        """All ticks of the schedule over micro-batches `mb` ([m, rows, s] each).
+
+        Returns (Σ over this device's valid last-stage forwards of loss · scale, accumulated
+        gradient slots or None)."""
+        e, P = self.e, self.P
+        m = mb["inputs"].shape[0]
+        sch = Schedule(self.kind if backward else "gpipe", P, m)
+        s = jax.lax.axis_index(STAGE)
+        last = s == P - 1
+        slots = e.slots() if backward else None
+        x0, loss0 = self.zeros_like_outputs(params, slots, mb["inputs"][0], mb["targets"][0])
+        D = sch.depth
+        carry = {"fin": x0, "gin": x0, "loss": loss0,
+                 "buf": jax.tree.map(lambda z: jnp.zeros((D + 1, *z.shape), z.dtype) + z, x0)}
+        if backward:
+            carry["acc"] = acc
+
+        def micro(i):
+            i = jnp.clip(i, 0, m - 1)
+            return mb["inputs"][i], mb["targets"][i]
+
+        def forward_tick(c, t):
+            f = sch.forward_micro(t, s)
+            ok = (f >= 0) & (f < m)
+            tok, tgt = micro(f)
+            p = tie(params, tok)
+            x_out, loss = self.stage_fn(p, slots, c["fin"], tok, tgt)
+            slot = jnp.where(ok, jnp.mod(f, D), D)  # masked writes land in the spare slot
+            c = dict(c, buf=jax.tree.map(lambda b, x: b.at[slot].set(x), c["buf"], c["fin"]),
+                     loss=c["loss"] + jnp.where(ok & last, loss * scale, 0.0))
+            return c, x_out
+
+        def backward_tick(c, t):
+            b = sch.backward_micro(t, s)
+            ok = (b >= 0) & (b < m)
+            tok, tgt = micro(b)
+            p = tie(params, tok)
+            x_b = jax.tree.map(lambda buf: buf[jnp.mod(b, D)], c["buf"])
+            g_out = jax.tree.map(lambda g: jnp.where(ok & ~last, g, jnp.zeros_like(g)), c["gin"])
+            g_loss = jnp.where(ok & last, scale, 0.0).astype(loss0.dtype) + loss0
+            _, vjp = jax.vjp(lambda sl, x: self.stage_fn(p, sl, x, tok, tgt), slots, x_b)
+            g_slots, g_x = vjp((g_out, g_loss))
+            acc = jax.tree.map(lambda a, g: a + jnp.where(ok, g.astype(a.dtype),
+                                                          jnp.zeros_like(a)), c["acc"], g_slots)
+            return dict(c, acc=acc), g_x
+
+        t0 = 0
+        for n, do_f, do_b, do_send in sch.phases:
+            if do_b and not backward:
+                continue
+
+            def tick(c, t, do_f=do_f, do_b=do_b, do_send=do_send):
+                if do_f:
+                    c, c_fin = forward_tick(c, t)
+                if do_b:
+                    c, c_gin = backward_tick(c, t)
+                if do_f and do_send:
+                    c = dict(c, fin=send(c_fin, P, +1))
+                if do_b and do_send:
+                    c = dict(c, gin=send(c_gin, P, -1))
+                return c, None
+
+            carry, _ = jax.lax.scan(tick, carry, jnp.arange(t0, t0 + n, dtype=jnp.int32))
+            t0 += n
+        return carry["loss"], carry.get("acc")
+
+
+__all__ = ["Schedule", "Pipeline", "squeeze_ends", "send"]

@@ -1,0 +1,108 @@
+"""Restoring a checkpoint saved with another number of pipeline stages.
+
+A checkpoint holds the stored state (boost_jax/sharding/stages.py): with P > 1 stages the end
+weights (embedding, final norm, head, and their optimizer moments) are stacked as
+[P, *leaf] with the real leaf in their owner's slot, and the block arrays are zero-padded to
+P·ceil(L/P) layers. Orbax's non-strict restore already pads or truncates zeros at the end of
+each dim (other plans, meshes, layer padding); the end weights move between slots here: they
+are read in their saved shape (replicated: they are a small part of the model, and this
+happens once per resume), their leaf taken from the saved owner's slot, fitted to the new
+padding and put into the new owner's slot.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from boost_jax.sharding.stages import ENDS, owner
+
+
+def saved_stages(meta: Optional[dict]) -> int:
+    """Pipeline stages of the run that wrote a checkpoint (1 for runs before stages)."""
+    cfg = (meta or {}).get("config") or {}
+    return int((cfg.get("parallel") or {}).get("pp_stages", 1) or 1)
+
+
+def end_of(path) -> Optional[str]:
+    """The end weight (embed, final_norm, lm_head) a state leaf belongs to, if any."""
+    for k in path:
+        key = getattr(k, "key", getattr(k, "name", None))
+        if key in ENDS:
+            return key
+    return None
+
+
+def _replicated(sds):
+    sh = getattr(sds, "sharding", None)
+    if isinstance(sh, NamedSharding):
+        return NamedSharding(sh.mesh, P())
+    return sh
+
+
+def _key(path) -> tuple:
+    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def shapes_by_path(tree: Any) -> dict:
+    """{normalised key path: shape} of a tree of arrays or array metadata (orbax writes
+    optax's named tuples as dicts: paths are compared by their key names)."""
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+    return {_key(p): tuple(x.shape) for p, x in flat if x is not None}
+
+
+def saved_shapes(step_dir: str) -> dict:
+    """{key path: shape} of a checkpoint step's state arrays (its metadata; nothing read)."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(step_dir) / "state")
+    return shapes_by_path(getattr(tree, "tree", tree))
+
+
+def restore_target(abstract_state: Any, saved: dict, old: int, new: int) -> Any:
+    """The abstract state to read: end leaves in their saved shape (`saved` from
+    shapes_by_path of the checkpoint's metadata), replicated."""
+    if old == new:
+        return abstract_state
+
+    def one(path, sds):
+        if end_of(path) is None:
+            return sds
+        return jax.ShapeDtypeStruct(saved[_key(path)], sds.dtype, sharding=_replicated(sds))
+
+    return jax.tree_util.tree_map_with_path(one, abstract_state)
+
+
+def fit(x, shape):
+    """Zero-pad or truncate every dim at its end (what a non-strict restore does)."""
+    x = x[tuple(slice(0, min(a, b)) for a, b in zip(x.shape, shape))]
+    widths = [(0, b - a) for a, b in zip(x.shape, shape)]
+    return jnp.pad(x, widths) if any(w for _, w in widths) else x
+
+
+def convert(restored: Any, abstract_state: Any, old: int, new: int) -> Any:
+    """The restored state (end leaves in their saved shape) → the stored form of `new` stages."""
+    if old == new:
+        return restored
+
+    def one(path, x, sds):
+        end = end_of(path)
+        if end is None:
+            return x
+        leaf = x[owner(end, old)] if old > 1 else x
+        if new == 1:
+            return fit(leaf, sds.shape)
+        stacked = jnp.zeros(sds.shape, sds.dtype)
+        return stacked.at[owner(end, new)].set(fit(leaf, sds.shape[1:]).astype(sds.dtype))
+
+    shardings = jax.tree.map(lambda s: getattr(s, "sharding", None), abstract_state)
+    fn = jax.jit(lambda t: jax.tree_util.tree_map_with_path(one, t, abstract_state),
+                 out_shardings=shardings)
+    return fn(restored)
+
+
+__all__ = ["saved_stages", "end_of", "shapes_by_path", "saved_shapes", "restore_target", "fit", "convert"]
