@@ -226,7 +226,7 @@ def make_mesh(topology: str | Topology = "cpu", shape: Optional[Sequence[int]] =
                     axis_types=(AxisType.Auto,) * 3)
     if g % stages:
         raise ConfigError(
-            f"parallel.pp_stages={stages} does not divide the {g} host groups of the `global` "
+            f"parallel.pp_stages={stages} does not divide the {g} host groups of the global "
             f"axis (mesh {p}x{n}x{g}); choose stages that divide {g}, or more nodes")
     arr = arr.reshape(stages, g // stages, n, p).transpose(3, 2, 1, 0)
     return Mesh(arr, AXES + (STAGE,), axis_types=(AxisType.Auto,) * 4)

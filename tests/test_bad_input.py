@@ -58,7 +58,7 @@ ROWS = {
         r"train\.micro_batches=1 < parallel\.pp_stages=2; set train\.micro_batches>=2"),
     "pp_stages_not_dividing_global": (
         ["model.n_layers=3", "parallel.pp_stages=3", "train.micro_batches=4"],
-        r"parallel\.pp_stages=3 does not divide the 2 host groups of the `global` axis"),
+        r"parallel\.pp_stages=3 does not divide the 2 host groups of the global axis"),
     "pp_stage_without_layer": (
         ["model.n_layers=5", "parallel.pp_stages=4", "mesh.shape=[2,1,4]",
          "train.micro_batches=4"],

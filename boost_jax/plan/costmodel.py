@@ -199,6 +199,7 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
 
     def add(name, kind, payload, axes, times, phase):
         """`payload`: the whole model's buffer, moved `times` per step in one call per leaf."""
+        axes = [a for a in axes if sizes.get(a, 1) > 1]  # a size-1 axis spans no link
         n = _size(sizes, axes)
         if n > 1:
             out.append(Coll(name, kind, payload / leaves, n, level_of(axes), times * leaves,

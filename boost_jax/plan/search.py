@@ -1,4 +1,5 @@
-"""Layout search: plan × TP mode × TP axes × micro-batch size × remat, ranked by the cost model.
+"""Layout search: plan × TP mode × TP axes × pipeline stages × micro-batch size × remat, ranked by
+the cost model.
 
 Every candidate is costed analytically (boost_jax.plan.costmodel: compiling hundreds of layouts
 is too slow); those whose predicted memory fits are ranked by predicted step time (the global
@@ -21,6 +22,7 @@ from boost_jax.plan.costmodel import Assumptions, Prediction, SizesMesh, predict
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 TP_AXES = ((), ("pair",), ("node",), ("pair", "node"))
 MICRO_SIZES = (1, 2, 4, 8, 16, 32)
+PP_STAGES = (1, 2, 4, 8)  # pipeline stages (1F1B) tried where they divide the hosts
 
 
 @dataclass
@@ -31,6 +33,8 @@ class Candidate:
     micro_size: int  # sequences per device per micro-batch
     micro_batches: int
     remat: str
+    pp_stages: int = 1
+    sizes: dict = field(default_factory=dict)  # the mesh: global = hosts / pp_stages
     prediction: Optional[Prediction] = None
     error: Optional[str] = None
     compiled: bool = False
@@ -38,11 +42,13 @@ class Candidate:
 
     def key(self) -> str:
         tp = f"{self.tp_mode}x{'+'.join(self.tp_axes)}" if self.tp_axes else "none"
-        return f"{self.plan}/{tp}/b{self.micro_size}/{self.remat}"
+        pp = f"/pp{self.pp_stages}" if self.pp_stages > 1 else ""
+        return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}"
 
     def config(self, cfg):
         par = dataclasses.replace(cfg.parallel, plan=self.plan, tp_mode=self.tp_mode,
-                                  tp_axes=list(self.tp_axes))
+                                  tp_axes=list(self.tp_axes), pp_stages=self.pp_stages,
+                                  pp_schedule="1f1b")
         tr = dataclasses.replace(cfg.train, micro_batches=self.micro_batches, remat=self.remat)
         return dataclasses.replace(cfg, parallel=par, train=tr)
 
@@ -66,7 +72,7 @@ class SearchResult:
             p = c.prediction
             rows.append(dict(key=c.key(), plan=c.plan, tp_mode=c.tp_mode, tp_axes=list(c.tp_axes),
                              micro_size=c.micro_size, micro_batches=c.micro_batches,
-                             remat=c.remat, step_time=p.step_time, tokens_per_s=p.tokens_per_s,
+                             pp_stages=c.pp_stages, remat=c.remat, step_time=p.step_time, tokens_per_s=p.tokens_per_s,
                              tflops_per_device=p.tflops_per_device, mfu=p.mfu,
                              memory=p.memory["total"], comm_bytes=p.comm_bytes,
                              compiled=c.compiled))
@@ -78,24 +84,25 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
     lowrank = cfg.model.arch != "full"
     modes = ("vanilla", "btp") if lowrank else ("megatron",)
     remats = ("none", "full", "lowrank") if lowrank else ("none", "full")
+    hosts = sizes["global"] * sizes.get("stage", 1)
     out = []
-    for plan, axes in itertools.product(PLANS, TP_AXES):
-        if any(sizes[a] <= 1 for a in axes):
+    for pp, plan, axes in itertools.product(PP_STAGES, PLANS, TP_AXES):
+        if hosts % pp or pp > cfg.model.n_layers or any(sizes[a] <= 1 for a in axes):
             continue
+        sz = {"pair": sizes["pair"], "node": sizes["node"], "global": hosts // pp}
+        if pp > 1:
+            sz["stage"] = pp
         for mode in (modes if axes else ("none",)):
-            tp = 1
-            for a in axes:
-                tp *= sizes[a]
             n_dp = 1
             for a in AXES:
                 if a not in axes:
-                    n_dp *= sizes[a]
+                    n_dp *= sz[a]
             for b, remat in itertools.product(MICRO_SIZES, remats):
                 per = b * n_dp
-                if cfg.train.global_batch % per:
-                    continue
+                if cfg.train.global_batch % per or cfg.train.global_batch // per < pp:
+                    continue  # 1F1B needs at least as many micro-batches as stages
                 out.append(Candidate(plan, mode, tuple(axes), b, cfg.train.global_batch // per,
-                                     remat))
+                                     remat, pp, sz))
     return out
 
 
@@ -107,11 +114,15 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
     for c in cands:
         try:
             cc = c.config(cfg)
+            if cc.parallel.pp_stages > 1:
+                from boost_jax.sharding.stages import validate as validate_stages
+
+                validate_stages(cc)
             if cc.parallel.tp_mode != "none":
                 from boost_jax.sharding.tp.specs import validate_tp
 
-                validate_tp(cc, SizesMesh(sizes))
-            c.prediction = predict(cc, topo, sizes, a)
+                validate_tp(cc, SizesMesh(c.sizes))
+            c.prediction = predict(cc, topo, c.sizes, a)
         except (ConfigError, UserError, ValueError) as e:
             c.error = str(e).splitlines()[0]
             invalid += 1
@@ -123,7 +134,8 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
 
         for c in list(res.fitting[:compile_top]):
             try:
-                dr = dry_run(c.config(cfg), topo, None, max_devices, a)
+                dr = dry_run(c.config(cfg), topo, c.sizes["global"] * c.pp_stages,
+                             max_devices, a)
             except StepCompileError as e:
                 c.error = f"compile failed: {e}"
                 continue
@@ -134,20 +146,22 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
 
 
 def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int = 15) -> str:
-    n = sizes["pair"] * sizes["node"] * sizes["global"]
-    lines = [f"layout search for {cfg.name} on {topo.name}: {sizes['global']} nodes, {n} devices, "
+    hosts = sizes["global"] * sizes.get("stage", 1)
+    n = sizes["pair"] * sizes["node"] * hosts
+    lines = [f"layout search for {cfg.name} on {topo.name}: {hosts} nodes, {n} devices, "
              f"global batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens",
              *[f"  {x}" for x in res.notes],
              f"  {len(res.fitting)} of {res.n_evaluated - res.n_invalid} valid layouts fit "
              f"(<= {res.candidates[0].prediction.assumptions.hbm_usable if res.fitting else 0.9:.0%}"
              f" of {topo.hbm_bytes / 2**30:.0f} GiB); best first:", ""]
-    hdr = ("| # | plan | TP | seq/dev/micro | micro-batches | remat | GiB/dev | step s | "
+    hdr = ("| # | plan | TP | PP | seq/dev/micro | micro-batches | remat | GiB/dev | step s | "
            "tokens/s | TFLOP/s/dev | MFU | global GB/dev/step | compiled |")
-    lines += [hdr, "|" + "---|" * 13]
+    lines += [hdr, "|" + "---|" * 14]
     for i, c in enumerate(res.fitting[:top], 1):
         p = c.prediction
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
-        lines.append(f"| {i} | {c.plan} | {tp} | {c.micro_size} | {c.micro_batches} | {c.remat} | "
+        lines.append(f"| {i} | {c.plan} | {tp} | {c.pp_stages} | {c.micro_size} | "
+                     f"{c.micro_batches} | {c.remat} | "
                      f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
                      f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "
                      f"{p.comm_bytes['global'] / 1e9:.2f} | "
@@ -159,5 +173,5 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                      "above the rows shown):")
         lines += [f"  {c.key()}: {c.error}" for c in failed]
     if not res.fitting:
-        lines.append("| - | nothing fits | | | | | | | | | | | |")
+        lines.append("| - | nothing fits | | | | | | | | | | | | |")
     return "\n".join(lines)
