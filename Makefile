@@ -33,5 +33,21 @@ gpu-dry-run: $(GPU_VENV)/.installed
 	bash benchmarks/gpu_wheels.sh
 	GPU_DRY_RUN=1 PY=$(GPU_VENV)/bin/python bash benchmarks/gpu.sh runs/gpu-dry-run
 
+# Every CPU figure of benchmarks/README.md and benchmarks/results/ (not the GPU check, gpu.sh,
+# and not `make convergence`); each script writes its results file and copies it into the README.
+bench: BENCH_START := $(shell date +%s)
+bench: $(VENV)/.installed
+	$(PY) benchmarks/validation.py
+	$(PY) -m boost_jax.plan.plots --out benchmarks/results
+	$(PY) benchmarks/partitioning.py
+	$(PY) benchmarks/qgz_demo.py
+	$(PY) benchmarks/tensor_parallel.py --out benchmarks/results/tensor_parallel.md
+	$(PY) benchmarks/plan_7b.py
+	$(PY) benchmarks/step_overhead.py --rounds 7
+	$(PY) benchmarks/cola_vs_full.py --rounds 5
+	$(PY) benchmarks/prepare_speed.py --mib 16 --rounds 3
+	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/bench_time.py --since $(BENCH_START)
+
 clean:
 	rm -rf runs .pytest_cache

@@ -1,6 +1,7 @@
 """CoLA (and svd/lax) vs full rank at the same width: params, FLOPs/token, measured tokens/s.
 
-    python benchmarks/cola_vs_full.py [--d 512] [--layers 4] [--batch 8] [--seq 256]
+    python benchmarks/cola_vs_full.py [--d 512] [--layers 4] [--batch 8] [--seq 256] [--rounds 5]
+                                      [--out benchmarks/results/cola_vs_full.md]
 
 All architectures are built from the same config except `model.arch`, run with the framework's
 training step on one device, and timed in alternating rounds in one process.
@@ -14,7 +15,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import early_cpu_devices, interleaved_samples, markdown_table  # noqa: E402
+from benchmarks.common import (RESULTS, early_cpu_devices, interleaved_samples,  # noqa: E402
+                               load_note, markdown_table, spread_verdict, write_result)
 
 early_cpu_devices(1)
 
@@ -43,7 +45,10 @@ def main():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--topology", default="cpu")
     p.add_argument("--cpu-devices", type=int)
+    p.add_argument("--out", default=os.path.join(RESULTS, "cola_vs_full.md"))
     a = p.parse_args()
+    if "full" not in a.archs.split(","):
+        p.error("--archs must include full (the reference the speeds are relative to)")
     mesh = make_mesh("cpu", shape=[1, 1, 1])
     peak = get_topology(a.topology).peak_flops
     rng = np.random.default_rng(0)
@@ -65,21 +70,50 @@ def main():
 
         fns[arch] = step
         info[arch] = (param_count(cfg.model), flops_per_token(cfg.model, a.seq)["train"])
+    load_before = load_note()
     samples = interleaved_samples(fns, rounds=a.rounds)
     t = {k: statistics.median(v) for k, v in samples.items()}
     tok = a.batch * a.seq
-    base = t.get("full")
-    rows = []
+    rows, verdicts = [], []
     for arch, sec in t.items():
         n, fpt = info[arch]
-        per_round = [f / x for f, x in zip(samples["full"], samples[arch])] if base else [0]
-        rows.append([arch, n / 1e6, fpt / 1e6, sec * 1e3, tok / sec,
-                     (base / sec) if base else float("nan"),
+        per_round = [f / x for f, x in zip(samples["full"], samples[arch])]
+        rows.append([arch, n / 1e6, fpt / 1e6, sec * 1e3, tok / sec, t["full"] / sec,
                      f"{min(per_round):.2f}–{max(per_round):.2f}", fpt * tok / sec / peak])
-    print(f"d={a.d} L={a.layers} H={a.heads} d_ff={a.d_ff} r={a.rank} batch={a.batch} seq={a.seq} "
-          f"dtype={a.dtype} backend={jax.default_backend()}")
-    print(markdown_table(["arch", "params (M)", "train MFLOP/token", "ms/step", "tokens/s",
-                          "speed vs full", "per-round range", "MFU"], rows))
+        if arch != "full":
+            flop_gain = info["full"][1] / fpt
+            step_ratios = [x / f for f, x in zip(samples["full"], samples[arch])]
+            gain = t["full"] / sec
+            verdicts.append(
+                f"- {arch}: {fpt / info['full'][1]:.2f}x full rank's FLOPs per token; "
+                + spread_verdict(step_ratios, "its step", "full rank's")
+                + (f"; {gain:.2f}x the speed, {'less' if gain < flop_gain else 'more'} than "
+                   f"the FLOP ratio ({flop_gain:.2f}x)" if min(step_ratios) > 1.0
+                   or max(step_ratios) < 1.0 else ""))
+    cmd = "python benchmarks/cola_vs_full.py " + " ".join(
+        x for x in sys.argv[1:] if not x.startswith("--out"))
+    doc = f"""# CoLA vs full rank at the same width
+
+Reproduce: `{cmd.strip()}` (writes `results/cola_vs_full.md`, copied here).
+
+d={a.d}, L={a.layers}, H={a.heads}, d_ff={a.d_ff}, r={a.rank}, vocab {a.vocab}, batch
+{a.batch} × {a.seq} tokens, {a.dtype}, one {jax.default_backend().upper()} device, the
+framework's training step, all architectures timed in {a.rounds} alternating rounds;
+"per-round range" is the speed vs full rank in each round. MFU is against the `{a.topology}`
+profile's peak, {peak / 1e9:.1f} GFLOP/s ({'measured on this machine by the GEMM probe'
+if a.topology == 'cpu' else 'nominal'}). {load_before} before the rounds, {load_note()} after.
+
+{markdown_table(["arch", "params (M)", "train MFLOP/token", "ms/step", "tokens/s",
+                 "speed vs full", "per-round range", "MFU"], rows)}
+
+{chr(10).join(verdicts)}
+
+The embedding and head stay full rank, so the FLOP ratio is above r/d; where an arch gains less
+than its FLOP ratio, its rank-{a.rank} GEMMs run at a lower FLOP rate than full rank's wide ones
+(the MFU column).
+"""
+    print(doc)
+    write_result(a.out, doc)
 
 
 if __name__ == "__main__":

@@ -61,6 +61,52 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
 
 
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "README.md")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def load_note() -> str:
+    """The machine's load average, for timing figures taken on a shared machine."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.1f}, {five:.1f}, {fifteen:.1f} on {os.cpu_count()} cores"
+
+
+def spread_verdict(ratios: Sequence[float], subject: str, other: str) -> str:
+    """`subject` time / `other` time per round → the sentence the figure allows: a range that
+    holds 1 is no measurable difference, never a speed-up."""
+    lo, hi = min(ratios), max(ratios)
+    if lo <= 1.0 <= hi:
+        return (f"the time ratio per round, {lo:.3f}–{hi:.3f}, holds 1: **no measurable "
+                f"difference** between {subject} and {other}")
+    word = "faster" if hi < 1.0 else "slower"
+    return (f"{subject} is {word} than {other} in every round (time ratio per round "
+            f"{lo:.3f}–{hi:.3f})")
+
+
+def write_result(path: str, doc: str) -> None:
+    """Write a results file and copy it into benchmarks/README.md (sync_readme)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(doc.rstrip() + "\n")
+    sync_readme(path)
+
+
+def readme_body(results_path: str) -> str:
+    """A results file as the README embeds it: its Markdown headings one level down."""
+    with open(results_path) as f:
+        body = f.read().strip()
+    out, fenced = [], False
+    for line in body.splitlines():
+        fenced ^= line.startswith("```")
+        out.append("#" + line if line.startswith("#") and not fenced else line)
+    return "\n".join(out)
+
+
+def readme_blocks(text: str) -> dict[str, str]:
+    """{"results/NAME.md": the README's copy} for every marked block of a README text."""
+    import re
+
+    pat = re.compile(r"<!-- (results/[\w.-]+\.md) -->\n(.*?)\n?<!-- end \1 -->", re.S)
+    return {m.group(1): m.group(2) for m in pat.finditer(text)}
 
 
 def sync_readme(results_path: str) -> None:
@@ -76,13 +122,7 @@ def sync_readme(results_path: str) -> None:
         text = f.read()
     if begin not in text or end not in text:
         return
-    with open(results_path) as f:
-        body = f.read().strip()
-    out, fenced = [], False
-    for line in body.splitlines():
-        fenced ^= line.startswith("```")
-        out.append("#" + line if line.startswith("#") and not fenced else line)
-    body = "\n".join(out)
+    body = readme_body(results_path)
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     with open(README, "w") as f:

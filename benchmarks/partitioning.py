@@ -29,8 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-PLANS = ("ddp", "zero1", "zero3", "zeropp", "zeropp+qgz", "hierarchical")
-VARIANTS = {"zeropp+qgz": ["parallel.plan=zeropp", "parallel.quantize_grads=true"]}
+PLANS = ("ddp", "zero1", "zero3", "zeropp", "zeropp-no-qgz", "hierarchical")
+VARIANTS = {"zeropp-no-qgz": ["parallel.plan=zeropp", "parallel.quantize_grads=false"]}
 MB = 1e6
 
 
@@ -96,6 +96,7 @@ def _roles(r) -> str:
     if r["secondary"] is not None:
         sec += " int8" if r["secondary_int8"] else " bf16"
     q = " qwZ" if r["quantize_gather"] else ""
+    q += " qgZ" if r.get("quantize_grads") else ""
     return f"{ax(r['params'])} / {ax(r['grads'])} / {ax(r['opt_state'])} / {sec}{q}"
 
 
@@ -155,7 +156,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    rows = []
+    rows, t0 = [], time.perf_counter()
     for n in [int(x) for x in args.devices.split(",")]:
         js = f"/tmp/partitioning_{os.getpid()}_{n}.json"
         cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--cpu-devices", str(n),
@@ -178,7 +179,8 @@ def main() -> int:
             a for a in sys.argv[1:] if not a.startswith("--out"))
         with open(args.out, "w") as f:
             f.write(HEADER.format(cmd=cmdline.strip(), micro=args.micro, batch=args.batch,
-                                  seq=args.seq) + text + "\n" + FOOTER)
+                                  seq=args.seq, secs=time.perf_counter() - t0)
+                    + text + "\n" + FOOTER)
         from benchmarks.common import sync_readme
 
         sync_readme(args.out)
@@ -187,7 +189,7 @@ def main() -> int:
 
 HEADER = """# Placement plans on a CoLA-1B-shaped model: traffic per level and memory per device
 
-Reproduce: `{cmd}` (~3 min on 2 CPU cores).
+Reproduce: `{cmd}` ({secs:.0f} s here, on 2 CPU cores).
 
 CoLA-1B (configs/cola-1b.yaml: d=2048, 24 layers, r=512, d_ff=5461, vocab 32000, remat=full)
 in bf16 with fp32 master weights and Adam moments; global batch {batch} × {seq} tokens in
@@ -206,12 +208,14 @@ Reading the table:
 - hierarchical crosses nodes once per step (fp32 reduce-scatter of the node's gradient shard,
   bf16 all-gather of the updated node shard): 6Ψ(G−1)/(G·D) bytes, independent of the number
   of micro-batches; ZeRO-3 moves k·(2+2+4)Ψ(N−1)/N (gradients reduced in fp32,
-  parallel.grad_accum_dtype), ZeRO++ (qwZ int8 forward gather, hpZ backward gather inside the
-  node, fp32 gradient reduce-scatter — no int4 qgZ) k·(q(Ψ)+4Ψ)(N−1)/N.
+  parallel.grad_accum_dtype). ZeRO++ (`zeropp`: qwZ int8 forward gather, hpZ backward gather
+  inside the node, qgZ int4 gradients) moves k·(q₈(Ψ)(N−1)/N + q₄(Ψ)/D·(G−1)/G) across nodes:
+  each micro-batch's gradient is reduced by two all-to-alls of int4 blocks, inside the node
+  (q₄(Ψ)(D−1)/D on the node level), then across nodes (the node-reduced 1/D);
+  q₈(Ψ) = Ψ + 4·blocks, q₄(Ψ) = Ψ/2 + 4·blocks (boost_jax/sharding/formulas.py).
+- zeropp-no-qgz is zeropp with `parallel.quantize_grads=false`: the gradient is
+  reduce-scattered in fp32 over all devices, k·(q₈(Ψ)+4Ψ)(N−1)/N across nodes.
 - The BTP rows use d_ff = 5462 (5461 does not divide by the TP degree 2).
-- zeropp+qgz adds ZeRO++'s qgZ (`parallel.quantize_grads=true`): each micro-batch's gradient
-  is reduced by two all-to-alls of int4 blocks (inside the node, then across nodes) instead of
-  an fp32 reduce-scatter over all devices.
 - With BTP over `pair` the same formulas hold for Ψₜ (one device's TP shard) with the
   data-parallel roles on node × global: one engine runs every plan × TP layout
   (boost_jax/train/engine.py), so hierarchical+btp also reduces across nodes once per step.

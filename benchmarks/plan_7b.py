@@ -36,7 +36,6 @@ from boost_jax.train.step import abstract_params  # noqa: E402
 
 GiB = 2 ** 30
 LAYOUT = ["parallel.plan=hierarchical", "parallel.tp_mode=btp", "parallel.tp_axes=[node]"]
-BEFORE_MFU = 0.011  # what this layout compiled to before the one-engine step (issue 8)
 
 
 def config(*extra):
@@ -102,8 +101,7 @@ def section_layout(topo, mesh, lines):
         "4 MI250X packages of a node, weights over the GCD pair, gradients over the pair, "
         "optimizer state over pair × global = 96.", "",
         markdown_table(head, rows), "",
-        f"Predicted MFU {p.mfu:.1%} (fp32 weights) against {BEFORE_MFU:.1%} before the "
-        f"one-engine step ({p.mfu / BEFORE_MFU:.1f}×): the gradient reduction across nodes is "
+        f"Predicted MFU {p.mfu:.1%} (fp32 weights): the gradient reduction across nodes is "
         "deferred to once per step under TP as well. What crosses nodes is the plan's once-per-"
         "step pair: the reduce-scatter of the fp32 gradient shard over `global` and the "
         "all-gather of the updated weights (fp32 or bf16 working weights), each Ψₜ/|pair| "

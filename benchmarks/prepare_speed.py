@@ -1,5 +1,5 @@
-"""Tokens/s of python -m boost_jax.data.prepare with 1 and 2 worker processes; writes its table
-into benchmarks/README.md (section 8).
+"""Tokens/s of python -m boost_jax.data.prepare with 1 and 2 worker processes; writes
+benchmarks/results/prepare_speed.md (copied into benchmarks/README.md, section 8).
 
     python benchmarks/prepare_speed.py [--mib 16] [--rounds 3] [--no-write]
 
@@ -19,8 +19,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-README = os.path.join(ROOT, "benchmarks", "README.md")
-BEGIN, END = "<!-- prepare_speed: begin -->", "<!-- prepare_speed: end -->"
+OUT = os.path.join(ROOT, "benchmarks", "results", "prepare_speed.md")
 
 
 def make_corpus(path: str, mib: int) -> None:
@@ -55,7 +54,9 @@ def main(argv=None) -> int:
         sample = [json.loads(ln)["text"] for ln, _ in zip(f, range(400))]
     bpe = os.path.join(tmp, "bpe.json")
     train_bpe(sample, 8192, save_path=bpe)
-    rows = []
+    from benchmarks.common import load_note, spread_verdict, write_result
+
+    rows, verdicts = [], []
     for name, spec in (("byte", "byte"), ("BPE 8192", bpe)):
         rates = {1: [], 2: []}
         for r in range(args.rounds):
@@ -67,22 +68,34 @@ def main(argv=None) -> int:
         for w in (1, 2):
             tok_s = statistics.median(x for x, _ in rates[w])
             mib_s = statistics.median(y for _, y in rates[w])
-            rows.append((name, w, meta["n_tokens"], tok_s, mib_s))
-    table = ["| tokenizer | workers | tokens | tokens/s | MiB/s of source |", "|---|---|---|---|---|"]
-    for name, w, n, tok_s, mib_s in rows:
-        table.append(f"| {name} | {w} | {n:,} | {tok_s:,.0f} | {mib_s:.1f} |")
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    table.append(f"\n{os.cpu_count()} cores; load average after the run {load} (other "
-                 "processes on the machine share the cores)")
-    text = "\n".join(table)
+            lo, hi = min(x for x, _ in rates[w]), max(x for x, _ in rates[w])
+            rows.append((name, w, meta["n_tokens"], tok_s, lo, hi, mib_s))
+        # time with 2 workers over time with 1, round by round
+        ratios = [a[0] / b[0] for a, b in zip(rates[1], rates[2])]
+        verdicts.append(f"- {name}: " + spread_verdict(ratios, "2 workers", "1 worker"))
+    table = ["| tokenizer | workers | tokens | tokens/s (median) | tokens/s range over rounds | "
+             "MiB/s of source |", "|---|---|---|---|---|---|"]
+    for name, w, n, tok_s, lo, hi, mib_s in rows:
+        table.append(f"| {name} | {w} | {n:,} | {tok_s:,.0f} | {lo:,.0f}–{hi:,.0f} | "
+                     f"{mib_s:.1f} |")
+    text = f"""# Preparing a corpus with 1 and 2 workers
+
+Reproduce: `python benchmarks/prepare_speed.py --mib {args.mib} --rounds {args.rounds}` (writes
+`results/prepare_speed.md`, copied here).
+
+A {args.mib} MiB `.jsonl` of the Python standard library's files, tokenized into a `.bin` by 1
+and 2 worker processes (the reading, ordering and writing stay in the main process), with the
+byte tokenizer and with a byte-level BPE of 8192 tokens trained on the corpus's first 400
+files; medians of {args.rounds} alternating rounds; {load_note()} after the run (other
+processes share the cores).
+
+{chr(10).join(table)}
+
+{chr(10).join(verdicts)}
+"""
     print(text)
     if not args.no_write:
-        with open(README) as f:
-            doc = f.read()
-        head, rest = doc.split(BEGIN)
-        _, tail = rest.split(END)
-        with open(README, "w") as f:
-            f.write(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+        write_result(OUT, text)
     return 0
 
 

@@ -117,7 +117,7 @@ class ParallelConfig:
     # int8 weight gathers (qwZ); None: the preset (true for zeropp). Implies an int8 secondary.
     quantize_gather: Optional[bool] = None
     # int4 gradient reduce-scatter by all-to-all, inside the node then across (ZeRO++'s qgZ);
-    # None: the preset (off for every plan for now). Needs sharded gradients.
+    # None: the preset (on for zeropp, off for the others). Needs sharded gradients.
     quantize_grads: Optional[bool] = None
     quant_block: int = 256
     # dtype of the micro-batch gradient accumulator (sharded over grads axes)

@@ -28,12 +28,13 @@ STEPS = 5
 EXACT = {
     "zero1": [],
     "zero3": [],
-    "zeropp": ["parallel.quantize_gather=false", "train.remat=full"],  # flat gather + hpZ
+    "zeropp": ["parallel.quantize_gather=false", "parallel.quantize_grads=false",
+               "train.remat=full"],  # flat gather + hpZ
     "hierarchical": ["parallel.secondary_dtype=bfloat16"],  # re-gather from the pair shard
     "hierarchical-node": ["parallel.plan=hierarchical", "parallel.secondary_axes=[pair,node]",
                           "parallel.secondary_dtype=bfloat16", "train.remat=lowrank"],
 }
-INT8 = {"zeropp": [], "hierarchical": []}  # the presets: qwZ / int8 secondary
+INT8 = {"zeropp": ["parallel.quantize_grads=false"], "hierarchical": []}  # qwZ / int8 secondary
 QGZ = ["parallel.quantize_gather=false", "parallel.quantize_grads=true"]  # int4 gradients
 
 

@@ -98,7 +98,7 @@ def test_zeropp_backward_gathers_stay_inside_the_node(compiled):
                         if _is_backward(m3, c)}
     g, g3 = r.per_level()["global"]["bytes"], r3.per_level()["global"]["bytes"]
     assert g == pytest.approx(comm_per_step(b.placement, 4)["global"], rel=0.10)
-    # qwZ halves the forward gather's bytes; gradients are reduced in fp32 by both plans
+    # qwZ halves the forward gather's bytes, qgZ the gradient's (int4 vs zero3's fp32)
     assert g < 0.8 * g3
 
 
@@ -158,12 +158,13 @@ def test_gradients_are_reduced_in_fp32_whatever_the_compute_dtype(mesh, weights,
 
 
 def test_qgz_reduces_gradients_by_int4_all_to_all_inside_the_node_then_across(compiled):
-    """zeropp + parallel.quantize_grads=true (ZeRO++'s qgZ): the per-micro-batch gradient
+    """zeropp (qgZ on by default, ZeRO++'s int4 gradients): the per-micro-batch gradient
     reduction is two all-to-alls of int4 blocks (node, then global) instead of an fp32
     reduce-scatter over all devices; bytes per level match the formula, and nodes are crossed
-    with less than half of plain zeropp's bytes."""
-    b, r = compiled("zeropp", 4, "parallel.quantize_grads=true")
-    _, plain = compiled("zeropp")
+    with less than half of the bytes of zeropp with parallel.quantize_grads=false."""
+    b, r = compiled("zeropp")
+    b_plain, plain = compiled("zeropp", 4, "parallel.quantize_grads=false")
+    assert b.placement.quantize_grads and not b_plain.placement.quantize_grads
     a2a = r.filter(kind="all-to-all", in_loop=True)
     assert {c.level for c in a2a} == {"node", "global"}, r.table()
     assert {d for c in a2a for d in c.dtypes} == {"u8", "f32"}  # packed int4 + fp32 scales

@@ -52,7 +52,8 @@ def make_cfg(mode, arch, tp_axes=(), plan="ddp", remat="none", model=PAD, **kw) 
     cfg = Config()
     cfg.model = ModelConfig(**{**model, "arch": arch, **kw})
     cfg.parallel = ParallelConfig(plan=plan, tp_mode=mode, tp_axes=list(tp_axes),
-                                  quantize_gather=False, secondary_dtype="bfloat16")
+                                  quantize_gather=False, quantize_grads=False,
+                                  secondary_dtype="bfloat16")
     cfg.train.remat = remat
     cfg.train.global_batch = B
     cfg.train.micro_batches = 2

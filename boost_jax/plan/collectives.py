@@ -7,6 +7,7 @@ network   every collective is a ring over its group: per device it sends
           ⌈log2 n⌉ per call. A ring that crosses nodes is charged the per-device share of the
           node's NICs for all its bytes (the accounting the design and the analyzer use; an
           ideal hierarchical algorithm could be up to devices-per-node × faster on that level).
+          An all-to-all (qgZ) sends (n−1)/n·P as n−1 messages: latency α_level · (n−1).
 overlap   tensor-parallel collectives sit on the critical path (the next GEMM needs them): never
           overlapped. Data-parallel (ZeRO) gathers and reduce-scatters of a micro-batch may hide
           behind that micro-batch's compute: exposed = max(0, t_dp − dp_overlap · t_compute);
@@ -62,7 +63,9 @@ def coll_time(c: Coll, topo: Topology, a: Assumptions) -> float:
     if c.n <= 1 or c.level not in AXES:
         return 0.0
     bw = topo.bandwidth(c.level) * a.eta_net
-    return c.bytes_per_step / bw + c.calls * topo.latency(c.level) * math.ceil(math.log2(c.n))
+    # an all-to-all (qgZ) sends one message to each of the n−1 peers; the rings' steps pipeline
+    hops = c.n - 1 if c.kind == "all-to-all" else math.ceil(math.log2(c.n))
+    return c.bytes_per_step / bw + c.calls * topo.latency(c.level) * hops
 
 
 def per_level_bytes(colls: Sequence[Coll]) -> dict[str, float]:

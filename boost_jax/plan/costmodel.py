@@ -170,6 +170,12 @@ def tp_info(cfg, sizes) -> tuple[str, int]:
     return mode, t
 
 
+def stage_layers(cfg) -> int:
+    """Layers one device runs: all of them, or its pipeline stage's ceil(L/P)."""
+    pp = cfg.parallel.pp_stages
+    return layers_per_stage(cfg.model.n_layers, pp) if pp > 1 else cfg.model.n_layers
+
+
 def fetch_calls(cfg) -> tuple[int, int]:
     """(forward, backward) passes over each weight per step: one of each per micro-batch;
     with pipeline stages one forward per tick with F, and per tick with B the re-run forward
@@ -187,7 +193,7 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
     pb = DTYPE_BYTES[m.param_dtype]
     gb = DTYPE_BYTES[par.grad_accum_dtype]
     fwd_calls, micro = fetch_calls(cfg)
-    L = m.n_layers
+    L = stage_layers(cfg)
     q8 = 1.0 + 4.0 / par.quant_block  # int8 + one fp32 scale per block
     A, G, O = pl.params_axes, pl.grads_axes, pl.opt_state_axes
     S, R = pl.secondary_axes, pl.deferred_axes
@@ -195,7 +201,8 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
     W = st.tp_local_padded  # TP-local elements of the whole model
     out: list[Coll] = []
 
-    leaves = max(st.n_leaves, 1)
+    # one call per leaf and layer: the step's scan fetches and reduces each block leaf per layer
+    leaves = max(st.n_leaves - st.n_block_leaves + L * st.n_block_leaves, 1)
 
     def add(name, kind, payload, axes, times, phase):
         """`payload`: the whole model's buffer, moved `times` per step in one call per leaf."""
@@ -242,8 +249,47 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
     if n_all:
         out.append(Coll("grad_norm", "all-reduce", 4.0 * leaves, _size(sizes, n_all),
                         level_of(n_all), 1, "step", tuple(n_all)))
-    del L, nO
+    del nO
     return out
+
+
+def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) -> float:
+    """HBM time of the (de)quantization kernels ZeRO++ and the int8 secondaries run, per step.
+
+    Memory bound, as DeepSpeed's fused kernels run them: qwZ / an int8 secondary dequantizes
+    every gathered weight (read q, write the working dtype; quantizing a shard is 1/|A| of it);
+    qgZ quantizes the gradient (read a, write q₄), then per stage dequantizes, sums and
+    requantizes what arrives in one pass (read q₄ of the stage's input, write fp32 of its
+    output), the last stage's output read once more into the accumulator's dtype.
+    """
+    m, par = cfg.model, cfg.parallel
+    pb, gb = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[par.grad_accum_dtype]
+    q8, q4 = 1.0 + 4.0 / par.quant_block, 0.5 + 4.0 / par.quant_block
+    W, k = st.tp_local_padded, fetch_calls(cfg)[1]  # passes over the weights per step
+    A, S = pl.params_axes, pl.secondary_axes
+    nbytes, kernels = 0.0, 0
+    if A:
+        gathers = []  # int8 gathers of the whole model per micro-batch
+        if S is not None:
+            if not set(A) <= set(S) and pl.quantize_gather:
+                gathers.append(1)
+            if pl.secondary_int8 or pl.quantize_gather:
+                gathers += [1, 1]  # forward and backward from the secondary
+        elif pl.quantize_gather:
+            gathers += [1, 1]
+        nbytes += k * len(gathers) * W * (q8 + pb + (pb + q8) / _size(sizes, A))
+        kernels += 2 * len(gathers)
+    if pl.quantize_grads:
+        w_in = W
+        nbytes += k * W * (gb + q4)
+        for axes in qgz_stages(pl.grads_axes):
+            n = _size(sizes, axes)
+            nbytes += k * (w_in * q4 + w_in / n * 4)
+            w_in /= n
+        nbytes += k * w_in * (4 + gb)
+        kernels += 2 + 2 * len(qgz_stages(pl.grads_axes))
+    calls = st.n_leaves - st.n_block_leaves + stage_layers(cfg) * st.n_block_leaves
+    return nbytes / (a.eta_hbm * hbm) + k * kernels * calls * a.launch_s
 
 
 def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockModel,
@@ -252,7 +298,7 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     pb = DTYPE_BYTES[m.param_dtype]
     mixed = m.param_dtype != "float32"
     pp = par.pp_stages
-    L = layers_per_stage(m.n_layers, pp) if pp > 1 else m.n_layers
+    L = stage_layers(cfg)
     mem = {"weights": st.params * pb, "master": st.opt * 4 if mixed else 0.0,
            "adam": st.opt * 8, "batch": 2 * 4 * b * cfg.data.seq_len * cfg.train.micro_batches}
     mem["arguments"] = mem["weights"] + mem["master"] + mem["adam"] + mem["batch"]
@@ -387,7 +433,9 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
                      f"{micro} micro-batches: bubble {(pp - 1) / ticks:.0%}, each B tick re-runs "
                      "its stage forward")
     t_tp = comm.phase_time.get("tp", 0.0)
-    t_dp = comm.phase_time.get("dp", 0.0)
+    # the (de)quantization kernels run on the path of the collectives they feed
+    t_quant = quant_seconds(cfg, sizes, st, pl, hbm, a)
+    t_dp = comm.phase_time.get("dp", 0.0) + t_quant
     t_stepc = comm.phase_time.get("step", 0.0)
     # optimizer: fp32 master/m/v/grad read+written on the opt_state shard (memory bound)
     opt_bytes = st.opt * (4 + 4 + 4 + 4) * 2 + st.params * DTYPE_BYTES[m.param_dtype]
@@ -416,7 +464,8 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
         sizes=dict(sizes), devices=n_dev, tokens_per_step=tokens, micro_batch_per_device=b,
         micro_batches=micro, flops_per_device=model_flops,
         executed_flops_per_device=model_flops * rec_factor,
-        time=dict(compute=t_compute, tp=t_tp, dp=t_dp, dp_exposed=exposed_dp, step_comm=t_stepc,
+        time=dict(compute=t_compute, tp=t_tp, dp=t_dp, quant=t_quant, dp_exposed=exposed_dp,
+                  step_comm=t_stepc,
                   optimizer=t_opt, p2p=p2p, total=total, total_overlapped=total_overlap),
         comm_bytes=per_level, comm_time=lvl_time, memory=mem, step_time=total,
         tokens_per_s=tokens / total, tflops_per_device=tflops, mfu=tflops * 1e12 / peak,

@@ -44,7 +44,8 @@ class Assumptions:
                                                if self.attention == "flash" else
                                                " (full [s,s] fp32 scores through HBM, as compiled)"),
             f"network: ring collectives at {self.eta_net:.0%} of the slowest spanned level's "
-            "per-device bandwidth + alpha*ceil(log2 n) per call",
+            "per-device bandwidth + alpha*ceil(log2 n) per call (an all-to-all: alpha*(n-1), "
+            "one message per peer)",
             "overlap: tensor-parallel collectives never overlap compute; data-parallel "
             f"collectives hide behind {self.dp_overlap:.0%} of the micro-batch compute; "
             "once-per-step reduction, weight re-gather and optimizer are exposed",

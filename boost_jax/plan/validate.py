@@ -21,7 +21,7 @@ LBP (arXiv 2501.04266), 20B GPT on Frontier:
                  bf16 weights + fp32 master/Adam, gradients reduced in bf16 (DeepSpeed's
                  default communication dtype), whole-block recompute.
     plans        ZeRO-3 = plan zero3; ZeRO++ = plan zeropp (qwZ int8 gathers + hpZ node
-                 secondary; our zeropp has no qgZ int4 gradient all-to-all — see the table);
+                 secondary + qgZ int4 gradient all-to-alls, inside the node then across);
                  LBP = plan hierarchical (params over the GCD pair, grads over the node,
                  optimizer over all, int8 pair secondary).
     scaling      weak scaling (fixed per-GCD batch): TFLOP/s per GCD at 48 nodes over that at
@@ -35,7 +35,7 @@ import dataclasses
 from typing import Optional
 
 from boost_jax.config import load_config
-from boost_jax.mesh import get_topology
+from boost_jax.mesh import Topology, get_topology
 from boost_jax.plan.costmodel import Assumptions, predict
 
 VALIDATION_ASSUMPTIONS = Assumptions(attention="flash")
@@ -46,13 +46,43 @@ BOOST_SHAPES = {
     "7B": dict(d=4096, L=32, H=32, d_ff=11008, tp=4, pp=1),
     "13B": dict(d=5120, L=40, H=40, d_ff=13824, tp=4, pp=2),
 }
+# Iteration seconds full / vanilla / BTP. The BOOST seed (seeds/000) states only ranges, so the
+# per-model seconds are the design brief's (DESIGN.md, "BOOST's measured results"); the ranges are
+# kept to check them and the predictions against.
 BOOST_PUBLISHED = {"3B": (1.14, 1.41, 0.78), "7B": (1.06, 1.64, 0.72), "13B": (2.07, 2.42, 1.30)}
+BOOST_RANGES = {"btp speed-up over full rank": (1.46, 1.91),
+                "btp speed-up over vanilla TP": (1.87, 2.27)}
 BOOST_METHODS = (("full", "full", "megatron"), ("vanilla", "cola", "vanilla"),
                  ("btp", "cola", "btp"))
 
 LBP_SHAPE = dict(d=6144, L=44, H=64, d_ff=16384, vocab=50432, seq=2048)
 LBP_PUBLISHED = {"lbp_over_zeropp": 1.71, "scaling_efficiency": 0.94, "zeropp_over_zero3": 1.405}
 LBP_NODES = 48
+
+# Where each published figure comes from (seeds/ and DESIGN.md are in the project's shared folder)
+SOURCES = [
+    ("BOOST ranges: BTP 1.46–1.91x over full rank, 1.87–2.27x over vanilla TP (1B–40B models, "
+     "CoLA/SVD/LaX)", "seed 000 (BOOST, MLSys 2026), section 4"),
+    ("BOOST iteration seconds per model (3B TP2, 7B TP4, 13B TP4 PP2; full / vanilla / BTP)",
+     "DESIGN.md, \"BOOST's measured results\" (the design brief; not in seed 000, which gives "
+     "only the ranges)"),
+    ("LBP over ZeRO++ 1.71x TFLOP/s per GPU; 0.94 scaling efficiency to 384 GCDs (20B GPT)",
+     "seed 004 (Scaling LLM Training on Frontier with Low-Bandwidth Partitioning, "
+     "arXiv 2501.04266), abstract and results; also DESIGN.md"),
+    ("ZeRO++ over ZeRO-3 \"up to\" +40.5% TFLOP/s per GPU (Frontier)", "seed 004, results"),
+    ("ZeRO++ cross-node volume 0.75M vs ZeRO-3's 3M per iteration (M = model bytes in fp16)",
+     "DESIGN.md (\"ZeRO++ ≈0.75Ψ·k\"); the ZeRO++ paper (arXiv 2306.10209)"),
+]
+
+# Ratios the model does not bring within TOLERANCE, each with the reason (the validation table
+# prints it; tests/test_plan.py fails if one of them comes within, or another falls out)
+KNOWN_GAPS = {
+    "lbp_over_zeropp": "with qgZ the model's ZeRO++ crosses nodes with a small fraction of "
+                       "ZeRO-3's bytes and is costed by its bytes; the published Frontier "
+                       "ZeRO++ runs much slower than its bytes predict",
+    "zeropp_over_zero3": "the same cause seen from ZeRO-3: the published gain is far below "
+                         "what ZeRO++'s cross-node bytes give a bandwidth-bound model",
+}
 
 
 def boost_config(size: str, method: str, remat: str = "full", topology: str = "perlmutter",
@@ -77,8 +107,9 @@ def boost_sizes(size: str) -> dict:
 
 def boost_predictions(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
                       topology: str = "perlmutter", sizes=("3B", "7B", "13B"),
-                      remat: str = "full") -> dict:
-    topo = get_topology(topology)
+                      remat: str = "full", topo: Optional[Topology] = None) -> dict:
+    """`topo` replaces the named topology's profile (the sensitivity's bandwidth variants)."""
+    topo = topo or get_topology(topology)
     out = {}
     for size in sizes:
         sh = BOOST_SHAPES[size]
@@ -102,22 +133,24 @@ def lbp_config(plan: str, nodes: int, micro_batches: int = 1, extra: tuple = ())
 
 
 def lbp_predict(plan: str, nodes: int, assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
-                micro_batches: int = 1):
-    return predict(lbp_config(plan, nodes, micro_batches), get_topology("frontier"),
+                micro_batches: int = 1, extra: tuple = ()):
+    return predict(lbp_config(plan, nodes, micro_batches, extra), get_topology("frontier"),
                    {"pair": 2, "node": 4, "global": nodes}, assumptions)
 
 
 def lbp_predictions(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
-                    micro_batches: int = 1) -> dict:
-    res = {p: lbp_predict(p, LBP_NODES, assumptions, micro_batches)
+                    micro_batches: int = 1, extra: tuple = ()) -> dict:
+    """`extra`: config overrides for every LBP row (the sensitivity's variants)."""
+    res = {p: lbp_predict(p, LBP_NODES, assumptions, micro_batches, extra)
            for p in ("zero3", "zeropp", "hierarchical")}
     base = None
     for nodes in (1, 2, 4, 8, 16, 32):
-        p = lbp_predict("hierarchical", nodes, assumptions, micro_batches)
+        p = lbp_predict("hierarchical", nodes, assumptions, micro_batches, extra)
         if p.fits:
             base = (nodes, p)
             break
-    res["base"] = base
+    # a variant under which hierarchical never fits keeps the validated base (64 GCDs)
+    res["base"] = base or (8, lbp_predict("hierarchical", 8, assumptions, micro_batches, extra))
     return res
 
 
@@ -125,8 +158,10 @@ def rel_err(pred: float, pub: float) -> float:
     return pred / pub - 1.0
 
 
-def _ok(err: float) -> str:
-    return "yes" if abs(err) <= TOLERANCE else "**no**"
+def _ok(err: float, key: str = "") -> str:
+    if abs(err) <= TOLERANCE:
+        return "yes"
+    return "**no** (known gap, see below)" if key in KNOWN_GAPS else "**no**"
 
 
 def boost_tables(preds: dict) -> tuple[str, str, list]:
@@ -153,9 +188,9 @@ def boost_tables(preds: dict) -> tuple[str, str, list]:
             pu = pub[num] / pub[den]
             err = rel_err(pr, pu)
             rows.append(dict(model=size, ratio=f"{num}/{den}", published=pu, predicted=pr,
-                             error=err))
+                             error=err, key=f"{size} {num}/{den}"))
             ratio_lines.append(f"| {size} | {num}/{den} | {pu:.3f} | {pr:.3f} | {err:+.1%} | "
-                               f"{_ok(err)} |")
+                               f"{_ok(err, f'{size} {num}/{den}')} |")
     return "\n".join(abs_lines), "\n".join(ratio_lines), rows
 
 
@@ -174,45 +209,77 @@ def lbp_table(res: dict) -> tuple[str, list]:
     rows = []
     for k in ("lbp_over_zeropp", "scaling_efficiency", "zeropp_over_zero3"):
         err = rel_err(pred[k], LBP_PUBLISHED[k])
-        rows.append(dict(quantity=k, published=LBP_PUBLISHED[k], predicted=pred[k], error=err))
+        rows.append(dict(quantity=k, published=LBP_PUBLISHED[k], predicted=pred[k], error=err,
+                         key=k))
         lines.append(f"| {names[k]} | {LBP_PUBLISHED[k]:.3g} | {pred[k]:.3g} | {err:+.1%} | "
-                     f"{_ok(err)} |")
+                     f"{_ok(err, k)} |")
     lines += ["", "| plan (48 nodes) | TFLOP/s per GCD | MFU | step s | compute s | "
-              "DP comm s (per micro-batch, exposed) | once-per-step comm s | global GB/GCD/step | "
-              "GB/GCD | fits 64 GB |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "DP comm s (per micro-batch, exposed) | of which (de)quantization s | "
+              "once-per-step comm s | global GB/GCD/step | GB/GCD | fits 64 GB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, p in (("zero3", z3), ("zeropp", zpp), ("hierarchical", hier)):
         lines.append(
             f"| {name} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | {p.step_time:.2f} | "
-            f"{p.time['compute']:.2f} | {p.time['dp_exposed']:.2f} | {p.time['step_comm']:.2f} | "
+            f"{p.time['compute']:.2f} | {p.time['dp_exposed']:.2f} | {p.time['quant']:.2f} | "
+            f"{p.time['step_comm']:.2f} | "
             f"{p.comm_bytes['global'] / 1e9:.1f} | {p.memory['total'] / 1e9:.1f} | "
             f"{'yes' if p.fits else 'no'} |")
     return "\n".join(lines), rows
 
 
-def sensitivity(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> str:
-    """How the headline ratios move with the fixed choices (not used to pick them)."""
-    lines = ["| variant | 7B full / vanilla / btp s (GB/device) | 7B btp/full | 7B vanilla/btp "
-             "| LBP hier/ZeRO++ | LBP scaling eff. |", "|---|---|---|---|---|---|"]
+def ratio_rows(assumptions: Assumptions = VALIDATION_ASSUMPTIONS, remat: str = "full",
+               micro_batches: int = 1, topo: Optional[Topology] = None,
+               lbp_extra: tuple = ()) -> tuple[dict, dict, list]:
+    """(BOOST predictions, LBP predictions, the 12 ratio rows) under one set of choices."""
+    boost = boost_predictions(assumptions, remat=remat, topo=topo)
+    lbp = lbp_predictions(assumptions, micro_batches, lbp_extra)
+    return boost, lbp, boost_tables(boost)[2] + lbp_table(lbp)[1]
 
-    def row(name, a, remat="full", mb=1):
-        b = boost_predictions(a, sizes=("7B",), remat=remat)["7B"]
-        r = lbp_predictions(a, mb)
-        eff = r["hierarchical"].tflops_per_device / r["base"][1].tflops_per_device
+
+def within(rows: list) -> int:
+    return sum(abs(r["error"]) <= TOLERANCE for r in rows)
+
+
+def variants(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[tuple[str, dict]]:
+    """The fixed choices, one changed at a time (ratio_rows keyword arguments)."""
+    rep = dataclasses.replace
+    pm100 = rep(get_topology("perlmutter"), bw_node=100e9)
+    return [
+        ("as validated", {}),
+        ("dense attention (as our step compiles)",
+         dict(assumptions=rep(assumptions, attention="dense"))),
+        ("Perlmutter 4-GPU node collective 100 GB/s instead of 300 (BOOST TP4 rows)",
+         dict(topo=pm100)),
+        ("gradients reduced in fp32 instead of bf16 (LBP rows)",
+         dict(lbp_extra=("parallel.grad_accum_dtype=float32",))),
+        ("ZeRO++ without qgZ (parallel.quantize_grads=false; gradients reduce-scattered in "
+         "bf16 over all GCDs)", dict(lbp_extra=("parallel.quantize_grads=false",))),
+        ("DP collectives fully overlapped", dict(assumptions=rep(assumptions, dp_overlap=1.0))),
+        ("eta_flops 0.5", dict(assumptions=rep(assumptions, eta_flops=0.5))),
+        ("eta_net 1.0", dict(assumptions=rep(assumptions, eta_net=1.0))),
+        ("LBP with 4 micro-batches per step", dict(micro_batches=4)),
+        ("no recompute (BOOST rows)", dict(remat="none")),
+    ]
+
+
+def sensitivity(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> str:
+    """How the ratios move with the fixed choices, one changed at a time (not used to pick
+    them): the 7B BOOST row, the three LBP ratios and how many of the 12 stay within 25%."""
+    lines = ["| variant | 7B full / vanilla / btp s (GB/device) | 7B btp/full | 7B vanilla/btp "
+             "| LBP hier/ZeRO++ | ZeRO++/ZeRO-3 | LBP scaling eff. | ratios within "
+             f"{TOLERANCE:.0%} |", "|---|---|---|---|---|---|---|---|"]
+    for name, kw in variants(assumptions):
+        kw = {"assumptions": assumptions, **kw}
+        boost, lbp, rows = ratio_rows(**kw)
+        b = boost["7B"]
+        r = {x["key"]: x["predicted"] for x in rows}
         secs = " / ".join(f"{b[k].step_time:.2f} ({b[k].memory['total'] / 1e9:.0f})"
                           for k in ("full", "vanilla", "btp"))
-        lines.append(f"| {name} | {secs} | {b['btp'].step_time / b['full'].step_time:.3f} | "
-                     f"{b['vanilla'].step_time / b['btp'].step_time:.3f} | "
-                     f"{r['hierarchical'].tflops_per_device / r['zeropp'].tflops_per_device:.3f} |"
-                     f" {eff:.3f} |")
-
-    row("as validated", assumptions)
-    row("dense attention (as our step compiles)", dataclasses.replace(assumptions,
-                                                                      attention="dense"))
-    row("DP collectives fully overlapped", dataclasses.replace(assumptions, dp_overlap=1.0))
-    row("eta_flops 0.5", dataclasses.replace(assumptions, eta_flops=0.5))
-    row("eta_net 1.0", dataclasses.replace(assumptions, eta_net=1.0))
-    row("LBP with 4 micro-batches per step", assumptions, mb=4)
-    row("no recompute (BOOST rows)", assumptions, remat="none")
+        if not lbp["hierarchical"].fits:
+            name += " — hierarchical does not fit 90% of 64 GB"
+        lines.append(f"| {name} | {secs} | {r['7B btp/full']:.3f} | {r['7B vanilla/btp']:.3f} | "
+                     f"{r['lbp_over_zeropp']:.3f} | {r['zeropp_over_zero3']:.3f} | "
+                     f"{r['scaling_efficiency']:.3f} | {within(rows)} of {len(rows)} |")
     # the other rule considered: each method at its fastest remat that fits an 80 GB A100
     topo = get_topology("perlmutter-80")
     best = {}
@@ -223,7 +290,32 @@ def sensitivity(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> str:
         best[m] = min(fit, key=lambda p: p.step_time)
     secs = " / ".join(f"{best[k].step_time:.2f} ({best[k].memory['total'] / 1e9:.0f}, "
                       f"{best[k].layout['remat']})" for k in ("full", "vanilla", "btp"))
-    lines.append(f"| fastest remat that fits A100-80GB, per method (BOOST rows) | {secs} | "
+    lines.append(f"| fastest remat that fits A100-80GB, per method (BOOST 7B only) | {secs} | "
                  f"{best['btp'].step_time / best['full'].step_time:.3f} | "
-                 f"{best['vanilla'].step_time / best['btp'].step_time:.3f} | - | - |")
+                 f"{best['vanilla'].step_time / best['btp'].step_time:.3f} | - | - | - | - |")
+    return "\n".join(lines)
+
+
+def sources_table() -> str:
+    lines = ["| published figure | source |", "|---|---|"]
+    lines += [f"| {what} | {src} |" for what, src in SOURCES]
+    return "\n".join(lines)
+
+
+def ranges_table(boost: dict) -> str:
+    """The per-model seconds (DESIGN.md) and the predictions against the seed's ranges."""
+    lines = ["| BTP speed-up | seed 000 range | published seconds (DESIGN.md) 3B / 7B / 13B | "
+             "predicted 3B / 7B / 13B |", "|---|---|---|---|"]
+    for name, (lo, hi), den in (("over full rank", BOOST_RANGES["btp speed-up over full rank"],
+                                 0), ("over vanilla TP",
+                                      BOOST_RANGES["btp speed-up over vanilla TP"], 1)):
+        key = ("full", "vanilla")[den]
+        pub = [BOOST_PUBLISHED[k][den] / BOOST_PUBLISHED[k][2] for k in BOOST_SHAPES]
+        pred = [boost[k][key].step_time / boost[k]["btp"].step_time for k in BOOST_SHAPES]
+
+        def show(xs):
+            return " / ".join(f"{x:.2f}" + ("" if lo <= round(x, 2) <= hi else " (outside)")
+                              for x in xs)
+
+        lines.append(f"| {name} | {lo:.2f}–{hi:.2f} | {show(pub)} | {show(pred)} |")
     return "\n".join(lines)

@@ -65,10 +65,10 @@ PRESETS: dict[str, dict[str, Any]] = {
                   sec_dtype="bfloat16"),
     "zero3": dict(params=ALL, grads=ALL, opt_state=ALL, secondary=None, qwz=False, qgz=False,
                   sec_dtype="bfloat16"),
-    # qgZ stays opt-in (parallel.quantize_grads=true) until the cost model's ZeRO++ rows are
-    # revalidated with it (see benchmarks/README.md, section 5)
+    # ZeRO++ complete: qwZ int8 gathers, hpZ node secondary, qgZ int4 gradients
+    # (parallel.quantize_grads=false turns qgZ off)
     "zeropp": dict(params=ALL, grads=ALL, opt_state=ALL, secondary=("pair", "node"), qwz=True,
-                   qgz=False, sec_dtype="bfloat16"),
+                   qgz=True, sec_dtype="bfloat16"),
     "hierarchical": dict(params=("pair",), grads=("pair", "node"), opt_state=ALL,
                          secondary=("pair",), qwz=False, qgz=False, sec_dtype="int8"),
 }
