@@ -7,7 +7,7 @@ skipped layer.
 """
 
 import itertools
-import os
+import json
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from boost_jax.train.pipeline import Schedule
 from boost_jax.train.step import build_step
 
 from test_tp import _model_key, assert_same, engine_run, make_cfg, reference
+from train_proc import TINY, TrainProcess, assert_same_metrics, train_env
 
 FAST = fast_compile_options()
 SHAPES = {2: [2, 2, 2], 4: [2, 1, 4]}
@@ -112,7 +113,7 @@ def test_only_activation_sends_cross_stages(key):
     per_step = sum(c.trip_count for c in sends)
     sch = Schedule(cfg.parallel.pp_schedule, stages, cfg.train.micro_batches)
     assert per_step == sch.sends == 2 * (cfg.train.micro_batches + stages - 1) - 1
-    pred = predict(cfg, get_topology("cpu"), sizes)
+    pred = predict(cfg, get_topology("cpu"), {**sizes, "stage": stages})
     (model,) = [c for c in pred.collectives if c.name == "stage_send"]
     assert model.bytes_per_step == sum(c.bytes_per_step for c in sends)
 
@@ -209,3 +210,19 @@ def test_planner_compiles_and_searches_stages():
     assert any(c.pp_stages > 1 for c in res.fitting)
     best = res.fitting[0]
     assert best.prediction.layout["pipeline_stages"] == best.pp_stages
+
+
+def test_train_py_with_stages_learns_like_without(tmp_path):
+    """train.py end to end (training, pipelined evaluation, checkpoint, summary) with 2 stages
+    logs the losses of the run without stages (the same 8 sequences per step, split over 2
+    stages x 4 data-parallel devices instead of 8)."""
+    env = train_env(str(tmp_path / "jax_cache"))
+    base = TINY + ["train.steps=3", "train.eval_every=3", "logging.progress=false"]
+    runs = {"flat": TrainProcess(tmp_path / "flat", env, *base, "train.micro_batches=1"),
+            "pp": TrainProcess(tmp_path / "pp", env, *base, "train.micro_batches=2",
+                               "parallel.pp_stages=2")}
+    for p in runs.values():
+        assert p.wait() == 0, open(p.log).read()[-2000:]
+    rows = {k: [json.loads(x) for x in open(tmp_path / k / "metrics.jsonl")] for k in runs}
+    assert any("val_loss" in r for r in rows["pp"])
+    assert_same_metrics(rows["flat"], rows["pp"])

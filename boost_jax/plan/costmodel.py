@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from boost_jax.analysis.flops import flops_per_token, param_count
+from boost_jax.errors import ConfigError
 from boost_jax.mesh import AXES, STAGE, Topology
 from boost_jax.plan.collectives import Coll, CommSummary, coll_time, level_of
 from boost_jax.sharding.gather import qgz_stages
@@ -49,9 +50,16 @@ class SizesMesh:
 
 
 def with_stages(cfg, sizes: dict) -> dict:
-    """`sizes` with the `stage` axis of cfg's pipeline (global = the data-parallel hosts)."""
+    """The mesh sizes of cfg's pipeline: `sizes` holding a `stage` axis are taken as they are
+    (global = the data-parallel host groups); without one, global counts all hosts and the
+    stages are carved out of it, as make_mesh does."""
     pp = cfg.parallel.pp_stages
-    return {**sizes, STAGE: pp} if pp > 1 else {a: v for a, v in sizes.items() if a != STAGE}
+    if pp == 1 or STAGE in sizes:
+        return dict(sizes)
+    if sizes["global"] % pp:
+        raise ConfigError(f"parallel.pp_stages={pp} does not divide the {sizes['global']} hosts; "
+                          "choose stages that divide the node count")
+    return {**sizes, "global": sizes["global"] // pp, STAGE: pp}
 
 
 def _size(sizes, axes) -> int:

@@ -76,8 +76,11 @@ class SearchResult:
                              tflops_per_device=p.tflops_per_device, mfu=p.mfu,
                              memory=p.memory["total"], comm_bytes=p.comm_bytes,
                              compiled=c.compiled))
+        tight = [dict(key=c.key(), memory=c.prediction.memory["total"],
+                      analytic_memory=c.prediction.memory["analytic_total"])
+                 for c in self.candidates if c.compiled and c.compiled_fits is False]
         return {"ranked": rows, "n_evaluated": self.n_evaluated, "n_invalid": self.n_invalid,
-                "n_fitting": len(rows), "notes": self.notes}
+                "n_fitting": len(rows), "compiled_not_fitting": tight, "notes": self.notes}
 
 
 def candidates(cfg, sizes: dict) -> list[Candidate]:
@@ -166,6 +169,13 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                      f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "
                      f"{p.comm_bytes['global'] / 1e9:.2f} | "
                      f"{'yes' if c.compiled else 'no'} |")
+    tight = [c for c in res.candidates if c.compiled and c.compiled_fits is False]
+    if tight:
+        lines.append("")
+        lines.append("compiled and found not to fit (ranked analytically above the rows shown):")
+        lines += [f"  {c.key()}: {c.prediction.memory['total'] / 2**30:.1f} GiB per device as "
+                  f"compiled (analytic {c.prediction.memory['analytic_total'] / 2**30:.1f} GiB)"
+                  for c in tight]
     failed = [c for c in res.candidates if c.error and c.error.startswith("compile failed")]
     if failed:
         lines.append("")

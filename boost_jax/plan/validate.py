@@ -102,7 +102,9 @@ def boost_config(size: str, method: str, remat: str = "full", topology: str = "p
 
 
 def boost_sizes(size: str) -> dict:
-    return {"pair": 2, "node": 1 if BOOST_SHAPES[size]["tp"] == 2 else 2, "global": 1}
+    """One TP group per stage: a pair (TP2) or a node (TP4), the stages on their own nodes."""
+    sh = BOOST_SHAPES[size]
+    return {"pair": 2, "node": 1 if sh["tp"] == 2 else 2, "global": sh["pp"]}
 
 
 def boost_predictions(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
