@@ -30,7 +30,7 @@ set_cpu_devices(16)
 
 import jax  # noqa: E402
 
-from benchmarks.common import markdown_table, sync_readme  # noqa: E402
+from benchmarks.common import markdown_table, write_result  # noqa: E402
 from boost_jax.analysis.comm import analyze_compiled  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.layers.model import fast_compile_options  # noqa: E402
@@ -195,7 +195,7 @@ def main() -> int:
     t0 = time.time()
     lines = ["# Pipeline stages", "",
              "Reproduce: `.venv/bin/python benchmarks/pipeline.py` (CPU; trains the demo twice, "
-             "compiles 12 small steps, the 13B step and the best 40B layout).", ""]
+             "compiles 12 small steps, the 13B step and 8 CoLA-40B layouts).", ""]
     section_demo(lines)
     section_hlo(lines)
     section_13b(lines)
@@ -203,9 +203,7 @@ def main() -> int:
     lines += [f"Generated in {time.time() - t0:.0f} s.", ""]
     text = "\n".join(lines)
     print(text)
-    with open(a.out, "w") as f:
-        f.write(text)
-    sync_readme(a.out)
+    write_result(a.out, text)
     return 0
 
 
