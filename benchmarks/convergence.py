@@ -20,7 +20,6 @@ benchmarks/README.md.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import shutil
@@ -33,6 +32,7 @@ sys.path.insert(0, ROOT)
 
 from benchmarks import convergence_report as rep  # noqa: E402
 from benchmarks.common import sync_readme  # noqa: E402
+from boost_jax.cli import Parser  # noqa: E402
 from boost_jax.errors import UserError, cli_main  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
@@ -142,7 +142,7 @@ def execute(runs: list, work: str, reuse: bool, tok: dict) -> list:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(prog="benchmarks/convergence.py", description=__doc__)
     p.add_argument("--widths", default="128,256", help="model widths d, smallest first")
     p.add_argument("--steps", default="200,120",
                    help="full rank's steps at each width (sets the FLOP budget)")
@@ -155,7 +155,7 @@ def parse_args(argv=None):
     p.add_argument("--work", default=os.path.join(ROOT, "runs", "convergence"))
     p.add_argument("--out", default=os.path.join(RESULTS, "convergence.md"))
     p.add_argument("--reuse", action="store_true",
-                   help="keep runs already finished in --work (same settings) instead of retraining")
+                   help="keep runs finished in --work (same settings) instead of retraining")
     a = p.parse_args(argv)
     try:
         a.widths = [int(x) for x in a.widths.split(",")]
@@ -230,15 +230,15 @@ def report(a, sweep: list, chosen: dict, results: list) -> str:
 Reproduce: `{cmd}` (`make convergence`; {len(sweep) + len(results)} `train.py` runs, \
 {spent / 60:.0f} min of run time on this 2-core machine, load average at the end {load}).
 
-Corpus: `data.source={d.source}` (configs/demo.yaml, the first {d.max_bytes / 1e6:g} MB), byte-level \
-BPE of {d.bpe_vocab_size} tokens trained once on the training split and shared by every run. \
-{cfg.model.n_layers} layers, head dim 32, SwiGLU d_ff = 8/3·d, rank d/4 for the low-rank archs; \
-{t.global_batch} × {d.seq_len} tokens per step, AdamW (weight decay {o.weight_decay:g}, clip \
-{o.clip_norm:g}), warmup {o.warmup_frac:g} of the steps then cosine to {o.min_lr_ratio:g}× lr, \
-fp32, one CPU device. Within a width every arch gets full rank's training FLOPs (FLOPs per token \
-from `boost_jax.analysis.flops`, the count train.py's MFU uses) and the same data order \
-(`data.seed={d.seed}`); the low-rank archs take more steps for it. Seeds vary the initial \
-weights (`train.seed`): {a.seeds} at d={a.widths[0]}, 1 at larger widths.
+Corpus: `data.source={d.source}` (configs/demo.yaml, the first {d.max_bytes / 1e6:g} MB), \
+byte-level BPE of {d.bpe_vocab_size} tokens trained once on the training split and shared by \
+every run. {cfg.model.n_layers} layers, head dim 32, SwiGLU d_ff = 8/3·d (rounded up to a multiple of 8), rank d/4 for the \
+low-rank archs; {t.global_batch} × {d.seq_len} tokens per step, AdamW (weight decay \
+{o.weight_decay:g}, clip {o.clip_norm:g}), warmup {o.warmup_frac:g} of the steps then cosine to \
+{o.min_lr_ratio:g}× lr, fp32, one CPU device. Within a width every arch gets full rank's \
+training FLOPs (FLOPs per token from `boost_jax.analysis.flops`, the count train.py's MFU uses) \
+and the same data order (`data.seed={d.seed}`); the low-rank archs take more steps for it. \
+Seeds vary the initial weights (`train.seed`): {a.seeds} at d={a.widths[0]}, 1 at larger widths.
 
 ## Learning rate
 
@@ -256,8 +256,8 @@ this file (validation loss against training FLOPs and against training seconds, 
 width; full rank black, svd orange, cola blue, lax green; seed 1 dashed).
 
 What this does not show: these are short runs (the token counts above) of small models; the \
-verdict is about this budget and this data, not about training to convergence at scale. The seed spread varies the initial weights only; the data \
-order is the same in every run.
+verdict is about this budget and this data, not about training to convergence at scale. The \
+seed spread varies the initial weights only; the data order is the same in every run.
 """
 
 

@@ -128,7 +128,7 @@ def verdict(delta: float, noise: Optional[float]) -> str:
 
 
 def verdicts(results: list[Result], noise: Optional[float]) -> list[tuple[int, str, float, str]]:
-    """(width, arch, Δ mean final loss vs full at the same FLOPs, verdict) for each low-rank run."""
+    """(width, arch, Δ mean final loss vs full at equal FLOPs, verdict) per low-rank run."""
     out = []
     for w in sorted({r.run.width for r in results}):
         base = mean_final(results, "full", w)
@@ -214,7 +214,7 @@ def plot(results: list[Result], path: str) -> str:
             row[0].plot([p[1] / 1e12 for p in r.points], [p[3] for p in r.points], **style)
             row[1].plot([p[2] for p in r.points], [p[3] for p in r.points], **style)
         # the first evaluation is the untrained model: zoom on the learning after it
-        tops = [r.points[1][3] for r in rs if len(r.points) > 1 and math.isfinite(r.points[1][3])]
+        tops = [r.points[1][3] for r in rs if len(r.points) > 2 and math.isfinite(r.points[1][3])]
         lows = [p[3] for r in rs for p in r.points if math.isfinite(p[3])]
         for ax, xlabel in zip(row, ("training TFLOPs", "training seconds (this machine)")):
             if tops and lows:
