@@ -235,9 +235,10 @@ byte-level BPE of {d.bpe_vocab_size} tokens trained once on the training split a
 every run. {cfg.model.n_layers} layers, head dim 32, SwiGLU d_ff = 8/3·d (rounded up to a \
 multiple of 8), rank d/4 for the low-rank archs; {t.global_batch} × {d.seq_len} tokens per \
 step, AdamW (weight decay {o.weight_decay:g}, clip {o.clip_norm:g}), warmup \
-{o.warmup_frac:g} of the steps then cosine to {o.min_lr_ratio:g}× lr, fp32, one CPU device. Within a width every arch gets full rank's \
-training FLOPs (FLOPs per token from `boost_jax.analysis.flops`, the count train.py's MFU uses) \
-and the same data order (`data.seed={d.seed}`); the low-rank archs take more steps for it. \
+{o.warmup_frac:g} of the steps then cosine to {o.min_lr_ratio:g}× lr, fp32, one CPU device. \
+Within a width every arch gets full rank's training FLOPs (FLOPs per token from \
+`boost_jax.analysis.flops`, the count train.py's MFU uses) and the same data order \
+(`data.seed={d.seed}`); the low-rank archs take more steps for it. \
 Seeds vary the initial weights (`train.seed`): {a.seeds} at d={a.widths[0]}, 1 at larger widths.
 
 ## Learning rate
