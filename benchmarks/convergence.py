@@ -38,6 +38,7 @@ from boost_jax.errors import UserError, cli_main  # noqa: E402
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 BASE_CONFIG = os.path.join(ROOT, "configs", "demo.yaml")
 EVALS_PER_RUN = 8
+MAX_EXTEND = 2  # extensions of the lr grid past its ends
 PROCESS_S = "process_s.txt"  # the run's train.py process, start to exit, in seconds
 
 
@@ -181,10 +182,36 @@ def plan(a, lr_of: dict, phase: str) -> list:
         full = max(1, round(n * a.sweep_frac)) if phase == "sweep" else n
         steps = equal_flop_steps(a.archs, w, full)
         seeds = range(a.seeds if i == 0 and phase == "main" else 1)
-        for arch in a.archs:
+        for arch in [x for x in a.archs if x in lr_of]:
             for lr in (lr_of[arch] if phase == "sweep" else [lr_of[arch]]):
                 runs += [rep.Run(arch, w, s, lr, steps[arch], phase) for s in seeds]
     return runs
+
+
+def extend_lr(tried: list, best: float) -> float | None:
+    """The next learning rate past an end of the grid when the best sits on that end (by the
+    grid's ratio there), else None: a chosen lr should have a worse neighbour on each side."""
+    tried = sorted(tried)
+    if len(tried) < 2 or tried[0] < best < tried[-1]:
+        return None
+    lo, hi = (tried[0], tried[1]) if best == tried[0] else (tried[-2], tried[-1])
+    return float(f"{best * (lo / hi if best == tried[0] else hi / lo):.3g}")
+
+
+def sweep_lrs(a, tok: dict) -> tuple[list, dict]:
+    """Sweep --lrs per arch at the smallest width; where an arch's best is at an end of the grid,
+    extend the grid on that side (at most MAX_EXTEND times). Returns (results, chosen lr)."""
+    results = execute(plan(a, {x: a.lrs for x in a.archs}, "sweep"), a.work, a.reuse, tok)
+    for _ in range(MAX_EXTEND):
+        more = {}
+        for arch, best in rep.pick_lrs(results).items():
+            nxt = extend_lr([r.run.lr for r in results if r.run.arch == arch], best)
+            if nxt is not None:
+                more[arch] = [nxt]
+        if not more:
+            break
+        results += execute(plan(a, more, "sweep"), a.work, a.reuse, tok)
+    return results, rep.pick_lrs(results)
 
 
 def process_seconds(work: str, results: list) -> float:
@@ -222,7 +249,9 @@ def report(a, sweep: list, chosen: dict, results: list) -> str:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lr_text = (f"Each arch's learning rate is the one with the lowest final validation loss in a "
                f"sweep at d={a.widths[0]} (seed 0, {a.sweep_frac:g} of that width's FLOP budget, "
-               f"each run with its own schedule), used at every width:\n\n"
+               f"each run with its own schedule; where the best was at an end of the grid, the "
+               f"grid was extended on that side by the same factor, up to {MAX_EXTEND} times), "
+               f"used at every width (\"-\": not tried):\n\n"
                f"{rep.sweep_table(sweep, chosen)}\n" if sweep else
                f"Every arch uses lr {a.lrs[0]:g} (a single value was given: no sweep).\n")
     return f"""# Learning per FLOP: low rank vs full rank at equal training FLOPs
@@ -269,8 +298,7 @@ def main(argv=None):
     tok: dict = {}
     sweep = []
     if len(a.lrs) > 1:
-        sweep = execute(plan(a, {x: a.lrs for x in a.archs}, "sweep"), a.work, a.reuse, tok)
-        chosen = rep.pick_lrs(sweep)
+        sweep, chosen = sweep_lrs(a, tok)
     else:
         chosen = {x: a.lrs[0] for x in a.archs}
     results = execute(plan(a, chosen, "main"), a.work, a.reuse, tok)

@@ -164,7 +164,8 @@ def sweep_table(sweep: list[Result], chosen: dict[str, float]) -> str:
         by_lr = {r.run.lr: r.final for r in sweep if r.run.arch == arch}
         cells = [("diverged" if math.isinf(by_lr[lr]) else f"{by_lr[lr]:.3f}") if lr in by_lr
                  else "-" for lr in lrs]
-        edge = " (grid edge)" if len(lrs) > 1 and chosen[arch] in (lrs[0], lrs[-1]) else ""
+        tried = sorted(by_lr)
+        edge = " (grid edge)" if len(tried) > 1 and chosen[arch] in (tried[0], tried[-1]) else ""
         rows.append([arch, *cells, f"{chosen[arch]:g}{edge}"])
     return markdown_table(["arch", *[f"lr {lr:g}" for lr in lrs], "chosen"], rows)
 
