@@ -103,19 +103,39 @@ def pick_lrs(sweep: list[Result]) -> dict[str, float]:
     return {a: r.run.lr for a, r in best.items()}
 
 
+def runner_up_lr(sweep: list[Result], arch: str) -> Optional[float]:
+    """The swept learning rate second best for `arch` (None if it has fewer than two)."""
+    rs = sorted((r for r in sweep if r.run.arch == arch), key=lambda r: r.final)
+    return rs[1].run.lr if len(rs) > 1 and math.isfinite(rs[1].final) else None
+
+
 def seed_spread(results: list[Result], width: int) -> Optional[float]:
     """The largest |seed a - seed b| final-loss gap of any arch at `width`; None with one seed."""
     gaps = []
-    for arch in {r.run.arch for r in results}:
-        finals = [r.final for r in results if r.run.arch == arch and r.run.width == width]
+    for arch, lr in {(r.run.arch, r.run.lr) for r in results}:
+        finals = [r.final for r in results
+                  if (r.run.arch, r.run.lr, r.run.width) == (arch, lr, width)]
         if len(finals) >= 2:
             gaps.append(max(finals) - min(finals))
     return max(gaps) if gaps else None
 
 
-def mean_final(results: list[Result], arch: str, width: int) -> float:
-    finals = [r.final for r in results if r.run.arch == arch and r.run.width == width]
-    return sum(finals) / len(finals) if finals else math.nan
+def mean_final(results: list[Result], arch: str, width: int,
+               lr: Optional[float] = None) -> float:
+    """Mean final loss over seeds; for an arch run at several lrs, that of the best lr."""
+    lrs = {r.run.lr for r in results if r.run.arch == arch and r.run.width == width}
+    means = []
+    for x in lrs if lr is None else [lr]:
+        finals = [r.final for r in results
+                  if (r.run.arch, r.run.width, r.run.lr) == (arch, width, x)]
+        means.append(sum(finals) / len(finals) if finals else math.nan)
+    return min(means) if means else math.nan
+
+
+def reference_lr(results: list[Result], width: int) -> float:
+    """The lr of full rank's best run at `width` (the one low rank is compared with)."""
+    lrs = {r.run.lr for r in results if r.run.arch == "full" and r.run.width == width}
+    return min(lrs, key=lambda lr: mean_final(results, "full", width, lr))
 
 
 def verdict(delta: float, noise: Optional[float]) -> str:
@@ -174,12 +194,16 @@ def main_table(results: list[Result], vs: list) -> str:
     vmap = {(w, a): (d, v) for w, a, d, v in vs}
     rows = []
     for w in sorted({r.run.width for r in results}):
-        for arch in [a for a in ARCHS if any(r.run.arch == a and r.run.width == w
-                                             for r in results)]:
-            rs = sorted((r for r in results if r.run.arch == arch and r.run.width == w),
+        base = mean_final(results, "full", w)
+        for arch, lr in sorted({(r.run.arch, r.run.lr) for r in results if r.run.width == w},
+                               key=lambda k: (ARCHS.index(k[0]), k[1])):
+            rs = sorted((r for r in results
+                         if (r.run.arch, r.run.width, r.run.lr) == (arch, w, lr)),
                         key=lambda r: r.run.seed)
             r0 = rs[0]
             d, v = vmap.get((w, arch), (0.0, "reference"))
+            if arch == "full" and mean_final(results, arch, w, lr) > base:
+                v = "not the reference (higher loss)"
             rows.append([w, arch, f"{r0.run.lr:g}", r0.params / 1e6,
                          r0.train_flops_per_token / 1e6, r0.run.steps,
                          r0.run.steps * r0.tokens_per_step / 1e6, r0.total_flops / 1e12,
