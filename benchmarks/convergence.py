@@ -302,7 +302,7 @@ Seeds vary the initial weights (`train.seed`): {a.seeds} at d={a.widths[0]}, 1 a
 evaluation or checkpoints); the runs ran one after another on a shared machine, so it carries \
 the load of the moment, and a FLOP is not a second on this CPU. Plot: `convergence.png` beside \
 this file (validation loss against training FLOPs and against training seconds, one row per \
-width; full rank black, svd orange, cola blue, lax green; seed 1 dashed).
+width; full rank black, at its other lr gray, svd orange, cola blue, lax green; seed 1 dashed).
 
 What this does not show: these are short runs (the token counts above) of small models; the \
 verdict is about this budget and this data, not about training to convergence at scale. The \

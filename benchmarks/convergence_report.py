@@ -232,10 +232,12 @@ def plot(results: list[Result], path: str) -> str:
     fig, axes = plt.subplots(len(widths), 2, figsize=(11, 3.8 * len(widths)), squeeze=False)
     for row, w in zip(axes, widths):
         rs = [r for r in results if r.run.width == w and r.points]
+        ref = reference_lr(results, w)
         for r in rs:
-            style = dict(color=COLORS.get(r.run.arch), marker="o", markersize=3,
-                         linestyle="-" if r.run.seed == 0 else "--",
-                         label=f"{r.run.arch} seed {r.run.seed}")
+            other = r.run.arch == "full" and r.run.lr != ref  # full rank's runner-up lr
+            style = dict(color="gray" if other else COLORS.get(r.run.arch), marker="o",
+                         markersize=3, linestyle="-" if r.run.seed == 0 else "--",
+                         label=f"{r.run.arch} lr {r.run.lr:g} seed {r.run.seed}")
             row[0].plot([p[1] / 1e12 for p in r.points], [p[3] for p in r.points], **style)
             row[1].plot([p[2] for p in r.points], [p[3] for p in r.points], **style)
         # the first evaluation is the untrained model: zoom on the learning after it
