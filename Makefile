@@ -18,7 +18,7 @@ train: $(VENV)/.installed
 test: $(VENV)/.installed
 	$(PY) -m pytest tests -n 2 --dist loadfile $(ARGS)
 
-# Learning per FLOP (benchmarks/README.md section 9): about 40 minutes on 2 cores.
+# Learning per FLOP (benchmarks/README.md section 9); its results file says how long it took.
 convergence: $(VENV)/.installed
 	$(PY) benchmarks/convergence.py $(ARGS)
 

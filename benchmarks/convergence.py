@@ -1,6 +1,6 @@
 """Learning per FLOP: does low rank learn as well as full rank for the same training compute?
 
-    .venv/bin/python benchmarks/convergence.py      (make convergence; about 40 min on 2 cores)
+    .venv/bin/python benchmarks/convergence.py      (make convergence; 28 train.py runs by default)
 
 full, svd, cola and lax are trained on the default corpus (configs/demo.yaml: the Python
 standard library's source) with a byte-level BPE, trained once on the training split and
