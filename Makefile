@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test bench clean gpu-dry-run
+.PHONY: train test bench convergence clean gpu-dry-run
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest tests -n 2 --dist loadfile $(ARGS)
+
+# Learning per FLOP (benchmarks/README.md section 10); its results file says how long it took.
+convergence: $(VENV)/.installed
+	$(PY) benchmarks/convergence.py $(ARGS)
 
 # The GPU check (benchmarks/gpu.sh) on CPU with tiny shapes, in a Python 3.12 stand-in for the
 # GPU machine's image (JAX 0.11.2, no grain/tensorboardX: they come from .whl/ as there).
