@@ -161,7 +161,7 @@ class Engine:
         def body(params, batch):
             mb = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]),
                               batch)
-            acc0 = jax.tree.map(lambda z: z.astype(acc_dtype), self.slots())
+            acc0 = self.slots()  # zeros in grad_accum_dtype
             if self.pipeline is not None:
                 loss, acc = self.pipeline.run(params, mb, self.tie, scale, True, acc0)
             else:

@@ -219,8 +219,7 @@ class Pipeline:
                     c, out_f = forward_tick(c, t)
                 if do_b:
                     if do_f:
-                        buf = jax.tree.map(lambda b, x: after(b, x), c["buf"], out_f)
-                        c = dict(c, buf=buf, gin=after(c["gin"], out_f))
+                        c = dict(c, buf=after(c["buf"], out_f), gin=after(c["gin"], out_f))
                     c, out_b = backward_tick(c, t)
                 if do_f and do_send:
                     c = dict(c, fin=send(after(out_f, out_b) if do_b else out_f, P, +1))
