@@ -89,7 +89,9 @@ def to_tensors(cfg, params: dict) -> tuple[dict, dict]:
             for k, v in p.items():
                 dest[f"{key}.{FACTOR_NAMES[k]}"] = _t(v) if v.ndim == 2 else v
             if cfg.arch == "svd":
-                w = np.matmul(p["a"].astype(np.float32), p["b"].astype(np.float32))
+                # products of fp32 factors are exact in fp64 and rounded once, so the merged
+                # weight is the same bits on every CPU (an fp32 BLAS sum order is not)
+                w = np.matmul(p["a"].astype(np.float64), p["b"].astype(np.float64))
                 main[f"{key}.weight"] = _t(w.astype(p["a"].dtype))
     return main, factors
 
