@@ -167,7 +167,14 @@ def get_topology(name: str) -> Topology:
 
 
 def set_cpu_devices(n: int) -> None:
-    """Simulate `n` CPU devices. Must run before JAX initialises its backends."""
+    """Simulate `n` CPU devices. Must run before JAX initialises its backends.
+
+    The simulated devices share one thread pool, and a device inside a collective blocks a
+    thread until every peer arrives: with the default pool (max(cores, n) threads) the peers'
+    work can queue behind the blocked threads and the run stalls (TP all-reduces next to
+    pipeline sends do). The pool is sized for two blocked collectives per device plus the
+    cores (PJRT_NPROC, read when the CPU client starts; a user's own value wins)."""
+    os.environ.setdefault("PJRT_NPROC", str(2 * n + (os.cpu_count() or 1)))
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()

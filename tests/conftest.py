@@ -3,14 +3,13 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-_flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-    os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
+from boost_jax.mesh import set_cpu_devices  # noqa: E402
+
+set_cpu_devices(8)
 
 # XLA:CPU fast-compile options for the training loop (tests are compile-bound); subprocesses
 # started by tests inherit it, so in-process and subprocess runs compile the same programs and

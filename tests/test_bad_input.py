@@ -64,10 +64,6 @@ ROWS = {
          "train.micro_batches=4"],
         r"parallel\.pp_stages=4 splits 5 layers into runs of 2, which leaves stage 3 without "
         r"a layer"),
-    "pp_megatron": (
-        ["parallel.tp_mode=megatron", "parallel.tp_axes=[pair]", "model.arch=full",
-         "parallel.pp_stages=2", "train.micro_batches=2"],
-        r"parallel\.tp_mode=megatron with parallel\.pp_stages>1 is not supported yet"),
     "pp_tied_embeddings": (
         ["model.tie_embeddings=true", "parallel.pp_stages=2", "train.micro_batches=2"],
         r"model\.tie_embeddings=true with parallel\.pp_stages>1"),

@@ -62,16 +62,6 @@ def validate(cfg) -> None:
             f"train.micro_batches>={P} or parallel.pp_schedule=gpipe")
 
 
-def check_runnable(cfg) -> None:
-    """What the step cannot run with stages yet (the cost model still prices it)."""
-    mode = cfg.parallel.tp_mode
-    if cfg.parallel.pp_stages > 1 and mode in ("megatron", "vanilla"):
-        raise ConfigError(
-            f"parallel.tp_mode={mode} with parallel.pp_stages>1 is not supported yet (on "
-            "simulated CPU devices its TP all-reduces and the stage sends can deadlock); use "
-            "parallel.tp_mode=btp or none with stages")
-
-
 def owner(end: str, stages: int) -> int:
     return 0 if ENDS[end] == FIRST else stages - 1
 
@@ -87,4 +77,4 @@ def stage_layout(path: tuple, lay: LeafLayout, n_layers: int, stages: int) -> Le
                       layer_axis=True, owner=owner(path[0], stages))
 
 
-__all__ = ["ENDS", "layers_per_stage", "validate", "check_runnable", "owner", "stage_layout"]
+__all__ = ["ENDS", "layers_per_stage", "validate", "owner", "stage_layout"]

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from boost_jax.layers import forward
 from boost_jax.mesh import STAGE
 from boost_jax.sharding.gather import to_varying
-from boost_jax.sharding.stages import ENDS, check_runnable, layers_per_stage
+from boost_jax.sharding.stages import ENDS, layers_per_stage
 
 
 @dataclass(frozen=True)
@@ -92,12 +92,6 @@ def squeeze_ends(tree):
     return {k: (jax.tree.map(lambda x: x[0], v) if k in ENDS else v) for k, v in tree.items()}
 
 
-def after(tree, deps):
-    """`tree` once `deps` (a tree of the same structure and types) are computed: an
-    optimization barrier per leaf, so every leaf keeps its type (varying axes)."""
-    return jax.tree.map(lambda x, d: jax.lax.optimization_barrier((x, d))[0], tree, deps)
-
-
 def send(tree, stages: int, step: int):
     """Each stage's `tree` to stage s+step (step ±1); the stage with no sender gets zeros."""
     perm = [(i, i + step) for i in range(stages) if 0 <= i + step < stages]
@@ -110,7 +104,6 @@ class Pipeline:
     def __init__(self, engine):
         self.e = engine
         cfg = engine.cfg
-        check_runnable(cfg)
         self.P = int(engine.mesh.shape[STAGE])
         self.L = cfg.model.n_layers
         self.k = layers_per_stage(self.L, self.P)
@@ -209,22 +202,14 @@ class Pipeline:
                 continue
 
             def tick(c, t, do_f=do_f, do_b=do_b, do_send=do_send):
-                # One order for every device: F, then B, then the forward send, then the
-                # backward one, each waiting on the previous one's activation-shaped result
-                # (the XLA:CPU runtime starts independent collectives in any order, and a
-                # permute spanning every device deadlocks against a TP collective another
-                # device entered first). Only activation-typed values tie them: a barrier
-                # types its outputs with its operands' union of varying axes.
                 if do_f:
                     c, out_f = forward_tick(c, t)
                 if do_b:
-                    if do_f:
-                        c = dict(c, buf=after(c["buf"], out_f), gin=after(c["gin"], out_f))
                     c, out_b = backward_tick(c, t)
                 if do_f and do_send:
-                    c = dict(c, fin=send(after(out_f, out_b) if do_b else out_f, P, +1))
+                    c = dict(c, fin=send(out_f, P, +1))
                 if do_b and do_send:
-                    c = dict(c, gin=send(after(out_b, c["fin"]) if do_f else out_b, P, -1))
+                    c = dict(c, gin=send(out_b, P, -1))
                 return c, None
 
             carry, _ = jax.lax.scan(tick, carry, jnp.arange(t0, t0 + n, dtype=jnp.int32))
@@ -232,4 +217,4 @@ class Pipeline:
         return carry["loss"], carry.get("acc")
 
 
-__all__ = ["Schedule", "Pipeline", "squeeze_ends", "send", "after"]
+__all__ = ["Schedule", "Pipeline", "squeeze_ends", "send"]
