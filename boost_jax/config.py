@@ -127,9 +127,14 @@ class ParallelConfig:
     # schedule over train.micro_batches (boost_jax/train/pipeline.py)
     pp_stages: int = 1
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    pp_virtual: int = 1  # interleaved virtual stages per device (chunks of layers)
 
     def validate(self) -> None:
         _positive("parallel.pp_stages", self.pp_stages)
+        _positive("parallel.pp_virtual", self.pp_virtual)
+        if self.pp_virtual > 1 and self.pp_stages == 1:
+            raise ConfigError(f"parallel.pp_virtual={self.pp_virtual} needs pipeline stages; "
+                              "set parallel.pp_stages>1 or parallel.pp_virtual=1")
         for name in ("tp_axes", "batch_axes", "params_axes", "grads_axes", "opt_state_axes",
                      "secondary_axes"):
             axes = getattr(self, name)

@@ -64,6 +64,18 @@ ROWS = {
          "train.micro_batches=4"],
         r"parallel\.pp_stages=4 splits 5 layers into runs of 2, which leaves stage 3 without "
         r"a layer"),
+    "pp_virtual_without_stages": (
+        ["parallel.pp_virtual=2"],
+        r"parallel\.pp_virtual=2 needs pipeline stages; set parallel\.pp_stages>1"),
+    "pp_virtual_micro_batches": (
+        ["model.n_layers=4", "parallel.pp_stages=2", "parallel.pp_virtual=2",
+         "train.micro_batches=1", "parallel.pp_schedule=gpipe"],
+        r"parallel\.pp_virtual=2 runs micro-batches in groups of the 2 stages: "
+        r"train\.micro_batches=1 is not a multiple of parallel\.pp_stages=2"),
+    "pp_virtual_too_many": (
+        ["parallel.pp_stages=2", "parallel.pp_virtual=2", "train.micro_batches=2"],
+        r"parallel\.pp_stages=2 x parallel\.pp_virtual=2 is more stages than the model's 2 "
+        r"layers"),
     "pp_tied_embeddings": (
         ["model.tie_embeddings=true", "parallel.pp_stages=2", "train.micro_batches=2"],
         r"model\.tie_embeddings=true with parallel\.pp_stages>1"),

@@ -77,6 +77,24 @@ def test_pipeline_equals_single_device(stages, schedule, tp, plan):
     COMPILED[(stages, schedule, tp, plan)] = (cfg, compiled)
 
 
+VIRTUAL = [(2, "1f1b", "btp", "hierarchical", 2, 4, 4), (4, "gpipe", "none", "ddp", 2, 8, 4),
+           (2, "1f1b", "none", "zero3", 3, 11, 2), (2, "gpipe", "btp", "zeropp", 2, 7, 8)]
+
+
+@pytest.mark.parametrize("stages,schedule,tp,plan,virtual,layers,micro", VIRTUAL,
+                         ids=["-".join(map(str, c)) for c in VIRTUAL])
+def test_interleaved_virtual_stages_equal_single_device(stages, schedule, tp, plan, virtual,
+                                                        layers, micro):
+    """parallel.pp_virtual=V: each device runs V chunks (virtual stages s, s+P, …), sends
+    wrap from the last stage to the first; 11 layers over 2x3, 7 over 2x2 chunks leave padded
+    layers; 8 micro-batches make 4 groups of P."""
+    cfg = pp_cfg(stages, schedule, plan, tp, micro=micro, n_layers=layers)
+    cfg.parallel.pp_virtual = virtual
+    loss, grads, compiled = engine_run(cfg.validate(), mesh_of(stages))
+    assert_same(reference(_model_key(cfg)), (loss, grads))
+    COMPILED[(stages, schedule, tp, plan, "float32", virtual)] = (cfg, compiled)
+
+
 @pytest.mark.parametrize("arch", ["lax", "full"])
 def test_pipeline_latents_and_other_archs(arch):
     """LaX passes its 7 latents across stages along with the residual stream; full rank."""
@@ -85,18 +103,22 @@ def test_pipeline_latents_and_other_archs(arch):
 
 
 @pytest.mark.parametrize("key", [(2, "1f1b", "btp", "hierarchical"), (4, "gpipe", "none", "ddp"),
-                                 (2, "gpipe", "btp", "ddp", "bfloat16")])
+                                 (2, "gpipe", "btp", "ddp", "bfloat16"),
+                                 (2, "1f1b", "btp", "hierarchical", "float32", 2)])
 def test_only_activation_sends_cross_stages(key):
     """From the compiled program: every collective whose group spans stages is a
     collective-permute of one micro-batch's [rows, s, d] activations (or its gradient), as many
     per step as the schedule's ticks with a forward plus those with a backward, less the final
     tick's; the rest crossing stages is the step's scalar loss. The cost model charges the
-    same bytes. In bf16, XLA:CPU moves the send in fp32; the analyzer counts it at 16 bits."""
+    same bytes. In bf16, XLA:CPU moves the send in fp32; the analyzer counts it at 16 bits.
+    With V virtual stages: 2(V·m+P−1)−1 sends."""
     if key not in COMPILED:
         stages, schedule, tp, plan = key[:4]
         cfg = pp_cfg(stages, schedule, plan, tp)
         if len(key) > 4:
             cfg.model.dtype = key[4]
+        if len(key) > 5:
+            cfg.parallel.pp_virtual = key[5]
         COMPILED[key] = (cfg, engine_run(cfg, mesh_of(stages))[2])
     cfg, compiled = COMPILED[key]
     stages = cfg.parallel.pp_stages
@@ -114,8 +136,9 @@ def test_only_activation_sends_cross_stages(key):
     assert {c.payload_bytes for c in sends} == {want}
     assert all(c.level == "global" for c in sends)
     per_step = sum(c.trip_count for c in sends)
-    sch = Schedule(cfg.parallel.pp_schedule, stages, cfg.train.micro_batches)
-    assert per_step == sch.sends == 2 * (cfg.train.micro_batches + stages - 1) - 1
+    V = cfg.parallel.pp_virtual
+    sch = Schedule(cfg.parallel.pp_schedule, stages, cfg.train.micro_batches, V)
+    assert per_step == sch.sends == 2 * (V * cfg.train.micro_batches + stages - 1) - 1
     pred = predict(cfg, get_topology("cpu"), {**sizes, "stage": stages})
     (model,) = [c for c in pred.collectives if c.name == "stage_send"]
     assert model.bytes_per_step == sum(c.bytes_per_step for c in sends)
@@ -160,8 +183,10 @@ def _train(cfg, mesh, steps, batches):
 
 
 def test_training_and_restore_across_stage_counts(tmp_path):
-    """5 optimizer steps with 2 stages (1f1b, hierarchical) give the unpipelined losses; the
-    checkpoint restores with 1 and 4 stages to the same logical weights and optimizer state."""
+    """5 optimizer steps with 2 stages (1f1b, hierarchical), and with 2 stages x 2 interleaved
+    virtual stages, give the unpipelined losses; each checkpoint restores with other splits
+    (1, 4, 2x2 / 2 stages) and onto one device to the same logical weights and optimizer
+    state."""
     rng = np.random.default_rng(0)
     base = pp_cfg(2, "1f1b", "hierarchical", n_layers=7)  # 2 stages: 4+3, 4 stages: 2+2+2+1
     toks = rng.integers(0, base.model.vocab_size, (5, base.train.global_batch,
@@ -170,30 +195,42 @@ def test_training_and_restore_across_stage_counts(tmp_path):
     flat = pp_cfg(2, "1f1b", "hierarchical", micro=2, n_layers=7)  # 8 data-parallel devices
     flat.parallel.pp_stages = 1
     _, _, want = _train(flat.validate(), make_mesh("cpu", shape=[2, 2, 2]), 5, batches)
-    bundle, state, got = _train(base, mesh_of(2), 5, batches)
-    np.testing.assert_allclose(got, want, rtol=1e-5)
+    virt = pp_cfg(2, "1f1b", "hierarchical", n_layers=7)  # chunks of 2 layers: 0,2 | 1,3
+    virt.parallel.pp_virtual = 2
+    runs = {}
+    for name, cfg in (("2", base), ("2x2", virt.validate())):
+        bundle, state, got = _train(cfg, mesh_of(2), 5, batches)
+        np.testing.assert_allclose(got, want, rtol=1e-5, err_msg=name)
+        runs[name] = (cfg, bundle, state)
 
-    ck = Checkpointer(str(tmp_path / "ck"), base.checkpoint, stages=2)
-    ck.save(5, state, {}, {"config": base.to_dict()}, force=True)
-    ck.wait()
-    logical = jax.device_get(bundle.logical_params(state))
-    # generate/evaluate/export read the logical weights onto one device
-    one = restore_params(_manager(str(tmp_path / "ck")), 5, base)
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(one), logical)
-    for stages, shape in ((1, [2, 2, 2]), (4, [2, 1, 4])):
-        cfg = pp_cfg(4, "gpipe", "hierarchical", n_layers=7, micro=2 if stages == 1 else 4)
-        cfg.parallel.pp_stages = stages
-        other = build_step(cfg.validate(), make_mesh("cpu", shape=shape, stages=stages), FAST)
-        restored, _, _ = Checkpointer(str(tmp_path / "ck"), base.checkpoint,
-                                      stages=stages).restore(5, other.abstract_state)
-        got = jax.device_get(other.logical_params(restored))
-        jax.tree.map(np.testing.assert_array_equal, got, logical)
-        # Adam moments: the same sums per array (zero slots and padding add nothing)
-        want, got = state_digest(state["opt_state"]), state_digest(restored["opt_state"])
-        assert set(got) == set(want)
-        for k in want:
-            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6 * want[k][1],
-                                       err_msg=k)
+    targets = {"2": ((1, 1, [2, 2, 2]), (4, 1, [2, 1, 4]), (2, 2, [2, 2, 2])),
+               "2x2": ((4, 1, [2, 1, 4]), (2, 1, [2, 2, 2]))}
+    for name, (saved_cfg, bundle, state) in runs.items():
+        path = str(tmp_path / name)
+        split = (saved_cfg.parallel.pp_stages, saved_cfg.parallel.pp_virtual)
+        ck = Checkpointer(path, saved_cfg.checkpoint, stages=split)
+        ck.save(5, state, {}, {"config": saved_cfg.to_dict()}, force=True)
+        ck.wait()
+        logical = jax.device_get(bundle.logical_params(state))
+        # generate/evaluate/export read the logical weights onto one device
+        one = restore_params(_manager(path), 5, saved_cfg)
+        jax.tree.map(np.testing.assert_array_equal, jax.device_get(one), logical)
+        for stages, virtual, shape in targets[name]:
+            cfg = pp_cfg(4, "gpipe", "hierarchical", n_layers=7,
+                         micro=2 if stages == 1 else 4)
+            cfg.parallel.pp_stages, cfg.parallel.pp_virtual = stages, virtual
+            other = build_step(cfg.validate(), make_mesh("cpu", shape=shape, stages=stages),
+                               FAST)
+            restored, _, _ = Checkpointer(path, saved_cfg.checkpoint, stages=(
+                stages, virtual)).restore(5, other.abstract_state)
+            got = jax.device_get(other.logical_params(restored))
+            jax.tree.map(np.testing.assert_array_equal, got, logical)
+            # Adam moments: the same sums per array (zero slots and padding add nothing)
+            want_d, got_d = state_digest(state["opt_state"]), state_digest(restored["opt_state"])
+            assert set(got_d) == set(want_d)
+            for k in want_d:
+                np.testing.assert_allclose(got_d[k], want_d[k], rtol=1e-5,
+                                           atol=1e-6 * want_d[k][1], err_msg=f"{name} {k}")
 
 
 def test_planner_compiles_and_searches_stages():

@@ -98,17 +98,17 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
     dtype = cfg.model.param_dtype
     want = {"params": jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding), logical)}
-    stages = cfg.parallel.pp_stages
+    stages = (cfg.parallel.pp_stages, cfg.parallel.pp_virtual)
     try:
         item = want
-        if stages > 1:  # end weights stacked over stages (boost_jax/train/restage.py)
+        if stages[0] > 1:  # end weights stacked over stages (boost_jax/train/restage.py)
             saved = restage.saved_shapes(os.path.join(str(mngr.directory), str(step)))
-            item = restage.restore_target(want, saved, stages, 1)
+            item = restage.restore_target(want, saved, stages, (1, 1))
         args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(
             sharding=sharding, global_shape=x.shape, dtype=x.dtype, strict=False), item)
         restore = ocp.args.PyTreeRestore(item, restore_args=args, partial_restore=True)
         state = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
-        state = restage.convert(state, want, stages, 1)
+        state = restage.convert(state, want, stages, (1, 1))
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
         from boost_jax.train.checkpoint import _reason
 

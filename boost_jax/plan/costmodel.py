@@ -179,20 +179,22 @@ def tp_info(cfg, sizes) -> tuple[str, int]:
 
 
 def stage_layers(cfg) -> int:
-    """Layers one device runs: all of them, or its pipeline stage's ceil(L/P)."""
-    pp = cfg.parallel.pp_stages
-    return layers_per_stage(cfg.model.n_layers, pp) if pp > 1 else cfg.model.n_layers
+    """Layers one device holds: all of them, or its pipeline stage's V chunks of
+    ceil(L/(P·V))."""
+    pp, v = cfg.parallel.pp_stages, cfg.parallel.pp_virtual
+    return v * layers_per_stage(cfg.model.n_layers, pp, v) if pp > 1 else cfg.model.n_layers
 
 
 def fetch_calls(cfg) -> tuple[int, int]:
-    """(forward, backward) passes over each weight per step: one of each per micro-batch;
-    with pipeline stages one forward per tick with F, and per tick with B the re-run forward
-    and the backward (boost_jax/train/pipeline.py), masked ticks included."""
-    m, pp = cfg.train.micro_batches, cfg.parallel.pp_stages
+    """(forward, backward) passes over each block weight per step: one of each per
+    micro-batch; with pipeline stages one forward per tick with F, and per tick with B the
+    re-run forward and the backward (boost_jax/train/pipeline.py), masked ticks included, a
+    tick running one of the V chunks (the end weights run every tick: V times as many)."""
+    m, pp, v = cfg.train.micro_batches, cfg.parallel.pp_stages, cfg.parallel.pp_virtual
     if pp == 1:
         return m, m
-    ticks = m + pp - 1
-    return 2 * ticks, ticks
+    ticks = v * m + pp - 1
+    return (2 * ticks, ticks) if v == 1 else (2 * ticks / v, ticks / v)
 
 
 def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
@@ -335,7 +337,7 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     if pp > 1:  # the stage inputs a device keeps (train/pipeline.py: Schedule.depth + 1)
         from boost_jax.train.pipeline import Schedule
 
-        depth = Schedule(par.pp_schedule, pp, cfg.train.micro_batches).depth + 1
+        depth = Schedule(par.pp_schedule, pp, cfg.train.micro_batches, par.pp_virtual).depth + 1
         mem["stage_inputs"] = depth * stage_send_bytes(cfg, sizes, b)
     mem["logits"] = sum(o.out_bytes for o in hm.ops) * 2
     mem["layer_grads"] = st.per_layer_tp_local * 4
@@ -361,9 +363,9 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     `measured`: collective cost of a compiled step (CommSummary of colls_from_report, possibly
     extrapolated), used instead of the analytic collective list. With parallel.pp_stages = P
     (`sizes` global = the data-parallel host groups; the `stage` axis is added) the step is the
-    engine's pipeline (boost_jax/train/pipeline.py): m+P−1 ticks with a forward (F = the
-    stage's k = ceil(L/P) layers + head) and m+P−1 with a backward (B = F re-run + its
-    backward), so compute = (m+P−1)·(F+B) — bubble (P−1)/(m+P−1) — and 2(m+P−1)−1
+    engine's pipeline (boost_jax/train/pipeline.py): N+P−1 ticks with a forward (F = one
+    chunk's k = ceil(L/(P·V)) layers + head) and N+P−1 with a backward (B = F re-run + its
+    backward), N = V·m, so compute = (N+P−1)·(F+B) — bubble (P−1)/(N+P−1) — and 2(N+P−1)−1
     activation sends on the critical path.
     """
     a = assumptions or Assumptions()
@@ -378,8 +380,9 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     b = cfg.train.global_batch // micro // n_batch  # sequences per device per micro-batch
     peak, hbm = topo.peak_flops, HBM_BW.get(topo.name, 1.6e12)
     pp = cfg.parallel.pp_stages
-    L = layers_per_stage(m.n_layers, pp) if pp > 1 else m.n_layers
-    ticks = micro + pp - 1
+    V = cfg.parallel.pp_virtual
+    L = layers_per_stage(m.n_layers, pp, V) if pp > 1 else m.n_layers  # per F / B
+    ticks = V * micro + pp - 1
     bm = block_model(m, b, s, mode, t, a.attention)
     hm = head_model(m, b, s, mode, t)
 
@@ -404,6 +407,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     remat_replays = cfg.train.remat == "full" or (cfg.train.remat == "lowrank"
                                                   and bm.replays_collectives_lowrank)
     fwd_calls, bwd_calls = fetch_calls(cfg)
+    Lw = stage_layers(cfg)  # block layers whose weights the passes run over
     # TP collectives (analytic; measured ones replace them below)
     tp_axes = cfg.parallel.tp_axes
     colls: list[Coll] = []
@@ -411,21 +415,21 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
         lv = level_of(tp_axes)
         for c in bm.fwd:
             colls.append(Coll(f"tp_fwd_{c.name}", c.kind, c.payload, t, lv,
-                              L * (fwd_calls + (bwd_calls if remat_replays else 0)), "tp",
+                              Lw * (fwd_calls + (bwd_calls if remat_replays else 0)), "tp",
                               tuple(tp_axes)))
         for c in bm.bwd:
-            colls.append(Coll(f"tp_bwd_{c.name}", c.kind, c.payload, t, lv, L * bwd_calls, "tp",
+            colls.append(Coll(f"tp_bwd_{c.name}", c.kind, c.payload, t, lv, Lw * bwd_calls, "tp",
                               tuple(tp_axes)))
         for c in hm.fwd:
-            colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, fwd_calls, "tp",
+            colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, V * fwd_calls, "tp",
                               tuple(tp_axes)))
         for c in hm.bwd:
-            colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, bwd_calls, "tp",
+            colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, V * bwd_calls, "tp",
                               tuple(tp_axes)))
     if pp > 1:
         from boost_jax.train.pipeline import Schedule
 
-        sends = Schedule(cfg.parallel.pp_schedule, pp, micro).sends
+        sends = Schedule(cfg.parallel.pp_schedule, pp, micro, V).sends
         colls.append(Coll("stage_send", "collective-permute", stage_send_bytes(cfg, sizes, b),
                           2, "global", sends, "tp", (STAGE,)))
     colls += dp_collectives(cfg, sizes, st, pl)
@@ -437,7 +441,8 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
         comm = CommSummary.of(colls, topo, a)
         notes.append("collectives: analytic (the step's placement, not compiled)")
     if pp > 1:
-        notes.append(f"pipeline: {pp} stages of {L} layers, {cfg.parallel.pp_schedule} over "
+        chunks = f" x {V} virtual" if V > 1 else ""
+        notes.append(f"pipeline: {pp}{chunks} stages of {L} layers, {cfg.parallel.pp_schedule} over "
                      f"{micro} micro-batches: bubble {(pp - 1) / ticks:.0%}, each B tick re-runs "
                      "its stage forward")
     t_tp = comm.phase_time.get("tp", 0.0)

@@ -23,6 +23,7 @@ PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 TP_AXES = ((), ("pair",), ("node",), ("pair", "node"))
 MICRO_SIZES = (1, 2, 4, 8, 16, 32)
 PP_STAGES = (1, 2, 4, 8)  # pipeline stages (1F1B) tried where they divide the hosts
+PP_VIRTUAL = (1, 2)  # interleaved chunks per stage, where the micro-batches come in groups of P
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Candidate:
     micro_batches: int
     remat: str
     pp_stages: int = 1
+    pp_virtual: int = 1
     sizes: dict = field(default_factory=dict)  # the mesh: global = hosts / pp_stages
     prediction: Optional[Prediction] = None
     error: Optional[str] = None
@@ -43,12 +45,13 @@ class Candidate:
     def key(self) -> str:
         tp = f"{self.tp_mode}x{'+'.join(self.tp_axes)}" if self.tp_axes else "none"
         pp = f"/pp{self.pp_stages}" if self.pp_stages > 1 else ""
+        pp += f"v{self.pp_virtual}" if self.pp_virtual > 1 else ""
         return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}"
 
     def config(self, cfg):
         par = dataclasses.replace(cfg.parallel, plan=self.plan, tp_mode=self.tp_mode,
                                   tp_axes=list(self.tp_axes), pp_stages=self.pp_stages,
-                                  pp_schedule="1f1b")
+                                  pp_schedule="1f1b", pp_virtual=self.pp_virtual)
         tr = dataclasses.replace(cfg.train, micro_batches=self.micro_batches, remat=self.remat)
         return dataclasses.replace(cfg, parallel=par, train=tr)
 
@@ -72,7 +75,8 @@ class SearchResult:
             p = c.prediction
             rows.append(dict(key=c.key(), plan=c.plan, tp_mode=c.tp_mode, tp_axes=list(c.tp_axes),
                              micro_size=c.micro_size, micro_batches=c.micro_batches,
-                             pp_stages=c.pp_stages, remat=c.remat, step_time=p.step_time, tokens_per_s=p.tokens_per_s,
+                             pp_stages=c.pp_stages, pp_virtual=c.pp_virtual,
+                             remat=c.remat, step_time=p.step_time, tokens_per_s=p.tokens_per_s,
                              tflops_per_device=p.tflops_per_device, mfu=p.mfu,
                              memory=p.memory["total"], comm_bytes=p.comm_bytes,
                              compiled=c.compiled))
@@ -102,10 +106,12 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
                     n_dp *= sz[a]
             for b, remat in itertools.product(MICRO_SIZES, remats):
                 per = b * n_dp
-                if cfg.train.global_batch % per or cfg.train.global_batch // per < pp:
+                m = cfg.train.global_batch // per
+                if cfg.train.global_batch % per or m < pp:
                     continue  # 1F1B needs at least as many micro-batches as stages
-                out.append(Candidate(plan, mode, tuple(axes), b, cfg.train.global_batch // per,
-                                     remat, pp, sz))
+                for v in PP_VIRTUAL if pp > 1 else (1,):
+                    if v == 1 or (m % pp == 0 and pp * v <= cfg.model.n_layers):
+                        out.append(Candidate(plan, mode, tuple(axes), b, m, remat, pp, v, sz))
     return out
 
 
@@ -163,7 +169,8 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
     for i, c in enumerate(res.fitting[:top], 1):
         p = c.prediction
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
-        lines.append(f"| {i} | {c.plan} | {tp} | {c.pp_stages} | {c.micro_size} | "
+        pp = f"{c.pp_stages}" + (f" x{c.pp_virtual}" if c.pp_virtual > 1 else "")
+        lines.append(f"| {i} | {c.plan} | {tp} | {pp} | {c.micro_size} | "
                      f"{c.micro_batches} | {c.remat} | "
                      f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
                      f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "

@@ -41,7 +41,9 @@ class LeafLayout:
     dim 0 of a stage-split array (boost_jax/sharding/stages.py);
     layer_axis: dim 0 is a scanned layer axis (or the stage slots of a pipeline end weight);
     owner: a pipeline end weight stored as [stages, *leaf]: the slot holding the real leaf
-    (the others are zeros).
+    (the others are zeros);
+    interleave: (stages, virtual) of a block stack split into interleaved virtual stages: its
+    padded layers, logically [virtual, stages, k], are stored as [stages, virtual, k].
     """
 
     shape: tuple[int, ...]
@@ -50,6 +52,7 @@ class LeafLayout:
     tp: tuple[tuple[str, ...], ...]
     layer_axis: bool = False
     owner: Optional[int] = None
+    interleave: Optional[tuple[int, int]] = None
 
     @property
     def pad(self) -> int:
@@ -127,11 +130,23 @@ def pad(lay: LeafLayout, x):
     widths = [(0, p - s) for s, p in zip(lay.shape[-x.ndim:], lay.padded[-x.ndim:])]
     if lay.owner is not None:
         widths[0] = (lay.owner, lay.padded[0] - lay.owner - 1)
-    return jnp.pad(x, widths) if any(w != (0, 0) for w in widths) else x
+    x = jnp.pad(x, widths) if any(w != (0, 0) for w in widths) else x
+    return interleave(x, *lay.interleave) if lay.interleave else x
+
+
+def interleave(x, stages: int, virtual: int, inverse: bool = False):
+    """Layer stack in model order [virtual·stages·k] ↔ stored order (stage s's chunks
+    contiguous, so sharding dim 0 over `stage` gives stage s the layers of virtual stages
+    s, s+P, …)."""
+    src = (virtual, stages) if not inverse else (stages, virtual)
+    x = x.reshape(*src, -1, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[3:])
 
 
 def unpad(lay: LeafLayout, x):
     """Stored (padded) array → logical array."""
+    if lay.interleave:
+        x = interleave(x, *lay.interleave, inverse=True)
     if lay.owner is not None:
         x, shape = x[lay.owner], lay.shape[1:]
     else:
@@ -149,5 +164,5 @@ def unpad_tree(layouts, tree):
     return jax.tree.map(unpad, layouts, tree, is_leaf=is_layout)
 
 
-__all__ = ["LeafLayout", "choose_layout", "spec_entry", "is_layout", "pad", "unpad", "pad_tree",
-           "unpad_tree"]
+__all__ = ["LeafLayout", "choose_layout", "spec_entry", "is_layout", "pad", "unpad", "interleave",
+           "pad_tree", "unpad_tree"]

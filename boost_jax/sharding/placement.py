@@ -323,7 +323,8 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
     if P_ == 1:
         return layouts
     return jax.tree_util.tree_map_with_path(
-        lambda path, lay: stages.stage_layout(_path_key(path), lay, cfg.model.n_layers, P_),
+        lambda path, lay: stages.stage_layout(_path_key(path), lay, cfg.model.n_layers, P_,
+                                              cfg.parallel.pp_virtual),
         layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
 
 

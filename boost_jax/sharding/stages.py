@@ -27,16 +27,19 @@ FIRST, LAST = "first", "last"
 ENDS = {"embed": FIRST, "final_norm": LAST, "lm_head": LAST}
 
 
-def layers_per_stage(n_layers: int, stages: int) -> int:
-    """k: the layers of each stage (the last may hold fewer); validated."""
-    if stages > n_layers:
-        raise ConfigError(f"parallel.pp_stages={stages} is more stages than the model's "
-                          f"{n_layers} layers (model.n_layers); use at most {n_layers} stages")
-    k = math.ceil(n_layers / stages)
-    if (stages - 1) * k >= n_layers:
+def layers_per_stage(n_layers: int, stages: int, virtual: int = 1) -> int:
+    """k: the layers of each of the stages·virtual chunks (the last may hold fewer); validated."""
+    chunks = stages * virtual
+    what = (f"parallel.pp_stages={stages}" if virtual == 1 else
+            f"parallel.pp_stages={stages} x parallel.pp_virtual={virtual}")
+    if chunks > n_layers:
+        raise ConfigError(f"{what} is more stages than the model's {n_layers} layers "
+                          f"(model.n_layers); use at most {n_layers} stages")
+    k = math.ceil(n_layers / chunks)
+    if (chunks - 1) * k >= n_layers:
         raise ConfigError(
-            f"parallel.pp_stages={stages} splits {n_layers} layers into runs of {k}, which "
-            f"leaves stage {stages - 1} without a layer; choose stages so that "
+            f"{what} splits {n_layers} layers into runs of {k}, which leaves stage "
+            f"{chunks - 1} without a layer; choose stages so that "
             f"(stages-1)·ceil(layers/stages) < layers (e.g. a divisor of {n_layers})")
     return k
 
@@ -46,7 +49,13 @@ def validate(cfg) -> None:
     par, P = cfg.parallel, cfg.parallel.pp_stages
     if P == 1:
         return
-    layers_per_stage(cfg.model.n_layers, P)
+    V = par.pp_virtual
+    layers_per_stage(cfg.model.n_layers, P, V)
+    if V > 1 and cfg.train.micro_batches % P:
+        raise ConfigError(
+            f"parallel.pp_virtual={V} runs micro-batches in groups of the {P} stages: "
+            f"train.micro_batches={cfg.train.micro_batches} is not a multiple of "
+            f"parallel.pp_stages={P}; set train.micro_batches to a multiple of {P}")
     if cfg.model.tie_embeddings:
         raise ConfigError(
             "model.tie_embeddings=true with parallel.pp_stages>1: the table would live on the "
@@ -66,12 +75,14 @@ def owner(end: str, stages: int) -> int:
     return 0 if ENDS[end] == FIRST else stages - 1
 
 
-def stage_layout(path: tuple, lay: LeafLayout, n_layers: int, stages: int) -> LeafLayout:
+def stage_layout(path: tuple, lay: LeafLayout, n_layers: int, stages: int,
+                 virtual: int = 1) -> LeafLayout:
     """The stored layout of one weight under `stages` stages (see the module docstring)."""
     if path and path[0] == "blocks":
-        k = layers_per_stage(n_layers, stages)
-        return dataclasses.replace(lay, padded=(k * stages, *lay.padded[1:]),
-                                   tp=((STAGE,), *lay.tp[1:]))
+        k = layers_per_stage(n_layers, stages, virtual)
+        return dataclasses.replace(lay, padded=(k * stages * virtual, *lay.padded[1:]),
+                                   tp=((STAGE,), *lay.tp[1:]),
+                                   interleave=(stages, virtual) if virtual > 1 else None)
     return LeafLayout((stages, *lay.shape), (stages, *lay.padded),
                       None if lay.dim is None else lay.dim + 1, ((STAGE,), *lay.tp),
                       layer_axis=True, owner=owner(path[0], stages))

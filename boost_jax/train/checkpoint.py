@@ -168,11 +168,11 @@ def digest_mismatch(got: dict, want) -> Optional[str]:
 
 class Checkpointer:
     def __init__(self, directory: str, cfg: CheckpointConfig,
-                 warn: Optional[Callable[[str], None]] = None, stages: int = 1):
+                 warn: Optional[Callable[[str], None]] = None, stages: tuple = (1, 1)):
         import jax
 
         self.directory = os.path.abspath(directory)
-        self.stages = stages  # pipeline stages of the state restored into (train/restage.py)
+        self.stages = stages  # (stages, virtual) of the state restored into (train/restage.py)
         self.async_save = cfg.async_save
         self._warn = warn or (lambda msg: None)
         self._primary = jax.process_index() == 0

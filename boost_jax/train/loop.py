@@ -225,7 +225,8 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
     copts = _compiler_options(compiler_options)
     bundle = build_step(cfg, mesh, copts) if copts else build_step(cfg, mesh)
     ckpt_dir = os.path.join(out_dir, "checkpoints")
-    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint, warn=warn, stages=cfg.parallel.pp_stages)
+    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint, warn=warn,
+                        stages=(cfg.parallel.pp_stages, cfg.parallel.pp_virtual))
     existing = ckpt.all_steps()
     if existing and not cfg.checkpoint.resume:
         raise UserError(f"{ckpt_dir} already holds checkpoints (steps {existing}) and "

@@ -14,6 +14,14 @@ micro-batch b(t, s):
 A tick costs the time of one F plus (in the steady phase) one B whatever a stage does, so both
 keep every stage busy m of m+P−1 tick-slots: bubble (P−1)/(m+P−1).
 
+Interleaved virtual stages (parallel.pp_virtual = V, Megatron's interleaved schedule): the
+layers split into P·V chunks, stage s holding chunks v·P + s (v < V). A stage's forward order
+runs micro-batches in groups of P through chunk 0, then 1, …, V−1 (index k → group k//(PV),
+chunk (k mod PV)//P, micro-batch group·P + k mod P; backward: chunks in reverse), over
+N = V·m units of a chunk each; the formulas above hold with m → N, except 1f1b's backward
+b = t − (VP−1) − (P−1−s) and its depth min(N, 2VP−1). Sends wrap round (stage P−1's output
+feeds stage 0's next chunk), so ticks are V times shorter and the bubble (P−1)/(V·m+P−1).
+
 F: the stage forward (the embedding on stage 0, its layers, the final norm + head + loss on
 stage P−1) on the activation received from s−1; its output goes to s+1 and its input is saved.
 B: `jax.vjp` of the same stage forward, re-run from the saved input (GPipe's re-materialization:
@@ -43,41 +51,64 @@ class Schedule:
     kind: str  # 1f1b | gpipe
     stages: int
     micro: int
+    virtual: int = 1
+
+    @property
+    def units(self) -> int:
+        """(micro-batch, chunk) pairs each stage runs: N = V·m."""
+        return self.virtual * self.micro
 
     @property
     def phases(self) -> tuple[tuple[int, bool, bool, bool], ...]:
         """(ticks, forward?, backward?, send?) in order; the final tick sends nothing (its
         input gradient would go to no stage)."""
-        P, m = self.stages, self.micro
+        P, N, VP = self.stages, self.units, self.virtual * self.stages
         if self.kind == "1f1b":
-            ph = ((P - 1, True, False, True), (m, True, True, True), (P - 2, False, True, True))
+            ph = ((VP - 1, True, False, True), (N - VP + P, True, True, True),
+                  (VP - 2, False, True, True))
         else:
-            ph = ((m + P - 1, True, False, True), (m + P - 2, False, True, True))
+            ph = ((N + P - 1, True, False, True), (N + P - 2, False, True, True))
         return tuple(p for p in ph + ((1, False, True, False),) if p[0] > 0)
 
-    def forward_micro(self, t, s):
+    def forward_index(self, t, s):
         return t - s
 
-    def backward_micro(self, t, s):
-        P, m = self.stages, self.micro
+    def backward_index(self, t, s):
+        P, VP = self.stages, self.virtual * self.stages
         if self.kind == "1f1b":
-            return t - 2 * (P - 1) + s
-        return t - (m + P - 1) - (P - 1 - s)
+            return t - (VP - 1) - (P - 1 - s)
+        return t - (self.units + P - 1) - (P - 1 - s)
+
+    def unit(self, k, backward: bool = False):
+        """Index k of a stage's forward (backward) order → (micro-batch, chunk): groups of P
+        micro-batches through chunk 0, 1, …, V−1 (backward: V−1 … 0)."""
+        P, V = self.stages, self.virtual
+        if V == 1:
+            return k, 0
+        g, r = k // (P * V), k % (P * V)
+        v = V - 1 - r // P if backward else r // P
+        return g * P + r % P, v
+
+    def forward_slot(self, i, v):
+        """Forward index of (micro-batch i, chunk v): where its stage input is kept."""
+        P, V = self.stages, self.virtual
+        return i if V == 1 else (i // P) * P * V + v * P + i % P
 
     @property
     def depth(self) -> int:
         """Stage inputs a device keeps (its buffer holds one more slot for masked writes)."""
-        return min(self.micro, 2 * self.stages - 1) if self.kind == "1f1b" else self.micro
+        N, VP = self.units, self.virtual * self.stages
+        return min(N, 2 * VP - 1) if self.kind == "1f1b" else N
 
     @property
     def sends(self) -> int:
         """Collective-permutes per step: one per tick with F plus one per tick with B, but
-        the final tick's: 2(m+P−1) − 1 for both schedules."""
+        the final tick's: 2(V·m+P−1) − 1 for both schedules."""
         return sum(n * (int(f) + int(b)) for n, f, b, send in self.phases if send)
 
     @property
     def bubble(self) -> float:
-        return (self.stages - 1) / (self.micro + self.stages - 1)
+        return (self.stages - 1) / (self.units + self.stages - 1)
 
 
 def _varying(sds) -> frozenset:
@@ -92,9 +123,12 @@ def squeeze_ends(tree):
     return {k: (jax.tree.map(lambda x: x[0], v) if k in ENDS else v) for k, v in tree.items()}
 
 
-def send(tree, stages: int, step: int):
-    """Each stage's `tree` to stage s+step (step ±1); the stage with no sender gets zeros."""
-    perm = [(i, i + step) for i in range(stages) if 0 <= i + step < stages]
+def send(tree, stages: int, step: int, cyclic: bool = False):
+    """Each stage's `tree` to stage s+step (step ±1); the stage with no sender gets zeros.
+    Cyclic (virtual stages): the last stage's forward output goes on to stage 0's next chunk,
+    and stage 0's input gradient back to the last stage."""
+    perm = [(i, (i + step) % stages) for i in range(stages)
+            if cyclic or 0 <= i + step < stages]
     return jax.tree.map(lambda x: jax.lax.ppermute(x, STAGE, perm), tree)
 
 
@@ -106,26 +140,33 @@ class Pipeline:
         cfg = engine.cfg
         self.P = int(engine.mesh.shape[STAGE])
         self.L = cfg.model.n_layers
-        self.k = layers_per_stage(self.L, self.P)
+        self.V = cfg.parallel.pp_virtual
+        self.k = layers_per_stage(self.L, self.P, self.V)  # per chunk
         self.kind = cfg.parallel.pp_schedule
 
     # ------------------------------------------------------------------ one stage
-    def stage_fn(self, params, slots, x, tokens, targets):
-        """x = (h, latents) from the previous stage (None: start from the embedding)
-        → ((h, latents) for the next stage, this stage's loss (meaningful on the last))."""
+    def stage_fn(self, params, slots, x, tokens, targets, v=0):
+        """x = (h, latents) from the previous stage (None: start from the embedding), v the
+        chunk (virtual stage v·P + s) → ((h, latents) for the next stage, this stage's loss
+        (meaningful on the last chunk of the last stage))."""
         e, cfg = self.e, self.e.cfg.model
         ops, s = e.ops, jax.lax.axis_index(STAGE)
         p, sl = squeeze_ends(params), squeeze_ends(slots)
+        if self.V > 1:  # this chunk's k layers of the stage's V·k
+            chunk = lambda t: jax.tree.map(  # noqa: E731
+                lambda a: jax.lax.dynamic_slice_in_dim(a, v * self.k, self.k), t)
+            p = dict(p, blocks=chunk(p["blocks"]))
+            sl = None if sl is None else dict(sl, blocks=chunk(sl["blocks"]))
         part = lambda key: None if sl is None else sl[key]  # noqa: E731
         emb = ops.fetch(p["embed"], part("embed"), ("embed",))
         h, prev = ops.embed(emb["embedding"], tokens), ops.init_prev(tokens)
         if x is not None:
-            first = s == 0
+            first = (s == 0) & (v == 0)
             h = jnp.where(first, h, x[0])
             prev = jax.tree.map(lambda a, b: jnp.where(first, a, b), prev, x[1])
         elif e.typed:  # typing only (zeros_like_outputs): latents pass stage-varying weights
             prev = jax.tree.map(lambda a: to_varying(a, (STAGE,)), prev)
-        active = s * self.k + jnp.arange(self.k) < self.L
+        active = (v * self.P + s) * self.k + jnp.arange(self.k) < self.L
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         h, prev = forward.run_blocks(ops, cfg, p["blocks"], part("blocks"), h, positions, prev,
                                      e.checkpoint, active)
@@ -156,9 +197,11 @@ class Pipeline:
         gradient slots or None)."""
         e, P = self.e, self.P
         m = mb["inputs"].shape[0]
-        sch = Schedule(self.kind if backward else "gpipe", P, m)
+        V = self.V
+        sch = Schedule(self.kind if backward else "gpipe", P, m, V)
+        N = sch.units
         s = jax.lax.axis_index(STAGE)
-        last = s == P - 1
+        last_stage = s == P - 1
         slots = e.slots() if backward else None
         x0, loss0 = self.zeros_like_outputs(params, slots, mb["inputs"][0], mb["targets"][0])
         D = sch.depth
@@ -172,25 +215,29 @@ class Pipeline:
             return mb["inputs"][i], mb["targets"][i]
 
         def forward_tick(c, t):
-            f = sch.forward_micro(t, s)
-            ok = (f >= 0) & (f < m)
-            tok, tgt = micro(f)
+            f = sch.forward_index(t, s)
+            ok = (f >= 0) & (f < N)
+            i, v = sch.unit(f)
+            last = last_stage & (v == V - 1)
+            tok, tgt = micro(i)
             p = tie(params, tok)
-            x_out, loss = self.stage_fn(p, slots, c["fin"], tok, tgt)
+            x_out, loss = self.stage_fn(p, slots, c["fin"], tok, tgt, v)
             slot = jnp.where(ok, jnp.mod(f, D), D)  # masked writes land in the spare slot
             c = dict(c, buf=jax.tree.map(lambda b, x: b.at[slot].set(x), c["buf"], c["fin"]),
                      loss=c["loss"] + jnp.where(ok & last, loss * scale, 0.0))
             return c, x_out
 
         def backward_tick(c, t):
-            b = sch.backward_micro(t, s)
-            ok = (b >= 0) & (b < m)
-            tok, tgt = micro(b)
+            b = sch.backward_index(t, s)
+            ok = (b >= 0) & (b < N)
+            i, v = sch.unit(b, backward=True)
+            last = last_stage & (v == V - 1)
+            tok, tgt = micro(i)
             p = tie(params, tok)
-            x_b = jax.tree.map(lambda buf: buf[jnp.mod(b, D)], c["buf"])
+            x_b = jax.tree.map(lambda buf: buf[jnp.mod(sch.forward_slot(i, v), D)], c["buf"])
             g_out = jax.tree.map(lambda g: jnp.where(ok & ~last, g, jnp.zeros_like(g)), c["gin"])
             g_loss = jnp.where(ok & last, scale, 0.0).astype(loss0.dtype) + loss0
-            _, vjp = jax.vjp(lambda sl, x: self.stage_fn(p, sl, x, tok, tgt), slots, x_b)
+            _, vjp = jax.vjp(lambda sl, x: self.stage_fn(p, sl, x, tok, tgt, v), slots, x_b)
             g_slots, g_x = vjp((g_out, g_loss))
             acc = jax.tree.map(lambda a, g: a + jnp.where(ok, g.astype(a.dtype),
                                                           jnp.zeros_like(a)), c["acc"], g_slots)
@@ -207,9 +254,9 @@ class Pipeline:
                 if do_b:
                     c, out_b = backward_tick(c, t)
                 if do_f and do_send:
-                    c = dict(c, fin=send(out_f, P, +1))
+                    c = dict(c, fin=send(out_f, P, +1, V > 1))
                 if do_b and do_send:
-                    c = dict(c, gin=send(out_b, P, -1))
+                    c = dict(c, gin=send(out_b, P, -1, V > 1))
                 return c, None
 
             carry, _ = jax.lax.scan(tick, carry, jnp.arange(t0, t0 + n, dtype=jnp.int32))

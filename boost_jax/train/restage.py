@@ -1,13 +1,15 @@
-"""Restoring a checkpoint saved with another number of pipeline stages.
+"""Restoring a checkpoint saved with another pipeline split (stages P, virtual stages V).
 
 A checkpoint holds the stored state (boost_jax/sharding/stages.py): with P > 1 stages the end
 weights (embedding, final norm, head, and their optimizer moments) are stacked as
 [P, *leaf] with the real leaf in their owner's slot, and the block arrays are zero-padded to
-P·ceil(L/P) layers. Orbax's non-strict restore already pads or truncates zeros at the end of
-each dim (other plans, meshes, layer padding); the end weights move between slots here: they
-are read in their saved shape (replicated: they are a small part of the model, and this
-happens once per resume), their leaf taken from the saved owner's slot, fitted to the new
-padding and put into the new owner's slot.
+P·V·ceil(L/(P·V)) layers, stored interleaved when V > 1. Orbax's non-strict restore already
+pads or truncates zeros at the end of each dim (other plans, meshes, layer padding); the end
+weights move between slots here: they are read in their saved shape (replicated: they are a
+small part of the model, and this happens once per resume), their leaf taken from the saved
+owner's slot, fitted to the new padding and put into the new owner's slot. When either split
+interleaves (V > 1) and the splits differ, the block arrays are read the same way (the whole
+stack on every device, once per resume), put back into model order, fitted and re-interleaved.
 """
 
 from __future__ import annotations
@@ -18,13 +20,20 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from boost_jax.sharding.layout import interleave
 from boost_jax.sharding.stages import ENDS, owner
 
 
-def saved_stages(meta: Optional[dict]) -> int:
-    """Pipeline stages of the run that wrote a checkpoint (1 for runs before stages)."""
-    cfg = (meta or {}).get("config") or {}
-    return int((cfg.get("parallel") or {}).get("pp_stages", 1) or 1)
+def saved_stages(meta: Optional[dict]) -> tuple[int, int]:
+    """(stages, virtual stages) of the run that wrote a checkpoint ((1, 1) before stages)."""
+    par = ((meta or {}).get("config") or {}).get("parallel") or {}
+    return int(par.get("pp_stages", 1) or 1), int(par.get("pp_virtual", 1) or 1)
+
+
+def _blocks_move(path, old: tuple, new: tuple) -> bool:
+    """A block-stack leaf whose layer order differs between the two splits."""
+    return (old[1] > 1 or new[1] > 1) and any(
+        getattr(k, "key", getattr(k, "name", None)) == "blocks" for k in path)
 
 
 def end_of(path) -> Optional[str]:
@@ -70,7 +79,7 @@ def restore_target(abstract_state: Any, saved: dict, old: int, new: int) -> Any:
         return abstract_state
 
     def one(path, sds):
-        if end_of(path) is None:
+        if end_of(path) is None and not _blocks_move(path, old, new):
             return sds
         return jax.ShapeDtypeStruct(saved[_key(path)], sds.dtype, sharding=_replicated(sds))
 
@@ -92,12 +101,16 @@ def convert(restored: Any, abstract_state: Any, old: int, new: int) -> Any:
     def one(path, x, sds):
         end = end_of(path)
         if end is None:
-            return x
-        leaf = x[owner(end, old)] if old > 1 else x
-        if new == 1:
+            if not _blocks_move(path, old, new):
+                return x
+            x = interleave(x, *old, inverse=True) if old[1] > 1 else x
+            x = fit(x, sds.shape).astype(sds.dtype)
+            return interleave(x, *new) if new[1] > 1 else x
+        leaf = x[owner(end, old[0])] if old[0] > 1 else x
+        if new[0] == 1:
             return fit(leaf, sds.shape)
         stacked = jnp.zeros(sds.shape, sds.dtype)
-        return stacked.at[owner(end, new)].set(fit(leaf, sds.shape[1:]).astype(sds.dtype))
+        return stacked.at[owner(end, new[0])].set(fit(leaf, sds.shape[1:]).astype(sds.dtype))
 
     shardings = jax.tree.map(lambda s: getattr(s, "sharding", None), abstract_state)
     fn = jax.jit(lambda t: jax.tree_util.tree_map_with_path(one, t, abstract_state),
