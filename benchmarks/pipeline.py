@@ -75,9 +75,10 @@ def section_demo(lines: list[str]) -> None:
               f"Largest relative difference: {worst:.1e} (fp32 summation order).", ""]
 
 
-def _compiled(stages: int, schedule: str, micro: int, shape: list[int]):
+def _compiled(stages: int, schedule: str, micro: int, shape: list[int], virtual: int = 1):
     cfg = load_config("configs/demo.yaml", [
         f"parallel.pp_stages={stages}", f"parallel.pp_schedule={schedule}",
+        f"parallel.pp_virtual={virtual}",
         f"train.micro_batches={micro}", f"train.global_batch={micro * 8 // stages}",
         "model.d_model=256", "model.d_ff=688", "model.rank=64", "model.n_layers=4",
         "data.seq_len=128"])
@@ -92,19 +93,20 @@ def _compiled(stages: int, schedule: str, micro: int, shape: list[int]):
 
 def section_hlo(lines: list[str]) -> None:
     rows = []
-    for stages, shape in ((2, [2, 2, 2]), (4, [2, 1, 4])):
+    for stages, virtual, shape in ((2, 1, [2, 2, 2]), (4, 1, [2, 1, 4]), (2, 2, [2, 2, 2])):
         for schedule in ("1f1b", "gpipe"):
             for micro in (4, 8, 16):
-                cfg, mesh, compiled = _compiled(stages, schedule, micro, shape)
+                cfg, mesh, compiled = _compiled(stages, schedule, micro, shape, virtual)
                 rep = analyze_compiled(compiled, mesh)
                 crossing = [c for c in rep.collectives if "stage" in c.axes]
                 sends = [c for c in crossing if c.kind == "collective-permute"]
                 other = [c for c in crossing if c.kind != "collective-permute"]
-                sch = Schedule(schedule, stages, micro)
+                sch = Schedule(schedule, stages, micro, virtual)
                 rows_dp = cfg.train.global_batch // micro // (8 // stages)
                 act = rows_dp * cfg.data.seq_len * cfg.model.d_model * 4
                 temp = rep.memory["temp"]
-                rows.append([stages, schedule, micro, sum(c.trip_count for c in sends),
+                rows.append([stages, virtual, schedule, micro, f"{sch.bubble:.3f}",
+                             sum(c.trip_count for c in sends),
                              sch.sends, f"{sorted({c.payload_bytes for c in sends})}",
                              act, max((c.result_bytes for c in other), default=0),
                              f"{temp / 2**20:.2f}", sch.depth + 1,
@@ -115,13 +117,16 @@ def section_hlo(lines: list[str]) -> None:
               "pair 2; `grads_fn` compiled per row. Sends are every collective whose group spans "
               "the `stage` axis and is a collective-permute; \"other\" is the largest anything "
               "else crossing stages moves (the scalar loss).", "",
-              markdown_table(["stages", "schedule", "micro-batches", "sends/step compiled",
-                              "2(m+P-1)-1", "bytes per send", "rows x s x d x 4",
+              markdown_table(["stages", "virtual", "schedule", "micro-batches", "bubble",
+                              "sends/step compiled", "2(Vm+P-1)-1", "bytes per send", "rows x s x d x 4",
                               "other crossing (bytes)", "temp MiB", "stage inputs kept",
                               "stage inputs MiB"], rows), "",
               "Formula: temp(m) = C + (depth(m)+1) x A, A = one stage input (rows x s x d x "
-              "bytes), C = one micro-batch's stage forward and backward; depth = min(m, 2P-1) "
-              "for 1f1b (flat in m), m for gpipe; the +1 is the slot masked writes land in.", ""]
+              "bytes), C = one micro-batch's stage forward and backward; depth = min(Vm, 2VP-1) "
+              "for 1f1b (flat in m), Vm for gpipe; the +1 is the slot masked writes land in. "
+              "Bubble (P-1)/(Vm+P-1): V = 2 interleaved virtual stages (2 chunks of 1 layer per "
+              "device) halve it for twice the sends and, with 1f1b, up to 2VP-1 chunk inputs "
+              "kept.", ""]
 
 
 def _plan_json(args: list[str]) -> dict:
@@ -195,7 +200,7 @@ def main() -> int:
     t0 = time.time()
     lines = ["# Pipeline stages", "",
              "Reproduce: `.venv/bin/python benchmarks/pipeline.py` (CPU; trains the demo twice, "
-             "compiles 12 small steps, the 13B step and 8 CoLA-40B layouts).", ""]
+             "compiles 18 small steps, the 13B step and 8 CoLA-40B layouts).", ""]
     section_demo(lines)
     section_hlo(lines)
     section_13b(lines)

@@ -118,7 +118,9 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
              f", opt_state {pl['opt_state'] or '-'}, secondary {pl['secondary'] or '-'}"
              f"{' int8' if pl['secondary_int8'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''})"
              f"; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; "
-             + (f"{lay['pipeline_stages']} pipeline stages ({lay['pp_schedule']}); "
+             + (f"{lay['pipeline_stages']} pipeline stages ({lay['pp_schedule']}"
+                + (f", {lay['pp_virtual']} virtual" if (lay.get("pp_virtual") or 1) > 1 else "")
+                + "); "
                 if lay.get("pipeline_stages", 1) > 1 else "")
              + f"remat {lay['remat']}; "
              f"{p.micro_batches} micro-batches x {p.micro_batch_per_device} seq/device of "
