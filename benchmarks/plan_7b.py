@@ -133,7 +133,9 @@ def section_search(topo, lines, top: int):
         p = dr.prediction
         ana = p.memory["analytic_comm_bytes"]
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
-        cells = [c.plan, tp, c.micro_size, c.micro_batches, c.remat]
+        pp = (f"{c.pp_stages}" + (f" x{c.pp_virtual} virtual" if c.pp_virtual > 1 else "")
+              if c.pp_stages > 1 else "-")
+        cells = [c.plan, tp, pp, c.micro_size, c.micro_batches, c.remat]
         for lv in ("pair", "node", "global"):
             m, a = p.comm_bytes[lv], ana[lv]
             cells.append(f"{m / GiB:.2f} / {a / GiB:.2f} ({(a / m - 1) if m else 0:+.0%})")
@@ -147,7 +149,7 @@ def section_search(topo, lines, top: int):
         f"{len(cands)} with at least 4 sequences per GCD per micro-batch, each compiled. Bytes "
         "per GCD per step, compiled / analytic (cost model), by level; MFU from the compiled "
         "collectives.", "",
-        markdown_table(["plan", "TP", "seq/GCD/micro", "micro-batches", "remat", "pair GiB",
+        markdown_table(["plan", "TP", "stages", "seq/GCD/micro", "micro-batches", "remat", "pair GiB",
                         "node GiB", "global GiB", "MFU", "GiB/GCD", "fits", "compile s"], rows),
         ""]
 

@@ -203,6 +203,9 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
     pb = DTYPE_BYTES[m.param_dtype]
     gb = DTYPE_BYTES[par.grad_accum_dtype]
     fwd_calls, micro = fetch_calls(cfg)
+    # virtual stages: the end weights' gradients are reduced every B tick, a chunk's blocks'
+    # once in V (the ends' gathers are loop-invariant: XLA hoists them out of the ticks)
+    ends = 1 + (par.pp_virtual - 1) * st.outside_tp_local / max(st.tp_local, 1.0)
     L = stage_layers(cfg)
     q8 = 1.0 + 4.0 / par.quant_block  # int8 + one fp32 scale per block
     A, G, O = pl.params_axes, pl.grads_axes, pl.opt_state_axes
@@ -238,10 +241,10 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
     if pl.quantize_grads:
         q4, w_stage = 0.5 + 4.0 / par.quant_block, W
         for axes in qgz_stages(G):
-            add("grad_all_to_all_int4", "all-to-all", w_stage * q4, axes, micro, "dp")
+            add("grad_all_to_all_int4", "all-to-all", w_stage * q4, axes, micro * ends, "dp")
             w_stage /= _size(sizes, axes)
     else:
-        add("grad_reduce_scatter", "reduce-scatter", W * gb, G, micro, "dp")
+        add("grad_reduce_scatter", "reduce-scatter", W * gb, G, micro * ends, "dp")
     # once per step: sum the deferred axes R straight into the opt_state sharding
     if R:
         kind = "reduce-scatter" if set(R) <= set(O) else "all-reduce"

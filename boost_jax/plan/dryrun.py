@@ -238,8 +238,9 @@ def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
     a = a or Assumptions()
     full = full_sizes(cfg, topo, nodes)
     small = compile_sizes(full, max_devices)
-    # per-stage layers: what the compiled program's scan runs (all layers without stages)
-    pp = cfg.parallel.pp_stages
+    # per-chunk layers: what the compiled program's scan runs (all layers without stages;
+    # a stage's, or with virtual stages one chunk's)
+    pp = cfg.parallel.pp_stages * cfg.parallel.pp_virtual
     L = -(-cfg.model.n_layers // pp)
     notes = []
     two_point = L > full_layers_max
@@ -254,7 +255,7 @@ def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
         flops = _lin(c1.matmul_flops, c2.matmul_flops, L)
         xla_flops = _lin(c1.flops, c2.flops, L)
         args_c = _lin(c1.memory.get("argument", 0), c2.memory.get("argument", 0), L)
-        per = " per stage" if pp > 1 else ""
+        per = (" per stage" if cfg.parallel.pp_virtual == 1 else " per chunk") if pp > 1 else ""
         notes.append(f"layers: compiled with {p1} and {p2} of {L} layers{per}; per-layer "
                      "figures extrapolated linearly (scan over layers: cost is additive)")
     else:
