@@ -28,7 +28,8 @@ from boost_jax.train.checkpoint import Checkpointer, state_digest
 from boost_jax.train.pipeline import Schedule
 from boost_jax.train.step import build_step
 
-from test_tp import _model_key, assert_same, engine_run, make_cfg, reference
+from boost_jax.sharding.layout import pad_tree
+from test_tp import _model_key, _params_and_batch, assert_same, engine_run, make_cfg, reference
 from train_proc import TINY, TrainProcess, assert_same_metrics, train_env
 
 FAST = fast_compile_options()
@@ -91,8 +92,22 @@ def test_interleaved_virtual_stages_equal_single_device(stages, schedule, tp, pl
     cfg = pp_cfg(stages, schedule, plan, tp, micro=micro, n_layers=layers)
     cfg.parallel.pp_virtual = virtual
     loss, grads, compiled = engine_run(cfg.validate(), mesh_of(stages))
-    assert_same(reference(_model_key(cfg)), (loss, grads))
+    ref = reference(_model_key(cfg))
+    assert_same(ref, (loss, grads))
     COMPILED[(stages, schedule, tp, plan, "float32", virtual)] = (cfg, compiled)
+    # evaluation runs the whole batch as one micro-batch: a group of P with P−1 masked
+    np.testing.assert_allclose(eval_loss(cfg, mesh_of(stages)), ref[0], rtol=1e-5)
+
+
+def eval_loss(cfg, mesh) -> float:
+    """The forward-only loss program (train.py's evaluation) on the reference weights."""
+    params, batch = _params_and_batch(_model_key(cfg))
+    bundle = build_step(cfg, mesh, FAST)
+    pl = bundle.placement
+    stored = jax.jit(lambda p: pad_tree(pl.layouts, p),
+                     out_shardings=pl.params_shardings())(params)
+    with jax.set_mesh(mesh):
+        return float(jax.jit(bundle.engine.loss_fn())(stored, batch))
 
 
 @pytest.mark.parametrize("arch", ["lax", "full"])

@@ -55,8 +55,10 @@ class Schedule:
 
     @property
     def units(self) -> int:
-        """(micro-batch, chunk) pairs each stage runs: N = V·m."""
-        return self.virtual * self.micro
+        """(micro-batch, chunk) slots each stage runs: N = V·m (with V > 1, m rounded up to
+        whole groups of P: evaluation runs one micro-batch; the missing ones are masked)."""
+        P, V = self.stages, self.virtual
+        return V * self.micro if V == 1 else V * P * -(-self.micro // P)
 
     @property
     def phases(self) -> tuple[tuple[int, bool, bool, bool], ...]:
@@ -216,8 +218,8 @@ class Pipeline:
 
         def forward_tick(c, t):
             f = sch.forward_index(t, s)
-            ok = (f >= 0) & (f < N)
             i, v = sch.unit(f)
+            ok = (f >= 0) & (f < N) & (i < m)
             last = last_stage & (v == V - 1)
             tok, tgt = micro(i)
             p = tie(params, tok)
@@ -229,8 +231,8 @@ class Pipeline:
 
         def backward_tick(c, t):
             b = sch.backward_index(t, s)
-            ok = (b >= 0) & (b < N)
             i, v = sch.unit(b, backward=True)
+            ok = (b >= 0) & (b < N) & (i < m)
             last = last_stage & (v == V - 1)
             tok, tgt = micro(i)
             p = tie(params, tok)
