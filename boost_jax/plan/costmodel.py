@@ -315,8 +315,6 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     mem = {"weights": st.params * pb, "master": st.opt * 4 if mixed else 0.0,
            "adam": st.opt * 8, "batch": 2 * 4 * b * cfg.data.seq_len * cfg.train.micro_batches}
     mem["arguments"] = mem["weights"] + mem["master"] + mem["adam"] + mem["batch"]
-    n_r = _size(sizes, pl.deferred_axes)
-    del n_r
     gb = DTYPE_BYTES[par.grad_accum_dtype]
     mem["grads"] = st.grads * gb
     # the step engine: this micro-batch's gradient before it joins the accumulator, and the
