@@ -185,7 +185,7 @@ def stage_layers(cfg) -> int:
     return v * layers_per_stage(cfg.model.n_layers, pp, v) if pp > 1 else cfg.model.n_layers
 
 
-def fetch_calls(cfg) -> tuple[int, int]:
+def fetch_calls(cfg) -> tuple[float, float]:
     """(forward, backward) passes over each block weight per step: one of each per
     micro-batch; with pipeline stages one forward per tick with F, and per tick with B the
     re-run forward and the backward (boost_jax/train/pipeline.py), masked ticks included, a
