@@ -110,10 +110,13 @@ def eval_loss(cfg, mesh) -> float:
         return float(jax.jit(bundle.engine.loss_fn())(stored, batch))
 
 
-@pytest.mark.parametrize("arch", ["lax", "full"])
-def test_pipeline_latents_and_other_archs(arch):
-    """LaX passes its 7 latents across stages along with the residual stream; full rank."""
-    cfg = pp_cfg(2, "1f1b", "zero3", micro=2, arch=arch)
+@pytest.mark.parametrize("arch,virtual", [("lax", 1), ("full", 1), ("lax", 2)])
+def test_pipeline_latents_and_other_archs(arch, virtual):
+    """LaX passes its 7 latents across stages along with the residual stream (and from the
+    last stage back to the first between virtual chunks); full rank."""
+    cfg = pp_cfg(2, "1f1b", "zero3", micro=2, arch=arch, n_layers=3 if virtual == 1 else 7)
+    cfg.parallel.pp_virtual = virtual
+    cfg = cfg.validate()
     assert_same(reference(_model_key(cfg)), engine_run(cfg, mesh_of(2))[:2])
 
 
