@@ -203,9 +203,8 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
     pb = DTYPE_BYTES[m.param_dtype]
     gb = DTYPE_BYTES[par.grad_accum_dtype]
     fwd_calls, micro = fetch_calls(cfg)
-    # virtual stages: the end weights' gradients are reduced every B tick, a chunk's blocks'
-    # once in V; their gathers are left at the blocks' count (compiled, XLA gathers the ends
-    # once per tick, not per pass: already fewer than the passes charged here)
+    # virtual stages: the ends' gradients are reduced every B tick, a chunk's blocks' once in V
+    # (gathers stay at the blocks' count: compiled, the ends are gathered once per tick, fewer)
     ends = 1 + (par.pp_virtual - 1) * st.outside_tp_local / max(st.tp_local, 1.0)
     L = stage_layers(cfg)
     q8 = 1.0 + 4.0 / par.quant_block  # int8 + one fp32 scale per block
