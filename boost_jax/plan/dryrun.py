@@ -240,14 +240,14 @@ def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
     small = compile_sizes(full, max_devices)
     # per-chunk layers: what the compiled program's scan runs (all layers without stages;
     # a stage's, or with virtual stages one chunk's)
-    pp = cfg.parallel.pp_stages * cfg.parallel.pp_virtual
-    L = -(-cfg.model.n_layers // pp)
+    chunks = cfg.parallel.pp_stages * cfg.parallel.pp_virtual
+    L = -(-cfg.model.n_layers // chunks)
     notes = []
     two_point = L > full_layers_max
     if two_point:
         p1, p2 = LAYER_POINTS
-        progs = [compile_once(cfg, full, small, topo, a, p1 * pp, keep_report),
-                 compile_once(cfg, full, small, topo, a, p2 * pp, keep_report)]
+        progs = [compile_once(cfg, full, small, topo, a, p1 * chunks, keep_report),
+                 compile_once(cfg, full, small, topo, a, p2 * chunks, keep_report)]
         c1, c2 = progs
         w = (L - p1) / (p2 - p1)
         comm = c1.comm.combine(c2.comm, 1 - w, w)  # X(p1) + (L−p1)·(X(p2) − X(p1))/(p2−p1)
@@ -255,7 +255,8 @@ def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
         flops = _lin(c1.matmul_flops, c2.matmul_flops, L)
         xla_flops = _lin(c1.flops, c2.flops, L)
         args_c = _lin(c1.memory.get("argument", 0), c2.memory.get("argument", 0), L)
-        per = (" per stage" if cfg.parallel.pp_virtual == 1 else " per chunk") if pp > 1 else ""
+        per = ("" if chunks == 1 else
+               " per stage" if cfg.parallel.pp_virtual == 1 else " per chunk")
         notes.append(f"layers: compiled with {p1} and {p2} of {L} layers{per}; per-layer "
                      "figures extrapolated linearly (scan over layers: cost is additive)")
     else:

@@ -58,7 +58,7 @@ class Schedule:
         """(micro-batch, chunk) slots each stage runs: N = V·m (with V > 1, m rounded up to
         whole groups of P: evaluation runs one micro-batch; the missing ones are masked)."""
         P, V = self.stages, self.virtual
-        return V * self.micro if V == 1 else V * P * -(-self.micro // P)
+        return self.micro if V == 1 else V * P * -(-self.micro // P)
 
     @property
     def phases(self) -> tuple[tuple[int, bool, bool, bool], ...]:

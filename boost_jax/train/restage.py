@@ -30,19 +30,18 @@ def saved_stages(meta: Optional[dict]) -> tuple[int, int]:
     return int(par.get("pp_stages", 1) or 1), int(par.get("pp_virtual", 1) or 1)
 
 
+def _names(path) -> list:
+    return [getattr(k, "key", getattr(k, "name", None)) for k in path]
+
+
 def _blocks_move(path, old: tuple, new: tuple) -> bool:
     """A block-stack leaf whose layer order differs between the two splits."""
-    return (old[1] > 1 or new[1] > 1) and any(
-        getattr(k, "key", getattr(k, "name", None)) == "blocks" for k in path)
+    return (old[1] > 1 or new[1] > 1) and "blocks" in _names(path)
 
 
 def end_of(path) -> Optional[str]:
     """The end weight (embed, final_norm, lm_head) a state leaf belongs to, if any."""
-    for k in path:
-        key = getattr(k, "key", getattr(k, "name", None))
-        if key in ENDS:
-            return key
-    return None
+    return next((key for key in _names(path) if key in ENDS), None)
 
 
 def _replicated(sds):
@@ -72,7 +71,7 @@ def saved_shapes(step_dir: str) -> dict:
     return shapes_by_path(getattr(tree, "tree", tree))
 
 
-def restore_target(abstract_state: Any, saved: dict, old: int, new: int) -> Any:
+def restore_target(abstract_state: Any, saved: dict, old: tuple, new: tuple) -> Any:
     """The abstract state to read: end leaves in their saved shape (`saved` from
     shapes_by_path of the checkpoint's metadata), replicated."""
     if old == new:
@@ -93,7 +92,7 @@ def fit(x, shape):
     return jnp.pad(x, widths) if any(w for _, w in widths) else x
 
 
-def convert(restored: Any, abstract_state: Any, old: int, new: int) -> Any:
+def convert(restored: Any, abstract_state: Any, old: tuple, new: tuple) -> Any:
     """The restored state (end leaves in their saved shape) → the stored form of `new` stages."""
     if old == new:
         return restored
