@@ -133,7 +133,7 @@ def _cfg7b(arch, mode, axes="[pair,node]"):
 
 
 def test_tp_bytes_per_layer_match_the_design():
-    """DESIGN.md, 7B b=4 s=4096 bf16 forward payload: 0.25 / 1.3 / 0.22 GiB; BTP ≈ 5.9x less
+    """BOOST (arXiv 2512.12131), 7B b=4 s=4096 bf16 forward payload: 0.25 / 1.3 / 0.22 GiB; BTP ≈ 5.9x less
     than vanilla and 0.875x of Megatron."""
     m = {k: R.block_model(_cfg7b(a, k).model, 4, 4096, k, 4) for a, k in
          (("full", "megatron"), ("cola", "vanilla"), ("cola", "btp"))}

@@ -1,7 +1,7 @@
 """Placement plans: which mesh axes hold the batch, weights, gradients and optimizer state.
 
-A plan maps roles to axes of the ("pair", "node", "global") mesh (DESIGN.md, "Hierarchical
-partitioning on a 3-axis mesh"). Axes used by tensor parallelism never take a data-parallel
+A plan maps roles to axes of the ("pair", "node", "global") mesh, innermost first by link speed
+(the README's "Parallelism" section). Axes used by tensor parallelism never take a data-parallel
 role; every role below is taken from the remaining (data-parallel) axes, `all` = all of them:
 
     plan          params      grads        opt_state  secondary (backward)   weight gathers
