@@ -68,16 +68,22 @@ def source_tokens(run, source: str, max_tokens):
     return run.tokenizer.encode_documents([t for _, t in docs])
 
 
-def windows_of(tokens, seq_len: int, max_tokens) -> "PackedSequences":  # noqa: F821
+def windows_of(tokens, seq_len: int, max_tokens) -> list:
+    """Every token scored once: whole windows of seq_len+1, then the rest as one shorter window
+    (a text shorter than one window is that one window). Returns groups of equal-length windows."""
     from boost_jax.data.pipeline import PackedSequences
 
     if max_tokens is not None:
         tokens = tokens[:max_tokens + 1]
-    src = PackedSequences(tokens, seq_len)
-    if len(src) == 0:
-        raise UserError(f"the data holds {len(tokens)} tokens, fewer than one window of "
-                        f"data.seq_len+1={seq_len + 1}; use more text")
-    return src
+    if len(tokens) < 2:
+        raise UserError(f"the data holds {len(tokens)} token(s); scoring needs at least 2 "
+                        "(one to predict from, one to predict); use more text")
+    full = PackedSequences(tokens, seq_len)
+    groups = [full] if len(full) else []
+    rest = tokens[len(full) * seq_len:]
+    if len(rest) >= 2:
+        groups.append([np.asarray(rest, dtype=np.int32)])
+    return groups
 
 
 def target_bytes(tokenizer, targets: np.ndarray) -> int:
@@ -107,30 +113,37 @@ def window_losses(cfg):
     return jax.jit(fn)
 
 
-def score(run, windows, batch_size: int, label: str) -> dict:
-    """Loss, perplexity and bits per byte over `windows` (any sequence of [s+1] id arrays)."""
+def score(run, groups, batch_size: int, label: str) -> dict:
+    """Loss, perplexity and bits per byte over `groups` (sequences of equal-length id windows)."""
     from rich.console import Console
     from rich.progress import Progress
 
     fn = window_losses(run.cfg.model)
-    n = len(windows)
-    nats, tokens, nbytes = 0.0, 0, 0
+    n = sum(len(g) for g in groups)
+    sums = [0.0, 0, 0]  # nats, tokens, bytes
     with Progress(transient=True, console=Console(stderr=True)) as bar:
         task = bar.add_task(f"scoring {label}", total=n)
-        for start in range(0, n, batch_size):
-            rows = np.stack([np.asarray(windows[i], np.int32)
-                             for i in range(start, min(start + batch_size, n))])
-            real = len(rows)
-            if real < batch_size:  # one compiled shape: pad the last batch, drop its rows
-                rows = np.concatenate([rows, np.repeat(rows[-1:], batch_size - real, 0)])
-            nats += float(np.sum(np.asarray(fn(run.params, rows))[:real], dtype=np.float64))
-            tokens += real * (rows.shape[1] - 1)
-            nbytes += target_bytes(run.tokenizer, rows[:real, 1:])
-            bar.advance(task, real)
+        for windows in groups:
+            _score_group(run, fn, windows, batch_size, sums, lambda k: bar.advance(task, k))
+    nats, tokens, nbytes = sums
     loss = nats / tokens
     return {"loss": loss, "perplexity": math.exp(min(loss, 700)),
             "bits_per_byte": nats / math.log(2) / nbytes if nbytes else float("nan"),
             "tokens": tokens, "bytes": nbytes, "windows": n}
+
+
+def _score_group(run, fn, windows, batch_size: int, sums: list, advance) -> None:
+    n = len(windows)
+    for start in range(0, n, batch_size):
+        rows = np.stack([np.asarray(windows[i], np.int32)
+                         for i in range(start, min(start + batch_size, n))])
+        real = len(rows)
+        if real < batch_size:  # one compiled shape per group: pad the last batch, drop its rows
+            rows = np.concatenate([rows, np.repeat(rows[-1:], batch_size - real, 0)])
+        sums[0] += float(np.sum(np.asarray(fn(run.params, rows))[:real], dtype=np.float64))
+        sums[1] += real * (rows.shape[1] - 1)
+        sums[2] += target_bytes(run.tokenizer, rows[:real, 1:])
+        advance(real)
 
 
 @cli_main
@@ -141,7 +154,7 @@ def main(argv=None):
     quiet_libraries()
     run = open_run(args.run, args.step)
     if args.data == "val":
-        windows, label = run_val_windows(run), "the run's validation windows"
+        windows, label = [run_val_windows(run)], "the run's validation windows"
     else:
         tokens = source_tokens(run, args.data, args.max_tokens)
         windows, label = windows_of(tokens, run.cfg.data.seq_len, args.max_tokens), args.data

@@ -60,6 +60,7 @@ def test_two_processes_train_like_one_including_save_and_restore(jax_cache, tmp_
     assert "[rank 0] resumed from step 5" in out and "[rank 0] 2 processes x 4 devices" in out
     assert "[rank 0] step 10/10 | loss" in out
     assert "[rank 1] step" not in out and "[rank 1] resumed" not in out  # logs: process 0 only
+    assert "[Gloo]" not in out + second.stderr
 
     a, b = _rows(one), _rows(two)
     assert [r["step"] for r in b if "loss" in r] == list(range(1, 11))  # one writer, no repeats

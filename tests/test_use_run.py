@@ -109,6 +109,20 @@ def test_evaluate_val_reproduces_logged_val_loss(trained, env):
     assert got["bits_per_byte"] >= got["loss"] / np.log(2)
 
 
+def test_evaluate_scores_every_token_of_short_and_ragged_files(trained, env, tmp_path):
+    """seq_len 32: a 20-byte file is one short window; 73 bytes are two whole windows of 33
+    and a tail of 9; every byte but the first is a target, scored once."""
+    for n in (20, 73):
+        path = tmp_path / f"t{n}.txt"
+        path.write_text(("abcdefghij" * 10)[:n])
+        rc, out, err = _done(_tool(env, "boost_jax.evaluate", "--run", trained, "--data",
+                                   str(path), "--json"))
+        assert rc == 0, err
+        got = json.loads(out)
+        assert got["tokens"] == n - 1
+        assert got["windows"] == (1 if n < 33 else 3) and np.isfinite(got["loss"])
+
+
 def test_export_imports_bitwise_and_starts_a_run(trained, exported, env):
     from boost_jax import hf
     from boost_jax.infer.load import open_run

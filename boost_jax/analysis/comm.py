@@ -285,9 +285,10 @@ class CommReport:
                          f"{row['calls']} calls/step")
         if self.memory:
             m = self.memory
+            # total, not XLA's peak: on CPU its peak leaves the temporaries out
             lines.append("memory per device: " + ", ".join(
                 f"{k} {_fmt_bytes(m[k])}" for k in ("argument", "output", "temp", "alias",
-                                                   "generated_code", "peak")))
+                                                   "generated_code", "total")))
         if self.flops:
             lines.append(f"flops per device per step: {self.flops:.3e}")
         return "\n".join(lines)

@@ -40,6 +40,13 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.1f} ms" if x < 10 else f"{x:.2f} s"
 
 
+def _count(n: float) -> str:
+    for unit, f in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= f:
+            return f"{n / f:.2f}{unit}"
+    return f"{n:.0f}"
+
+
 def _hosts(sizes: dict) -> int:
     return sizes["global"] * sizes.get("stage", 1)
 
@@ -111,7 +118,7 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
     sizes = p.sizes
     n = p.devices
     L = [f"plan for {cfg.name}: {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
-         f"({p.memory.get('params_total', 0) / 1e9:.2f}B params) on {topo.name} "
+         f"({_count(p.memory.get('params_total', 0))} params) on {topo.name} "
          f"({topo.device}): {_hosts(sizes)} nodes, {n} devices = {_mesh_text(sizes)}"]
     pl = lay["placement"]
     L.append(f"layout: plan {lay['plan']} (params {pl['params'] or '-'}, grads {pl['grads'] or '-'}"
@@ -138,7 +145,7 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
         L.append("not compiled: analytic model only (--no-compile)")
     m = p.memory
     L.append("")
-    L.append(f"memory per device ({topo.device}, {_gb(topo.hbm_bytes)} HBM, usable "
+    L.append(f"memory per device ({topo.device}, {_gb(topo.hbm_bytes)} {'host RAM' if topo.name == 'cpu' else 'HBM'}, usable "
              f"{p.assumptions.hbm_usable:.0%}):")
     L.append(f"  weights {_bytes(m['weights'])}, fp32 master {_bytes(m['master'])}, Adam m+v "
              f"{_bytes(m['adam'])}, grad accumulator {_bytes(m.get('grads_accumulator', m.get('grads', 0)))}"

@@ -69,7 +69,7 @@ def weak_scaling(out: str, a: Assumptions) -> str:
                lambda p, n: _cola7b(p, n)),
               ("20B GPT (LBP validation), 1 x 2048 per GCD", lambda p, n: lbp_config(p, n)))
     for ax, (title, make) in zip(axes, panels):
-        for plan in PLANS:
+        for k, plan in enumerate(PLANS):
             pts = []
             for n in NODES:
                 pr = predict(make(plan, n), topo, {"pair": 2, "node": 4, "global": n}, a)
@@ -78,8 +78,9 @@ def weak_scaling(out: str, a: Assumptions) -> str:
             if not pts:
                 continue
             base = pts[0][1]
+            # one colour per plan in both panels, whichever plans fit
             ax.plot([n for n, _ in pts], [t / base for _, t in pts], marker="o", ms=3,
-                    label=f"{plan} (base {pts[0][0]} node{'s' if pts[0][0] > 1 else ''})")
+                    color=f"C{k}", label=f"{plan} (base {pts[0][0]} node{'s' if pts[0][0] > 1 else ''})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("nodes (8 GCDs each)")
         ax.set_title(title, fontsize=9)

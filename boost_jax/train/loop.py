@@ -318,7 +318,14 @@ def _finish(cfg: Config, out_dir: str, logger: MetricsLogger, summary: dict) -> 
     summary.update(summarize(logger.path, summary["final_step"]))
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    logger.line(f"done: {json.dumps(summary)}")
+    logger.line(_done_line(out_dir, summary))
+
+
+def _done_line(out_dir: str, summary: dict) -> str:
+    last = summary.get("last_val_loss")
+    val = (f", val_loss {last:.4f} at step {summary['last_val_step']}"
+           if isinstance(last, float) else "")
+    return f"done: step {summary['final_step']}{val}; summary in {os.path.join(out_dir, 'summary.json')}"
 
 
 def _train(cfg, bundle, data, ckpt, logger, thr, state, start, meta, summary, say) -> int:
