@@ -212,6 +212,8 @@ class TrainConfig:
     skip_nonfinite: bool = False
     # Save and exit after this many steps of this invocation (job time limits); None: run on.
     stop_after: Optional[int] = None
+    # [first, last]: a jax.profiler trace of those steps in out_dir/profile (train/profile.py)
+    profile_steps: Optional[list[int]] = None
 
     def validate(self) -> None:
         for k in ("steps", "global_batch", "micro_batches", "eval_every", "eval_batches",
@@ -219,6 +221,10 @@ class TrainConfig:
             _positive(f"train.{k}", getattr(self, k))
         if self.stop_after is not None:
             _positive("train.stop_after", self.stop_after)
+        p = self.profile_steps
+        if p is not None and (len(p) != 2 or not 1 <= p[0] <= p[1]):
+            raise ConfigError(f"train.profile_steps={p} must be [first, last] with "
+                              "1 <= first <= last, e.g. train.profile_steps=[3,5]")
         if self.global_batch % self.micro_batches:
             raise ConfigError(
                 f"train.global_batch={self.global_batch} is not divisible by "

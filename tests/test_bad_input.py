@@ -113,6 +113,8 @@ ROWS = {
     "b2_above_one": (["optim.b2=1.5"], r"optim\.b2=1\.5 must be in \[0, 1\)"),
     "negative_norm_eps": (["model.norm_eps=-1"], r"model\.norm_eps=-1\.0 must be > 0"),
     "negative_stop_after": (["train.stop_after=-5"], r"train\.stop_after=-5 must be > 0"),
+    "profile_steps_backwards": (["train.profile_steps=[5,3]"],
+                                r"train\.profile_steps=\[5, 3\] must be \[first, last\]"),
     "bpe_vocab_too_small": (["data.tokenizer=bpe", "data.bpe_vocab_size=300"],
                             r"data\.bpe_vocab_size=300 is too small for a byte-level BPE .*; use "
                             r"at least 512"),

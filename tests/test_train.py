@@ -1,5 +1,7 @@
 """End-to-end training runs on 8 simulated devices: loss falls, outputs exist, resume is exact."""
 
+import glob
+import gzip
 import json
 import os
 
@@ -27,7 +29,8 @@ def _losses(out_dir):
 @pytest.fixture(scope="module")
 def straight(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("straight"))
-    summary = run(_cfg(out, "train.steps=20", "train.eval_every=10", "checkpoint.every=10"))
+    summary = run(_cfg(out, "train.steps=20", "train.eval_every=10", "checkpoint.every=10",
+                       "train.profile_steps=[3,5]"))
     return out, summary
 
 
@@ -42,6 +45,18 @@ def test_short_run_lowers_loss_and_writes_outputs(straight):
     assert os.listdir(os.path.join(out, "tb"))
     assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
     assert sorted(int(s) for s in os.listdir(os.path.join(out, "checkpoints")) if s.isdigit()) == [10, 20]
+
+
+def test_profile_steps_write_a_trace_of_those_steps(straight):
+    out, _ = straight
+    traces = glob.glob(os.path.join(out, "profile", "**", "*.trace.json.gz"), recursive=True)
+    assert len(traces) == 1, traces
+    with gzip.open(traces[0]) as f:
+        events = json.load(f)["traceEvents"]
+    # steps 3, 4, 5: three executions of the compiled train step (XLA's host-side events)
+    names = [e.get("name", "") for e in events if e.get("ph") == "X"]
+    runs = [n for n in names if n.endswith("Execute (jit_step_fn)") and not n.startswith("[")]
+    assert len(runs) == 3, sorted(set(names))[:50]
 
 
 def test_resume_gives_the_same_losses(straight, tmp_path):

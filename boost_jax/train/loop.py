@@ -15,6 +15,7 @@ incomplete, corrupted and failed saves.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -35,6 +36,7 @@ from boost_jax.train.checkpoint import CheckpointSaveError, Checkpointer
 from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot_losses,
                                      summarize)
 from boost_jax.train.run_lock import hold_out_dir
+from boost_jax.train.profile import StepProfiler
 from boost_jax.train.run_log import RunLog
 from boost_jax.train.step import build_step
 
@@ -328,6 +330,14 @@ def _done_line(out_dir: str, summary: dict) -> str:
     return f"done: step {summary['final_step']}{val}; summary in {os.path.join(out_dir, 'summary.json')}"
 
 
+@contextlib.contextmanager
+def _closing(prof: StepProfiler):
+    try:
+        yield prof
+    finally:
+        prof.stop()  # a trace cut short by a stop or an error is still written
+
+
 def _train(cfg, bundle, data, ckpt, logger, thr, state, start, meta, summary, say) -> int:
     """The step loop from `start`; returns the last step trained. Fills summary."""
     tcfg, nproc = cfg.train, jax.process_count()
@@ -358,12 +368,16 @@ def _train(cfg, bundle, data, ckpt, logger, thr, state, start, meta, summary, sa
 
     step = start
     t_start = time.perf_counter()
-    with _StopSignal() as stop:
+    prof = StepProfiler(os.path.abspath(cfg.out_dir), tcfg.profile_steps)
+    with _StopSignal() as stop, _closing(prof):
         while step < tcfg.steps:
             batch = _to_device(next(data.train_iter), bundle.batch_sharding)
+            prof.before(step + 1)
             state, m = bundle.train_step(state, batch)
             step += 1
             pending_finite.append(m["finite"])
+            if (trace := prof.after(step, m["loss"])) is not None:
+                say(f"profile of steps {prof.first}-{step} written to {trace}")
             thr.tick()
             if step == start + 1:
                 jax.block_until_ready(m["loss"])

@@ -1,0 +1,41 @@
+"""A jax.profiler trace of chosen steps: `train.profile_steps=[first, last]` writes one trace of
+steps first..last (inclusive, counted as the run counts them) under out_dir/profile/.
+
+The trace starts before `first` is dispatched and stops once `last` has finished on the device,
+so the window holds exactly those steps' kernels and collectives. Open it with TensorBoard's
+profile plugin (`tensorboard --logdir out_dir/profile`, tab "Profile") or drop the
+`*.trace.json.gz` file on https://ui.perfetto.dev.
+"""
+
+import os
+from typing import Optional
+
+import jax
+
+
+class StepProfiler:
+    def __init__(self, out_dir: str, steps: Optional[list[int]], enabled: bool = True):
+        self.first, self.last = (steps or (None, None))
+        self.dir = os.path.join(out_dir, "profile")
+        self.enabled = enabled and steps is not None
+        self.active = False
+
+    def before(self, step: int) -> None:
+        """Call with the step about to run (1-based)."""
+        if self.enabled and step == self.first and not self.active:
+            jax.profiler.start_trace(self.dir)
+            self.active = True
+
+    def after(self, step: int, outputs) -> Optional[str]:
+        """Call with the step just dispatched; returns the trace folder once written."""
+        if not (self.active and step >= self.last):
+            return None
+        jax.block_until_ready(outputs)
+        return self.stop()
+
+    def stop(self) -> Optional[str]:
+        if not self.active:
+            return None
+        jax.profiler.stop_trace()
+        self.active = False
+        return self.dir
