@@ -23,7 +23,10 @@ P.latent_scale [r] and, with lax_gate=gate, g as P.cross.weight (.T).
                 (fp32), and lowrank.safetensors keeps the factors, so import is exact.
     cola, lax   model.safetensors holds the factors; y = silu(z) @ b with z = x @ a (cola) or
                 z = RMSNorm_r(x @ a + G(z of the same projection in the previous block)) (lax)
-                is not a LLaMA, so config.json names model_type boost_jax_<arch>.
+                is not a LLaMA, so config.json names model_type boost_jax_<arch> and the
+                export carries its PyTorch modeling code (hf_remote/, transformers'
+                remote-code convention: `auto_map` in config.json), which
+                AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) loads.
 
 config.json carries the LLaMA fields and a "boost_jax" section with the full ModelConfig, the
 run, step and tokenizer, which is what `model.init_from=DIR` reads back.
@@ -155,7 +158,18 @@ def hf_config(cfg, extra: dict) -> dict:
         "torch_dtype": cfg.param_dtype, "initializer_range": cfg.init_std,
         "boost_jax": dict(extra, model=dataclasses.asdict(cfg),
                           factors=FACTORS_FILE if cfg.arch == "svd" else None),
+        **({} if llama else {"auto_map": remote_code_map(cfg.arch)}),
     }
+
+
+REMOTE_CODE = ("configuration_boost_jax.py", "modeling_boost_jax.py")
+
+
+def remote_code_map(arch: str) -> dict:
+    """transformers' remote-code entry points of a cola / lax export (boost_jax/hf_remote/)."""
+    name = f"BoostJax{arch.title()}"
+    return {"AutoConfig": f"configuration_boost_jax.{name}Config",
+            "AutoModelForCausalLM": f"modeling_boost_jax.{name}ForCausalLM"}
 
 
 # --------------------------------------------------------------------------- files
@@ -172,6 +186,13 @@ def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) 
     if factors:
         save_file(factors, os.path.join(out, FACTORS_FILE), metadata=meta)
         files.append(FACTORS_FILE)
+    if cfg.arch in ("cola", "lax"):  # modeling code, so transformers can load the export
+        import shutil
+
+        here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_remote")
+        for name in REMOTE_CODE:
+            shutil.copyfile(os.path.join(here, name), os.path.join(out, name))
+        files += list(REMOTE_CODE)
     with open(os.path.join(out, CONFIG_FILE), "w") as f:
         json.dump(dict(hf_config(cfg, extra), **(top or {})), f, indent=2)
     return files + [CONFIG_FILE]

@@ -1,13 +1,15 @@
-"""Write tests/fixtures/hf/{full,svd}: tiny models exported by boost_jax/hf.py and the logits
-Hugging Face transformers' LlamaForCausalLM computes for them (tokens.npy → logits.npy).
+"""Write tests/fixtures/hf/{full,svd,cola,lax}: tiny models exported by boost_jax/hf.py, the
+logits Hugging Face transformers computes for them (tokens.npy → logits.npy) and its greedy
+continuation of a prompt (greedy.npy): LlamaForCausalLM for full and svd, the export's own
+remote code (boost_jax/hf_remote/) for cola and lax.
 
 tests/test_hf.py checks boost_jax's logits against these files when torch is not installed (CI),
 and against transformers directly when it is. torch and transformers are not dependencies of the
 project; make the fixture in an environment that has them besides boost_jax's own:
 
     python3 -m venv /tmp/venv-hf
-    /tmp/venv-hf/bin/pip install -e . torch==2.13.0 transformers
-    /tmp/venv-hf/bin/python scripts/hf_fixture.py [--out tests/fixtures/hf]
+    /tmp/venv-hf/bin/pip install -e . torch==2.13.0 transformers==5.24.0
+    /tmp/venv-hf/bin/python scripts/hf_fixture.py [--out tests/fixtures/hf] [full svd cola lax]
 """
 
 from __future__ import annotations
@@ -27,21 +29,50 @@ MODELS = {
                  d_ff=64, max_seq_len=32, init_std=0.2, rope_theta=500.0),
     "svd": dict(arch="svd", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64,
                 rank=8, max_seq_len=32, init_std=0.2, tie_embeddings=True),
+    # cola and lax load through the export's own modeling code (trust_remote_code); lax with
+    # the r x r gate, GQA and three blocks, so two crossings per projection are checked
+    "cola": dict(arch="cola", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                 rank=8, max_seq_len=32, init_std=0.2),
+    "lax": dict(arch="lax", vocab_size=256, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
+                d_ff=64, rank=8, lax_gate="gate", max_seq_len=32, init_std=0.2),
 }
+GREEDY_NEW = 8  # tokens transformers' generate() continues TOKENS[:, :PROMPT] by, greedily
+PROMPT = 6
 TOKENS = np.array([[0, 100, 101, 102, 32, 40, 41, 58, 10, 32, 32, 32, 32, 114, 101, 116]],
                   np.int64)
 
 
-def transformers_logits(model_dir: str, tokens: np.ndarray) -> np.ndarray:
-    """fp32 logits [b, s, V] of LlamaForCausalLM loaded from model_dir."""
+def transformers_model(model_dir: str):
+    """The export loaded as transformers loads it: LlamaForCausalLM for full and svd, the
+    export's own modeling code (trust_remote_code) for cola and lax; fp32, eval mode."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                 trust_remote_code=True)
+    return model.eval()
+
+
+def transformers_logits(model_dir: str, tokens: np.ndarray) -> np.ndarray:
+    """fp32 logits [b, s, V] of the export, computed by transformers."""
+    import torch
+
     with torch.no_grad():
-        out = model(torch.as_tensor(tokens), use_cache=False).logits
+        out = transformers_model(model_dir)(torch.as_tensor(tokens), use_cache=False).logits
     return out.float().numpy()
+
+
+def transformers_greedy(model_dir: str, prompt: np.ndarray, new: int) -> np.ndarray:
+    """generate()'s greedy continuation (KV cache on), prompt included: [b, len + new]."""
+    import torch
+
+    with torch.no_grad():
+        ids = torch.as_tensor(prompt)
+        # an explicit mask: id 0 (our document start) would otherwise be read as padding
+        out = transformers_model(model_dir).generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+            min_new_tokens=new, eos_token_id=None, pad_token_id=0)
+    return out.numpy()
 
 
 def export_model(name: str, out_dir: str, seed: int = 0) -> None:
@@ -60,13 +91,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "tests", "fixtures", "hf"))
+    p.add_argument("names", nargs="*", default=list(MODELS), choices=list(MODELS))
     args = p.parse_args(argv)
-    for name in MODELS:
+    for name in args.names:
         d = os.path.join(args.out, name)
         shutil.rmtree(d, ignore_errors=True)
         export_model(name, d)
         np.save(os.path.join(d, "tokens.npy"), TOKENS)
         np.save(os.path.join(d, "logits.npy"), transformers_logits(d, TOKENS).astype(np.float32))
+        np.save(os.path.join(d, "greedy.npy"), transformers_greedy(d, TOKENS[:, :PROMPT],
+                                                                   GREEDY_NEW))
         print(f"wrote {d}")
     return 0
 

@@ -1,7 +1,8 @@
-"""Hugging Face interop (boost_jax/hf.py): logits equal transformers' LlamaForCausalLM within 1e-4
-in fp32 for arch=full and svd, and export → import is bitwise for every arch.
+"""Hugging Face interop (boost_jax/hf.py): logits equal transformers' within 1e-4 in fp32
+(LlamaForCausalLM for arch=full and svd, the export's own remote code for cola and lax), greedy
+continuations equal generate()'s, and export → import is bitwise for every arch.
 
-tests/fixtures/hf/{full,svd} were written by scripts/hf_fixture.py (models exported by hf.write
+tests/fixtures/hf/{full,svd,cola,lax} were written by scripts/hf_fixture.py (models exported by hf.write
 and the logits transformers computes for them); where torch and transformers are installed the
 comparison also runs against transformers itself on freshly exported models."""
 
@@ -31,7 +32,7 @@ def _logits(cfg, params, tokens):
     return np.asarray(fn(params, jnp.asarray(tokens, jnp.int32)))
 
 
-@pytest.mark.parametrize("name", ["full", "svd"])
+@pytest.mark.parametrize("name", ["full", "svd", "cola", "lax"])
 def test_logits_equal_transformers_fixture(name):
     d = os.path.join(FIXTURES, name)
     cfg = hf.saved_model(hf.read_config(d))
@@ -48,6 +49,29 @@ def test_logits_equal_transformers_fixture(name):
             disk = load_file(os.path.join(d, fname))
             assert sorted(disk) == sorted(tensors)
             assert all(np.array_equal(disk[k], tensors[k]) for k in disk)
+    if name in ("cola", "lax"):  # the modeling code transformers ran is what export writes
+        conf = hf.read_config(d)
+        assert conf["auto_map"] == hf.remote_code_map(name)
+        here = os.path.join(os.path.dirname(hf.__file__), "hf_remote")
+        for fname in hf.REMOTE_CODE:
+            assert open(os.path.join(d, fname)).read() == open(os.path.join(here, fname)).read()
+
+
+@pytest.mark.parametrize("name", ["full", "svd", "cola", "lax"])
+def test_greedy_continuation_equals_transformers_generate(name):
+    """Our KV-cache decoder continues the prompt as transformers' generate() did (greedy,
+    its own KV cache; for lax the latents cross blocks inside each cached step)."""
+    from boost_jax.infer.decode import Decoder, Sampling
+
+    d = os.path.join(FIXTURES, name)
+    cfg = hf.saved_model(hf.read_config(d))
+    want = np.load(os.path.join(d, "greedy.npy"))[0]
+    prompt = np.load(os.path.join(d, "tokens.npy"))[0, :6].astype(np.int32)
+    assert np.array_equal(want[:6], prompt)
+    dec = Decoder(cfg, hf.load_init(d, cfg, stacked=True), cfg.max_seq_len,
+                  Sampling(temperature=0.0), compiler_options=fast_compile_options())
+    ids = dec.generate(prompt, len(want) - 6)[0]
+    assert ids.tolist() == want[6:].tolist()
 
 
 def test_plain_llama_checkpoint_imports_as_full(tmp_path):
@@ -88,7 +112,7 @@ def test_export_import_bitwise(kw, tmp_path):
 @pytest.mark.skipif(not (importlib.util.find_spec("torch") and
                          importlib.util.find_spec("transformers")),
                     reason="torch/transformers not installed; the fixture test covers this")
-@pytest.mark.parametrize("name", ["full", "svd"])
+@pytest.mark.parametrize("name", ["full", "svd", "cola", "lax"])
 def test_logits_equal_transformers_live(name, tmp_path):
     import sys
 

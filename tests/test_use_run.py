@@ -133,6 +133,8 @@ def test_export_imports_bitwise_and_starts_a_run(trained, exported, env):
         assert a.dtype == b.dtype and np.array_equal(a, b)
     conf = json.load(open(os.path.join(exported, "config.json")))
     assert conf["model_type"] == "boost_jax_lax" and conf["boost_jax"]["step"] == 4
+    assert conf["auto_map"]["AutoModelForCausalLM"] == "modeling_boost_jax.BoostJaxLaxForCausalLM"
+    assert {"modeling_boost_jax.py", "configuration_boost_jax.py"} <= set(os.listdir(exported))
     # a new run (another plan, 1 step) starts from the export: its step-0 val_loss is the
     # source run's final one
     new = os.path.join(os.path.dirname(trained), "from_export")
