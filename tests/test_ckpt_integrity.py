@@ -11,6 +11,7 @@ import json
 import os
 import random
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from boost_jax.train.checkpoint import TMP_MARK, UNUSABLE_DIR, CheckpointSaveErr
 from boost_jax.train.loop import run
 from train_proc import TINY, TrainProcess, train_env
 
-STEPS = 8
+STEPS = 30  # room for 10 kills, each after at least one new step
 RUN = TINY + ["logging.progress=false", f"train.steps={STEPS}", "train.eval_every=4",
               "checkpoint.every=2", "checkpoint.keep=2"]
 
@@ -140,3 +141,72 @@ def test_init_from_a_changed_export_is_refused(reference, tmp_path):
                        r"exported\); export the run again"):
         run(load_config(None, RUN + [f"out_dir={tmp_path / 'new'}", "train.steps=1",
                                      f"model.init_from={exported}"]))
+
+
+# --------------------------------------------------------------------------- failed saves
+
+
+@pytest.mark.parametrize("where,async_save", [("orbax", True), ("seal", True), ("orbax", False)])
+def test_a_failed_last_save_leaves_no_partial_directory(reference, monkeypatch, tmp_path, where,
+                                                        async_save):
+    """The disk fills up while the last step is written: at one of orbax's metadata files (an
+    async save fails at the end of the run, a sync one at once) or at the seal."""
+    from etils import epath
+
+    from boost_jax.train import checkpoint
+
+    out = str(tmp_path / "run")
+    last_tmp = f"{os.sep}{STEPS}{TMP_MARK}"
+    real_write, real_seal = epath.Path.write_text, checkpoint.write_seal
+
+    def write_text(self, *a, **k):
+        if last_tmp in str(self):
+            raise OSError(errno.ENOSPC, "No space left on device", str(self))
+        return real_write(self, *a, **k)
+
+    def write_seal(step_dir):
+        if last_tmp in step_dir:
+            raise OSError(errno.ENOSPC, "No space left on device", step_dir)
+        return real_seal(step_dir)
+
+    if where == "orbax":
+        monkeypatch.setattr(epath.Path, "write_text", write_text)
+    else:
+        monkeypatch.setattr(checkpoint, "write_seal", write_seal)
+    with pytest.raises(CheckpointSaveError) as e:
+        run(load_config(None, RUN + [f"out_dir={out}", f"checkpoint.async_save={async_save}"]))
+    assert str(e.value).startswith(f"saving checkpoint step {STEPS} failed (No space left on "
+                                   "device")
+    assert _steps(out) == [STEPS - 4, STEPS - 2] and not _tmp_dirs(out)
+
+
+# --------------------------------------------------------------------------- SIGKILL loop
+
+
+class Train(TrainProcess):
+    base = RUN
+
+
+def test_sigkill_at_ten_random_moments_of_frequent_saves(reference, jax_cache, tmp_path):
+    """A save after every step (async, keep 2); the run is SIGKILLed 10 times at random moments
+    once it has trained a step past where it started (mid-step, mid-save, mid-seal, between), and
+    resumed each time. No temp directory or unusable step is ever left, and the finished run's
+    losses equal the uninterrupted run's."""
+    env = train_env(jax_cache)
+    out = tmp_path / "run"
+    rng = random.Random(2024)
+    for _ in range(10):
+        t = Train(out, env, "checkpoint.every=1")
+        t.until_trained(max(_steps(str(out)), default=0) + 1)
+        time.sleep(rng.uniform(0.0, 0.2))
+        assert t.p.poll() is None, "the run finished before it was killed"
+        t.kill()
+        assert not os.path.exists(out / UNUSABLE_DIR), t.output
+    t = Train(out, env, "checkpoint.every=1")
+    assert t.wait() == 0, t.output
+    ref, got = _losses(reference), _losses(str(out))
+    assert sorted(got) == sorted(ref)
+    np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)],
+                               rtol=1e-6)
+    assert not _tmp_dirs(str(out)) and not os.path.exists(out / UNUSABLE_DIR)
+    assert _steps(str(out)) == [STEPS - 1, STEPS]
