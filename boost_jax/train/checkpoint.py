@@ -12,16 +12,23 @@ Crash safety:
   loss) leaves a tmp directory and never a half-written ``<step>``. Such leftovers are reported
   when the next run opens the directory and then removed; the run resumes from the last
   finalised step.
-* Every save records a digest of the state (per-array sum and absolute sum) in the step's
-  metadata, and refuses to write a state with a non-finite value. A restore re-computes the
-  digest; a step that cannot be read or does not match (corrupted files) is reported, moved to
-  ``checkpoints_unusable/`` next to the checkpoint directory (nothing is deleted) and the
-  previous step is tried.
+* Any changed byte is caught, twice over. Every save records exact checksums of each array
+  of the state as it is on the devices (``state_checksums``: integer sums of the bit patterns,
+  the same under any sharding) in the step's metadata, and refuses to write a state with a
+  non-finite value; before the step is renamed into place it is sealed with the CRC-32 of
+  every file written (train/seal.py). A restore checks the files against the seal, then the
+  restored arrays against the checksums; a step that cannot be read or does not match is
+  reported, moved to ``checkpoints_unusable/`` next to the checkpoint directory (nothing is
+  deleted) and the previous step is tried. generate/evaluate/export make the same checks and
+  refuse such a step. Cost on the demo (4.3 MiB state, 1.4 MiB of files, one CPU device): the
+  checksums take 7-20 ms and the seal 3.5 ms of a 390 ms save; CRC-32 runs at 0.75-1.5 s/GiB
+  per core (see seal.py).
 * A save that fails (disk full, permission denied, …) raises :class:`CheckpointSaveError`
   naming the step, the reason and the earlier checkpoints, which stay intact (orbax prunes
   old steps only after a save has finalised). Async saves report their failure at the next
-  save or at close. The failed step's tmp directory is removed once the run has stopped
-  (``discard_failed``), or else by the next start.
+  save or at close (the last step's too: train/loop.py closes inside its error handling). The
+  failed step's tmp directory is removed once the run has stopped (``discard_failed``), or
+  else by the next start.
 """
 
 from __future__ import annotations
@@ -287,9 +294,11 @@ class Checkpointer:
         return saved
 
     def _seal(self) -> None:
-        """orbax's post-finalisation callback (each process, in its writer thread): every item
-        is written and merged, and the step is still in its tmp directory (this orbax renames
-        it next). Process 0 records the CRC-32 of its files there."""
+        """orbax's post-finalisation callback (process 0, in its writer thread, once every
+        process has written its share): every item is written and merged, and the step is
+        still in its tmp directory (this orbax renames it next; a later orbax that renamed
+        first would leave a moment in which a kill leaves a step without seal, which resume
+        sets aside like any unusable step). Records the CRC-32 of the step's files."""
         if not self._primary:
             return
         step = self._sealing
