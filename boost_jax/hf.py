@@ -186,6 +186,10 @@ def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) 
     if factors:
         save_file(factors, os.path.join(out, FACTORS_FILE), metadata=meta)
         files.append(FACTORS_FILE)
+    from boost_jax.train.seal import file_crc32
+
+    # what init_from checks before it trusts the tensors (safetensors has no checksum)
+    extra = dict(extra, files_crc32={n: file_crc32(os.path.join(out, n)) for n in files})
     if cfg.arch in ("cola", "lax"):  # modeling code, so transformers can load the export
         import shutil
 
@@ -196,6 +200,20 @@ def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) 
     with open(os.path.join(out, CONFIG_FILE), "w") as f:
         json.dump(dict(hf_config(cfg, extra), **(top or {})), f, indent=2)
     return files + [CONFIG_FILE]
+
+
+def check_files(path: str, conf: dict, key: str = "model.init_from") -> None:
+    """A one-line error if a tensor file differs from the CRC-32 export recorded (a folder not
+    written by export records none)."""
+    from boost_jax.train.seal import file_crc32
+
+    for name, crc in sorted(((conf.get("boost_jax") or {}).get("files_crc32") or {}).items()):
+        file = os.path.join(path, name)
+        why = ("is missing" if not os.path.isfile(file) else None if file_crc32(file) == crc
+               else "does not match the CRC-32 recorded when it was exported")
+        if why:
+            raise UserError(f"{key} {path!r} is corrupted (file {name} {why}); export the run "
+                            "again (python -m boost_jax.export --run RUN --out DIR)")
 
 
 def read_tensors(path: str, names: Optional[list[str]] = None) -> dict:
@@ -276,6 +294,7 @@ def load_init(path: str, cfg, stacked: bool) -> dict:
     """Logical params (numpy, model.param_dtype) of DIR for a run whose model is `cfg`."""
     conf = read_config(path)
     check_compatible(path, saved_model(conf), cfg)
+    check_files(path, conf)
     import jax.numpy as jnp
 
     try:

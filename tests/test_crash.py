@@ -14,13 +14,16 @@ import shutil
 import signal
 import time
 
+import jax
 import numpy as np
 import pytest
 
 from boost_jax.config import load_config
+from boost_jax.infer.load import open_run
 from boost_jax.errors import UserError
 from boost_jax.train.checkpoint import TMP_MARK, CheckpointSaveError, UNUSABLE_DIR
 from boost_jax.train.loop import NonFiniteError, run
+from boost_jax.train.seal import write_seal
 from train_proc import TrainProcess, train_env
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
@@ -134,12 +137,15 @@ def _corrupt_arrays(step_dir):
 
 
 def _tamper_digest(step_dir):
-    """Change the recorded digest: what silently wrong array bytes would look like."""
+    """Change a recorded array checksum and re-seal the files: what arrays written wrong before
+    they reached the disk would look like (the files match their seal, the values do not)."""
     path = os.path.join(step_dir, "meta", "metadata")
     meta = json.load(open(path))
-    weight = next(k for k in sorted(meta["digest"]) if k.startswith("['params']"))
-    meta["digest"][weight][0] += 1.0 + abs(meta["digest"][weight][1])
+    arrays = meta["checksums"]["arrays"]
+    weight = next(k for k in sorted(arrays) if k.startswith("['params']"))
+    arrays[weight][0] ^= 1
     json.dump(meta, open(path, "w"))
+    write_seal(step_dir)
 
 
 # tensorstore completes reads still in flight after the failed one into orbax's closed event loop
@@ -158,8 +164,8 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(reference, t
     summary = run(load_config(None, RUN + [f"out_dir={out}"]))
     err = capfd.readouterr().err
     assert summary["start_step"] == 6
-    assert "warning: checkpoint step 12 in" in err and "is unusable (it cannot be read" in err
-    assert "warning: checkpoint step 9 in" in err and "does not match the digest" in err
+    assert "warning: checkpoint step 12 in" in err and "is unusable (file state/" in err
+    assert "warning: checkpoint step 9 in" in err and "does not match the checksum saved" in err
     assert "falling back to step 6" in err
     # set aside, not deleted; training redid 7..12 with the reference's losses and saved anew
     assert sorted(os.listdir(os.path.join(out, UNUSABLE_DIR))) == ["12", "9"]
@@ -244,8 +250,8 @@ def test_nan_loss_stops_the_run_naming_the_step_and_writes_no_bad_checkpoint(nan
         run(cfg)
     # the check runs before every save: step 6's checkpoint (after the NaN) is never written
     assert _steps(out) == [2, 4]
-    meta = json.load(open(os.path.join(out, "checkpoints", "4", "meta", "metadata")))
-    assert np.isfinite(list(meta["digest"].values())).all()
+    params = jax.device_get(open_run(out, 4).params)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
 def test_skip_nonfinite_skips_the_update_and_carries_on(nan_at_step, reference, tmp_path):

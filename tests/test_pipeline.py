@@ -24,7 +24,7 @@ from boost_jax.config import load_config
 from boost_jax.plan.costmodel import predict
 from boost_jax.plan.dryrun import dry_run
 from boost_jax.plan.search import search
-from boost_jax.train.checkpoint import Checkpointer, state_digest
+from boost_jax.train.checkpoint import Checkpointer, state_checksums
 from boost_jax.train.pipeline import Schedule
 from boost_jax.train.step import build_step
 
@@ -245,12 +245,10 @@ def test_training_and_restore_across_stage_counts(tmp_path):
                 stages, virtual)).restore(5, other.abstract_state)
             got = jax.device_get(other.logical_params(restored))
             jax.tree.map(np.testing.assert_array_equal, got, logical)
-            # Adam moments: the same sums per array (zero slots and padding add nothing)
-            want_d, got_d = state_digest(state["opt_state"]), state_digest(restored["opt_state"])
-            assert set(got_d) == set(want_d)
-            for k in want_d:
-                np.testing.assert_allclose(got_d[k], want_d[k], rtol=1e-5,
-                                           atol=1e-6 * want_d[k][1], err_msg=f"{name} {k}")
+            # Adam moments: the same exact checksums per array (they ignore where elements sit,
+            # and zero slots and padding add nothing), as resume checks them
+            want_d = state_checksums(state["opt_state"])[0]
+            assert state_checksums(restored["opt_state"])[0] == want_d, name
 
 
 def test_planner_compiles_and_searches_stages():

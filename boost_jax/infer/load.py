@@ -5,8 +5,9 @@ its mesh, a dim zero-padded at its end where it did not divide (boost_jax/shardi
 Only `state.params` is read (orbax partial restore: the optimizer state stays on disk), straight
 into the logical (unpadded) shapes on one device: orbax reassembles the shards and
 `strict=False` drops the padding. So a checkpoint saved under any plan, TP layout, mesh or
-process count loads on whatever device is present. The restored weights are checked against
-the digest saved with the step (checkpoint.py), so a corrupted file is refused, not sampled.
+process count loads on whatever device is present. Every file of the step is checked against
+the CRC-32 recorded when it was written (train/seal.py) and the restored weights against the
+checksums saved with them (checkpoint.py), so any changed byte is refused, not sampled.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
     import orbax.checkpoint as ocp
 
     from boost_jax.train import restage
-    from boost_jax.train.checkpoint import digest_mismatch, state_digest
+    from boost_jax.train.checkpoint import checksum_mismatch, state_checksums
     from boost_jax.train.step import abstract_params
 
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
@@ -114,11 +115,25 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
 
         raise UserError(f"checkpoint step {step} in {mngr.directory} cannot be read "
                         f"({_reason(e)}); pass another --step") from None
-    bad = digest_mismatch(state_digest(state), (meta or {}).get("digest"))
+    bad = checksum_mismatch(state_checksums(state)[0], meta or {})
     if bad:
         raise UserError(f"checkpoint step {step} in {mngr.directory} is corrupted ({bad}); pass "
                         "another --step")
     return state["params"]
+
+
+def check_step_files(ckpt_dir: str, step: int, meta: dict) -> None:
+    """A one-line error if any file of the step differs from its seal (train/seal.py); a
+    step saved before seals were written has none (its arrays are checked on restore)."""
+    from boost_jax.train.seal import SEAL_FILE, check_seal
+
+    step_dir = os.path.join(ckpt_dir, str(step))
+    if not meta.get("seal") and not os.path.exists(os.path.join(step_dir, SEAL_FILE)):
+        return
+    bad = check_seal(step_dir)
+    if bad:
+        raise UserError(f"checkpoint step {step} in {ckpt_dir} is corrupted ({bad}); pass "
+                        "another --step")
 
 
 def run_tokenizer(cfg: Config, run_dir: str) -> Tokenizer:
@@ -144,6 +159,7 @@ def open_run(run_dir: str, step: Optional[int] = None, device=None) -> Run:
         meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception:  # noqa: BLE001
         meta = {}
+    check_step_files(ckpt_dir, step, meta or {})
     cfg = _saved_config(run_dir, meta or {})
     tokenizer = run_tokenizer(cfg, run_dir)
     params = restore_params(mngr, step, cfg, device, meta)

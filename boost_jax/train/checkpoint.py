@@ -12,16 +12,23 @@ Crash safety:
   loss) leaves a tmp directory and never a half-written ``<step>``. Such leftovers are reported
   when the next run opens the directory and then removed; the run resumes from the last
   finalised step.
-* Every save records a digest of the state (per-array sum and absolute sum) in the step's
-  metadata, and refuses to write a state with a non-finite value. A restore re-computes the
-  digest; a step that cannot be read or does not match (corrupted files) is reported, moved to
-  ``checkpoints_unusable/`` next to the checkpoint directory (nothing is deleted) and the
-  previous step is tried.
+* Any changed byte is caught, twice over. Every save records exact checksums of each array
+  of the state as it is on the devices (``state_checksums``: integer sums of the bit patterns,
+  the same under any sharding) in the step's metadata, and refuses to write a state with a
+  non-finite value; before the step is renamed into place it is sealed with the CRC-32 of
+  every file written (train/seal.py). A restore checks the files against the seal, then the
+  restored arrays against the checksums; a step that cannot be read or does not match is
+  reported, moved to ``checkpoints_unusable/`` next to the checkpoint directory (nothing is
+  deleted) and the previous step is tried. generate/evaluate/export make the same checks and
+  refuse such a step. Cost on the demo (4.3 MiB state, 1.4 MiB of files, one CPU device): the
+  checksums take 7-20 ms and the seal 3.5 ms of a 390 ms save; CRC-32 runs at 0.75-1.5 s/GiB
+  per core (see seal.py).
 * A save that fails (disk full, permission denied, …) raises :class:`CheckpointSaveError`
   naming the step, the reason and the earlier checkpoints, which stay intact (orbax prunes
   old steps only after a save has finalised). Async saves report their failure at the next
-  save or at close. The failed step's tmp directory is removed once the run has stopped
-  (``discard_failed``), or else by the next start.
+  save or at close (the last step's too: train/loop.py closes inside its error handling). The
+  failed step's tmp directory is removed once the run has stopped (``discard_failed``), or
+  else by the next start.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import orbax.checkpoint as ocp
 
 from boost_jax.config import CheckpointConfig
 from boost_jax.errors import UserError
+from boost_jax.train.seal import SEAL_FILE, check_seal, write_seal
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step still being written
 UNUSABLE_DIR = "checkpoints_unusable"
@@ -106,60 +114,89 @@ def _silence_closed_loop_callbacks() -> None:
     sys.excepthook, sys.unraisablehook = excepthook, unraisablehook
 
 
-# --------------------------------------------------------------------------- digest
+# --------------------------------------------------------------------------- checksums
 
 
-_DIGEST_FNS: dict = {}
+_CHECKSUM_FNS: dict = {}
+CHECKSUM_KIND = "u32-multiset-2"  # what meta["checksums"] holds (state_checksums)
 
 
-def state_digest(state: Any) -> dict[str, list[float]]:
-    """{array path: [sum, sum of absolute values]} of every array (float32 sums on device).
+def _mix(b):
+    """A bijection of uint32 with _mix(0) == 0 (so zero padding adds nothing)."""
+    import jax.numpy as jnp
 
-    Cheap (one reduction per array), the same on every process, finite exactly when the state
-    holds no NaN/inf (barring float32 overflow of the sums), and insensitive to sharding and to
-    zero padding, so it also checks a restore under another plan or mesh.
-    """
+    b = b * jnp.uint32(0x9E3779B1)
+    b = b ^ (b >> 15)
+    return b * jnp.uint32(0x85EBCA77)
+
+
+def _bits(x):
+    """Every element's bit pattern, zero-extended to uint32 (8-byte types as two words)."""
     import jax
     import jax.numpy as jnp
+
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint32)
+    word = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+    return jax.lax.bitcast_convert_type(x, word).astype(jnp.uint32)
+
+
+def _checksum_rows(xs):
+    import jax.numpy as jnp
+
+    rows, finite = [], []
+    for x in xs:
+        b = _bits(x)
+        rows.append(jnp.stack([jnp.sum(b, dtype=jnp.uint32), jnp.sum(_mix(b), dtype=jnp.uint32)]))
+        finite.append(jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+                      else jnp.array(True))
+    return jnp.stack(rows), jnp.stack(finite)
+
+
+def state_checksums(state: Any) -> tuple[dict[str, list[int]], bool]:
+    """({array path: [c1, c2]}, every array finite) of a state, computed on its devices.
+
+    c1 = Σ bits and c2 = Σ mix(bits) over the elements' bit patterns, modulo 2**32: exact
+    integers (no tolerance), so a change of any one element (any changed bit) changes both;
+    changes of several elements pass only by a 2**-64 coincidence. Integer sums do not depend on
+    the order of reduction, on zero padding or on where the elements sit, so the checksums are
+    the same on every process and check a restore under another plan, mesh, process count or
+    stage count (boost_jax/train/restage.py) too. One fused reduction over the state: 1.4 ms
+    for the demo's 0.2 GiB state on 8 simulated CPU devices (tests/test_seal.py measures it).
+    """
+    import jax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(state)
     paths = [jax.tree_util.keystr(p) for p, _ in flat]
     leaves = [x for _, x in flat]
     key = (treedef, tuple((x.shape, str(x.dtype), getattr(x, "sharding", None)) for x in leaves))
-    fn = _DIGEST_FNS.get(key)
+    fn = _CHECKSUM_FNS.get(key)
     if fn is None:
         mesh = next((x.sharding.mesh for x in leaves if hasattr(getattr(x, "sharding", None),
                                                                 "mesh")), None)
-
-        def digest(xs):
-            rows = [jnp.stack([jnp.sum(x.astype(jnp.float32)),
-                               jnp.sum(jnp.abs(x.astype(jnp.float32)))]) for x in xs]
-            return jnp.stack(rows)
-
         out = NamedSharding(mesh, P()) if mesh is not None else None
-        fn = jax.jit(digest, out_shardings=out)
-        if len(_DIGEST_FNS) > 8:
-            _DIGEST_FNS.clear()
-        _DIGEST_FNS[key] = fn
-    rows = np.asarray(fn(leaves), dtype=np.float64)
-    return {p: [float(r[0]), float(r[1])] for p, r in zip(paths, rows)}
+        fn = jax.jit(_checksum_rows, out_shardings=out)
+        if len(_CHECKSUM_FNS) > 8:
+            _CHECKSUM_FNS.clear()
+        _CHECKSUM_FNS[key] = fn
+    rows, finite = jax.device_get(fn(leaves))
+    rows = np.asarray(rows, dtype=np.uint32)
+    return {p: [int(r[0]), int(r[1])] for p, r in zip(paths, rows)}, bool(np.all(finite))
 
 
-def digest_finite(digest: dict) -> bool:
-    return all(np.isfinite(v).all() for v in digest.values())
-
-
-def digest_mismatch(got: dict, want) -> Optional[str]:
-    """None if `got` matches the saved digest `want` on the arrays both have (up to float32
-    reduction order); else which array differs."""
-    if not isinstance(want, dict):  # an older format: nothing to compare by name
+def checksum_mismatch(got: dict, meta: dict) -> Optional[str]:
+    """None if `got` equals the checksums saved in `meta` on the arrays both have; else which
+    array differs. A step saved before checksums were recorded has nothing to compare."""
+    want = (meta or {}).get("checksums")
+    if not isinstance(want, dict) or want.get("kind") != CHECKSUM_KIND:
         return None
-    for path in sorted(set(got) & set(want)):
-        g, w = np.asarray(got[path], np.float64), np.asarray(want[path], np.float64)
-        scale = abs(w[1]) + 1e-6
-        if not (np.abs(g - w).max() / scale <= 1e-3):
-            return f"array {path} of the state does not match the digest saved with it"
+    arrays = want.get("arrays") or {}
+    for path in sorted(set(got) & set(arrays)):
+        if list(got[path]) != list(arrays[path]):
+            return f"array {path} of the state does not match the checksum saved with it"
     return None
 
 
@@ -175,7 +212,8 @@ class Checkpointer:
         self.stages = stages  # (stages, virtual) of the state restored into (train/restage.py)
         self.async_save = cfg.async_save
         self._warn = warn or (lambda msg: None)
-        self._primary = jax.process_index() == 0
+        self._pid = jax.process_index()
+        self._primary = self._pid == 0
         self._nproc = jax.process_count()
         self._pending: Optional[int] = None  # step of the save still running in the background
         self._failed = False
@@ -190,9 +228,13 @@ class Checkpointer:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("boost_jax:checkpoint_tmp_removed")
+        self._sealing: Optional[int] = None  # step whose save the seal callback belongs to
+        # always orbax's async path: its post-finalisation hook seals the step before the
+        # rename; a sync save waits for it at once (save)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.keep, enable_async_checkpointing=cfg.async_save, create=True,
-            cleanup_tmp_directories=True)
+            max_to_keep=cfg.keep, enable_async_checkpointing=True, create=True,
+            cleanup_tmp_directories=True,
+            async_options=ocp.AsyncOptions(post_finalization_callback=self._seal))
         try:
             self.mngr = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "data", "meta"))
@@ -231,22 +273,39 @@ class Checkpointer:
 
     def save(self, step: int, state: Any, data_state: dict, meta: dict,
              force: bool = False) -> bool:
-        digest = state_digest(state)
-        if not digest_finite(digest):
+        sums, finite = state_checksums(state)
+        if not finite:
             raise NonFiniteStateError(
                 f"the state at step {step} holds non-finite values; not writing checkpoint step "
                 f"{step} (the earlier ones in {self.directory} are intact)")
         self._wait()  # a failed background save surfaces here, before starting another
-        meta = dict(meta, digest=digest)
+        meta = dict(meta, checksums={"kind": CHECKSUM_KIND, "arrays": sums}, seal=SEAL_FILE)
+        self._sealing = step
         try:
             saved = self.mngr.save(step, args=ocp.args.Composite(
                 state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state),
                 meta=ocp.args.JsonSave(meta)), force=force)
         except Exception as e:  # noqa: BLE001 - orbax wraps OS errors in several types
             self._save_failed(step, e)
-        if saved and self.async_save:
+        if saved:
             self._pending = step
+            if not self.async_save:
+                self._wait()
         return saved
+
+    def _seal(self) -> None:
+        """orbax's post-finalisation callback (process 0, in its writer thread, once every
+        process has written its share): every item is written and merged, and the step is
+        still in its tmp directory (this orbax renames it next; a later orbax that renamed
+        first would leave a moment in which a kill leaves a step without seal, which resume
+        sets aside like any unusable step). Records the CRC-32 of the step's files."""
+        if not self._primary:
+            return
+        step = self._sealing
+        names = [n for s, n in self._interrupted_saves() if s == step] + [str(step)]
+        step_dir = next(os.path.join(self.directory, n) for n in names
+                        if os.path.isdir(os.path.join(self.directory, n)))
+        write_seal(step_dir)
 
     def _wait(self) -> None:
         try:
@@ -292,6 +351,13 @@ class Checkpointer:
     def restore_meta(self, step: int) -> dict:
         return self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
+    def _check_seal(self, step: int, meta: dict) -> Optional[str]:
+        """The step's files against its seal (each process checks its share of the files);
+        None for a step saved before seals were written."""
+        if not meta.get("seal"):
+            return None
+        return check_seal(os.path.join(self.directory, str(step)), self._pid, self._nproc)
+
     def _agree(self, ok: bool) -> bool:
         """True only if every process says ok (processes must take the same fallback)."""
         if self._nproc == 1:
@@ -321,10 +387,11 @@ class Checkpointer:
                 bad.append((step, err or "another process could not read its metadata"))
                 continue
             check_meta(step, meta)
+            state, err = None, self._check_seal(step, meta)
             try:
-                state, data, meta = self.restore(step, abstract_state)
-                if "digest" in meta:
-                    err = digest_mismatch(state_digest(state), meta["digest"])
+                if err is None:
+                    state, data, meta = self.restore(step, abstract_state)
+                    err = checksum_mismatch(state_checksums(state)[0], meta)
             except Exception as e:  # noqa: BLE001
                 _silence_closed_loop_callbacks()
                 state, err = None, f"it cannot be read: {_reason(e)}"

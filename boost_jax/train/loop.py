@@ -283,6 +283,7 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
     summary = {"start_step": start, "params": n_params}
     try:
         step = _train(cfg, bundle, data, ckpt, logger, thr, state, start, meta, summary, say)
+        ckpt.close()  # inside: a failed last (async) save is handled like any other
     except BaseException as e:
         ckpt.abandon()  # a save still running in the background is valid: let it finish
         _close_quietly(logger, log)
@@ -294,7 +295,6 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
             log.exception("writing a run output failed", e)
             raise _write_failed(e, ckpt, log) from None
         raise
-    ckpt.close()
     summary["final_step"] = step
     if main_proc:
         try:

@@ -1,0 +1,96 @@
+"""A checkpoint step's seal: the CRC-32 of every file its items hold, recorded when it was written.
+
+The seal (`SEAL_FILE` at the step's root) is written by process 0 after orbax has written and
+merged every item of every process but before it renames `<step>.orbax-checkpoint-tmp` to
+`<step>`, so a finalised step always carries one (checkpoint.py). Every reader (resume,
+generate, evaluate, export) checks the step's files against it before using them: any changed,
+truncated, missing or extra file is caught, and any one changed byte with certainty (CRC-32
+detects every error burst of up to 32 bits).
+
+Cost: zlib's CRC-32 takes 0.75 s per GiB on one core of the 2-core development VM (1.5 s/GiB
+with the VM loaded), spread over up to 8 threads; the files are read once more, mostly from the
+page cache just after orbax wrote or read them. The demo's step (1.4 MiB of files) seals in
+3.5 ms of a 390 ms save (about 1%); async saves seal in orbax's background thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+SEAL_FILE = "boost_jax_seal.json"
+ITEMS = ("state", "data", "meta")  # the Checkpointer's items (directories of a step)
+_SKIP = ("commit_success.txt",)  # orbax's own markers, (re)written after the seal on some stores
+_BLOCK = 16 << 20
+
+
+def file_crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while True:
+            block = f.read(_BLOCK)
+            if not block:
+                return crc
+            crc = zlib.crc32(block, crc)
+
+
+def _crc_all(root: str, names: list[str]) -> list[int]:
+    """CRC-32 of each file (zlib releases the GIL on large blocks: threads overlap)."""
+    workers = max(1, min(8, len(names), os.cpu_count() or 1))
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda n: file_crc32(os.path.join(root, n)), names))
+
+
+def step_files(step_dir: str) -> list[str]:
+    """Paths (relative to the step, '/'-separated) of every file the items hold, sorted."""
+    out = []
+    for item in ITEMS:
+        root = os.path.join(step_dir, item)
+        for d, _, names in os.walk(root):
+            out += [os.path.relpath(os.path.join(d, n), step_dir).replace(os.sep, "/")
+                    for n in names if n not in _SKIP]
+    return sorted(out)
+
+
+def write_seal(step_dir: str) -> None:
+    """Record {file: [size, crc32]} of every file of the step; atomic (temp file, rename)."""
+    names = step_files(step_dir)
+    files = {n: [os.path.getsize(os.path.join(step_dir, n)), crc]
+             for n, crc in zip(names, _crc_all(step_dir, names))}
+    tmp = os.path.join(step_dir, f".{SEAL_FILE}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"crc32": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(step_dir, SEAL_FILE))
+
+
+def check_seal(step_dir: str, part: int = 0, parts: int = 1) -> Optional[str]:
+    """None if the step's files match its seal, else what differs (one clause). With `parts`
+    processes, each checks the files whose index is `part` modulo `parts`."""
+    try:
+        with open(os.path.join(step_dir, SEAL_FILE)) as f:
+            want = json.load(f)["crc32"]
+    except FileNotFoundError:
+        return f"it has no {SEAL_FILE} (its save was cut short, or the file was removed)"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its {SEAL_FILE} cannot be read ({type(e).__name__})"
+    have = step_files(step_dir)
+    extra = sorted(set(have) - set(want))
+    if extra:
+        return f"file {extra[0]} was not there when it was written"
+    mine = [n for i, n in enumerate(sorted(want)) if i % parts == part]
+    for name in mine:
+        path = os.path.join(step_dir, name)
+        if not os.path.isfile(path):
+            return f"file {name} is missing"
+        if os.path.getsize(path) != want[name][0]:
+            return (f"file {name} changed size ({os.path.getsize(path)} bytes, {want[name][0]} "
+                    "written)")
+    for name, crc in zip(mine, _crc_all(step_dir, mine)):
+        if crc != want[name][1]:
+            return f"file {name} does not match the CRC-32 recorded when it was written"
+    return None
