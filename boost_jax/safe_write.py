@@ -317,15 +317,28 @@ def _holder(fd: int) -> str:
     return f" ({raw})" if raw else ""
 
 
+def _sweep(target: str) -> None:
+    """Remove named temp files of `target` left by a writer that was killed (call only while
+    holding its lock: then no live writer owns them)."""
+    d, name = os.path.split(os.path.abspath(target))
+    for entry in os.listdir(d):
+        if entry.startswith(f".{name}.") and entry.endswith(".tmp"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(d, entry))
+
+
 @contextlib.contextmanager
-def exclusive(target: str, what: str, fix: str):
-    """Hold `.NAME.lock` next to `target` for the body; Refused if another process holds it.
-    The kernel drops the lock however the holder ends, so a stale lock file is taken over."""
-    path = lock_path(target)
+def exclusive(targets: list[str], what: str, fix: str):
+    """Hold `.NAME.lock` next to the first of `targets` for the body; Refused if another process
+    holds it. The kernel drops the lock however the holder ends, so a stale lock file is taken
+    over, and temp files a killed holder left of any of `targets` are removed."""
+    path = lock_path(targets[0])
     fd = _lock(path, what, fix)
     if fd is None:  # no locks on this filesystem: the link() at publish still decides
         yield
         return
+    for t in targets:
+        _sweep(t)
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode(), 0)

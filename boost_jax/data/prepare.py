@@ -291,7 +291,7 @@ def prepare(source: str, out: str, spec: str, workers: int = 1, field: str = "te
     t0 = time.perf_counter()
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with exclusive(out, f"OUT {out!r}", "choose another OUT"):
+        with exclusive([out, meta_path(out)], f"OUT {out!r}", "choose another OUT"):
             _check_targets(source, out, spec, force)  # a writer that finished meanwhile
             with Staged(out) as data, Staged(meta_path(out), text=True) as meta_file:
                 n_tokens, n_docs, top = _tokenize(files, field, spec, dtype, workers, progress,
