@@ -12,6 +12,8 @@ def parse_args(argv=None):
     p.add_argument("--cpu-devices", type=int, default=None,
                    help="simulate N CPU devices per process (testing a mesh on one machine)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("--force", action="store_true",
+                   help="train into an out_dir that holds files but no run, replacing them")
     return p.parse(argv)
 
 
@@ -30,7 +32,7 @@ def main(argv=None):
     setup(cfg, args.cpu_devices)
     from boost_jax.train.loop import run
 
-    summary = run(cfg, cli=True)
+    summary = run(cfg, cli=True, force=args.force)
     # stopped by SIGTERM/SIGINT after saving: 128 + signal, so schedulers see an unfinished run
     return 128 + summary["stopped_by_signal"] if summary.get("stopped_by_signal") else 0
 

@@ -4,8 +4,9 @@ DIR receives model.safetensors and config.json (boost_jax/hf.py says which names
 arch=full and arch=svd load as transformers' LlamaForCausalLM), and the run's tokenizer.json
 with a tokenizer_config.json when the run used one (a byte-tokenized run has no file: its ids
 are the UTF-8 bytes, EOS is byte 0). `model.init_from=DIR` starts a run from it. DIR is written
-whole into a temporary folder and renamed, so an existing DIR (replaced only with --force) is
-never left half-written.
+whole into a temporary folder and renamed (boost_jax/safe_write.py), so it is never
+half-written. An existing DIR is replaced only with --force and only if it is an earlier export;
+DIR may never be the run, hold it or lie inside it.
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ import tempfile
 from boost_jax.cli import Parser
 from boost_jax.errors import UserError, cli_main
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
 
 def parse_args(argv=None):
     p = Parser(prog="python -m boost_jax.export", description=__doc__)
     p.add_argument("--run", required=True, help="the training run's out_dir, e.g. runs/demo")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
     p.add_argument("--out", required=True, help="the folder to write")
-    p.add_argument("--force", action="store_true", help="replace --out if it exists")
+    p.add_argument("--force", action="store_true", help="replace --out if it is an earlier export")
     return p.parse_args(argv)
 
 
@@ -37,38 +40,65 @@ def tokenizer_files(run, dest: str) -> dict:
         return info
     import json
 
-    tok._tok.save(os.path.join(dest, "tokenizer.json"))
+    tok._tok.save(os.path.join(dest, TOKENIZER_FILES[0]))
     eos = tok._tok.id_to_token(tok.eos_id)
-    with open(os.path.join(dest, "tokenizer_config.json"), "w") as f:
+    with open(os.path.join(dest, TOKENIZER_FILES[1]), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos,
                    "bos_token": eos, "model_max_length": run.cfg.model.max_seq_len,
                    "clean_up_tokenization_spaces": False}, f, indent=2)
     return info
 
 
+def _check_out(run_dir: str, out: str, force: bool) -> None:
+    """safe_write's rule for --out: never the run, a folder holding it or a folder inside it
+    (even with --force); an existing --out only with --force, and only an earlier export."""
+    from boost_jax import hf
+    from boost_jax.safe_write import Refused, foreign_entries, refuse_existing, refuse_inputs
+
+    what = f"--out {out!r}"
+    refuse_inputs(out, {"the run": run_dir}, what, "choose a folder outside the run, e.g. "
+                  "hf/NAME")
+    refuse_existing([out], force, "choose another folder", what)
+    if not os.path.lexists(out):
+        return
+    if os.path.islink(out) or not os.path.isdir(out):
+        raise Refused(f"{what} is a file, not an earlier export; --force replaces only an "
+                      "export folder: choose another folder, or remove the file")
+    ours = (hf.MODEL_FILE, hf.FACTORS_FILE, hf.CONFIG_FILE) + TOKENIZER_FILES
+    other = foreign_entries(out, ours)
+    if other:
+        more = f" and {len(other) - 3} more" if len(other) > 3 else ""
+        raise Refused(f"{what} holds files an export does not write ({', '.join(other[:3])}"
+                      f"{more}); --force replaces only an earlier export: choose another "
+                      "folder, or move them away")
+
+
 def export(run_dir: str, out: str, step=None, force: bool = False) -> list[str]:
     from boost_jax import hf
     from boost_jax.infer.load import open_run
+    from boost_jax.safe_write import publish_dir, staged_dir
 
-    if os.path.exists(out) and not force:
-        raise UserError(f"--out {out!r} already exists; pass --force to replace it, or choose "
-                        "another folder")
+    _check_out(run_dir, out, force)
     run = open_run(run_dir, step)
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        tmp = staged_dir(out)
+    except OSError as e:
+        raise UserError(f"cannot write --out {out!r} ({e.strerror}); choose a folder in a "
+                        "writable place") from None
     try:
         info = tokenizer_files(run, tmp)
         info.update(run=run.path, step=run.step)
         eos = {"bos_token_id": int(run.tokenizer.eos_id), "eos_token_id": int(run.tokenizer.eos_id)}
-        files = hf.write(tmp, run.cfg.model, run.params, info, eos)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
+        hf.write(tmp, run.cfg.model, run.params, info, eos)
+        files = sorted(os.listdir(tmp))
+        publish_dir(tmp, out, replace=force)
+    except OSError as e:
+        raise UserError(f"writing --out {out!r} failed ({e.strerror or e}); nothing was "
+                        "published: free space or choose another folder") from None
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return sorted(os.listdir(out)) if files else []
+    return files
 
 
 @cli_main

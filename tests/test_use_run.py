@@ -176,7 +176,8 @@ def test_errors(trained, exported, env, tmp_path):
                           r"--out '.*/taken' already exists; pass --force to replace it"),
         "prepare_exists": (_tool(env, "boost_jax.data.prepare", str(tmp_path / "words.txt"),
                                  str(tmp_path / "words.bin"), "--tokenizer", "byte"),
-                           r"'.*/words\.bin' already exists; pass --force"),
+                           r"'.*/words\.bin' and '.*/words\.json' already exist; pass "
+                           r"--force"),
         "init_from_other_shape": (
             _train(env, str(tmp_path / "r1"), f"model.init_from={exported}", "model.d_model=64"),
             r"model\.init_from '.*' holds another model \(model\.d_model 64 vs 32\); set "

@@ -11,12 +11,16 @@ Streaming with bounded memory: the main process reads the source in pieces (a te
 pieces of about PIECE bytes cut after a line break) and hands tasks of about TASK bytes to
 --workers processes, each holding its own tokenizer; at most 2 x workers tasks are in flight
 and their ids are appended to OUT in order as they come back. Memory therefore depends on the
-worker count, never on the corpus size. The file is written as OUT.tmp and renamed when
-complete, so OUT is never half-written.
+worker count, never on the corpus size. OUT and its metadata are written as temp files in
+OUT's folder and published when complete, metadata first (boost_jax/safe_write.py): OUT is never
+half-written, never without its metadata, and an existing OUT or metadata file is replaced only
+with --force (never when it is SOURCE or the tokenizer). Two prepares of one OUT: the second
+stops at once.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -29,7 +33,7 @@ from typing import Iterator
 import numpy as np
 
 from boost_jax.cli import Parser
-from boost_jax.data.token_bin import meta_path, write_meta
+from boost_jax.data.token_bin import FORMAT, meta_path
 from boost_jax.errors import UserError, cli_main
 
 PIECE = 1 << 20  # bytes of a text file read at a time
@@ -232,53 +236,79 @@ def _progress(total: int, enabled: bool):
     return Progress(*cols, transient=True, disable=not enabled, console=Console(stderr=True))
 
 
-def prepare(source: str, out: str, spec: str, workers: int = 1, field: str = "text",
-            force: bool = False, progress: bool = True, task_bytes: int = TASK) -> dict:
-    """Tokenize `source` into `out` (+ metadata); returns the metadata."""
-    files = source_files(source)
-    if os.path.exists(out) and not force:
-        raise UserError(f"{out!r} already exists; pass --force to replace it, or choose another "
-                        "OUT")
-    tok = load_tokenizer(spec)
-    dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    tmp = out + ".tmp"
-    total = sum(os.path.getsize(f) for f in files)
+def _check_targets(source: str, out: str, spec: str, force: bool) -> None:
+    """safe_write's rule for OUT and its metadata: never one of the inputs (even with --force),
+    never an existing file without --force."""
+    from boost_jax.safe_write import refuse_existing, refuse_inputs
+
+    inputs = {"SOURCE": source, "--tokenizer": None if spec in ("byte", "bpe") else spec}
+    meta = meta_path(out)
+    fix = "choose another OUT (its metadata goes to <OUT without .bin>.json)"
+    refuse_inputs(out, inputs, f"OUT {out!r}", fix)
+    refuse_inputs(meta, inputs, f"the metadata file {meta!r} of OUT", fix)
+    refuse_existing([out, meta], force, "choose another OUT")
+
+
+def _tokenize(files, field, spec, dtype, workers, progress, task_bytes, total, f) -> tuple:
+    """Write the ids of `files` to the binary file `f`: (tokens, documents, largest id)."""
     n_tokens = n_docs = 0
     top = -1
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")  # safe whatever the caller has imported
-    try:
-        with open(tmp, "wb") as f, _progress(total, progress) as bar, ProcessPoolExecutor(
-                workers, ctx, initializer=_init_worker, initargs=(spec, field, dtype)) as pool:
-            task_id = bar.add_task("", total=total, tokens=0, rate="")
-            pending: deque = deque()
+    with _progress(total, progress) as bar, ProcessPoolExecutor(
+            workers, ctx, initializer=_init_worker, initargs=(spec, field, dtype)) as pool:
+        task_id = bar.add_task("", total=total, tokens=0, rate="")
+        pending: deque = deque()
 
-            def collect():
-                nonlocal n_tokens, n_docs, top
-                ids, docs, high, consumed = pending.popleft().result()
-                f.write(ids.tobytes())
-                n_tokens, n_docs, top = n_tokens + len(ids), n_docs + docs, max(top, high)
-                rate = f"({n_tokens / (time.perf_counter() - t0):,.0f}/s)"
-                bar.update(task_id, advance=consumed, tokens=n_tokens, rate=rate)
+        def collect():
+            nonlocal n_tokens, n_docs, top
+            ids, docs, high, consumed = pending.popleft().result()
+            f.write(ids.tobytes())
+            n_tokens, n_docs, top = n_tokens + len(ids), n_docs + docs, max(top, high)
+            rate = f"({n_tokens / (time.perf_counter() - t0):,.0f}/s)"
+            bar.update(task_id, advance=consumed, tokens=n_tokens, rate=rate)
 
-            for task in tasks(read_items(files, field), task_bytes):
-                pending.append(pool.submit(encode_task, task))
-                if len(pending) >= 2 * workers:
-                    collect()
-            while pending:
+        for task in tasks(read_items(files, field), task_bytes):
+            pending.append(pool.submit(encode_task, task))
+            if len(pending) >= 2 * workers:
                 collect()
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    seconds = time.perf_counter() - t0
-    os.replace(tmp, out)
-    meta = {"dtype": dtype, "n_tokens": n_tokens, "n_documents": n_docs, "max_id": top,
-            "eos_id": int(tok.eos_id), "vocab_size": int(tok.vocab_size), "tokenizer": spec,
-            "tokenizer_fingerprint": tok.fingerprint, "source": os.path.abspath(source),
-            "source_bytes": total, "workers": workers, "seconds": round(seconds, 3)}
-    write_meta(out, meta)
+        while pending:
+            collect()
+    return n_tokens, n_docs, top
+
+
+def prepare(source: str, out: str, spec: str, workers: int = 1, field: str = "text",
+            force: bool = False, progress: bool = True, task_bytes: int = TASK) -> dict:
+    """Tokenize `source` into `out` (+ metadata); returns the metadata. Both files are written
+    as temp files and published together, metadata first (boost_jax/safe_write.py)."""
+    from boost_jax.safe_write import Staged, exclusive, publish
+
+    files = source_files(source)
+    _check_targets(source, out, spec, force)
+    tok = load_tokenizer(spec)
+    dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+    total = sum(os.path.getsize(f) for f in files)
+    t0 = time.perf_counter()
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with exclusive([out, meta_path(out)], f"OUT {out!r}", "choose another OUT"):
+            _check_targets(source, out, spec, force)  # a writer that finished meanwhile
+            with Staged(out) as data, Staged(meta_path(out), text=True) as meta_file:
+                n_tokens, n_docs, top = _tokenize(files, field, spec, dtype, workers, progress,
+                                                  task_bytes, total, data.file)
+                meta = {"dtype": dtype, "n_tokens": n_tokens, "n_documents": n_docs,
+                        "max_id": top, "eos_id": int(tok.eos_id),
+                        "vocab_size": int(tok.vocab_size), "tokenizer": spec,
+                        "tokenizer_fingerprint": tok.fingerprint,
+                        "source": os.path.abspath(source), "source_bytes": total,
+                        "workers": workers, "seconds": round(time.perf_counter() - t0, 3)}
+                json.dump(dict(meta, format=FORMAT), meta_file.file, indent=2)
+                publish([meta_file, data], replace=force)
+    except OSError as e:
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise UserError(f"writing {out!r} failed ({e.strerror or e}); nothing was published "
+                        f"and no temp file is left; {'free space' if full else 'fix that'} or "
+                        "choose another OUT") from None
     return meta
 
 

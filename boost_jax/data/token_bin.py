@@ -28,14 +28,6 @@ def meta_path(bin_path: str) -> str:
     return os.path.splitext(bin_path)[0] + ".json"
 
 
-def write_meta(bin_path: str, meta: dict) -> None:
-    path = meta_path(bin_path)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(dict(meta, format=FORMAT), f, indent=2)
-    os.replace(tmp, path)
-
-
 def read_meta(bin_path: str) -> Optional[dict]:
     """The metadata next to a .bin (None if there is none, or it is not ours)."""
     path = meta_path(bin_path)

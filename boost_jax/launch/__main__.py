@@ -18,7 +18,7 @@ import sys
 from typing import Optional, Sequence
 
 from boost_jax.cli import OverrideParser
-from boost_jax.errors import cli_main
+from boost_jax.errors import UserError, cli_main
 
 
 def build_parser() -> OverrideParser:
@@ -38,6 +38,8 @@ def build_parser() -> OverrideParser:
     p.add_argument("--python", default=None,
                    help="Python on the compute nodes (default: this one, %(default)s)")
     p.add_argument("--out", default=None, help="write the script here (default: stdout)")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --out file (never the --config itself)")
     return p
 
 
@@ -60,7 +62,11 @@ def _slurm(args, command: str) -> int:
     from boost_jax.config import load_config
     from boost_jax.launch.slurm import make_job, render
     from boost_jax.mesh import get_topology
+    from boost_jax.safe_write import check_target, write_text
 
+    if args.out is not None:  # safe_write's rule: never the --config, nothing else unforced
+        check_target(args.out, {"--config": args.config}, args.force, f"--out {args.out!r}",
+                     "choose another --out")
     cfg = load_config(args.config, args.overrides)
     topo = get_topology(args.topology or cfg.mesh.topology)
     job = make_job(cfg, topo, args.nodes, account=args.account, time=args.time,
@@ -75,13 +81,9 @@ def _slurm(args, command: str) -> int:
     if args.out is None:
         sys.stdout.write(text)
         return 0
-    from boost_jax.errors import UserError
-
     try:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            f.write(text)
-        os.chmod(args.out, 0o755)
+        write_text(args.out, text, args.force, executable=True)
     except OSError as e:
         raise UserError(f"cannot write {args.out!r} ({e.strerror}); choose another --out") \
             from None

@@ -83,10 +83,21 @@ def build_parser() -> OverrideParser:
     p.add_argument("--emit-config", default=None, metavar="FILE",
                    help="write the layout (with --search: the best that fits) as a config that "
                         "train.py and python -m boost_jax.launch slurm take unchanged")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --emit-config FILE (never the --config itself)")
     return p
 
 
-def emit_config(path: str, cfg, pred, topo, command: str) -> None:
+def check_emit_target(path: str, config: str, force: bool) -> None:
+    """safe_write's rule for --emit-config FILE: never the --config; an existing FILE only with
+    --force."""
+    from boost_jax.safe_write import check_target
+
+    check_target(path, {"--config": config}, force, f"--emit-config {path!r}",
+                 "choose another FILE")
+
+
+def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False) -> None:
     """The planned run as a YAML config: mesh.topology and mesh.shape carry the cluster layout,
     so `python -m boost_jax.launch slurm --config FILE` needs no --topology or --nodes."""
     from boost_jax.config import config_to_yaml
@@ -102,9 +113,10 @@ def emit_config(path: str, cfg, pred, topo, command: str) -> None:
             f"{topo.hbm_bytes / 2**30:.0f} GiB, {pred.step_time:.3f} s per step, "
             f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}",
             f"# written by: {command}", ""]
+    from boost_jax.safe_write import write_text
+
     try:
-        with open(path, "w") as f:
-            f.write("\n".join(head) + config_to_yaml(cfg))
+        write_text(path, "\n".join(head) + config_to_yaml(cfg), force)
     except OSError as e:
         raise UserError(f"cannot write --emit-config {path!r} ({e.strerror}); choose another "
                         "path") from None
@@ -233,6 +245,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from boost_jax.mesh import get_topology
 
         check_args(args)
+        if args.emit_config:  # before any work: the file may not be written at all
+            check_emit_target(args.emit_config, args.config, args.force)
         cfg = load_config(args.config, args.overrides)
         topo = get_topology(args.topology or cfg.mesh.topology)
         from boost_jax.plan import dryrun
@@ -268,7 +282,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     raise UserError(f"no layout fits, so --emit-config {args.emit_config} was "
                                     "not written; try more nodes or a smaller global batch")
                 best = res.fitting[0]
-                emit_config(args.emit_config, best.config(cfg), best.prediction, topo, command)
+                emit_config(args.emit_config, best.config(cfg), best.prediction, topo, command,
+                            args.force)
             return 0
         compiled, failure = not args.no_compile, None
         try:
@@ -315,7 +330,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise UserError(f"this layout does not fit ({why}), so --emit-config "
                                 f"{args.emit_config} was not written; --search lists layouts "
                                 "that fit")
-            emit_config(args.emit_config, cfg, pred, topo, command)
+            emit_config(args.emit_config, cfg, pred, topo, command, args.force)
         return 1 if failure else 0
 
     return run()

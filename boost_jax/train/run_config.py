@@ -35,6 +35,11 @@ PER_INVOCATION = ("out_dir", "checkpoint.resume", "checkpoint.accept_changes")
 SHAPE_KEYS = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
               "rank", "lax_gate", "tie_embeddings")
 HISTORY_DIR = "configs"
+# what a run writes into out_dir (run_log.py, metrics.py, checkpoint.py, data/tokenizers.py)
+OUTPUTS = ("config.yaml", HISTORY_DIR, "metrics.jsonl", "summary.json", "loss.png", "tb",
+           "checkpoints", "tokenizer", "run.log")
+# what only a run of ours leaves there: its lock (run_lock.py), config history and checkpoints
+MARKERS = (".lock", HISTORY_DIR, "checkpoints")
 
 
 def model_signature(cfg: Config) -> dict:
@@ -129,7 +134,34 @@ def record(out_dir: str, cfg: Config, start: int) -> Optional[str]:
 
 
 def _write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    from boost_jax.safe_write import write_text
+
+    write_text(path, text, force=True)
+
+
+def check_inputs(cfg: Config, out_dir: str) -> None:
+    """safe_write's rule for train.py's inputs: no output of the run may be, hold or lie inside
+    data.source or model.init_from (the same on every process: paths only)."""
+    from boost_jax.safe_write import refuse_inputs
+
+    source = cfg.data.source if cfg.data.source != "stdlib" else None
+    inputs = {"data.source": source, "model.init_from": cfg.model.init_from}
+    for name in OUTPUTS:
+        target = os.path.join(out_dir, name)
+        refuse_inputs(target, inputs, f"the run's {name} {target!r}",
+                      "choose another out_dir=...")
+
+
+def check_out_dir(out_dir: str, force: bool) -> None:
+    """safe_write's rule for train.py's out_dir: a folder that holds no run of ours (no lock,
+    config history or checkpoints) but files a run would replace is refused without --force."""
+    from boost_jax.safe_write import Refused
+
+    present = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
+    if force or present & set(MARKERS):
+        return
+    clash = sorted(present & set(OUTPUTS))
+    if clash:
+        raise Refused(f"out_dir {out_dir!r} holds no boost_jax run but files the run would "
+                      f"replace ({', '.join(clash)}); choose another out_dir=..., or pass "
+                      "--force to train.py to let the run replace them")

@@ -105,17 +105,22 @@ def _all_agree(ok: bool, nproc: int) -> bool:
 
 
 @contextlib.contextmanager
-def hold_out_dir(out_dir: str, primary: bool, nproc: int, warn: Callable[[str], None]):
-    """Hold the out_dir lock (from process 0) for the body; every process raises if it is taken."""
+def hold_out_dir(out_dir: str, primary: bool, nproc: int, warn: Callable[[str], None],
+                 check: Optional[Callable[[], None]] = None):
+    """Hold the out_dir lock (from process 0) for the body; every process raises if it is taken
+    or if `check` (run by process 0 before it takes the lock) raises a UserError."""
     lock, error, locked, stale = RunLock(out_dir), None, False, None
     if primary:
         try:
+            if check is not None:
+                check()
             locked, stale = lock.acquire()
-        except OutDirBusy as e:
+        except UserError as e:
             error = e
     if not _all_agree(error is None, nproc):
-        raise error or OutDirBusy(f"out_dir {out_dir!r} is in use by another run (process 0 "
-                                  "names it); wait for it to finish or choose another out_dir")
+        raise error or UserError(f"out_dir {out_dir!r} was refused by process 0 (its error line "
+                                 "says why: another run holds it, or it holds files that are no "
+                                 "run); wait for that run or choose another out_dir")
     if primary and not locked:
         warn(f"out_dir {out_dir!r} cannot be locked on this filesystem; nothing stops another "
              "run from writing into it at the same time")

@@ -1,0 +1,374 @@
+"""The rule every command that writes follows (train.py, export, data.prepare, plan
+--emit-config, launch slurm):
+
+1. It never deletes or overwrites a file it did not create in this run unless the user passed
+   --force (`refuse_existing`, `foreign_entries`).
+2. With or without --force it refuses a target that is, contains or lies inside one of its
+   inputs: the run it reads, the source, the config, the tokenizer (`refuse_inputs`).
+3. A file is published whole: written to a temp file in the target's own directory, then linked
+   or renamed onto the target in one step (`Staged`). Where the filesystem supports it the temp
+   file has no name at all (O_TMPFILE), so a process killed mid-write leaves nothing behind;
+   elsewhere it is a unique `.NAME.*.tmp` from tempfile. Files that go together (a .bin and its
+   metadata) are published metadata first, data last (`publish`), so a reader never finds data
+   without the metadata that describes it.
+4. Concurrent writers of one target: one wins, the other stops with one line. Without --force a
+   target is created with link(), which fails if it appeared meanwhile; long writers also hold
+   `exclusive`, an flock on `.NAME.lock` next to the target, from the start.
+
+Published files and folders follow the umask (0644 / 0755 under umask 022) whatever mode the
+temp file was created with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+from typing import IO, Iterable, Optional
+
+from boost_jax.errors import UserError
+
+
+class Refused(UserError):
+    """A write the rule forbids; one line naming the problem and the fix."""
+
+
+def umask() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # no other way to read it; restored at once
+    os.umask(mask)
+    return mask
+
+
+def file_mode(executable: bool = False) -> int:
+    return (0o777 if executable else 0o666) & ~umask()
+
+
+def dir_mode() -> int:
+    return 0o777 & ~umask()
+
+
+# --------------------------------------------------------------------------- what may be written
+
+
+def _real(path: str) -> str:
+    return os.path.realpath(os.path.abspath(path))
+
+
+def _inside(path: str, folder: str) -> bool:
+    return os.path.commonpath([path, folder]) == folder and path != folder
+
+
+def _same(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)  # also hard links and bind mounts
+    except OSError:
+        return _real(a) == _real(b)
+
+
+def refuse_inputs(target: str, inputs: dict, what: str, fix: str) -> None:
+    """Refuse `target` (labelled `what`, e.g. "--out 'x'") if it is, contains or lies inside an
+    input ({label: path}; None paths are skipped). --force does not lift this."""
+    t = _real(target)
+    for label, path in inputs.items():
+        if not path:
+            continue
+        p = _real(path)
+        if _same(target, path):
+            how = "is"
+        elif _inside(p, t):
+            how = "contains"
+        elif _inside(t, p):
+            how = "lies inside"
+        else:
+            continue
+        raise Refused(f"{what} {how} {label} {path!r}; writing it would destroy what this "
+                      f"command reads (--force does not change that): {fix}")
+
+
+def _names(paths: list) -> str:
+    quoted = [repr(p) for p in paths]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " and " + quoted[-1]
+
+
+def refuse_existing(paths: Iterable[str], force: bool, fix: str, what: str = "") -> None:
+    """Without --force, refuse if any of `paths` exists (named in the line, or called `what`)."""
+    if force:
+        return
+    there = [p for p in paths if os.path.lexists(p)]
+    if there:
+        one = len(there) == 1
+        raise Refused(f"{what or _names(there)} already {'exists' if one else 'exist'}; pass "
+                      f"--force to replace {'it' if one else 'them'}, or {fix}")
+
+
+def check_target(target: str, inputs: dict, force: bool, what: str, fix: str) -> None:
+    """Both checks for one file a command is about to write."""
+    refuse_inputs(target, inputs, what, fix)
+    refuse_existing([target], force, fix, what)
+
+
+def foreign_entries(folder: str, ours: Iterable[str]) -> list[str]:
+    """Entries of `folder` whose names are not in `ours` (sorted; [] if there is no folder)."""
+    try:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(set(names) - set(ours))
+
+
+# --------------------------------------------------------------------------- single files
+
+
+def _anonymous(directory: str) -> Optional[int]:
+    """An unnamed file in `directory` (O_TMPFILE), or None where that is not supported."""
+    flag = getattr(os, "O_TMPFILE", None)
+    if flag is None or not os.path.isdir("/proc/self/fd"):
+        return None
+    try:
+        return os.open(directory, flag | os.O_RDWR, 0o600)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+            return None
+        raise
+
+
+class Staged:
+    """A temp file in the directory of `target`, invisible to readers until `publish`. Use as a
+    context manager: leaving it unpublished (an error) removes the temp file."""
+
+    def __init__(self, target: str, executable: bool = False, text: bool = False):
+        self.target = os.path.abspath(target)
+        self.dir, self.name = os.path.split(self.target)
+        self.mode = file_mode(executable)
+        self.path: Optional[str] = None  # named temp file (fallback)
+        fd = _anonymous(self.dir)
+        if fd is None:
+            fd, self.path = tempfile.mkstemp(prefix=f".{self.name}.", suffix=".tmp",
+                                             dir=self.dir)
+        self.fd = fd
+        self.file: IO = os.fdopen(fd, "w" if text else "wb", closefd=False,
+                                  **({"encoding": "utf-8"} if text else {}))
+        self.published = False
+
+    def __enter__(self) -> "Staged":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.discard()
+
+    def finish(self) -> None:
+        """Flush, sync and set the mode: call before publishing (a full disk fails here)."""
+        self.file.flush()
+        os.fsync(self.fd)
+        os.fchmod(self.fd, self.mode)
+
+    def _named(self) -> str:
+        """The temp file under a unique name in the target's directory."""
+        if self.path is not None:
+            return self.path
+        dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            while True:
+                name = f".{self.name}.{secrets.token_hex(4)}.tmp"
+                try:
+                    os.link(f"/proc/self/fd/{self.fd}", name, dst_dir_fd=dfd)
+                    break
+                except FileExistsError:
+                    continue
+        finally:
+            os.close(dfd)
+        self.path = os.path.join(self.dir, name)
+        return self.path
+
+    def _link_new(self) -> None:
+        """Create the target atomically; FileExistsError if it exists."""
+        if self.path is None:
+            dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.link(f"/proc/self/fd/{self.fd}", self.name, dst_dir_fd=dfd)
+            finally:
+                os.close(dfd)
+            return
+        try:
+            os.link(self.path, self.target)
+        except OSError as e:  # a filesystem without hard links: check, then rename
+            if e.errno == errno.EEXIST:
+                raise
+            if os.path.lexists(self.target):
+                raise FileExistsError(errno.EEXIST, "File exists", self.target) from None
+            os.replace(self.path, self.target)
+            self.path = None
+            return
+        os.remove(self.path)
+        self.path = None
+
+    def publish(self, replace: bool) -> None:
+        """Make the temp file the target, in one step. Without `replace` a target that exists
+        (another writer was faster) is left alone and Refused is raised."""
+        self.finish()
+        if replace:
+            os.replace(self._named(), self.target)
+            self.path = None
+        else:
+            try:
+                self._link_new()
+            except FileExistsError:
+                raise Refused(f"{self.target!r} appeared while this command was writing it "
+                              "(another writer was faster); it was left as that writer made it, "
+                              "nothing of this run was published") from None
+        self.published = True
+        self.discard()
+
+    def discard(self) -> None:
+        """Close; remove the temp file unless it was published."""
+        if self.fd is None:
+            return
+        with contextlib.suppress(OSError):
+            self.file.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        self.fd = None
+        if self.path is not None and not self.published:
+            with contextlib.suppress(OSError):
+                os.remove(self.path)
+
+
+def publish(staged: list[Staged], replace: bool) -> None:
+    """Publish files that belong together in the order given (metadata first, data last). With
+    `replace` the old last file (the data) is removed first, so old data never meets new
+    metadata; without it, a refusal takes back what this call had published."""
+    for s in staged:
+        s.finish()
+    if replace and os.path.lexists(staged[-1].target):
+        os.remove(staged[-1].target)
+    done: list[Staged] = []
+    try:
+        for s in staged:
+            s.publish(replace)
+            done.append(s)
+    except BaseException:
+        for s in done:  # created by this run a moment ago: ours to take back
+            with contextlib.suppress(OSError):
+                os.remove(s.target)
+        raise
+
+
+def write_text(target: str, text: str, force: bool, executable: bool = False) -> None:
+    """`text` as `target`, whole or not at all. Without `force` an existing target is Refused."""
+    with Staged(target, executable, text=True) as s:
+        s.file.write(text)
+        s.publish(replace=force)
+
+
+# --------------------------------------------------------------------------- folders
+
+
+def staged_dir(target: str) -> str:
+    """A temp folder next to `target` (made with the umask's mode) to build it in."""
+    target = os.path.abspath(target)
+    d = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp",
+                         dir=os.path.dirname(target))
+    os.chmod(d, dir_mode())
+    return d
+
+
+def publish_dir(tmp: str, target: str, replace: bool) -> None:
+    """Rename the finished folder `tmp` onto `target`. With `replace` an existing target is moved
+    aside first and removed only once the new one is in place."""
+    old = None
+    if replace and os.path.lexists(target):
+        old = f"{tmp}.old"
+        os.rename(target, old)
+    try:
+        os.rename(tmp, target)
+    except OSError as e:
+        if old is not None:
+            os.rename(old, target)
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise Refused(f"{target!r} appeared while this command was writing it (another "
+                          "writer was faster); it was left as that writer made it") from None
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- concurrent writers
+
+
+def lock_path(target: str) -> str:
+    d, name = os.path.split(os.path.abspath(target))
+    return os.path.join(d, f".{name}.lock")
+
+
+def _holder(fd: int) -> str:
+    raw = os.pread(fd, 256, 0).decode("utf-8", "replace").strip()
+    return f" ({raw})" if raw else ""
+
+
+def _sweep(target: str) -> None:
+    """Remove named temp files of `target` left by a writer that was killed (call only while
+    holding its lock: then no live writer owns them)."""
+    d, name = os.path.split(os.path.abspath(target))
+    for entry in os.listdir(d):
+        if entry.startswith(f".{name}.") and entry.endswith(".tmp"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(d, entry))
+
+
+@contextlib.contextmanager
+def exclusive(targets: list[str], what: str, fix: str):
+    """Hold `.NAME.lock` next to the first of `targets` for the body; Refused if another process
+    holds it. The kernel drops the lock however the holder ends, so a stale lock file is taken
+    over, and temp files a killed holder left of any of `targets` are removed."""
+    path = lock_path(targets[0])
+    fd = _lock(path, what, fix)
+    if fd is None:  # no locks on this filesystem: the link() at publish still decides
+        yield
+        return
+    for t in targets:
+        _sweep(t)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode(), 0)
+    except OSError:
+        pass  # a full disk: the lock holds without the record
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        os.close(fd)
+
+
+def _lock(path: str, what: str, fix: str) -> Optional[int]:
+    """The locked descriptor of the lock file at `path` (None: the filesystem cannot lock)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            who = _holder(fd)
+            os.close(fd)
+            raise Refused(f"{what} is being written by another process{who}; wait for it to "
+                          f"finish, or {fix}") from None
+        except OSError:
+            os.close(fd)
+            return None
+        try:  # the holder we waited on may have removed the file: lock the one at the path
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
