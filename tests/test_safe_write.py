@@ -60,6 +60,30 @@ def test_refuse_inputs_is_contains_inside_and_links(tmp_path):
         sw.refuse_inputs(str(tmp_path / "b.json"), {"SOURCE": str(src)}, "OUT", "x")
 
 
+def test_train_outputs_never_touch_data_source_or_init_from(tmp_path):
+    from types import SimpleNamespace
+
+    from boost_jax.train.run_config import check_inputs
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+
+    def cfg(source, init_from=None):
+        return SimpleNamespace(data=SimpleNamespace(source=str(source)),
+                               model=SimpleNamespace(init_from=init_from))
+
+    with pytest.raises(Refused, match=r"^the run's config\.yaml '.*/corpus/run/config\.yaml' "
+                                      r"lies inside data\.source '.*/corpus'; .*: choose another "
+                                      r"out_dir=\.\.\.$"):
+        check_inputs(cfg(corpus), str(corpus / "run"))  # its metrics.jsonl would be read back
+    with pytest.raises(Refused, match=r"^the run's metrics\.jsonl .* is data\.source"):
+        check_inputs(cfg(tmp_path / "r" / "metrics.jsonl"), str(tmp_path / "r"))
+    with pytest.raises(Refused, match=r"^the run's checkpoints .* contains model\.init_from"):
+        check_inputs(cfg("stdlib", str(tmp_path / "r" / "checkpoints" / "hf")), str(tmp_path / "r"))
+    check_inputs(cfg(corpus / "a.txt"), str(tmp_path / "run"))  # beside the data: fine
+    check_inputs(cfg("stdlib"), str(tmp_path / "run"))
+
+
 def test_refuse_existing_names_every_file_unless_forced(tmp_path):
     a, b, c = (str(tmp_path / n) for n in "abc")
     open(a, "w").close()
@@ -244,7 +268,7 @@ def test_export_refuses_a_file_a_foreign_folder_and_a_read_only_parent(run, env,
     ro = tmp_path / "ro"
     ro.mkdir()
     with _read_only(ro):
-        rows = (("file", r"--out '.*/file' is a file, not an earlier export"),
+        rows = (("file", r"--out '.*/file' is a file or a link, not an earlier export"),
                 ("mine", r"--out '.*/mine' holds files an export does not write \(thesis\.tex\)"),
                 ("ro/x", r"cannot write --out '.*/ro/x' \((Read-only file system|Permission "
                          r"denied)\); choose a folder in a writable place"))
