@@ -193,6 +193,15 @@ def _cli(*argv, env=None, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _cli_all(*argvs, env=None):
+    """Several commands at once (each imports JAX, the bulk of its time)."""
+    env = env or dict(os.environ, PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([PY, *a], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for a in argvs]
+    outs = [p.communicate(timeout=240) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outs)]
+
+
 def _one_line(r, pattern):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr)
@@ -272,13 +281,10 @@ def test_export_refuses_a_file_a_foreign_folder_and_a_read_only_parent(run, env,
                 ("mine", r"--out '.*/mine' holds files an export does not write \(thesis\.tex\)"),
                 ("ro/x", r"cannot write --out '.*/ro/x' \((Read-only file system|Permission "
                          r"denied)\); choose a folder in a writable place"))
-        procs = [subprocess.Popen([PY, "-m", "boost_jax.export", "--run", str(out), "--out",
-                                   str(tmp_path / name), "--force"], cwd=ROOT, env=env,
-                                  text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for name, _ in rows]  # in parallel: each loads the run
-        for p, (_, pattern) in zip(procs, rows):
-            _, err = p.communicate(timeout=240)
-            _one_line(subprocess.CompletedProcess(p.args, p.returncode, "", err), pattern)
+        done = _cli_all(*(["-m", "boost_jax.export", "--run", str(out), "--out",
+                           str(tmp_path / name), "--force"] for name, _ in rows), env=env)
+        for r, (_, pattern) in zip(done, rows):
+            _one_line(r, pattern)
     assert (tmp_path / "file").read_text() == "keep"
     assert os.listdir(tmp_path / "mine") == ["thesis.tex"]
     with _umask(0o022):  # an export follows the umask (mkdtemp alone makes it 0700)
@@ -342,23 +348,26 @@ def test_failure_5_plan_and_launch_never_overwrite_their_config(tmp_path):
     cfg.write_text(text)
     os.chmod(cfg, 0o644)
     plan = ["-m", "boost_jax.plan", "--config", str(cfg), "--topology", "cpu", "--nodes", "1",
-            "--no-compile"]
+            "--no-compile", "--emit-config"]
     launch = ["-m", "boost_jax.launch", "slurm", "--config", str(cfg), "--topology", "cpu",
-              "--nodes", "1"]
-    for argv, opt in ((plan, "--emit-config"), (launch, "--out")):
-        for force in (["--force"],):  # not even with --force
-            r = _cli(*argv, opt, str(cfg), *force)
-            _one_line(r, rf"{opt} '.*/c\.yaml' is --config '.*/c\.yaml'; writing it would "
-                         r"destroy what this command reads")
-        other = tmp_path / f"other{opt}"
-        other.write_text("mine\n")
-        r = _cli(*argv, opt, str(other))
-        _one_line(r, rf"{opt} '.*/other{opt}' already exists; pass --force to replace it")
-        assert other.read_text() == "mine\n"
-        with _umask(0o022):
-            r = _cli(*argv, opt, str(other), "--force")
-        assert r.returncode == 0, r.stderr
-        assert _mode(other) == (0o755 if opt == "--out" else 0o644)
+              "--nodes", "1", "--out"]
+    for name in ("plan", "job"):
+        (tmp_path / name).write_text("mine\n")
+    rows = _cli_all([*plan, str(cfg), "--force"], [*launch, str(cfg), "--force"],
+                    [*plan, str(tmp_path / "plan")], [*launch, str(tmp_path / "job")])
+    for r, opt in zip(rows, ("--emit-config", "--out")):  # not even with --force
+        _one_line(r, rf"{opt} '.*/c\.yaml' is --config '.*/c\.yaml'; writing it would destroy "
+                     r"what this command reads \(--force does not change that\)")
+    for r, (opt, name) in zip(rows[2:], (("--emit-config", "plan"), ("--out", "job"))):
+        _one_line(r, rf"{opt} '.*/{name}' already exists; pass --force to replace it")
+        assert (tmp_path / name).read_text() == "mine\n"
+    with _umask(0o022):
+        rows = _cli_all([*plan, str(tmp_path / "plan"), "--force"],
+                        [*launch, str(tmp_path / "job"), "--force"])
+    assert [r.returncode for r in rows] == [0, 0], [r.stderr for r in rows]
+    assert _mode(tmp_path / "plan") == 0o644 and _mode(tmp_path / "job") == 0o755
+    assert "mesh:" in (tmp_path / "plan").read_text()
+    assert (tmp_path / "job").read_text().startswith("#!")
     assert cfg.read_text() == text and _mode(cfg) == 0o644
 
 
