@@ -326,6 +326,12 @@ def test_failure_2_prepare_never_overwrites_its_source_or_unforced_metadata(tmp_
         _one_line(r, r"the metadata file '.*/mydata\.json' of OUT is SOURCE '.*/mydata\.json'; "
                      r"writing it would destroy what this command reads")
     assert src.read_text() == '{"text": "my data"}\n'
+    from boost_jax.data.prepare import prepare
+
+    (tmp_path / "tok.json").write_text("{}")  # OUT's metadata would be the tokenizer
+    with pytest.raises(Refused, match=r"the metadata file '.*/tok\.json' of OUT is --tokenizer"):
+        prepare(str(src), str(tmp_path / "tok.bin"), str(tmp_path / "tok.json"), force=True)
+    (tmp_path / "tok.json").unlink()
     text = tmp_path / "t.txt"
     text.write_text("some text\n")
     (tmp_path / "t.json").write_text("my own t.json\n")
