@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import tempfile
 
 from boost_jax.cli import Parser
 from boost_jax.errors import UserError, cli_main
@@ -62,8 +61,8 @@ def _check_out(run_dir: str, out: str, force: bool) -> None:
     if not os.path.lexists(out):
         return
     if os.path.islink(out) or not os.path.isdir(out):
-        raise Refused(f"{what} is a file, not an earlier export; --force replaces only an "
-                      "export folder: choose another folder, or remove the file")
+        raise Refused(f"{what} is a file or a link, not an earlier export; --force replaces "
+                      "only an export folder: choose another folder, or remove it")
     ours = (hf.MODEL_FILE, hf.FACTORS_FILE, hf.CONFIG_FILE) + TOKENIZER_FILES
     other = foreign_entries(out, ours)
     if other:

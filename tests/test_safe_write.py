@@ -60,6 +60,30 @@ def test_refuse_inputs_is_contains_inside_and_links(tmp_path):
         sw.refuse_inputs(str(tmp_path / "b.json"), {"SOURCE": str(src)}, "OUT", "x")
 
 
+def test_train_outputs_never_touch_data_source_or_init_from(tmp_path):
+    from types import SimpleNamespace
+
+    from boost_jax.train.run_config import check_inputs
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+
+    def cfg(source, init_from=None):
+        return SimpleNamespace(data=SimpleNamespace(source=str(source)),
+                               model=SimpleNamespace(init_from=init_from))
+
+    with pytest.raises(Refused, match=r"^the run's config\.yaml '.*/corpus/run/config\.yaml' "
+                                      r"lies inside data\.source '.*/corpus'; .*: choose another "
+                                      r"out_dir=\.\.\.$"):
+        check_inputs(cfg(corpus), str(corpus / "run"))  # its metrics.jsonl would be read back
+    with pytest.raises(Refused, match=r"^the run's metrics\.jsonl .* is data\.source"):
+        check_inputs(cfg(tmp_path / "r" / "metrics.jsonl"), str(tmp_path / "r"))
+    with pytest.raises(Refused, match=r"^the run's checkpoints .* contains model\.init_from"):
+        check_inputs(cfg("stdlib", str(tmp_path / "r" / "checkpoints" / "hf")), str(tmp_path / "r"))
+    check_inputs(cfg(corpus / "a.txt"), str(tmp_path / "run"))  # beside the data: fine
+    check_inputs(cfg("stdlib"), str(tmp_path / "run"))
+
+
 def test_refuse_existing_names_every_file_unless_forced(tmp_path):
     a, b, c = (str(tmp_path / n) for n in "abc")
     open(a, "w").close()
@@ -169,6 +193,15 @@ def _cli(*argv, env=None, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def _cli_all(*argvs, env=None):
+    """Several commands at once (each imports JAX, the bulk of its time)."""
+    env = env or dict(os.environ, PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([PY, *a], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for a in argvs]
+    outs = [p.communicate(timeout=240) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outs)]
+
+
 def _one_line(r, pattern):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr)
@@ -244,17 +277,14 @@ def test_export_refuses_a_file_a_foreign_folder_and_a_read_only_parent(run, env,
     ro = tmp_path / "ro"
     ro.mkdir()
     with _read_only(ro):
-        rows = (("file", r"--out '.*/file' is a file, not an earlier export"),
+        rows = (("file", r"--out '.*/file' is a file or a link, not an earlier export"),
                 ("mine", r"--out '.*/mine' holds files an export does not write \(thesis\.tex\)"),
                 ("ro/x", r"cannot write --out '.*/ro/x' \((Read-only file system|Permission "
                          r"denied)\); choose a folder in a writable place"))
-        procs = [subprocess.Popen([PY, "-m", "boost_jax.export", "--run", str(out), "--out",
-                                   str(tmp_path / name), "--force"], cwd=ROOT, env=env,
-                                  text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                 for name, _ in rows]  # in parallel: each loads the run
-        for p, (_, pattern) in zip(procs, rows):
-            _, err = p.communicate(timeout=240)
-            _one_line(subprocess.CompletedProcess(p.args, p.returncode, "", err), pattern)
+        done = _cli_all(*(["-m", "boost_jax.export", "--run", str(out), "--out",
+                           str(tmp_path / name), "--force"] for name, _ in rows), env=env)
+        for r, (_, pattern) in zip(done, rows):
+            _one_line(r, pattern)
     assert (tmp_path / "file").read_text() == "keep"
     assert os.listdir(tmp_path / "mine") == ["thesis.tex"]
     with _umask(0o022):  # an export follows the umask (mkdtemp alone makes it 0700)
@@ -296,6 +326,12 @@ def test_failure_2_prepare_never_overwrites_its_source_or_unforced_metadata(tmp_
         _one_line(r, r"the metadata file '.*/mydata\.json' of OUT is SOURCE '.*/mydata\.json'; "
                      r"writing it would destroy what this command reads")
     assert src.read_text() == '{"text": "my data"}\n'
+    from boost_jax.data.prepare import prepare
+
+    (tmp_path / "tok.json").write_text("{}")  # OUT's metadata would be the tokenizer
+    with pytest.raises(Refused, match=r"the metadata file '.*/tok\.json' of OUT is --tokenizer"):
+        prepare(str(src), str(tmp_path / "tok.bin"), str(tmp_path / "tok.json"), force=True)
+    (tmp_path / "tok.json").unlink()
     text = tmp_path / "t.txt"
     text.write_text("some text\n")
     (tmp_path / "t.json").write_text("my own t.json\n")
@@ -318,23 +354,26 @@ def test_failure_5_plan_and_launch_never_overwrite_their_config(tmp_path):
     cfg.write_text(text)
     os.chmod(cfg, 0o644)
     plan = ["-m", "boost_jax.plan", "--config", str(cfg), "--topology", "cpu", "--nodes", "1",
-            "--no-compile"]
+            "--no-compile", "--emit-config"]
     launch = ["-m", "boost_jax.launch", "slurm", "--config", str(cfg), "--topology", "cpu",
-              "--nodes", "1"]
-    for argv, opt in ((plan, "--emit-config"), (launch, "--out")):
-        for force in (["--force"],):  # not even with --force
-            r = _cli(*argv, opt, str(cfg), *force)
-            _one_line(r, rf"{opt} '.*/c\.yaml' is --config '.*/c\.yaml'; writing it would "
-                         r"destroy what this command reads")
-        other = tmp_path / f"other{opt}"
-        other.write_text("mine\n")
-        r = _cli(*argv, opt, str(other))
-        _one_line(r, rf"{opt} '.*/other{opt}' already exists; pass --force to replace it")
-        assert other.read_text() == "mine\n"
-        with _umask(0o022):
-            r = _cli(*argv, opt, str(other), "--force")
-        assert r.returncode == 0, r.stderr
-        assert _mode(other) == (0o755 if opt == "--out" else 0o644)
+              "--nodes", "1", "--out"]
+    for name in ("plan", "job"):
+        (tmp_path / name).write_text("mine\n")
+    rows = _cli_all([*plan, str(cfg), "--force"], [*launch, str(cfg), "--force"],
+                    [*plan, str(tmp_path / "plan")], [*launch, str(tmp_path / "job")])
+    for r, opt in zip(rows, ("--emit-config", "--out")):  # not even with --force
+        _one_line(r, rf"{opt} '.*/c\.yaml' is --config '.*/c\.yaml'; writing it would destroy "
+                     r"what this command reads \(--force does not change that\)")
+    for r, (opt, name) in zip(rows[2:], (("--emit-config", "plan"), ("--out", "job"))):
+        _one_line(r, rf"{opt} '.*/{name}' already exists; pass --force to replace it")
+        assert (tmp_path / name).read_text() == "mine\n"
+    with _umask(0o022):
+        rows = _cli_all([*plan, str(tmp_path / "plan"), "--force"],
+                        [*launch, str(tmp_path / "job"), "--force"])
+    assert [r.returncode for r in rows] == [0, 0], [r.stderr for r in rows]
+    assert _mode(tmp_path / "plan") == 0o644 and _mode(tmp_path / "job") == 0o755
+    assert "mesh:" in (tmp_path / "plan").read_text()
+    assert (tmp_path / "job").read_text().startswith("#!")
     assert cfg.read_text() == text and _mode(cfg) == 0o644
 
 
