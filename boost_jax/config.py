@@ -19,6 +19,7 @@ import yaml
 
 from boost_jax.config_yaml import read_yaml
 from boost_jax.errors import ConfigError
+from boost_jax.plain_text import control_char
 
 ARCHS = ("full", "svd", "cola", "lax")
 TP_MODES = ("none", "megatron", "vanilla", "btp")
@@ -399,6 +400,9 @@ def _coerce(key: str, value: Any, tp) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise bad
+        c = control_char(value)
+        if c is not None:  # a newline in a name or path would become a line of a script
+            raise ConfigError(f"{key}={value!r} contains a control character ({c}); remove it")
         return value
     raise bad
 
