@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from boost_jax.config import Config
-from boost_jax.errors import UserError
+from boost_jax.errors import Interrupted, UserError
 from boost_jax.mesh import get_topology, mesh_from_config
 from boost_jax.train import run_config
 from boost_jax.train.checkpoint import CheckpointSaveError, Checkpointer
@@ -128,8 +128,8 @@ class _StopSignal:
         return self
 
     def _handle(self, signum, frame):
-        if self.received is not None:  # second signal: give up at once
-            raise KeyboardInterrupt
+        if self.received is not None:  # second signal: give up at once, exit 128 + it
+            raise Interrupted(signum)
         self.received = signum
 
     def __exit__(self, *exc):
