@@ -28,6 +28,7 @@ import jax
 import numpy as np
 
 from boost_jax.config import Config
+from boost_jax import json_out
 from boost_jax.errors import Interrupted, UserError
 from boost_jax.mesh import get_topology, mesh_from_config
 from boost_jax.train import run_config
@@ -317,8 +318,8 @@ def _finish(cfg: Config, out_dir: str, logger: MetricsLogger, summary: dict) -> 
         plot_losses(logger.path, os.path.join(out_dir, "loss.png"), cfg.name)
     summary.update(summarize(logger.path, summary["final_step"]))
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    logger.line(f"done: {json.dumps(summary)}")
+        json_out.dump(summary, f, indent=2)
+    logger.line(f"done: {json_out.dumps(summary)}")
 
 
 def _train(cfg, bundle, data, ckpt, logger, thr, state, start, meta, summary, say) -> int:
