@@ -19,7 +19,7 @@ import yaml
 
 from boost_jax.config_yaml import read_yaml
 from boost_jax.errors import ConfigError
-from boost_jax.plain_text import control_char
+from boost_jax.plain_text import control_char, lone_surrogate
 
 ARCHS = ("full", "svd", "cola", "lax")
 TP_MODES = ("none", "megatron", "vanilla", "btp")
@@ -172,6 +172,8 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         if self.max_bytes is not None:
             _positive("data.max_bytes", self.max_bytes)
+        if self.seed < 0:
+            raise ConfigError(f"data.seed={self.seed} must be >= 0")
 
 
 @dataclass
@@ -220,6 +222,11 @@ class TrainConfig:
             _positive(f"train.{k}", getattr(self, k))
         if self.stop_after is not None:
             _positive("train.stop_after", self.stop_after)
+        if self.steps > STEP_MAX:
+            raise ConfigError(f"train.steps={self.steps} is more steps than a run can count "
+                              f"(int32); use at most {STEP_MAX}")
+        if self.seed < 0:
+            raise ConfigError(f"train.seed={self.seed} must be >= 0")
         if self.global_batch % self.micro_batches:
             raise ConfigError(
                 f"train.global_batch={self.global_batch} is not divisible by "
@@ -266,6 +273,11 @@ class DistributedConfig:
     def validate(self) -> None:
         if self.init_timeout_s < 1:
             raise ConfigError(f"distributed.init_timeout_s={self.init_timeout_s} must be >= 1")
+        for k in ("num_processes", "local_cpu_devices"):
+            if getattr(self, k) is not None:
+                _positive(f"distributed.{k}", getattr(self, k))
+        if self.process_id is not None and self.process_id < 0:
+            raise ConfigError(f"distributed.process_id={self.process_id} must be >= 0")
 
 
 @dataclass
@@ -283,6 +295,13 @@ class Config:
     name: str = "run"
 
     def validate(self) -> "Config":
+        for key, example in (("name", "demo"), ("out_dir", "runs/demo"), ("data.source", "stdlib"),
+                             ("data.tokenizer", "byte"), ("mesh.topology", "cpu")):
+            value = self
+            for part in key.split("."):
+                value = getattr(value, part)
+            if not value.strip():  # out_dir= would train into the current directory
+                raise ConfigError(f"{key} is empty; set it, e.g. {key}={example}")
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if hasattr(sub, "validate"):
@@ -310,6 +329,8 @@ class Config:
 # --------------------------------------------------------------------------- loading
 
 
+INT64 = 2**63  # every integer value fits numpy's int64
+STEP_MAX = 2**31 - 1  # the step counter of the training state is int32
 VOCAB_MULTIPLE = 128  # an automatic vocabulary is padded to this (TP degrees, aligned matmuls)
 
 
@@ -382,6 +403,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad
+        if not -INT64 <= value < INT64:
+            raise ConfigError(f"{key}={value} is out of range; use a value of at most {INT64 - 1}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
@@ -403,6 +426,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
         c = control_char(value)
         if c is not None:  # a newline in a name or path would become a line of a script
             raise ConfigError(f"{key}={value!r} contains a control character ({c}); remove it")
+        if lone_surrogate(value) is not None:  # bytes of the command line that are not UTF-8
+            raise ConfigError(f"{key}={value!r} is not UTF-8 text; write it in UTF-8")
         return value
     raise bad
 

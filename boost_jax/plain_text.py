@@ -18,3 +18,13 @@ def control_char(text: str) -> Optional[str]:
 def escape_controls(text: str) -> str:
     """`text` with every control character written as its escape (one line, printable)."""
     return CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def lone_surrogate(text: str) -> Optional[str]:
+    """The first lone surrogate in `text` as an escape, or None. Python holds undecodable bytes
+    of argv / file names this way, and JSON's \\ud800 escapes decode to them: not text."""
+    m = _SURROGATE.search(text)
+    return None if m is None else repr(m.group())[1:-1]
