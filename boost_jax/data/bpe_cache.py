@@ -90,12 +90,10 @@ def checkpoints_use(cache_dir: str) -> bool:
         return False
 
 
-def cached_bpe(data_cfg, texts_fn: Callable[[], Iterable[str]], cache_dir: str, load, train):
-    """The BPE for this run: the cache in `cache_dir` if bound to this corpus and settings (or in
+def cached_bpe(data_cfg, texts_fn: Callable[[], Iterable[str]], path: str, load, train):
+    """The BPE for this run: the cache at `path` if bound to this corpus and settings (or in
     use by the run's checkpoints), else `train(texts, size, path)` and a new record."""
-    from boost_jax.data.tokenizers import TOKENIZER_FILE
-
-    path = os.path.join(cache_dir, TOKENIZER_FILE)
+    cache_dir = os.path.dirname(path)
     texts = list(texts_fn())
     want = wanted(data_cfg, texts)
     if os.path.isfile(path):

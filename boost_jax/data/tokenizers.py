@@ -173,7 +173,8 @@ def get_tokenizer(data_cfg, corpus_texts_fn: Callable[[], Iterable[str]],
             return train_bpe(corpus_texts_fn(), data_cfg.bpe_vocab_size)
         from boost_jax.data.bpe_cache import cached_bpe
 
-        return cached_bpe(data_cfg, corpus_texts_fn, cache_dir, _load_bpe, train_bpe)
+        return cached_bpe(data_cfg, corpus_texts_fn, os.path.join(cache_dir, TOKENIZER_FILE),
+                          _load_bpe, train_bpe)
     return HFTokenizer.from_file(kind)
 
 
