@@ -367,10 +367,14 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+class _WrongType(ConfigError):
+    pass
+
+
 def _coerce(key: str, value: Any, tp) -> Any:
     """Check `value` against annotation `tp`; int→float is the only implicit conversion."""
     origin = typing.get_origin(tp)
-    bad = ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
+    bad = _WrongType(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
     if origin is Literal:
         if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans
             value = "on" if value else "off"
@@ -386,7 +390,7 @@ def _coerce(key: str, value: Any, tp) -> Any:
                 continue
             try:
                 return _coerce(key, value, a)
-            except ConfigError:
+            except _WrongType:  # another member may take it; a value out of range is final
                 pass
         raise bad
     if origin is list:

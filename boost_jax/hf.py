@@ -173,7 +173,7 @@ def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) 
         save_file(factors, os.path.join(out, FACTORS_FILE), metadata=meta)
         files.append(FACTORS_FILE)
     with open(os.path.join(out, CONFIG_FILE), "w") as f:
-        json.dump(dict(hf_config(cfg, extra), **(top or {})), f, indent=2)
+        json.dump(dict(hf_config(cfg, extra), **(top or {})), f, indent=2, allow_nan=False)
     return files + [CONFIG_FILE]
 
 
