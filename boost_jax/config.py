@@ -19,6 +19,7 @@ import yaml
 
 from boost_jax.config_yaml import read_yaml
 from boost_jax.errors import ConfigError
+from boost_jax.plain_text import control_char, lone_surrogate
 
 ARCHS = ("full", "svd", "cola", "lax")
 TP_MODES = ("none", "megatron", "vanilla", "btp")
@@ -171,6 +172,8 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         if self.max_bytes is not None:
             _positive("data.max_bytes", self.max_bytes)
+        if self.seed < 0:
+            raise ConfigError(f"data.seed={self.seed} must be >= 0")
 
 
 @dataclass
@@ -225,6 +228,11 @@ class TrainConfig:
         if p is not None and (len(p) != 2 or not 1 <= p[0] <= p[1]):
             raise ConfigError(f"train.profile_steps={p} must be [first, last] with "
                               "1 <= first <= last, e.g. train.profile_steps=[3,5]")
+        if self.steps > STEP_MAX:
+            raise ConfigError(f"train.steps={self.steps} is more steps than a run can count "
+                              f"(int32); use at most {STEP_MAX}")
+        if self.seed < 0:
+            raise ConfigError(f"train.seed={self.seed} must be >= 0")
         if self.global_batch % self.micro_batches:
             raise ConfigError(
                 f"train.global_batch={self.global_batch} is not divisible by "
@@ -271,6 +279,11 @@ class DistributedConfig:
     def validate(self) -> None:
         if self.init_timeout_s < 1:
             raise ConfigError(f"distributed.init_timeout_s={self.init_timeout_s} must be >= 1")
+        for k in ("num_processes", "local_cpu_devices"):
+            if getattr(self, k) is not None:
+                _positive(f"distributed.{k}", getattr(self, k))
+        if self.process_id is not None and self.process_id < 0:
+            raise ConfigError(f"distributed.process_id={self.process_id} must be >= 0")
 
 
 @dataclass
@@ -288,6 +301,13 @@ class Config:
     name: str = "run"
 
     def validate(self) -> "Config":
+        for key, example in (("name", "demo"), ("out_dir", "runs/demo"), ("data.source", "stdlib"),
+                             ("data.tokenizer", "byte"), ("mesh.topology", "cpu")):
+            value = self
+            for part in key.split("."):
+                value = getattr(value, part)
+            if not value.strip():  # out_dir= would train into the current directory
+                raise ConfigError(f"{key} is empty; set it, e.g. {key}={example}")
         for f in dataclasses.fields(self):
             sub = getattr(self, f.name)
             if hasattr(sub, "validate"):
@@ -315,6 +335,8 @@ class Config:
 # --------------------------------------------------------------------------- loading
 
 
+INT64 = 2**63  # every integer value fits numpy's int64
+STEP_MAX = 2**31 - 1  # the step counter of the training state is int32
 VOCAB_MULTIPLE = 128  # an automatic vocabulary is padded to this (TP degrees, aligned matmuls)
 
 
@@ -351,10 +373,14 @@ def _type_name(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+class _WrongType(ConfigError):
+    pass
+
+
 def _coerce(key: str, value: Any, tp) -> Any:
     """Check `value` against annotation `tp`; int→float is the only implicit conversion."""
     origin = typing.get_origin(tp)
-    bad = ConfigError(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
+    bad = _WrongType(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
     if origin is Literal:
         if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans
             value = "on" if value else "off"
@@ -370,7 +396,7 @@ def _coerce(key: str, value: Any, tp) -> Any:
                 continue
             try:
                 return _coerce(key, value, a)
-            except ConfigError:
+            except _WrongType:  # another member may take it; a value out of range is final
                 pass
         raise bad
     if origin is list:
@@ -387,6 +413,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise bad
+        if not -INT64 <= value < INT64:
+            raise ConfigError(f"{key}={value} is out of range; use a value of at most {INT64 - 1}")
         return value
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
@@ -405,6 +433,11 @@ def _coerce(key: str, value: Any, tp) -> Any:
     if tp is str:
         if not isinstance(value, str):
             raise bad
+        c = control_char(value)
+        if c is not None:  # a newline in a name or path would become a line of a script
+            raise ConfigError(f"{key}={value!r} contains a control character ({c}); remove it")
+        if lone_surrogate(value) is not None:  # bytes of the command line that are not UTF-8
+            raise ConfigError(f"{key}={value!r} is not UTF-8 text; write it in UTF-8")
         return value
     raise bad
 

@@ -16,8 +16,13 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`, merged by super()
+                continue
             key = self.construct_object(key_node, deep=True)
             line = key_node.start_mark.line + 1
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a key that is not a plain name", key_node.start_mark)
             if key in seen:
                 raise _DuplicateKey(key, seen[key], line)
             seen[key] = line
@@ -30,13 +35,27 @@ class _DuplicateKey(Exception):
         self.key, self.first, self.again = key, first, again
 
 
+def _read_text(path: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path!r} ({e.strerror}); check its "
+                          "permissions") from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} on "
+                          f"line {line}); save it as UTF-8") from None
+
+
 def read_yaml(path: str) -> dict:
     """The mapping in the YAML file at `path`, or a one-line ConfigError naming the problem."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r} does not exist; pass --config configs/demo.yaml")
     try:
-        with open(path) as f:
-            tree = yaml.load(f, Loader=_StrictLoader)
+        tree = yaml.load(_read_text(path), Loader=_StrictLoader)
     except _DuplicateKey as e:
         raise ConfigError(
             f"config file {path!r} sets {e.key!r} twice in one block (lines {e.first} and "

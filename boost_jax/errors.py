@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import signal
 import sys
 
 EXIT_USER_ERROR = 2
@@ -16,6 +17,15 @@ class ConfigError(UserError):
     pass
 
 
+class Interrupted(KeyboardInterrupt):
+    """A signal that stops a command at once (e.g. the second SIGTERM while it saves): the exit
+    code is 128 + the signal, as a shell reports a process the signal killed."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
 def cli_main(fn):
     """Wrap a CLI entry point: UserError becomes `error: <msg>` on stderr and exit code 2."""
 
@@ -26,8 +36,9 @@ def cli_main(fn):
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(EXIT_USER_ERROR)
-        except KeyboardInterrupt:
-            print("interrupted", file=sys.stderr)
-            sys.exit(130)
+        except KeyboardInterrupt as e:  # SIGTERM 143 (schedulers requeue on it), Ctrl-C 130
+            signum = getattr(e, "signum", signal.SIGINT)
+            print(f"interrupted (signal {int(signum)})", file=sys.stderr)
+            sys.exit(128 + int(signum))
 
     return wrapper

@@ -12,12 +12,12 @@ non-overlapping windows of data.seq_len (+1 for the last target), up to --max-to
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 
 import numpy as np
 
+from boost_jax import json_out
 from boost_jax.cli import Parser
 from boost_jax.errors import UserError, cli_main
 
@@ -161,7 +161,7 @@ def main(argv=None):
     result = score(run, windows, args.batch_size, label)
     result.update(run=args.run, step=run.step, data=args.data)
     if args.json:
-        print(json.dumps(result))
+        print(json_out.dumps(result))
     else:
         print(f"{args.run} step {run.step} on {label}: loss {result['loss']:.4f} | perplexity "
               f"{result['perplexity']:.3f} | bits/byte {result['bits_per_byte']:.4f} | "

@@ -10,10 +10,12 @@ after --max-new-tokens, or at model.max_seq_len.
 
 from __future__ import annotations
 
+import math
 import sys
 
 from boost_jax.cli import Parser
 from boost_jax.errors import UserError, cli_main
+from boost_jax.plain_text import lone_surrogate
 
 
 def parse_args(argv=None):
@@ -32,13 +34,18 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
-    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        p.error("--temperature must be >= 0, --top-k >= 0 and --top-p in (0, 1]")
+    if not 0 <= args.seed < 2**32:
+        p.error(f"--seed {args.seed} must be in 0..{2**32 - 1}")
+    if not (0 <= args.temperature < math.inf) or args.top_k < 0 or not 0 < args.top_p <= 1:
+        p.error("--temperature must be finite and >= 0, --top-k >= 0 and --top-p in (0, 1]")
     return args
 
 
 def read_prompt(args) -> str:
     if args.prompt is not None:
+        if lone_surrogate(args.prompt) is not None:  # argv bytes that do not decode as UTF-8
+            raise UserError("--prompt is not UTF-8 text; pass UTF-8 text, or the text in a "
+                            "UTF-8 file with --prompt-file FILE")
         return args.prompt
     try:
         with open(args.prompt_file, encoding="utf-8") as f:

@@ -198,7 +198,7 @@ def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) 
             shutil.copyfile(os.path.join(here, name), os.path.join(out, name))
         files += list(REMOTE_CODE)
     with open(os.path.join(out, CONFIG_FILE), "w") as f:
-        json.dump(dict(hf_config(cfg, extra), **(top or {})), f, indent=2)
+        json.dump(dict(hf_config(cfg, extra), **(top or {})), f, indent=2, allow_nan=False)
     return files + [CONFIG_FILE]
 
 

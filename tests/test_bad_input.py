@@ -130,6 +130,60 @@ ROWS = {
         ["out_dir={saved2}", "checkpoint.resume=false"],
         r".*/saved2/checkpoints already holds checkpoints \(steps \[3\]\) and "
         r"checkpoint\.resume=false would overwrite them"),
+    "config_not_utf8": (["--config", "{tmp}/latin1.yaml"],
+                        r"config file '.*/latin1\.yaml' is not UTF-8 text \(byte 0xe9 on line 3\); "
+                        r"save it as UTF-8"),
+    "yaml_key_not_a_name": (["--config", "{tmp}/list_key.yaml"],
+                            r"config file '.*/list_key\.yaml' is not valid YAML \(line 2\)"),
+    "steps_beyond_int64": (["train.steps=99999999999999999999"],
+                           r"train\.steps=99999999999999999999 is out of range; use a value of at "
+                           r"most 9223372036854775807"),
+    "steps_beyond_int32": (["train.steps=3000000000"],
+                           r"train\.steps=3000000000 is more steps than a run can count \(int32\); "
+                           r"use at most 2147483647"),
+    "cpu_devices_negative": (["--cpu-devices", "-3"], r"--cpu-devices -3 must be >= 1$"),
+    "cpu_devices_zero": (["--cpu-devices", "0"], r"--cpu-devices 0 must be >= 1$"),
+    "newline_in_name": (['name="a\\ntouch x"'],  # YAML's escape, as a shared config holds it
+                        r"name='a\\ntouch x' contains a control character \(\\n\); remove it"),
+    "out_dir_not_utf8": (["out_dir={tmp}/r\udcff"],
+                         r"out_dir='.*/r\\udcff' is not UTF-8 text; write it in UTF-8"),
+    "empty_out_dir": (["out_dir="], r"out_dir is empty; set it, e.g\. out_dir=runs/demo"),
+    "jsonl_lone_surrogate": (["data.source={tmp}/surrogate.jsonl"],
+                             r"data\.source '.*/surrogate\.jsonl' line 2 holds a lone surrogate "
+                             r"\(\\ud800\), which is not text; fix or remove that line"),
+    "jsonl_without_text": (["data.source={tmp}/blank.jsonl"],
+                           r"data\.source '.*/blank\.jsonl' holds no text"),
+    "negative_seed": (["train.seed=-1"], r"train\.seed=-1 must be >= 0"),
+    "zero_checkpoints_kept": (["checkpoint.keep=0"], r"checkpoint\.keep=0 must be > 0"),
+    "zero_processes": (["distributed.num_processes=0"],
+                       r"distributed\.num_processes=0 must be > 0"),
+}
+
+# the other commands: id -> (argv after `python`, expected message regex after "error: ")
+_PREPARE = ["-m", "boost_jax.data.prepare"]
+_GENERATE = ["-m", "boost_jax.generate", "--run", "{tmp}/no_run"]
+OTHER_ROWS = {
+    "prepare_lone_surrogate": (
+        _PREPARE + ["{tmp}/surrogate.jsonl", "{tmp}/s.bin", "--tokenizer", "byte",
+                    "--no-progress"],
+        r"'.*/surrogate\.jsonl' line 2 holds a lone surrogate \(\\ud800\), which is not text"),
+    "prepare_no_text": (
+        _PREPARE + ["{tmp}/blank.jsonl", "{tmp}/b.bin", "--tokenizer", "byte", "--no-progress"],
+        r"SOURCE '.*/blank\.jsonl' holds no text; point it at a non-empty corpus"),
+    "prepare_zero_workers": (
+        _PREPARE + ["{tmp}/blank.jsonl", "{tmp}/w.bin", "--tokenizer", "byte", "--workers", "0"],
+        r"--workers 0 must be >= 1"),
+    "generate_prompt_not_utf8": (_GENERATE + ["--prompt", "caf\udce9"],
+                                 r"--prompt is not UTF-8 text; pass UTF-8 text, or the text in "
+                                 r"a UTF-8 file with --prompt-file FILE"),
+    "generate_temperature_nan": (_GENERATE + ["--prompt", "a", "--temperature", "nan"],
+                                 r"--temperature must be finite and >= 0"),
+    "generate_seed_negative": (_GENERATE + ["--prompt", "a", "--seed", "-1"],
+                               r"--seed -1 must be in 0\.\.4294967295"),
+    "launch_time_newline": (
+        ["-m", "boost_jax.launch", "slurm", "--config", "configs/demo.yaml", "--topology", "cpu",
+         "--nodes", "2", "--time", "\n02:00:00"],
+        r"--time '\\n02:00:00' is not a SLURM time limit"),
 }
 
 
@@ -185,6 +239,10 @@ def results(tmp_path_factory):
     (tmp / "dup_block.yaml").write_text("train:\n  steps: 5\nmodel:\n  d_model: 32\ntrain:\n"
                                         "  log_every: 2\n")
     (tmp / "list.yaml").write_text("- train.steps=5\n- model.d_model=32\n")
+    (tmp / "latin1.yaml").write_bytes(b"train:\n  steps: 5\n  # caf\xe9\n")
+    (tmp / "list_key.yaml").write_text("train:\n  ? [steps]\n  : 5\n")
+    (tmp / "surrogate.jsonl").write_text('{"text": "fine"}\n{"text": "a\\ud800b"}\n')
+    (tmp / "blank.jsonl").write_text('\n{"text": ""}\n\n')
     shutil.copy(sys.executable, tmp / "program.txt")  # an executable renamed .txt
     saved = tmp / "saved"
     _save_a_checkpoint(str(saved))
@@ -208,6 +266,10 @@ def results(tmp_path_factory):
         procs[name] = subprocess.Popen(
             [sys.executable, "-m", "boost_jax.plan", "--config", "configs/demo.yaml", *argv],
             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for name, (argv, _) in OTHER_ROWS.items():
+        procs[name] = subprocess.Popen(
+            [sys.executable, *(a.format(tmp=tmp) for a in argv)], cwd=ROOT, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     res = {}
     for name, p in procs.items():
         out, err = p.communicate(timeout=300)
@@ -216,7 +278,7 @@ def results(tmp_path_factory):
     return res
 
 
-@pytest.mark.parametrize("row", list(ROWS) + list(PLAN_ROWS))
+@pytest.mark.parametrize("row", list(ROWS) + list(PLAN_ROWS) + list(OTHER_ROWS))
 def test_bad_input_is_one_line_and_exit_2(results, row):
     if row not in results:
         pytest.skip("boost_jax.sharding.tensor_parallel.validate_tp is not there yet")
@@ -225,7 +287,7 @@ def test_bad_input_is_one_line_and_exit_2(results, row):
     assert code == 2, stderr
     assert len(lines) == 1, stderr
     assert lines[0].startswith("error: ")
-    expected = ROWS[row][1] if row in ROWS else PLAN_ROWS[row][1]
+    expected = {**ROWS, **PLAN_ROWS, **OTHER_ROWS}[row][1]
     assert re.match(expected, lines[0][len("error: "):]), lines[0]
 
 

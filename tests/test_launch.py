@@ -44,12 +44,12 @@ def _parse_script(text: str) -> dict:
     exports = dict(re.findall(r"^export (\w+)=(.*)$", text, re.M))
     exports = {k: shlex.split(v)[0] for k, v in exports.items()}
     modules = re.findall(r"^module load (\S+)", text, re.M)
-    config = re.search(r"<<'BOOST_JAX_CONFIG'\n(.*?)\nBOOST_JAX_CONFIG$", text, re.S | re.M)
+    config = re.search(r"<<'(BOOST_JAX_CONFIG_\w+)'\n(.*?)\n\1$", text, re.S | re.M)
     srun = re.search(r"^srun (.*?[^\\])$", text, re.S | re.M).group(1)
     words = shlex.split(srun.replace("\\\n", " "))
     opts = dict(w[2:].split("=", 1) for w in words if w.startswith("--") and "=" in w
                 and not w.startswith("--config"))
-    return dict(sbatch=sbatch, env=exports, modules=modules, config=config.group(1),
+    return dict(sbatch=sbatch, env=exports, modules=modules, config=config.group(2),
                 srun=words, srun_opts=opts)
 
 

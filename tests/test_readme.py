@@ -48,7 +48,9 @@ COMMANDS = {
     "parallel.plan=hierarchical train.micro_batches=4 train.remat=lowrank out_dir=runs/1b":
         _c(RUN, TINY + ["model.n_heads=4", "train.global_batch=16", "--cpu-devices", "8"]),
     'make train ARGS="train.steps=50 out_dir=runs/x"':
-        _c(RUN, line='make train ARGS="train.steps=50 out_dir=runs/x ' + " ".join(TINY) + '"'),
+        # -o: the environment this test runs in is the one make would build
+        _c(RUN, line='make -o .venv/.installed train ARGS="train.steps=50 out_dir=runs/x '
+                     + " ".join(TINY) + '"'),
     "python scripts/launch_local.py -n 2 --cpu-devices-per-process 4 -- --config "
     "configs/demo.yaml train.steps=50 out_dir=runs/mh":
         _c(ELSEWHERE, why="tests/test_multihost.py::test_two_processes_train_like_one_including_"

@@ -16,13 +16,13 @@ Bytes are what a GPU would move: boost_jax.analysis.cpu_lowering undoes two XLA:
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from boost_jax import json_out
 from boost_jax.analysis import hlo as H
 from boost_jax.analysis.cpu_lowering import lowered_reduce_scatter, undo_cpu_artifacts
 
@@ -381,7 +381,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.json:
             d = report.to_dict()
             d["time_estimate_s"] = report.time_estimate(cfg.mesh.topology)
-            print(json.dumps(d, indent=1))
+            print(json_out.dumps(d, indent=1))
         else:
             print(report.table())
             est = report.time_estimate(cfg.mesh.topology)

@@ -35,6 +35,7 @@ import numpy as np
 from boost_jax.cli import Parser
 from boost_jax.data.token_bin import FORMAT, meta_path
 from boost_jax.errors import UserError, cli_main
+from boost_jax.plain_text import lone_surrogate
 
 PIECE = 1 << 20  # bytes of a text file read at a time
 TASK = 1 << 20  # bytes of text per worker task (with the window below, bounds memory)
@@ -146,6 +147,18 @@ def read_items(files: list[str], field: str) -> Iterator[tuple]:
             yield from _text_file(path)
 
 
+def check_has_text(source: str, field: str) -> None:
+    """Refuse a SOURCE without a document holding text (read up to the first one: a real
+    corpus's first item), instead of writing an empty token file."""
+    for item in read_items(source_files(source), field):
+        kind, payload = item[0], item[1]
+        if kind == "jsonl":
+            payload = _documents([item], field)[0][0] if payload.strip() else ""
+        if payload.strip():
+            return
+    raise UserError(f"SOURCE {source!r} holds no text; point it at a non-empty corpus")
+
+
 def tasks(items: Iterator[tuple], size: int = TASK) -> Iterator[list]:
     task, n = [], 0
     for item in items:
@@ -200,6 +213,10 @@ def _documents(task: list, field: str) -> list[tuple[str, bool]]:
             if not isinstance(text, str):
                 raise UserError(f"{path!r} line {line} has no string {field!r} field; pass "
                                 "--field NAME of the text field")
+            bad = lone_surrogate(text)
+            if bad is not None:  # a JSON escape such as \ud800 that no character completes
+                raise UserError(f"{path!r} line {line} holds a lone surrogate ({bad}), which is "
+                                "not text; fix or remove that line")
             out.append((text, True))
     return out
 
@@ -334,6 +351,7 @@ def parse_args(argv=None):
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
+    check_has_text(args.source, args.field)
     meta = prepare(args.source, args.out, args.tokenizer, args.workers, args.field,
                    args.force, not args.no_progress)
     rate = meta["n_tokens"] / max(meta["seconds"], 1e-9)

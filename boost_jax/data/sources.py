@@ -29,6 +29,7 @@ import numpy as np
 from boost_jax.data.token_bin import open_bin
 from boost_jax.data.tokenizers import Tokenizer, get_tokenizer
 from boost_jax.errors import UserError
+from boost_jax.plain_text import lone_surrogate
 
 TEXT_EXTS = (".txt", ".py", ".md", ".jsonl")
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -131,6 +132,10 @@ def _jsonl_docs(path: str, key: str, budget: _Budget, label: str) -> list[tuple[
                 raise UserError(
                     f"{label} line {i + 1} has no string \"text\" field; each line must look like "
                     '{"text": "..."}')
+            bad = lone_surrogate(text)
+            if bad is not None:  # a JSON escape such as \ud800 that no character completes
+                raise UserError(f"{label} line {i + 1} holds a lone surrogate ({bad}), which is "
+                                "not text; fix or remove that line")
             raw = budget.take(text.encode("utf-8"))
             if raw:
                 docs.append((f"{key}:{i}", _decode(raw)))

@@ -161,22 +161,24 @@ def get_tokenizer(data_cfg, corpus_texts_fn: Callable[[], Iterable[str]],
                   cache_dir: Optional[str]) -> Tokenizer:
     """`data.tokenizer`: byte | bpe | path/to/tokenizer.json.
 
-    For `bpe`, a tokenizer.json in `cache_dir` is reused (resumed runs must see the same ids);
-    otherwise one is trained on `corpus_texts_fn()` (called only then) and saved there.
+    For `bpe`, a tokenizer.json in `cache_dir` is reused when it was trained on this corpus with
+    these settings, or when the run's checkpoints use it (resumed runs must see the same ids);
+    otherwise one is trained on `corpus_texts_fn()` and saved there (see bpe_cache.py).
     """
     kind = data_cfg.tokenizer
     if kind == "byte":
         return ByteTokenizer()
     if kind == "bpe":
-        path = os.path.join(cache_dir, TOKENIZER_FILE) if cache_dir else None
-        if path and os.path.isfile(path):
-            tok = HFTokenizer.from_file(path)
-            tok.name = "bpe"
-            # A tiny corpus may stop short of the target size; a larger one is from another run.
-            if tok.vocab_size > data_cfg.bpe_vocab_size:
-                raise UserError(
-                    f"cached BPE {path!r} has {tok.vocab_size} tokens but data.bpe_vocab_size="
-                    f"{data_cfg.bpe_vocab_size}; delete it or use a fresh out_dir")
-            return tok
-        return train_bpe(corpus_texts_fn(), data_cfg.bpe_vocab_size, save_path=path)
+        if not cache_dir:
+            return train_bpe(corpus_texts_fn(), data_cfg.bpe_vocab_size)
+        from boost_jax.data.bpe_cache import cached_bpe
+
+        return cached_bpe(data_cfg, corpus_texts_fn, os.path.join(cache_dir, TOKENIZER_FILE),
+                          _load_bpe, train_bpe)
     return HFTokenizer.from_file(kind)
+
+
+def _load_bpe(path: str) -> HFTokenizer:
+    tok = HFTokenizer.from_file(path)
+    tok.name = "bpe"
+    return tok

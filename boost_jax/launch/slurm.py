@@ -35,12 +35,13 @@ from typing import Optional
 
 from boost_jax.config import Config, config_to_yaml
 from boost_jax.errors import ConfigError, UserError
+from boost_jax.launch import script_values as sv
 from boost_jax.mesh import AXES, JobProfile, Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_PY = os.path.join(ROOT, "train.py")
 EXIT_SIGTERM = 143  # train.py after saving on SIGTERM: 128 + 15
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
 @dataclass
@@ -74,7 +75,7 @@ class Job:
 
 def time_seconds(text: str) -> int:
     """SLURM's time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
-    m = _TIME.match(text.strip())
+    m = _TIME.fullmatch(text) if isinstance(text, str) else None
     if not m:
         raise UserError(f"--time {text!r} is not a SLURM time limit; use HH:MM:SS (e.g. "
                         "02:00:00) or D-HH:MM:SS")
@@ -149,7 +150,7 @@ def make_job(cfg: Config, topo: Topology, nodes: Optional[int], account: Optiona
         raise UserError(f"--account is needed on {topo.name}: the project id that is charged "
                         f"and names the scratch directory ({profile.scratch}); e.g. "
                         "--account abc123")
-    if account is not None and not re.match(r"^[A-Za-z0-9_.-]+$", account):
+    if account is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", account):
         raise UserError(f"--account {account!r} is not a project id (letters, digits, _ . -)")
     secs = time_seconds(time)
     if secs <= profile.save_margin_s:
@@ -163,9 +164,37 @@ def make_job(cfg: Config, topo: Topology, nodes: Optional[int], account: Optiona
     if not os.path.isfile(TRAIN_PY):
         raise UserError(f"train.py is not at {TRAIN_PY}; run the launcher from a checkout of "
                         "boost_jax (pip install -e .)")
-    return Job(cfg, topo, profile, sizes, account, time, partition or profile.partition,
-               qos or profile.qos, tuple(profile.modules if modules is None else modules),
-               out_dir_expr(cfg, profile, account), python, command, predicted)
+    job = Job(cfg, topo, profile, sizes, account, time, partition or profile.partition,
+              qos or profile.qos, tuple(profile.modules if modules is None else modules),
+              out_dir_expr(cfg, profile, account), python, command, predicted)
+    check_values(job)
+    return job
+
+
+def check_values(job: Job) -> None:
+    """Every value the script holds is data: a word of a fixed alphabet where SLURM or the shell
+    reads it bare, otherwise free of control characters and quoted where it is written."""
+    pr, word = job.profile, sv.check_word
+    word("name", job.cfg.name, sv.SLURM_NAME,
+         "letters, digits and _ . + - (e.g. name=cola-7b)")
+    if job.account is not None:
+        word("--account", job.account, r"[A-Za-z0-9_.-]+", "a project id (letters, digits, _ . -)")
+    for flag, v in (("--partition", job.partition), ("--qos", job.qos)):
+        if v is not None:
+            word(flag, v, sv.SLURM_NAMES, "letters, digits and _ . + - (commas between several)")
+    if pr.constraint is not None:
+        word("the profile's constraint", pr.constraint, sv.SLURM_CONSTRAINT, "a SLURM constraint")
+    time_seconds(job.time)
+    for m in job.modules:
+        word("--module", m, sv.MODULE, "a module name such as rocm/7.0.2")
+    sv.check_text("--python", job.python, "give the path of the Python on the compute nodes")
+    sv.check_text("train.py's path", TRAIN_PY, "run from a checkout in a plain directory")
+    sv.check_text("out_dir", job.cfg.out_dir, "choose a plain path")
+    if pr.scratch:
+        word("the profile's scratch", pr.scratch, sv.SCRATCH, "a path with $VARIABLES only")
+    for k, v in list(pr.env) + [("XLA_FLAGS", " ".join(pr.xla_flags))]:
+        word("the profile's environment variable", k, sv.ENV_NAME, "a shell variable name")
+        sv.check_text(f"the profile's {k}", v, "fix the profile in boost_jax/mesh.py")
 
 
 def _sbatch_lines(job: Job) -> list[str]:
@@ -191,7 +220,7 @@ def srun_command(job: Job) -> str:
     if pr.gpus_per_node:
         opts.append("--gpu-bind=none")  # every process sees its node's GPUs; JAX picks by rank
     opts.append("--kill-on-bad-exit=1")
-    train = [shlex.quote(job.python), "-u", shlex.quote(TRAIN_PY), "--config", '"$CONFIG"',
+    train = [sv.quote(job.python), "-u", sv.quote(TRAIN_PY), "--config", '"$CONFIG"',
              'out_dir="$OUT_DIR"']
     if pr.platform == "cpu":
         train += ["--cpu-devices", str(job.devices_per_process)]
@@ -201,25 +230,26 @@ def srun_command(job: Job) -> str:
 def _header(job: Job) -> list[str]:
     c, s, pr = job.cfg, job.sizes, job.profile
     par = c.parallel
-    lines = [f"# boost_jax: {c.name} on {job.topo.name} ({job.topo.device}): {job.nodes} nodes x "
+    lines = [f"boost_jax: {c.name} on {job.topo.name} ({job.topo.device}): {job.nodes} nodes x "
              f"{pr.processes_per_node} processes x {job.devices_per_process} device(s) = "
              f"{math.prod(s.values())} devices = pair {s['pair']} x node {s['node']} x global "
              f"{s['global']}",
-             f"# layout: plan {par.plan}, TP {par.tp_mode} over {par.tp_axes or '-'}, "
+             f"layout: plan {par.plan}, TP {par.tp_mode} over {par.tp_axes or '-'}, "
              f"{c.train.micro_batches} micro-batches, remat {c.train.remat}, global batch "
              f"{c.train.global_batch} x {c.data.seq_len} tokens"]
     if job.predicted:
         p = job.predicted
-        lines.append(f"# planner (analytic): {p['memory'] / 2**30:.1f} GiB per device of "
+        lines.append(f"planner (analytic): {p['memory'] / 2**30:.1f} GiB per device of "
                      f"{job.topo.hbm_bytes / 2**30:.0f} GiB, {p['step_time']:.3f} s per step")
     if job.command:
-        lines.append(f"# written by: {job.command}")
-    lines += ["# submit: sbatch THIS_FILE [key=value ...]  (extra overrides go to train.py)",
-              "# resumes by itself: SIGTERM before the time limit -> checkpoint -> requeue"]
-    return lines
+        lines.append(f"written by: {job.command}")
+    lines += ["submit: sbatch THIS_FILE [key=value ...]  (extra overrides go to train.py)",
+              "resumes by itself: SIGTERM before the time limit -> checkpoint -> requeue"]
+    return [sv.comment(x) for x in lines]
 
 
 def render(job: Job) -> str:
+    check_values(job)
     pr = job.profile
     env = list(pr.env) + [("JAX_PLATFORMS", pr.platform)]
     if pr.xla_flags:
@@ -232,15 +262,15 @@ def render(job: Job) -> str:
     if env:
         L.append("# collective library, network and JAX settings of the profile "
                  "(boost_jax/mesh.py)")
-        L += [f"export {k}={shlex.quote(v)}" for k, v in env]
+        L += [f"export {k}={sv.quote(v)}" for k, v in env]
     if job.modules:
         L.append("# site modules last: their settings win over the defaults above")
-        L += [f"module load {shlex.quote(m)} || exit 1" for m in job.modules]
+        L += [f"module load {sv.quote(m)} || exit 1" for m in job.modules]
     yaml_text = config_to_yaml(job.cfg)
     L += ["", f"OUT_DIR={job.out_dir}", 'CONFIG="$OUT_DIR/job_config.yaml"',
           'mkdir -p "$OUT_DIR" || exit 1',
           "# the resolved config (train.py --config takes it unchanged)",
-          "cat > \"$CONFIG\" <<'BOOST_JAX_CONFIG'", yaml_text.rstrip("\n"), "BOOST_JAX_CONFIG",
+          *sv.heredoc('"$CONFIG"', yaml_text, "BOOST_JAX_CONFIG"),
           "", srun_command(job), "status=$?",
           f"if [ \"$status\" -eq {EXIT_SIGTERM} ]; then",
           '    echo "boost_jax: saved a checkpoint on SIGTERM (time limit near); requeueing job '

@@ -17,11 +17,11 @@ topology level, and a predicted step time / tokens/s / TFLOP/s / MFU from the α
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from typing import Optional, Sequence
 
+from boost_jax import json_out
 from boost_jax.cli import OverrideParser
 
 
@@ -274,7 +274,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             res = search(cfg, topo, full, a, compile_top=args.compile_top,
                          max_devices=args.cpu_devices or 512)
             if args.json:
-                print(json.dumps(res.to_dict(), indent=1, default=str))
+                print(json_out.dumps(res.to_dict(), indent=1, default=str))
             else:
                 print(print_search(res, cfg, topo, full, top=args.top))
             if args.emit_config:
@@ -313,7 +313,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             d = out.to_dict()
             if failure:
                 d["compile_error"] = failure
-            print(json.dumps(d, indent=1, default=str))
+            print(json_out.dumps(d, indent=1, default=str))
         else:
             text = report_text(out, cfg, topo, compiled=compiled)
             if failure:

@@ -132,6 +132,8 @@ def setup(cfg: Config, cpu_devices: Optional[int] = None) -> Optional[Launch]:
     Must run before anything creates a JAX backend (device queries, arrays, jit calls).
     Returns the Launch used, or None for a single process.
     """
+    if cpu_devices is not None and cpu_devices < 1:
+        raise UserError(f"--cpu-devices {cpu_devices} must be >= 1")
     launch = _start(cfg)
     n = cpu_devices or cfg.distributed.local_cpu_devices
     if n:

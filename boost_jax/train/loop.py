@@ -29,7 +29,8 @@ import jax
 import numpy as np
 
 from boost_jax.config import Config
-from boost_jax.errors import UserError
+from boost_jax import json_out
+from boost_jax.errors import Interrupted, UserError
 from boost_jax.mesh import get_topology, mesh_from_config
 from boost_jax.train import run_config
 from boost_jax.train.checkpoint import CheckpointSaveError, Checkpointer
@@ -130,8 +131,8 @@ class _StopSignal:
         return self
 
     def _handle(self, signum, frame):
-        if self.received is not None:  # second signal: give up at once
-            raise KeyboardInterrupt
+        if self.received is not None:  # second signal: give up at once, exit 128 + it
+            raise Interrupted(signum)
         self.received = signum
 
     def __exit__(self, *exc):
@@ -323,7 +324,7 @@ def _finish(cfg: Config, out_dir: str, logger: MetricsLogger, summary: dict) -> 
         plot_losses(logger.path, os.path.join(out_dir, "loss.png"), cfg.name)
     summary.update(summarize(logger.path, summary["final_step"]))
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+        json_out.dump(summary, f, indent=2)
     logger.line(_done_line(out_dir, summary))
 
 

@@ -10,6 +10,8 @@ import sys
 import time
 from typing import Optional
 
+from boost_jax import json_out
+
 
 _FILE_SEQ = itertools.count()  # event file names carry pid + sequence: runs never share one
 
@@ -60,13 +62,14 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
             return
-        row = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+        # a non-finite value: null plus a `<key>_nonfinite` flag (bare NaN is not JSON)
+        row = json_out.finite({"step": int(step), **{k: _plain(v) for k, v in metrics.items()}})
         # TensorBoard first: a run killed between the two writes then has every metrics.jsonl
         # row in its event file too (the rows past the restored step are re-done on resume)
         if self._tb is not None:
             self._tb.add_scalars(step, {k: v for k, v in row.items() if k != "step" and isinstance(
-                v, (int, float)) and math.isfinite(v)})
-        self._f.write(json.dumps(row) + "\n")
+                v, (int, float)) and not isinstance(v, bool)})
+        self._f.write(json_out.dumps(row) + "\n")
         self._f.flush()
 
     def line(self, text: str) -> None:
@@ -90,13 +93,16 @@ class MetricsLogger:
 
 def summarize(metrics_path: str, final_step: int) -> dict:
     """Validation losses from metrics.jsonl: the step-0 one (whichever invocation logged it), the
-    one at final_step (None if that step was not evaluated, e.g. a signal stop) and the latest."""
+    one at final_step (None if that step was not evaluated, e.g. a signal stop) and the latest.
+    A loss that was not finite is NaN here (written as null plus a `_nonfinite` flag)."""
     vals = {}
     with open(metrics_path) as f:
         for line in f:
             row = json.loads(line)
-            if isinstance(row.get("val_loss"), float):
-                vals[row["step"]] = row["val_loss"]
+            if isinstance(row.get("val_loss"), (int, float)):
+                vals[row["step"]] = float(row["val_loss"])
+            elif row.get("val_loss" + json_out.FLAG) or row.get("val_loss") in ("nan", "inf"):
+                vals[row["step"]] = math.nan  # also the strings older runs wrote
     last = max(vals) if vals else None
     return {"initial_val_loss": vals.get(0), "final_val_loss": vals.get(final_step),
             "last_val_loss": vals[last] if vals else None, "last_val_step": last}
@@ -104,12 +110,9 @@ def summarize(metrics_path: str, final_step: int) -> dict:
 
 def _plain(v):
     try:
-        v = v.item()
+        return v.item()
     except AttributeError:
-        pass
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return v
+        return v
 
 
 def format_eta(seconds: float) -> str:
