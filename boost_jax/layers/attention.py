@@ -25,6 +25,7 @@ from boost_jax.errors import ConfigError
 from boost_jax.layers.flash import flash_attention
 from boost_jax.layers.linear import LowRankLinear
 from boost_jax.pallas.dispatch import interpret_mode, platform
+from boost_jax.pallas.flash import flash_attention as pallas_flash
 
 KINDS = ("auto", "dense", "flash")
 # On CPU the blockwise path beats dense from this many keys on (fwd+bwd step, measured by
@@ -48,6 +49,11 @@ def attention_impl(kind: str, seq_len: int, platform: str, dtype="float32", head
     return "cudnn" if platform == "cuda" and cudnn_ok else "pallas"
 
 
+def compiled_impl(cfg, seq_len: int) -> str:
+    """What the training step compiles on this backend for model config `cfg` (flops.py)."""
+    return attention_impl(cfg.attention, seq_len, platform(), cfg.dtype, cfg.head_dim)
+
+
 def causal_attention(q, k, v, offset=None, kind: str = "dense"):
     """Causal GQA attention (contract: dense_attention) by the implementation attention_impl
     picks for `kind` on this backend."""
@@ -58,8 +64,6 @@ def causal_attention(q, k, v, offset=None, kind: str = "dense"):
         return flash_attention(q, k, v, offset)
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
-    from boost_jax.pallas.flash import flash_attention as pallas_flash
-
     return pallas_flash(q, k, v, interpret=interpret_mode())
 
 
