@@ -28,9 +28,9 @@ from boost_jax.pallas.dispatch import interpret_mode, platform
 from boost_jax.pallas.flash import flash_attention as pallas_flash
 
 KINDS = ("auto", "dense", "flash")
-# On CPU the blockwise path beats dense from this many keys on (fwd+bwd step, measured by
-# benchmarks/attention_crossover.py on this project's 2-core CI machine; README has the table)
-CPU_FLASH_FROM = 1024
+# On CPU the blockwise path beats dense from this many keys on (forward+backward, measured by
+# benchmarks/attention.py on a 2-core machine; README.md, "Attention", has the table)
+CPU_FLASH_FROM = 256
 
 
 def attention_impl(kind: str, seq_len: int, platform: str, dtype="float32", head_dim: int = 64,
