@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--require-auto", default=None, metavar="IMPL",
+                   help="exit 1 unless model.attention=auto picks IMPL here (gpu.sh: cudnn)")
     a = p.parse_args(argv)
     plat, rows = platform(), []
     for s in map(int, a.lengths.split(",")):
@@ -80,6 +82,11 @@ def main(argv=None) -> int:
                   flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
+    picked = {r["impl"] for r in rows if r["auto"]}
+    if a.require_auto and picked != {a.require_auto}:
+        print(f"error: model.attention=auto picked {sorted(picked)} on {plat}, not "
+              f"{a.require_auto}", file=sys.stderr)
+        return 1
     return 0
 
 
