@@ -5,8 +5,8 @@ Conventions (chosen to match XLA's cost_analysis, which counts a dot as 2·M·N�
   O(d) per token against O(d·r) for the matmuls);
 - a low-rank projection d_in→d_out costs 2·(d_in + d_out)·r, plus 2·r² for the lax gate g
   (computed in every block, also the first where z_prev = 0); full rank costs 2·d_in·d_out;
-- attention: q·kᵀ and p·v each 2·s_att·(H·hd) per token: 4·s_att·d per token per layer, where
-  s_att is the keys each query's compiled work covers. Dense: the FULL s (the causal mask is
+- attention: q·kᵀ and p·v each 2·s_att·(H·hd) per token, 4·s_att·d per token per layer,
+  where s_att is the keys each query's compiled work covers. Dense: the FULL s (the causal mask is
   applied to a computed [s, s] matrix, so XLA counts no saving). Flash (blockwise, Pallas,
   cuDNN; model.attention): only the kv tiles at or below the causal diagonal are computed,
   t²·n(n+1)/2 score entries for n = ⌈s/t⌉ tiles of t, ≈ s/2 + t/2 per query. The flash

@@ -54,7 +54,6 @@ def _tiles(x, t: int, perm):
     return jnp.transpose(x, (0,) + tuple(p + 1 for p in perm))
 
 
-
 def _scores(qi, kj, i, j, off, sk: int):
     """Masked fp32 scores [b, K, G, bq, bk] of q tile i against kv tile j."""
     bq, bk, hd = qi.shape[-2], kj.shape[-2], qi.shape[-1]
