@@ -13,13 +13,16 @@
 #      alternating rounds, tokens/s median and spread, MFU -> train_speed.json
 #   3. train.py end to end (data pipeline on grain, tensorboardX, orbax checkpoint), 2 layers,
 #      a few steps -> its metrics in the log
+#   3b. benchmarks/attention.py: one attention's forward+backward at 4096 tokens, dense vs
+#      flash (cuDNN, Pallas, blockwise): time and memory; fails unless auto picks cuDNN on
+#      NVIDIA -> attention.json
 #   4. summary.md (the tables for benchmarks/README.md); gpu.log holds all output
 # Dry run on CPU, tiny shapes, same steps (wheel install included; needs a Python 3.12 with
 # the image's JAX, which `make gpu-dry-run` builds):  GPU_DRY_RUN=1 bash benchmarks/gpu.sh DIR
 # Env: PY (python; default python3, or .venv-gpu/bin/python in a dry run), WHEELS (.whl),
 #      BATCH=64 SEQ=256 (per step, one micro-batch), LAYERS=24, ROUNDS=5, TOPOLOGY=dgx-h100
 #      (peak for MFU: the H200 has the H100's 989 TFLOP/s dense bf16),
-#      GPU_STEPS="kernels speed e2e" (a rerun can take only the steps that failed).
+#      GPU_STEPS="kernels speed e2e attention" (a rerun can take only the steps that failed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=${GPU_DRY_RUN:-0}
@@ -43,7 +46,7 @@ TEE=$!
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/boost_jax_gpu_cache}
-GPU_STEPS=${GPU_STEPS:-kernels speed e2e}
+GPU_STEPS=${GPU_STEPS:-kernels speed e2e attention}
 want() { [[ " $GPU_STEPS " == *" $1 "* ]]; }
 status=0
 fail() { echo "FAILED: $*"; status=1; }
@@ -56,11 +59,14 @@ if [ "$DRY" = 1 ]; then
          model.vocab_size=256 model.max_seq_len=32"
   E2E_SHAPE="$SHAPE"
   KARGS="--quick"; ITERS=1; T_KERNELS=300; T_SPEED=400; T_E2E=200
+  AARGS="--lengths 256 --reps 2"; T_ATTN=200
 else
   BATCH=${BATCH:-64} SEQ=${SEQ:-256} ROUNDS=${ROUNDS:-5} TOPOLOGY=${TOPOLOGY:-dgx-h100}
   SHAPE="model.n_layers=${LAYERS:-24}"
   E2E_SHAPE="model.n_layers=2"
   KARGS=""; ITERS=3; T_KERNELS=90; T_SPEED=270; T_E2E=75
+  AARGS="--lengths 4096 --batch 4 --heads 16 --kv-heads 4 --head-dim 128 --dtype bfloat16
+         --require-auto cudnn"; T_ATTN=60
 fi
 
 stamp "0. wheels into a temporary target, environment"
@@ -128,6 +134,13 @@ if want e2e; then
     cp "$TMP/run/metrics.jsonl" "$TMP/e2e_metrics.jsonl"
     ls "$TMP/run" "$TMP/run/checkpoints" 2>/dev/null | tr '\n' ' '; echo
   fi
+fi
+
+if want attention; then
+  stamp "3b. attention at 4096 tokens: dense vs flash (cuDNN, Pallas, blockwise)"
+  # shellcheck disable=SC2086
+  timeout -k 10 "$T_ATTN" "$PY" benchmarks/attention.py $AARGS --json "$OUT/attention.json" ||
+    fail "attention.py (exit $?)"
 fi
 
 stamp "4. summary"

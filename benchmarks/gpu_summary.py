@@ -2,8 +2,9 @@
 
     python benchmarks/gpu_summary.py OUT_DIR [TRAIN_METRICS_JSONL]
 
-Reads OUT_DIR/env.txt, kernels.json (benchmarks/kernels.py) and train_speed.json
-(benchmarks/train_speed.py); a missing one is named in the summary, not an error.
+Reads OUT_DIR/env.txt, kernels.json (benchmarks/kernels.py), train_speed.json
+(benchmarks/train_speed.py) and attention.json (benchmarks/attention.py); a missing one is
+named in the summary, not an error.
 """
 
 from __future__ import annotations
@@ -35,6 +36,16 @@ def kernels_section(path: Path) -> list[str]:
             markdown_table(["kernel", "pass", "xla µs", "pallas µs", "xla/pallas time",
                             "xla % copy BW", "pallas % copy BW", "xla % peak", "pallas % peak",
                             "pallas rel. error vs xla"], rows)]
+
+
+def attention_section(path: Path) -> list[str]:
+    if not path.exists():
+        return [f"no {path.name} (attention.py failed or did not run)"]
+    rows = [[r["platform"], r["seq"], r["impl"] + (" (auto)" if r["auto"] else ""),
+             f"{r['ms']:.2f}", "-" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"]
+            for r in json.loads(path.read_text())]
+    return [markdown_table(["platform", "tokens", "attention", "fwd+bwd ms",
+                            "temporaries MiB"], rows)]
 
 
 def _ratio(rows: dict, a: str, b: str, what: str) -> str:
@@ -88,7 +99,9 @@ def main(argv: list[str]) -> int:
              "## Training speed, CoLA-1B shape (benchmarks/train_speed.py)", "",
              *speed_section(out / "train_speed.json"), "",
              "## train.py end to end", "",
-             *e2e_section(Path(argv[1]) if len(argv) > 1 else None), ""]
+             *e2e_section(Path(argv[1]) if len(argv) > 1 else None), "",
+             "## Attention, dense vs flash (benchmarks/attention.py)", "",
+             *attention_section(out / "attention.json"), ""]
     text = "\n".join(lines)
     (out / "summary.md").write_text(text)
     print(text)

@@ -55,3 +55,17 @@ def test_flops_formula_by_hand():
     full = cfg_for("full", n_kv_heads=None)  # classic 6N: 2·(matmul params) per token
     matmul_params = param_count(full) - 512 * 256 - (2 * L + 1) * 256
     assert flops_per_token(full, S)["forward"] == 2 * matmul_params + L * 4 * S * 256
+
+
+def test_flash_counts_only_the_causal_tiles():
+    """Flash attention computes the kv tiles at or below the diagonal: at 4096 positions in
+    tiles of 256, 16·17/2 = 136 of the 256 tiles the dense path computes."""
+    cfg = cfg_for("cola", max_seq_len=4096)
+    dense = flops_per_token(cfg, 4096)
+    flash = flops_per_token(cfg, 4096, "blockwise")
+    assert flash["attention"] * 256 == dense["attention"] * 136
+    assert flash["projections"] == dense["projections"]
+    assert flops_per_token(cfg, 200, "blockwise") == flops_per_token(cfg, 200)  # one tile
+    # tiles of 64: 3 of 4 at 128 positions
+    assert flops_per_token(cfg, 128, "pallas")["attention"] * 4 == \
+        flops_per_token(cfg, 128)["attention"] * 3

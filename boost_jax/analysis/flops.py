@@ -5,8 +5,12 @@ Conventions (chosen to match XLA's cost_analysis, which counts a dot as 2·M·N�
   O(d) per token against O(d·r) for the matmuls);
 - a low-rank projection d_in→d_out costs 2·(d_in + d_out)·r, plus 2·r² for the lax gate g
   (computed in every block, also the first where z_prev = 0); full rank costs 2·d_in·d_out;
-- attention: q·kᵀ and p·v each 2·s·(H·hd) per token, with the FULL s (the causal mask is
-  applied to a computed [s, s] matrix, so XLA counts no saving): 4·s·d per token per layer;
+- attention: q·kᵀ and p·v each 2·s_att·(H·hd) per token, 4·s_att·d per token per layer,
+  where s_att is the keys each query's compiled work covers. Dense: the FULL s (the causal mask is
+  applied to a computed [s, s] matrix, so XLA counts no saving). Flash (blockwise, Pallas,
+  cuDNN; model.attention): only the kv tiles at or below the causal diagonal are computed,
+  t²·n(n+1)/2 score entries for n = ⌈s/t⌉ tiles of t, ≈ s/2 + t/2 per query. The flash
+  backward's recompute of the scores is not counted, as remat's is not;
 - LM head 2·d·V; the embedding is a gather (0 FLOPs);
 - train = 3 · forward (backward = grads w.r.t. activations + grads w.r.t. weights).
 Compare with XLA on a scan_layers=False model: cost_analysis counts a scan (while-loop) body
@@ -43,10 +47,24 @@ def linear_params(cfg, d_in: int, d_out: int) -> int:
     return (d_in + d_out) * r + extra
 
 
-def flops_per_token(cfg, seq_len: int) -> dict:
-    """Per-token FLOPs: {'projections', 'attention', 'lm_head', 'per_layer', 'forward', 'train'}."""
+# the tile of each flash implementation (layers/flash.py, pallas/flash.py; cuDNN's is ~128)
+FLASH_TILES = {"blockwise": 256, "pallas": 64, "cudnn": 128}
+
+
+def attention_keys(seq_len: int, impl: str = "dense") -> float:
+    """Keys per query the compiled attention computes scores for (s_att above)."""
+    if impl == "dense":
+        return float(seq_len)
+    t = min(FLASH_TILES[impl], seq_len)
+    n = -(-seq_len // t)
+    return t * t * n * (n + 1) / 2 / seq_len
+
+
+def flops_per_token(cfg, seq_len: int, attention: str = "dense") -> dict:
+    """Per-token FLOPs: {'projections', 'attention', 'lm_head', 'per_layer', 'forward', 'train'}.
+    `attention`: the compiled implementation (layers.attention.attention_impl's answer)."""
     proj = sum(linear_flops(cfg, i, o) for i, o in projection_shapes(cfg).values())
-    attn = 4 * seq_len * cfg.n_heads * cfg.head_dim
+    attn = round(4 * attention_keys(seq_len, attention) * cfg.n_heads * cfg.head_dim)
     head = 2 * cfg.d_model * cfg.vocab_size
     L = cfg.n_layers
     forward = L * (proj + attn) + head

@@ -4,7 +4,8 @@ The cache holds every layer's rotated keys and values in fixed-size buffers [L, 
 (T: prompt plus new tokens, at most model.max_seq_len), so one compiled program serves every
 step. `forward_cached` runs tokens [b, s] at positions pos..pos+s-1 through forward.block with
 an `attend` that writes their k, v into slots pos..pos+s-1 and attends over slots 0..pos+s-1
-(causal_attention with offset=pos masks the slots not yet filled):
+(causal attention with offset=pos masks the slots not yet filled; model.attention=flash runs
+it block by block, boost_jax/layers/flash.py, so a long prompt's prefill never builds [s, T]):
 
     prefill   the whole prompt in one pass (pos = 0, s = prompt length)
     decode    one token per step (s = 1), jitted once, the cache donated and updated in place
@@ -41,7 +42,7 @@ def _cached_block(ops, cfg, lp, h, positions, prev, ck, cv, pos):
     def attend(q, k, v):
         new["k"] = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), pos, axis=1)
         new["v"] = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), pos, axis=1)
-        return causal_attention(q, new["k"], new["v"], offset=pos)
+        return causal_attention(q, new["k"], new["v"], offset=pos, kind=cfg.attention)
 
     h, prev = forward.block(ops, cfg, lp, h, positions, prev, attend)
     return h, prev, new["k"], new["v"]

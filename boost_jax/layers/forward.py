@@ -28,6 +28,7 @@ under TP). Adding, say, QK-norm is an edit of `attention` below.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Optional
 
 import jax
@@ -99,12 +100,14 @@ class Local:
 # --------------------------------------------------------------------------- one block
 
 
-def attention(ops, cfg, p: dict, h, positions, prev: dict, attend: Callable = causal_attention):
+def attention(ops, cfg, p: dict, h, positions, prev: dict, attend: Optional[Callable] = None):
     """The attention sub-layer's addend to the residual, and its latents.
 
-    `attend(q, k, v)` (rotated q, k and v as [b, s, heads, hd]) is causal_attention over
-    these s positions; a KV-cache decoder (boost_jax/infer/decode.py) passes one that writes
-    k, v into its cache and attends over everything cached so far."""
+    `attend(q, k, v)` (rotated q, k and v as [b, s, heads, hd]) is, by default, causal
+    attention over these s positions by the implementation model.attention picks; a KV-cache
+    decoder (boost_jax/infer/decode.py) passes one that writes k, v into its cache and attends
+    over everything cached so far."""
+    attend = attend or partial(causal_attention, kind=cfg.attention)
     (q, k, v), zs = ops.project_in(h, p["attn_norm"]["scale"], [p["attn"][n] for n in QKV],
                                    [prev.get(n) for n in QKV])
     b, s, hd = q.shape[0], q.shape[1], cfg.head_dim
@@ -124,7 +127,7 @@ def mlp(ops, p: dict, h, prev: dict):
 
 
 def block(ops, cfg, p: dict, h, positions, prev: Optional[dict],
-          attend: Callable = causal_attention):
+          attend: Optional[Callable] = None):
     """h → h + attention → + mlp; returns (h, latents for the next lax block or None)."""
     prev = prev or {}
     h = checkpoint_name(h, RESIDUAL_NAME)

@@ -31,7 +31,7 @@ from boost_jax.pallas import grouped, rmsnorm
 KINDS = ("auto", "pallas", "xla")
 
 
-def _platform() -> str:
+def platform() -> str:
     """'cuda' | 'rocm' | 'cpu' | 'tpu' | … for the default backend."""
     backend = jax.default_backend()
     if backend == "gpu":
@@ -39,6 +39,9 @@ def _platform() -> str:
         version = getattr(dev.client, "platform_version", "").lower()
         return "rocm" if ("rocm" in version or "hip" in version) else "cuda"
     return backend
+
+
+_platform = platform
 
 
 def resolve(kind: str = "auto") -> str:

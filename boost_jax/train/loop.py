@@ -212,6 +212,7 @@ def _write_failed(e: OSError, ckpt, log: RunLog) -> OutputWriteError:
 def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict]) -> dict:
     from boost_jax.analysis.flops import flops_per_token
     from boost_jax.data import build_data
+    from boost_jax.layers.attention import compiled_impl
 
     pid, nproc = jax.process_index(), jax.process_count()
     main_proc = pid == 0
@@ -278,11 +279,13 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
     n_params = getattr(bundle, "n_params", 0) or sum(
         int(np.prod(x.shape)) for x in jax.tree.leaves(bundle.abstract_state["params"]))
     tokens_per_step = tcfg.global_batch * cfg.data.seq_len
-    fpt = flops_per_token(cfg.model, cfg.data.seq_len)["train"]
+    attn = compiled_impl(cfg.model, cfg.data.seq_len)
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len, attn)["train"]
     thr = Throughput(tokens_per_step, fpt * tokens_per_step, mesh.size, topo.peak_flops)
     logger.line(f"{cfg.name}: {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
                 f"params={n_params / 1e6:.2f}M | mesh {dict(mesh.shape)} plan={cfg.parallel.plan} "
-                f"tp={cfg.parallel.tp_mode} | {data.n_train_tokens / 1e6:.2f}M train tokens | "
+                f"tp={cfg.parallel.tp_mode} attention={attn} | "
+                f"{data.n_train_tokens / 1e6:.2f}M train tokens | "
                 f"{tokens_per_step} tokens/step")
 
     summary = {"start_step": start, "params": n_params}

@@ -30,6 +30,8 @@ from boost_jax.config import Config, config_to_yaml
 from boost_jax.errors import UserError
 
 DEFINING = ("model", "data", "train.global_batch", "train.seed", "train.scan_layers")
+# under DEFINING but the same math computed another way: a resume may change it freely
+SAME_MATH = ("model.attention",)
 # about this invocation only, never compared
 PER_INVOCATION = ("out_dir", "checkpoint.resume", "checkpoint.accept_changes")
 SHAPE_KEYS = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
@@ -81,8 +83,8 @@ def check_resume(saved: Optional[dict], cfg: Config, step: int, where: str):
     if not saved:
         return []
     diff = changes(saved, cfg)
-    refused = [c for c in diff
-               if _under(c[0], DEFINING) and not _under(c[0], cfg.checkpoint.accept_changes)]
+    refused = [c for c in diff if _under(c[0], DEFINING) and not _under(c[0], SAME_MATH)
+               and not _under(c[0], cfg.checkpoint.accept_changes)]
     if not refused:
         return diff
     if any(_under(k, [f"model.{m}" for m in SHAPE_KEYS]) for k, _, _ in refused):

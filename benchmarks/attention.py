@@ -1,0 +1,94 @@
+"""Dense vs flash attention on the current backend: forward+backward time and compiled memory
+per implementation and length, and what model.attention=auto picks.
+
+On CPU this measured the crossover the `auto` rule uses (layers/attention.py CPU_FLASH_FROM;
+table in README.md); on a GPU, benchmarks/gpu.sh runs it at the training shapes.
+  python benchmarks/attention.py --lengths 256,512,1024,2048 --json out.json
+  python benchmarks/attention.py --lengths 4096 --heads 16 --head-dim 128 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from boost_jax.layers.attention import attention_impl, dense_attention  # noqa: E402
+from boost_jax.layers.flash import flash_attention as blockwise  # noqa: E402
+from boost_jax.pallas.dispatch import platform  # noqa: E402
+from boost_jax.pallas.flash import flash_attention as pallas_flash  # noqa: E402
+
+
+def impls(plat: str) -> dict:
+    out = {"dense": dense_attention, "blockwise": blockwise}
+    if plat == "cuda":
+        out["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn")
+    if plat in ("cuda", "rocm"):
+        out["pallas"] = pallas_flash
+    return out
+
+
+def measure(fn, q, k, v, reps: int) -> dict:
+    """Median seconds of one jitted forward+backward, and its compiled temporaries."""
+    step = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2),
+                            (0, 1, 2)))
+    compiled = step.lower(q, k, v).compile()
+    jax.block_until_ready(compiled(q, k, v))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(compiled(q, k, v))
+        times.append(time.perf_counter() - t)
+    mem = compiled.memory_analysis()
+    return {"ms": 1e3 * statistics.median(times),
+            "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0)) if mem else None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lengths", default="256,512,1024,2048")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--kv-heads", type=int, default=None)
+    p.add_argument("--head-dim", type=int, default=32)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", default=None, metavar="FILE")
+    p.add_argument("--require-auto", default=None, metavar="IMPL",
+                   help="exit 1 unless model.attention=auto picks IMPL here (gpu.sh: cudnn)")
+    a = p.parse_args(argv)
+    plat, rows = platform(), []
+    for s in map(int, a.lengths.split(",")):
+        ks = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(ks[0], (a.batch, s, a.heads, a.head_dim), a.dtype)
+        k, v = (jax.random.normal(x, (a.batch, s, a.kv_heads or a.heads, a.head_dim), a.dtype)
+                for x in ks[1:])
+        auto = attention_impl("auto", s, plat, a.dtype, a.head_dim)
+        for name, fn in impls(plat).items():
+            r = {"platform": plat, "seq": s, "impl": name, "auto": name == auto,
+                 **measure(fn, q, k, v, a.reps)}
+            rows.append(r)
+            print(f"{plat} s={s:5d} {name:9s} {r['ms']:9.2f} ms  temp "
+                  f"{(r['temp_bytes'] or 0) / 2**20:8.1f} MiB{'  <- auto' if r['auto'] else ''}",
+                  flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(rows, indent=1))
+    picked = {r["impl"] for r in rows if r["auto"]}
+    if a.require_auto and picked != {a.require_auto}:
+        print(f"error: model.attention=auto picked {sorted(picked)} on {plat}, not "
+              f"{a.require_auto}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
