@@ -38,11 +38,36 @@ import jax.numpy as jnp
 
 from boost_jax.layers.linear import lax_cross, latent_activation
 from boost_jax.pallas import dispatch
-from boost_jax.sharding.tp.common import TPContext, matmul, name_latent, psum, to_varying
+from boost_jax.sharding.tp.common import (
+    TPContext, matmul, name_latent, psum, rank_index, to_varying)
 from boost_jax.sharding.tp.head import TPOps
 
 
-def norm_down(ctx: TPContext, x, gamma, w):
+def norm_down(ctx: TPContext, x, norm: dict, w):
+    """[Online norm + grouped A] of a d-sharded x → replicated latent [b, s, n]: RMSNorm, or
+    LayerNorm when the norm has a bias (GPT families)."""
+    if "bias" in norm:
+        return layernorm_down(ctx, x, norm, w)
+    return rmsnorm_down(ctx, x, norm["scale"], w)
+
+
+def layernorm_down(ctx: TPContext, x, norm: dict, w):
+    """Online-LayerNorm (boost_jax/pallas/layernorm.py): the latent's partial sums, the
+    statistics (M2_i and the rank's mean in its slot, fp32) and the weights-only γ·A, β·A
+    travel in ONE psum (bf16: the latent in bf16, as for RMSNorm)."""
+    def reduce_fn(payload):
+        token, weights = payload
+        r = weights.shape[-1]
+        u, stats = token[..., :r].astype(ctx.dtype), token[..., r:]
+        u, stats, weights = (name_latent(v) for v in psum(ctx, (u, stats, weights)))
+        return jnp.concatenate([u.astype(jnp.float32), stats], axis=-1), weights
+
+    return dispatch.online_layernorm_matmul(x, norm["scale"], norm["bias"], w, ctx.d, ctx.eps,
+                                            reduce_fn, rank_index(ctx), ctx.t,
+                                            impl=ctx.kernels, out_dtype=ctx.dtype)
+
+
+def rmsnorm_down(ctx: TPContext, x, gamma, w):
     """[Online-RMSNorm + grouped A] of a d-sharded x → replicated latent [b, s, n].
 
     x [b, s, d/t], gamma [d/t], w [d/t, n]. The Online-RMSNorm itself is
@@ -82,10 +107,10 @@ class BTPOps(TPOps):
                           axis=-1)
         return dispatch.grouped_up(parts, [w.astype(ctx.dtype) for w in ws], impl=ctx.kernels)
 
-    def project_in(self, h, scale, projs, prevs):
-        """[Online-RMSNorm + grouped A] → AR(n·r + 1) → σ → grouped B (local columns)."""
+    def project_in(self, h, norm, projs, prevs):
+        """[Online norm + grouped A] → AR(n·r + stats) → σ → grouped B (local columns)."""
         r = self.ctx.r
-        z = norm_down(self.ctx, h, scale, jnp.concatenate([p["a"] for p in projs], axis=-1))
+        z = norm_down(self.ctx, h, norm, jnp.concatenate([p["a"] for p in projs], axis=-1))
         zs = [self.finish(z[..., i * r:(i + 1) * r], prev, p)
               for i, (p, prev) in enumerate(zip(projs, prevs))]
         return self.up(zs, [p["b"] for p in projs]), zs

@@ -96,6 +96,8 @@ def validate_tp(cfg, mesh) -> None:
 def _split_dim(mode: str, names: Sequence[str], tie: bool) -> Optional[int]:
     """Which dim (negative index) of the param at `names` is split over the TP axes."""
     top = names[0]
+    if names[-1] == "positions":  # laid out like the residual stream (btp: d-sharded)
+        return -1 if mode == "btp" else None
     if top == "embed":
         return -1 if (mode == "btp" and not tie) else -2  # d-sharded vs vocab-parallel
     if top == "lm_head":
@@ -109,6 +111,10 @@ def _split_dim(mode: str, names: Sequence[str], tie: bool) -> Optional[int]:
         return -1 if mode == "btp" else None
     proj = names[2]
     if leaf in ("latent_scale", "g"):
+        return None
+    if leaf == "bias":  # laid out like the projection's output
+        if mode == "btp" or (mode == "megatron" and proj not in ("o", "down")):
+            return -1
         return None
     if mode == "megatron" and leaf == "w":
         return -2 if proj in ("o", "down") else -1
