@@ -110,7 +110,9 @@ def assert_same(ref, got, rtol=1e-5):
     for path, a in flat0:
         b = flat1[jax.tree_util.keystr(path)]
         assert a.shape == b.shape, path
-        scale = float(np.max(np.abs(a))) or 1.0
+        # floor: a gradient that is zero in exact math (the key bias: softmax ignores it) is
+        # rounding noise on both sides
+        scale = max(float(np.max(np.abs(a))), 1e-3)
         np.testing.assert_allclose(b, a, rtol=rtol, atol=rtol * scale,
                                    err_msg=jax.tree_util.keystr(path))
 
@@ -146,6 +148,24 @@ WIDER = [
                          ids=[f"{c[0]}-{c[1]}-{c[2]}-tp{c[3]}-{c[4]}" for c in WIDER])
 def test_wider_tp_equals_single_device(mesh, plan, mode, arch, t, remat, extra):
     cfg = make_cfg(mode, arch, AXES[t], plan, remat, model=WIDE, **extra)
+    loss, grads, _ = engine_run(cfg, mesh)
+    assert_same(reference(_model_key(cfg)), (loss, grads))
+
+
+# the GPT families (LayerNorm + biases, GELU MLP; gpt_neox: parallel residual, partial RoPE;
+# gpt2: learned positions) across plans, modes, archs and remat, on the padded shapes
+GPT = [
+    ("hierarchical", "btp", "lax", ("pair",), "lowrank", dict(family="gpt_neox", rotary_pct=0.25)),
+    ("zero3", "megatron", "full", ("node",), "full", dict(family="gpt2", tie_embeddings=True)),
+    ("zeropp", "vanilla", "cola", ("global",), "none", dict(family="gpt2")),
+    ("zero1", "btp", "svd", ("node",), "full", dict(family="gpt2", tie_embeddings=True)),
+]
+
+
+@pytest.mark.parametrize("plan,mode,arch,tp,remat,extra", GPT,
+                         ids=[f"{c[5]['family']}-{c[0]}-{c[1]}-{c[2]}-{c[4]}" for c in GPT])
+def test_gpt_families_equal_single_device(mesh, plan, mode, arch, tp, remat, extra):
+    cfg = make_cfg(mode, arch, tp, plan, remat, **extra)
     loss, grads, _ = engine_run(cfg, mesh)
     assert_same(reference(_model_key(cfg)), (loss, grads))
 
