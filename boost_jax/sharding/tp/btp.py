@@ -53,14 +53,24 @@ def norm_down(ctx: TPContext, x, norm: dict, w):
 
 def layernorm_down(ctx: TPContext, x, norm: dict, w):
     """Online-LayerNorm (boost_jax/pallas/layernorm.py): the latent's partial sums, the
-    statistics (M2_i and the rank's mean in its slot, fp32) and the weights-only γ·A, β·A
-    travel in ONE psum (bf16: the latent in bf16, as for RMSNorm)."""
+    statistics (M2_i and this rank's mean in its slot) and the weights-only γ·A, β·A travel as
+    ONE flat fp32 buffer in one all-reduce (bf16: the latent in bf16 beside one fp32 buffer,
+    merged by XLA's combiner as for RMSNorm). The reduced values are tagged for remat."""
+    fp32 = jnp.dtype(ctx.dtype) == jnp.float32
+
     def reduce_fn(payload):
         token, weights = payload
-        r = weights.shape[-1]
-        u, stats = token[..., :r].astype(ctx.dtype), token[..., r:]
-        u, stats, weights = (name_latent(v) for v in psum(ctx, (u, stats, weights)))
-        return jnp.concatenate([u.astype(jnp.float32), stats], axis=-1), weights
+        n = weights.shape[-1]
+        u, rest = (None, token) if fp32 else (token[..., :n].astype(ctx.dtype), token[..., n:])
+        flat = jnp.concatenate([rest.reshape(-1), weights.reshape(-1)])
+        if fp32:
+            flat = name_latent(psum(ctx, flat))
+        else:
+            u, flat = (name_latent(v) for v in psum(ctx, (u, flat)))
+        k = rest.size
+        rest, weights = flat[:k].reshape(rest.shape), flat[k:].reshape(weights.shape)
+        token = rest if fp32 else jnp.concatenate([u.astype(jnp.float32), rest], axis=-1)
+        return token, weights
 
     return dispatch.online_layernorm_matmul(x, norm["scale"], norm["bias"], w, ctx.d, ctx.eps,
                                             reduce_fn, rank_index(ctx), ctx.t,
