@@ -1,5 +1,7 @@
-"""Write tests/fixtures/hf/{full,svd}: tiny models exported by boost_jax/hf.py and the logits
-Hugging Face transformers' LlamaForCausalLM computes for them (tokens.npy → logits.npy).
+"""Write tests/fixtures/hf/{full,svd,gpt_neox,gpt2}: tiny models exported by boost_jax/hf.py and
+the logits Hugging Face transformers computes for them (tokens.npy → logits.npy; LlamaForCausalLM,
+GPTNeoXForCausalLM, GPT2LMHeadModel via AutoModelForCausalLM) and, for the GPT families, its
+greedy continuation of the tokens (greedy.npy).
 
 tests/test_hf.py checks boost_jax's logits against these files when torch is not installed (CI),
 and against transformers directly when it is. torch and transformers are not dependencies of the
@@ -7,7 +9,7 @@ project; make the fixture in an environment that has them besides boost_jax's ow
 
     python3 -m venv /tmp/venv-hf
     /tmp/venv-hf/bin/pip install -e . torch==2.13.0 transformers
-    /tmp/venv-hf/bin/python scripts/hf_fixture.py [--out tests/fixtures/hf]
+    /tmp/venv-hf/bin/python scripts/hf_fixture.py [--out tests/fixtures/hf] [--names gpt2 ...]
 """
 
 from __future__ import annotations
@@ -27,7 +29,15 @@ MODELS = {
                  d_ff=64, max_seq_len=32, init_std=0.2, rope_theta=500.0),
     "svd": dict(arch="svd", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64,
                 rank=8, max_seq_len=32, init_std=0.2, tie_embeddings=True),
+    # NeoX: LayerNorm, parallel residual, RoPE on half of each head, its own head; GPT-2:
+    # learned positions, tied head. Biases and norm params are randomised (they start at 0, 1).
+    "gpt_neox": dict(arch="full", family="gpt_neox", vocab_size=256, d_model=32, n_layers=2,
+                     n_heads=4, d_ff=128, max_seq_len=32, init_std=0.2, rotary_pct=0.5,
+                     rope_theta=500.0, norm_eps=1e-5),
+    "gpt2": dict(arch="full", family="gpt2", vocab_size=256, d_model=32, n_layers=2, n_heads=4,
+                 d_ff=128, max_seq_len=32, init_std=0.2, tie_embeddings=True, norm_eps=1e-5),
 }
+GREEDY_NEW = 8
 TOKENS = np.array([[0, 100, 101, 102, 32, 40, 41, 58, 10, 32, 32, 32, 32, 114, 101, 116]],
                   np.int64)
 
@@ -35,13 +45,31 @@ TOKENS = np.array([[0, 100, 101, 102, 32, 40, 41, 58, 10, 32, 32, 32, 32, 114, 1
 def transformers_logits(model_dir: str, tokens: np.ndarray) -> np.ndarray:
     """fp32 logits [b, s, V] of LlamaForCausalLM loaded from model_dir."""
     import torch
-    from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model.eval()
+    model = _load(model_dir)
     with torch.no_grad():
         out = model(torch.as_tensor(tokens), use_cache=False).logits
     return out.float().numpy()
+
+
+def _load(model_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()
+
+
+def transformers_greedy(model_dir: str, tokens: np.ndarray, new: int = GREEDY_NEW) -> np.ndarray:
+    """transformers' greedy continuation (new ids [b, new]) of tokens."""
+    import torch
+
+    model = _load(model_dir)
+    with torch.no_grad():
+        ids = torch.as_tensor(tokens)  # token 0 is no padding: attend to every position
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                             do_sample=False, min_new_tokens=new, pad_token_id=0)
+    return out[:, tokens.shape[1]:].numpy()
 
 
 def export_model(name: str, out_dir: str, seed: int = 0) -> None:
@@ -51,22 +79,49 @@ def export_model(name: str, out_dir: str, seed: int = 0) -> None:
     from boost_jax.layers.model import build_model
 
     cfg = ModelConfig(**MODELS[name])
-    params = build_model(cfg, seed=seed).params()
+    params = _perturb(build_model(cfg, seed=seed).params(), seed)
     os.makedirs(out_dir, exist_ok=True)
     hf.write(out_dir, cfg, params, {"tokenizer": "byte", "tokenizer_fingerprint": "byte"})
+
+
+def _perturb(params, seed: int):
+    """Biases N(0, 0.1) and LayerNorm scales 1 + N(0, 0.1), so the fixture exercises them."""
+    import jax
+
+    rng = np.random.default_rng(seed)
+
+    def f(path, x):
+        name, parent = str(path[-1].key), str(path[-2].key) if len(path) > 1 else ""
+        x = np.asarray(x)
+        if name == "bias" or (name == "scale" and "norm" in parent):
+            base = 1.0 if name == "scale" else 0.0
+            return (base + 0.1 * rng.standard_normal(x.shape)).astype(x.dtype) if (
+                name == "bias" or "bias" in _siblings(params, path)) else x
+        return x
+
+    return jax.tree_util.tree_map_with_path(f, params)
+
+
+def _siblings(tree, path):
+    for k in path[:-1]:
+        tree = tree[k.key]
+    return tree
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "tests", "fixtures", "hf"))
+    p.add_argument("--names", nargs="*", default=list(MODELS), choices=list(MODELS))
     args = p.parse_args(argv)
-    for name in MODELS:
+    for name in args.names:
         d = os.path.join(args.out, name)
         shutil.rmtree(d, ignore_errors=True)
         export_model(name, d)
         np.save(os.path.join(d, "tokens.npy"), TOKENS)
         np.save(os.path.join(d, "logits.npy"), transformers_logits(d, TOKENS).astype(np.float32))
+        if MODELS[name].get("family"):
+            np.save(os.path.join(d, "greedy.npy"), transformers_greedy(d, TOKENS))
         print(f"wrote {d}")
     return 0
 

@@ -30,6 +30,13 @@ Communication per layer (elements; b·s tokens; t-way all-reduce ring bytes = 2(
     remat=full replays the 4 forward all-reduces in backward; remat=lowrank saves the reduced
     latents (U_qkv, S, z_o, U_gu, S, z_down — 7r + 2 per token, replicated) and the residual
     shard (d/t per token) and replays none.
+
+GPT families (LayerNorm with bias, GELU MLP without gate, biases laid out like B's columns):
+Online-LayerNorm (boost_jax/pallas/layernorm.py) replaces Online-RMSNorm. Its statistics are
+this rank's centred M2 and its mean in slot i of t (Chan's exact combination, no Σx² − dμ²),
+1 + t fp32 per token, and the weights-only γ·A, β·A ((t+1)·n per layer) ride in the same
+flat buffer. Still 4 all-reduces forward (b·s·(6r + 2(1 + t)) + (t+1)·4r) and 4 backward
+(b·s·6r); the parallel residual (gpt_neox) only changes which h the MLP's norm reads.
 """
 
 from __future__ import annotations
