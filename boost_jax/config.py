@@ -35,7 +35,8 @@ class ModelConfig:
     # residual, RoPE on rotary_pct of the head dim, biases. gpt2: LayerNorm, tanh-GELU MLP,
     # sequential residual, learned absolute positions, biases. (d_ff: 4·d_model for the GPTs.)
     family: Literal["llama", "gpt_neox", "gpt2"] = "llama"
-    rotary_pct: float = 1.0  # fraction of the head dim that RoPE rotates (gpt_neox: 0.25)
+    # fraction of each head's dims that RoPE rotates; None: the family's (gpt_neox 0.25, else 1)
+    rotary_pct: Optional[float] = None
     # None: follows data.tokenizer (see resolve_vocab_size); set it to fix the embedding size
     vocab_size: Optional[int] = None
     d_model: int = 128
@@ -85,9 +86,15 @@ class ModelConfig:
         return self.family == "gpt2"
 
     @property
+    def rotary_fraction(self) -> float:
+        if self.rotary_pct is not None:
+            return self.rotary_pct
+        return 0.25 if self.family == "gpt_neox" else 1.0
+
+    @property
     def rotary_dims(self) -> int:
         """Leading dims of each head that RoPE rotates (0: learned positions instead)."""
-        return 0 if self.learned_positions else int(self.head_dim * self.rotary_pct)
+        return 0 if self.learned_positions else int(self.head_dim * self.rotary_fraction)
 
     def validate(self) -> None:
         for k in ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "rope_theta",
@@ -102,7 +109,7 @@ class ModelConfig:
         if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
-        if not 0.0 < self.rotary_pct <= 1.0:
+        if not 0.0 < self.rotary_fraction <= 1.0:
             raise ConfigError(f"model.rotary_pct={self.rotary_pct} must be in (0, 1]")
         if self.rotary_dims % 2:
             raise ConfigError(

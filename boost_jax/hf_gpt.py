@@ -169,9 +169,9 @@ def hf_config(cfg) -> dict:
         "model_type": "gpt_neox" if hf else f"boost_jax_{cfg.arch}",
         "hidden_size": cfg.d_model, "num_hidden_layers": cfg.n_layers,
         "num_attention_heads": cfg.n_heads, "intermediate_size": cfg.d_ff, "hidden_act": "gelu",
-        "rotary_pct": cfg.rotary_pct, "rotary_emb_base": cfg.rope_theta,
+        "rotary_pct": cfg.rotary_fraction, "rotary_emb_base": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta,
-                            "partial_rotary_factor": cfg.rotary_pct},
+                            "partial_rotary_factor": cfg.rotary_fraction},
         "max_position_embeddings": cfg.max_seq_len, "layer_norm_eps": cfg.norm_eps,
         "use_parallel_residual": True, "attention_bias": True, "attention_dropout": 0.0,
         "hidden_dropout": 0.0}
