@@ -188,8 +188,8 @@ over BTP's):
 - 13B TP4 PP2: the engine's pipeline (`parallel.pp_stages=2`, boost_jax/train/pipeline.py),
   1f1b over 4 micro-batches of 1 sequence: 5 ticks with a forward and 5 with a backward (which
   re-runs its stage forward), bubble 1/5, 9 activation sends over Slingshot on the critical path.
-- LBP rows: GPT-NeoX-20B shape (d=6144, L=44, H=64, vocab 50432, seq 2048; SwiGLU d_ff=16384 has
-  the same parameter count as its 4d MLP), 1 sequence per GCD per step (DeepSpeed defaults: no
+- LBP rows: GPT-NeoX-20B itself (`model.family=gpt_neox`: d=6144, L=44, H=64, 4d GELU MLP,
+  LayerNorm, vocab 50432, seq 2048), 1 sequence per GCD per step (DeepSpeed defaults: no
   accumulation), gradients reduced in bf16. ZeRO-3 = `zero3`, ZeRO++ = `zeropp` (int8 qwZ
   gathers + hpZ node secondary + qgZ int4 gradient all-to-alls), LBP = `hierarchical`.
 - (de)quantization (qwZ, int8 secondaries, qgZ): memory-bound passes at the HBM roofline, on

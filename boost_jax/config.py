@@ -22,6 +22,7 @@ from boost_jax.errors import ConfigError
 from boost_jax.plain_text import control_char, lone_surrogate
 
 ARCHS = ("full", "svd", "cola", "lax")
+FAMILIES = ("llama", "gpt_neox", "gpt2")
 TP_MODES = ("none", "megatron", "vanilla", "btp")
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 REMAT = ("none", "full", "lowrank")
@@ -31,6 +32,12 @@ MESH_AXES = ("pair", "node", "global")
 @dataclass
 class ModelConfig:
     arch: Literal["full", "svd", "cola", "lax"] = "cola"
+    # llama: RMSNorm, SwiGLU, RoPE, no biases. gpt_neox: LayerNorm, GELU MLP, parallel
+    # residual, RoPE on rotary_pct of the head dim, biases. gpt2: LayerNorm, tanh-GELU MLP,
+    # sequential residual, learned absolute positions, biases. (d_ff: 4·d_model for the GPTs.)
+    family: Literal["llama", "gpt_neox", "gpt2"] = "llama"
+    # fraction of each head's dims that RoPE rotates; None: the family's (gpt_neox 0.25, else 1)
+    rotary_pct: Optional[float] = None
     # None: follows data.tokenizer (see resolve_vocab_size); set it to fix the embedding size
     vocab_size: Optional[int] = None
     d_model: int = 128
@@ -66,6 +73,33 @@ class ModelConfig:
     def r(self) -> int:
         return self.rank if self.rank is not None else self.d_model // 4
 
+    @property
+    def swiglu(self) -> bool:  # else the GELU MLP (up, down)
+        return self.family == "llama"
+
+    @property
+    def bias(self) -> bool:  # LayerNorm (not RMSNorm) and biases on every projection
+        return self.family != "llama"
+
+    @property
+    def parallel_residual(self) -> bool:
+        return self.family == "gpt_neox"
+
+    @property
+    def learned_positions(self) -> bool:
+        return self.family == "gpt2"
+
+    @property
+    def rotary_fraction(self) -> float:
+        if self.rotary_pct is not None:
+            return self.rotary_pct
+        return 0.25 if self.family == "gpt_neox" else 1.0
+
+    @property
+    def rotary_dims(self) -> int:
+        """Leading dims of each head that RoPE rotates (0: learned positions instead)."""
+        return 0 if self.learned_positions else int(self.head_dim * self.rotary_fraction)
+
     def validate(self) -> None:
         for k in ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "rope_theta",
                   "norm_eps", "init_std"):
@@ -79,8 +113,12 @@ class ModelConfig:
         if self.kv_heads <= 0 or self.n_heads % self.kv_heads:
             raise ConfigError(
                 f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(f"head dim d_model/n_heads={self.head_dim} must be even for RoPE")
+        if not 0.0 < self.rotary_fraction <= 1.0:
+            raise ConfigError(f"model.rotary_pct={self.rotary_pct} must be in (0, 1]")
+        if self.rotary_dims % 2:
+            raise ConfigError(
+                f"RoPE rotates head_dim·rotary_pct={self.rotary_dims} dims, which must be even; "
+                "change model.rotary_pct or model.n_heads")
         if self.init_from is not None and not os.path.isdir(self.init_from):
             raise ConfigError(f"model.init_from {self.init_from!r} does not exist; point it at a "
                               "folder written by python -m boost_jax.export")

@@ -28,6 +28,9 @@ P.latent_scale [r] and, with lax_gate=gate, g as P.cross.weight (.T).
                 remote-code convention: `auto_map` in config.json), which
                 AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) loads.
 
+The GPT families (model.family gpt_neox, gpt2) are GPTNeoXForCausalLM and GPT2LMHeadModel:
+boost_jax/hf_gpt.py names their tensors; the functions here dispatch on the family.
+
 config.json carries the LLaMA fields and a "boost_jax" section with the full ModelConfig, the
 run, step and tokenizer, which is what `model.init_from=DIR` reads back.
 """
@@ -75,6 +78,10 @@ def layer_list(blocks: dict) -> list[dict]:
 def to_tensors(cfg, params: dict) -> tuple[dict, dict]:
     """(model.safetensors tensors, lowrank.safetensors tensors or {}) of logical params."""
     params = _numpy(params)
+    if cfg.family != "llama":
+        from boost_jax import hf_gpt
+
+        return hf_gpt.to_tensors(cfg, params, layer_list(params["blocks"]))
     main, factors = {"model.embed_tokens.weight": params["embed"]["embedding"],
                      "model.norm.weight": params["final_norm"]["scale"]}, {}
     if not cfg.tie_embeddings:
@@ -112,6 +119,11 @@ def from_tensors(cfg, tensors: dict, stacked: bool, dtype) -> dict:
             raise KeyError(name)
         return np.asarray(tensors[name]).astype(dtype)
 
+    if cfg.family != "llama":
+        from boost_jax import hf_gpt
+
+        params, layers = hf_gpt.from_tensors(cfg, tensors, get)
+        return dict(params, blocks=_blocks(layers, stacked))
     layers = []
     for i in range(cfg.n_layers):
         pre = f"model.layers.{i}"
@@ -129,21 +141,31 @@ def from_tensors(cfg, tensors: dict, stacked: bool, dtype) -> dict:
                         p["g"] = _t(get(f"{key}.cross.weight"))
             lp[GROUP[name]][name] = p
         layers.append(lp)
-    if stacked:
-        import jax
-
-        blocks = jax.tree.map(lambda *xs: np.stack(xs), *layers)
-    else:
-        blocks = dict(enumerate(layers))
-    params = {"embed": {"embedding": get("model.embed_tokens.weight")}, "blocks": blocks,
+    params = {"embed": {"embedding": get("model.embed_tokens.weight")},
+              "blocks": _blocks(layers, stacked),
               "final_norm": {"scale": get("model.norm.weight")}}
     if not cfg.tie_embeddings:
         params["lm_head"] = {"w": _t(get("lm_head.weight"))}
     return params
 
 
+def _blocks(layers: list, stacked: bool) -> dict:
+    if stacked:
+        import jax
+
+        return jax.tree.map(lambda *xs: np.stack(xs), *layers)
+    return dict(enumerate(layers))
+
+
 def hf_config(cfg, extra: dict) -> dict:
-    """config.json: LlamaConfig fields plus our "boost_jax" section."""
+    """config.json: LlamaConfig (GPTNeoXConfig, GPT2Config) fields plus our "boost_jax"
+    section."""
+    ours = {"boost_jax": dict(extra, model=dataclasses.asdict(cfg),
+                              factors=FACTORS_FILE if cfg.arch == "svd" else None)}
+    if cfg.family != "llama":
+        from boost_jax import hf_gpt
+
+        return hf_gpt.hf_config(cfg) | ours
     llama = cfg.arch in ("full", "svd")
     return {
         "architectures": ["LlamaForCausalLM" if llama else f"BoostJax{cfg.arch.title()}ForCausalLM"],
@@ -156,10 +178,7 @@ def hf_config(cfg, extra: dict) -> dict:
         "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_bias": False,
         "mlp_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": cfg.param_dtype, "initializer_range": cfg.init_std,
-        "boost_jax": dict(extra, model=dataclasses.asdict(cfg),
-                          factors=FACTORS_FILE if cfg.arch == "svd" else None),
-        **({} if llama else {"auto_map": remote_code_map(cfg.arch)}),
-    }
+    } | ours | ({} if llama else {"auto_map": remote_code_map(cfg.arch)})
 
 
 REMOTE_CODE = ("configuration_boost_jax.py", "modeling_boost_jax.py")
@@ -190,7 +209,7 @@ def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) 
 
     # what init_from checks before it trusts the tensors (safetensors has no checksum)
     extra = dict(extra, files_crc32={n: file_crc32(os.path.join(out, n)) for n in files})
-    if cfg.arch in ("cola", "lax"):  # modeling code, so transformers can load the export
+    if cfg.family == "llama" and cfg.arch in ("cola", "lax"):  # so transformers can load it
         import shutil
 
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_remote")
@@ -254,9 +273,14 @@ def saved_model(conf: dict):
     if ours:
         names = {f.name for f in dataclasses.fields(ModelConfig)}
         return ModelConfig(**{k: v for k, v in ours.items() if k in names})
+    if conf.get("model_type") in ("gpt_neox", "gpt2"):
+        from boost_jax import hf_gpt
+
+        return hf_gpt.saved_model(conf)
     if conf.get("model_type") != "llama":
         raise UserError(f"a {conf.get('model_type')!r} model cannot start a run; export one "
-                        "with python -m boost_jax.export or use a LlamaForCausalLM")
+                        "with python -m boost_jax.export or use a LlamaForCausalLM, "
+                        "GPTNeoXForCausalLM or GPT2LMHeadModel")
     if conf.get("rope_scaling"):
         raise UserError("a LlamaForCausalLM with rope_scaling cannot start a run (our RoPE is "
                         "the unscaled one)")
@@ -272,7 +296,7 @@ def saved_model(conf: dict):
         tie_embeddings=conf.get("tie_word_embeddings", False))
 
 
-SHAPES = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
+SHAPES = ("arch", "family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
           "rank", "lax_gate", "tie_embeddings")
 
 
@@ -283,6 +307,8 @@ def check_compatible(path: str, saved, cfg) -> None:
 
     keys = [k for k in SHAPES if not (saved.arch == "full" and k in ("rank", "lax_gate"))
             and not (saved.arch != "lax" and k == "lax_gate")]
+    if saved.learned_positions:  # the position table's rows
+        keys.append("max_seq_len")
     diff = [k for k in keys if value(saved, k) != value(cfg, k)]
     if diff:
         have = ", ".join(f"model.{k} {value(cfg, k)} vs {value(saved, k)}" for k in diff)

@@ -1,7 +1,8 @@
-"""Write tests/fixtures/hf/{full,svd,cola,lax}: tiny models exported by boost_jax/hf.py, the
-logits Hugging Face transformers computes for them (tokens.npy → logits.npy) and its greedy
-continuation of a prompt (greedy.npy): LlamaForCausalLM for full and svd, the export's own
-remote code (boost_jax/hf_remote/) for cola and lax.
+"""Write tests/fixtures/hf/{full,svd,cola,lax,gpt_neox,gpt2}: tiny models exported by
+boost_jax/hf.py, the logits Hugging Face transformers computes for them (tokens.npy →
+logits.npy) and its greedy continuation of a prompt (greedy.npy): LlamaForCausalLM for full and
+svd, the export's own remote code (boost_jax/hf_remote/) for cola and lax, GPTNeoXForCausalLM
+and GPT2LMHeadModel for the GPT families.
 
 tests/test_hf.py checks boost_jax's logits against these files when torch is not installed (CI),
 and against transformers directly when it is. torch and transformers are not dependencies of the
@@ -35,6 +36,13 @@ MODELS = {
                  rank=8, max_seq_len=32, init_std=0.2),
     "lax": dict(arch="lax", vocab_size=256, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
                 d_ff=64, rank=8, lax_gate="gate", max_seq_len=32, init_std=0.2),
+    # NeoX: LayerNorm, parallel residual, RoPE on half of each head, its own head; GPT-2:
+    # learned positions, tied head. Biases and norm params are randomised (they start at 0, 1).
+    "gpt_neox": dict(arch="full", family="gpt_neox", vocab_size=256, d_model=32, n_layers=2,
+                     n_heads=4, d_ff=128, max_seq_len=32, init_std=0.2, rotary_pct=0.5,
+                     rope_theta=500.0, norm_eps=1e-5),
+    "gpt2": dict(arch="full", family="gpt2", vocab_size=256, d_model=32, n_layers=2, n_heads=4,
+                 d_ff=128, max_seq_len=32, init_std=0.2, tie_embeddings=True, norm_eps=1e-5),
 }
 GREEDY_NEW = 8  # tokens transformers' generate() continues TOKENS[:, :PROMPT] by, greedily
 PROMPT = 6
@@ -82,9 +90,33 @@ def export_model(name: str, out_dir: str, seed: int = 0) -> None:
     from boost_jax.layers.model import build_model
 
     cfg = ModelConfig(**MODELS[name])
-    params = build_model(cfg, seed=seed).params()
+    params = _perturb(build_model(cfg, seed=seed).params(), seed)
     os.makedirs(out_dir, exist_ok=True)
     hf.write(out_dir, cfg, params, {"tokenizer": "byte", "tokenizer_fingerprint": "byte"})
+
+
+def _perturb(params, seed: int):
+    """Biases N(0, 0.1) and LayerNorm scales 1 + N(0, 0.1), so the fixture exercises them."""
+    import jax
+
+    rng = np.random.default_rng(seed)
+
+    def f(path, x):
+        name, parent = str(path[-1].key), str(path[-2].key) if len(path) > 1 else ""
+        x = np.asarray(x)
+        if name == "bias" or (name == "scale" and "norm" in parent):
+            base = 1.0 if name == "scale" else 0.0
+            return (base + 0.1 * rng.standard_normal(x.shape)).astype(x.dtype) if (
+                name == "bias" or "bias" in _siblings(params, path)) else x
+        return x
+
+    return jax.tree_util.tree_map_with_path(f, params)
+
+
+def _siblings(tree, path):
+    for k in path[:-1]:
+        tree = tree[k.key]
+    return tree
 
 
 def main(argv=None) -> int:

@@ -40,6 +40,12 @@ ROWS = {
     "invalid_yaml": (["--config", "{tmp}/broken.yaml"],
                      r"config file '.*/broken\.yaml' is not valid YAML \(line \d+\); "
                      r"fix the syntax"),
+    "unknown_family": (["model.family=gpt3"],
+                       r"model\.family='gpt3' is not valid: expected one of 'llama', "
+                       r"'gpt_neox', 'gpt2'"),
+    "odd_rotary_dims": (["model.family=gpt_neox", "model.rotary_pct=0.1"],
+                        r"RoPE rotates head_dim·rotary_pct=1 dims, which must be even; change "
+                        r"model\.rotary_pct or model\.n_heads"),
     "tp_not_dividing_heads": (
         ["parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.n_heads=3",
          "model.d_model=48"],

@@ -24,12 +24,23 @@ def _model(arch, scan=True, **kw):
     base = dict(arch=arch, vocab_size=256, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2,
                 d_ff=64, rank=8, max_seq_len=24, init_std=0.3)
     cfg = ModelConfig(**(base | kw))
-    return cfg, build_model(cfg, seed=1, scan_layers=scan).params()
+    params = build_model(cfg, seed=1, scan_layers=scan).params()
+    return cfg, _random_biases(params)
+
+
+def _random_biases(params):
+    """GPT families: nonzero biases (they start at zero), so the decoder must carry them."""
+    keys = iter(jax.random.split(jax.random.key(5), 256))
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.1 * jax.random.normal(next(keys), x.shape, x.dtype)
+        if str(getattr(p[-1], "key", "")) == "bias" else x, params)
 
 
 @pytest.mark.parametrize("arch,scan,extra", [
     ("full", True, {}), ("svd", False, {}), ("cola", True, {"tie_embeddings": True}),
-    ("lax", False, {"lax_gate": "gate"})])
+    ("lax", False, {"lax_gate": "gate"}),
+    ("lax", True, {"family": "gpt_neox", "rotary_pct": 0.5}),
+    ("full", False, {"family": "gpt2", "tie_embeddings": True})])
 def test_cached_greedy_equals_full_forward(arch, scan, extra):
     cfg, params = _model(arch, scan, **extra)
     dec = Decoder(cfg, params, cfg.max_seq_len, Sampling(temperature=0.0), compiler_options=FAST)

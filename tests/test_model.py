@@ -185,7 +185,9 @@ def test_bf16_compute_close_to_fp32():
 
 @pytest.mark.parametrize("kw", [dict(arch="full"), dict(arch="svd"), dict(arch="cola"),
                                 dict(arch="lax", lax_gate="identity"), dict(arch="lax"),
-                                dict(arch="cola", tie_embeddings=True, n_kv_heads=None)])
+                                dict(arch="cola", tie_embeddings=True, n_kv_heads=None),
+                                dict(arch="lax", family="gpt_neox"),
+                                dict(arch="full", family="gpt2", tie_embeddings=True)])
 def test_param_count_matches_formula(kw):
     cfg = small_cfg(**kw)
     graphdef, state = abstract_model(cfg)

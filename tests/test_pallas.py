@@ -15,7 +15,8 @@ from jax.sharding import AbstractDevice, AbstractMesh, use_abstract_mesh
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.errors import ConfigError
-from boost_jax.pallas import dispatch, grouped, rmsnorm
+from boost_jax.pallas import dispatch, grouped, layernorm, rmsnorm
+from boost_jax.pallas.common import mm
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 # Faster XLA:CPU compiles of the (large) interpreted kernels; numerics are unaffected.
@@ -187,6 +188,44 @@ def test_online_rmsnorm_matmul_shard_map_psum():
     _compare(layer, _dense, (x, g, a), F32, "shard_map")
 
 
+# ---------------------------------------------------------------- Online-LayerNorm
+@pytest.mark.parametrize("shape,dtype,offset", [((37, 80), F32, 0.0), ((2, 8, 128), F32, 50.0),
+                                                ((37, 80), BF16, 3.0)])
+def test_local_layernorm(shape, dtype, offset):
+    """The LayerNorm kernel (mean, centred M2, std and x̂) and its VJP equal the XLA twin."""
+    k = jax.random.split(jax.random.key(0), 2)
+    x = (_rand(k[0], shape, F32) + offset).astype(dtype)
+    g = _rand(k[1], shape[-1:], dtype, 0.2) + 1
+    _compare(lambda x, g: layernorm.local_layernorm(x, g, 1e-5, interpret=True),
+             lambda x, g: layernorm.local_layernorm_ref(x, g, 1e-5), (x, g), dtype, "ln")
+
+
+def _dense_ln(x, g, b, a):
+    xf = x.astype(F32)
+    c = xf - jnp.mean(xf, -1, keepdims=True)
+    y = c * jax.lax.rsqrt(jnp.mean(c * c, -1, keepdims=True) + EPS) * g.astype(F32) + b
+    return mm(y, a.astype(F32))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "xla"])
+def test_online_layernorm_matmul_4_shards(impl):
+    """d split into 4 shards (scales 1e3 apart, a common offset): summing the per-shard
+    payloads and finishing equals LayerNorm then A, forward and VJP."""
+    x, g, a = _inputs(F32)
+    x = x + 7.0
+    b = 0.1 * jax.random.normal(jax.random.key(9), g.shape)
+    d, t = x.shape[-1], 4
+
+    def sharded(x, g, b, a):
+        part = lambda xs, gs, bs, as_, i: layernorm.online_layernorm_partial(  # noqa: E731
+            xs, gs, bs, as_, i, t, EPS, impl=impl, interpret=True)
+        tok, w = jax.vmap(part)(jnp.stack(jnp.split(x, t, -1)), g.reshape(t, -1),
+                                b.reshape(t, -1), a.reshape(t, -1, a.shape[-1]), jnp.arange(t))
+        return layernorm.online_layernorm_finish(tok.sum(0), w.sum(0), d, t, EPS, F32)
+
+    _compare(sharded, _dense_ln, (x, g, b, a), F32, f"ln4-{impl}")
+
+
 # ---------------------------------------------------------------- Triton lowering (no GPU needed)
 def test_kernels_lower_to_triton():
     """Export fwd+grad for CUDA: runs the Pallas->Triton lowering (power-of-2 tiles, masks,
@@ -205,6 +244,18 @@ def test_kernels_lower_to_triton():
                             x, g, a, z, bs)
     # fwd: norm, norm_matmul, concat, grouped; bwd: norm, 2 norm_matmul, 2 concat, 2 grouped
     assert text.count("@__gpu$xla.gpu.triton") == 11
+
+
+def test_layernorm_kernel_lowers_to_triton():
+    """The Online-LayerNorm kernel's forward and backward go through the Triton lowering."""
+    k = jax.random.split(jax.random.key(6), 2)
+    x, g = _rand(k[0], (37, 80), BF16), _rand(k[1], (80,), BF16)
+
+    def loss(x, g):
+        return sum(jnp.sum(o.astype(F32) ** 2) for o in layernorm.local_layernorm(x, g))
+
+    text = _export_for_h100(jax.grad(loss, (0, 1)), _h100_mesh((1,), ("x",)), x, g)
+    assert text.count("@__gpu$xla.gpu.triton") == 2  # fwd, bwd
 
 
 def test_compiled_kernels_in_typed_shard_map_lower_to_triton():

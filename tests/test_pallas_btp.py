@@ -29,6 +29,8 @@ CASES = {  # overrides: CoLA, TP 2, DDP over 4; LaX (gated), TP 4, ZeRO-3 over 2
     "cola-t2-ddp": ["parallel.tp_axes=[pair]"],
     "lax-t4-zero3-lowrank": ["parallel.tp_axes=[pair,node]", "model.arch=lax",
                              "model.lax_gate=gate", "parallel.plan=zero3", "train.remat=lowrank"],
+    # GPT-NeoX: Online-LayerNorm kernel (LayerNorm + biases, parallel residual), TP 2
+    "neox-cola-t2-ddp": ["parallel.tp_axes=[pair]", "model.family=gpt_neox"],
 }
 
 
@@ -77,8 +79,10 @@ def test_btp_pallas_interpret_equals_xla(mesh, case, monkeypatch):
     got, kernels = _train(_cfg("pallas", extra), mesh, monkeypatch)
     want, none = _train(_cfg("xla", extra), mesh, monkeypatch)
     # forward and backward of the fused norm + down-projection and the grouped up-projection
-    assert {(n, True) for n in ("norm_matmul_fwd", "norm_matmul_bwd_dx", "norm_matmul_bwd_da",
-                                "grouped_gemm")} <= kernels and not none, (kernels, none)
+    # (GPT families: the Online-LayerNorm kernel, then the down-projection)
+    norm = ("online_layernorm_fwd", "online_layernorm_bwd") if "neox" in case else (
+        "norm_matmul_fwd", "norm_matmul_bwd_dx", "norm_matmul_bwd_da")
+    assert {(n, True) for n in (*norm, "grouped_gemm")} <= kernels and not none, (kernels, none)
     np.testing.assert_allclose(got, want, rtol=1e-5)
     assert np.isfinite(got).all() and got[-1] < got[0] - 0.2, got
 

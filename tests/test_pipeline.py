@@ -292,3 +292,14 @@ def test_train_py_with_stages_learns_like_without(tmp_path):
     assert any("val_loss" in r for r in rows["pp"])
     assert_same_metrics(rows["flat"], rows["pp"])
     assert_same_metrics(rows["flat"], rows["tp"])
+
+
+@pytest.mark.parametrize("schedule,plan,tp,model", [
+    ("1f1b", "hierarchical", "btp", dict(family="gpt_neox", arch="lax", rotary_pct=0.25)),
+    ("gpipe", "zero3", "none", dict(family="gpt2", arch="full"))])
+def test_pipeline_gpt_families(schedule, plan, tp, model):
+    """GPT families across 2 stages: LayerNorm + biases (Online-LayerNorm under BTP), the
+    neox parallel residual's 6 latents; gpt2's learned positions live with the first stage's
+    embedding."""
+    cfg = pp_cfg(2, schedule, plan, tp, micro=2, **model)
+    assert_same(reference(_model_key(cfg)), engine_run(cfg, mesh_of(2))[:2])

@@ -132,3 +132,42 @@ def test_saved_residuals_per_layer():
     assert act["none"] > 3 * act["lowrank"]
     named = [src for t, b, src in saved["lowrank"] if not t.startswith("i32")]
     assert all("named 'lowrank_latent'" in s or "named 'residual'" in s for s in named), named
+
+
+# --------------------------------------------------------------------------- GPT family
+
+
+def gpt_cfg(remat="none") -> Config:
+    """gpt_neox at d=4096 (4·d MLP, LayerNorm, parallel residual) under BTP, TP 4."""
+    cfg = cfg_7b("btp", remat)
+    cfg.model.family, cfg.model.d_ff, cfg.model.rotary_pct = "gpt_neox", 4 * D, 0.25
+    return cfg.validate()
+
+
+@functools.lru_cache(maxsize=None)
+def gpt_comm(backward=False, remat="none"):
+    """[(count, elements) of each all-reduce in one layer] of the GPT BTP layer program."""
+    mesh = mesh4()
+    fn, args = layers_program(gpt_cfg(remat), mesh, BATCH, SEQ, backward=backward)
+    with jax.set_mesh(mesh):
+        rep = analyze_compiled(fn.lower(*args).compile(compiler_options=OPTS), mesh)
+    out = []
+    for c in rep.collectives:
+        assert c.in_loop and c.trip_count == L and set(c.axes) == {"pair", "node"}, c
+        assert c.kind == "all-reduce" and c.dtypes == ["f32"], c
+        out.append(sum(H.parse_shape(s)[0].elements for s in c.shapes))
+    return sorted(out)
+
+
+def test_gpt_btp_online_layernorm_rides_the_latent_allreduce():
+    """Online-LayerNorm adds no collective: GPT BTP runs LLaMA's 4 + 4 all-reduces per layer.
+    The two norm'd ones carry per token the latent, M2 and the t slot means (1 + t), plus the
+    weights-only γ·A and β·A ((t + 1)·n) once."""
+    fwd = gpt_comm()
+    assert len(fwd) == len(comm("btp")[0]) == 4
+    stats = lambda n: T * (n + 1 + TP) + (TP + 1) * n  # noqa: E731
+    assert fwd == sorted([stats(3 * R), T * R, stats(R), T * R])  # qkv, o, up, down
+    bwd = gpt_comm(True)
+    assert len(bwd) - len(fwd) == backward_only("btp")[0] == 4
+    assert sum(bwd) - sum(fwd) == T * 6 * R  # cotangents of the 6 reduced latents
+    assert gpt_comm(True, "lowrank") == bwd  # remat=lowrank replays none

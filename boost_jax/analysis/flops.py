@@ -21,11 +21,12 @@ from __future__ import annotations
 
 
 def projection_shapes(cfg) -> dict[str, tuple[int, int]]:
-    """(d_in, d_out) of the 7 projections of one block."""
+    """(d_in, d_out) of the projections of one block (7; 6 in the GPT families: no gate)."""
     d, hd = cfg.d_model, cfg.head_dim
     q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
+    gate = {"gate": (d, cfg.d_ff)} if cfg.swiglu else {}
     return {"q": (d, q), "k": (d, kv), "v": (d, kv), "o": (q, d),
-            "gate": (d, cfg.d_ff), "up": (d, cfg.d_ff), "down": (cfg.d_ff, d)}
+            **gate, "up": (d, cfg.d_ff), "down": (cfg.d_ff, d)}
 
 
 def linear_flops(cfg, d_in: int, d_out: int) -> int:
@@ -75,6 +76,10 @@ def flops_per_token(cfg, seq_len: int, attention: str = "dense") -> dict:
 def param_count(cfg) -> int:
     """Exact parameter count of LlamaModel(cfg) (== layers.model.count_params)."""
     d, V = cfg.d_model, cfg.vocab_size
-    per_layer = 2 * d + sum(linear_params(cfg, i, o) for i, o in projection_shapes(cfg).values())
+    shapes = projection_shapes(cfg).values()
+    norm = 2 * d if cfg.bias else d  # LayerNorm scale and bias (GPT families)
+    bias = sum(o for _, o in shapes) if cfg.bias else 0
+    per_layer = 2 * norm + bias + sum(linear_params(cfg, i, o) for i, o in shapes)
     head = 0 if cfg.tie_embeddings else d * V
-    return V * d + cfg.n_layers * per_layer + d + head
+    positions = cfg.max_seq_len * d if cfg.learned_positions else 0
+    return V * d + positions + cfg.n_layers * per_layer + norm + head

@@ -51,7 +51,7 @@ def _cached_block(ops, cfg, lp, h, positions, prev, ck, cv, pos):
 def forward_cached(ops, cfg, params: dict, cache: dict, tokens, pos):
     """tokens [b, s] at positions pos.. → (fp32 logits of the last position [b, V], new cache)."""
     positions = pos + jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    h = ops.embed(params["embed"]["embedding"], tokens)
+    h = forward.embed(ops, params["embed"], tokens, positions)
     prev = ops.init_prev(tokens)
     blocks = params["blocks"]
     if forward.is_stacked(blocks):

@@ -1,9 +1,15 @@
 """The decoder forward, written once: embedding → blocks → final norm → head and loss.
 
-Pre-norm LLaMA block, in model terms:
+Pre-norm block, in model terms (model.family picks a few choices inside `block`):
 
-    h += o(attention(rope(q, k, v)))   with (q, k, v) = project_in(RMSNorm(h))
-    h += down(silu(gate) · up)         with (gate, up) = project_in(RMSNorm(h))
+    h += o(attention(rope(q, k, v)))   with (q, k, v) = project_in(Norm(h))
+    h += down(silu(gate) · up)         with (gate, up) = project_in(Norm(h))      llama
+    h += down(gelu(up))                with up = project_in(Norm(h))              gpt_neox, gpt2
+
+llama: Norm = RMSNorm, RoPE on the whole head, no biases. gpt_neox and gpt2: Norm = LayerNorm,
+every projection adds its bias after whatever collective produced its output (with_bias).
+gpt_neox: parallel residual h += attn(Norm₁(h)) + mlp(Norm₂(h)), RoPE on rotary_pct of each
+head. gpt2: sequential residual, learned absolute positions added to the embedding, no RoPE.
 
 Whatever depends on where an array lives or which collective runs is a call on `ops`:
 
@@ -12,11 +18,12 @@ Whatever depends on where an array lives or which collective runs is a call on `
                                       ("lm_head",)) → the weights to compute with
     ops.embed(table, tokens)          → residual stream h [b, s, d] (btp: its d-slice)
     ops.init_prev(tokens)             LaX: the latents the first block crosses with (else None)
-    ops.project_in(h, scale, projs, prevs)   RMSNorm + the projections reading its output
+    ops.project_in(h, norm, projs, prevs)    the norm (params `norm`: {scale[, bias]}) + the
+                                      projections reading its output
                                       → ([y per proj], [latent per proj])
     ops.project_out(x, proj, prev)    one projection whose output joins the residual → (y, latent)
-    ops.head_loss(h, scale, w, targets)      final norm + LM head → mean cross-entropy
-    ops.logits(h, scale, w)           final norm + LM head → fp32 logits (single device only)
+    ops.head_loss(h, norm, w, targets)       final norm + LM head → mean cross-entropy
+    ops.logits(h, norm, w)            final norm + LM head → fp32 logits (single device only)
 
 `Local` below is the single-device implementation (LlamaModel uses it; the training step gives
 it a per-layer fetch for the plans without TP); the tensor-parallel
@@ -37,12 +44,22 @@ from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.layers.attention import causal_attention
 from boost_jax.layers.linear import lowrank_apply
-from boost_jax.layers.norms import rms_norm
-from boost_jax.layers.rope import apply_rope
+from boost_jax.layers.norms import apply_norm
+from boost_jax.layers.rope import apply_rotary
 
 QKV = ("q", "k", "v")
 GATE_UP = ("gate", "up")
 LATENT_KEYS = ("q", "k", "v", "o", "gate", "up", "down")  # the 7 latents a lax block passes on
+GPT_LATENT_KEYS = ("q", "k", "v", "o", "up", "down")  # GELU MLP: no gate
+
+
+def latent_keys(cfg) -> tuple:
+    return LATENT_KEYS if cfg.swiglu else GPT_LATENT_KEYS
+
+
+def with_bias(y, proj: dict):
+    """y + the projection's bias (GPT families), laid out like y under every TP mode."""
+    return y + proj["bias"].astype(y.dtype) if "bias" in proj else y
 RESIDUAL_NAME = "residual"  # checkpoint_name of the residual stream at each sub-layer input
 
 
@@ -54,11 +71,11 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     return jnp.mean(logz - gold)
 
 
-def first_latents(tokens, rank: int, dtype) -> dict:
+def first_latents(tokens, rank: int, dtype, keys=LATENT_KEYS) -> dict:
     """Zero latents [b, s, r] for the first LaX block; derived from `tokens` so that they carry
     the same (vma) type as the latents later blocks pass on."""
     z = jnp.broadcast_to((tokens[..., None] * 0).astype(dtype), (*tokens.shape, rank))
-    return {k: z for k in LATENT_KEYS}
+    return {k: z for k in keys}
 
 
 class Local:
@@ -69,6 +86,7 @@ class Local:
         self.kind, self.eps = cfg.arch, cfg.norm_eps
         self.dtype = jnp.dtype(cfg.dtype)
         self.rank, self.tie = cfg.r, cfg.tie_embeddings
+        self.latent_keys = latent_keys(cfg)
 
     def fetch(self, stored, slots, path):
         return stored if self._fetch is None else self._fetch(stored, slots, path)
@@ -77,10 +95,12 @@ class Local:
         return jnp.take(table, tokens, axis=0).astype(self.dtype)
 
     def init_prev(self, tokens) -> Optional[dict]:
-        return first_latents(tokens, self.rank, self.dtype) if self.kind == "lax" else None
+        if self.kind != "lax":
+            return None
+        return first_latents(tokens, self.rank, self.dtype, self.latent_keys)
 
-    def project_in(self, h, scale, projs, prevs):
-        x = rms_norm(h, scale, self.eps, self.dtype)
+    def project_in(self, h, norm, projs, prevs):
+        x = apply_norm(h, norm, self.eps, self.dtype)
         outs = [lowrank_apply(self.kind, p, x, z, eps=self.eps, dtype=self.dtype)
                 for p, z in zip(projs, prevs)]
         return [y for y, _ in outs], [z for _, z in outs]
@@ -88,13 +108,13 @@ class Local:
     def project_out(self, x, proj, prev):
         return lowrank_apply(self.kind, proj, x, prev, eps=self.eps, dtype=self.dtype)
 
-    def logits(self, h, scale, w):
-        x = rms_norm(h, scale, self.eps, self.dtype)
+    def logits(self, h, norm, w):
+        x = apply_norm(h, norm, self.eps, self.dtype)
         return jnp.einsum("bsd,dv->bsv", x, w.astype(self.dtype),
                           preferred_element_type=jnp.float32)
 
-    def head_loss(self, h, scale, w, targets):
-        return cross_entropy(self.logits(h, scale, w), targets)
+    def head_loss(self, h, norm, w, targets):
+        return cross_entropy(self.logits(h, norm, w), targets)
 
 
 # --------------------------------------------------------------------------- one block
@@ -108,33 +128,45 @@ def attention(ops, cfg, p: dict, h, positions, prev: dict, attend: Optional[Call
     decoder (boost_jax/infer/decode.py) passes one that writes k, v into its cache and attends
     over everything cached so far."""
     attend = attend or partial(causal_attention, kind=cfg.attention)
-    (q, k, v), zs = ops.project_in(h, p["attn_norm"]["scale"], [p["attn"][n] for n in QKV],
-                                   [prev.get(n) for n in QKV])
+    projs = [p["attn"][n] for n in QKV]
+    ys, zs = ops.project_in(h, p["attn_norm"], projs, [prev.get(n) for n in QKV])
+    q, k, v = (with_bias(y, w) for y, w in zip(ys, projs))
     b, s, hd = q.shape[0], q.shape[1], cfg.head_dim
-    q = apply_rope(q.reshape(b, s, -1, hd), positions, cfg.rope_theta)
-    k = apply_rope(k.reshape(b, s, -1, hd), positions, cfg.rope_theta)
+    q = apply_rotary(q.reshape(b, s, -1, hd), positions, cfg.rope_theta, cfg.rotary_dims)
+    k = apply_rotary(k.reshape(b, s, -1, hd), positions, cfg.rope_theta, cfg.rotary_dims)
     o = attend(q, k, v.reshape(b, s, -1, hd))
     y, zo = ops.project_out(o.reshape(b, s, -1), p["attn"]["o"], prev.get("o"))
-    return y, dict(zip(QKV, zs)) | {"o": zo}
+    return with_bias(y, p["attn"]["o"]), dict(zip(QKV, zs)) | {"o": zo}
 
 
-def mlp(ops, p: dict, h, prev: dict):
-    """The SwiGLU sub-layer's addend to the residual, and its latents."""
-    (g, u), zs = ops.project_in(h, p["mlp_norm"]["scale"], [p["mlp"][n] for n in GATE_UP],
-                                [prev.get(n) for n in GATE_UP])
-    y, zd = ops.project_out(jax.nn.silu(g) * u, p["mlp"]["down"], prev.get("down"))
-    return y, dict(zip(GATE_UP, zs)) | {"down": zd}
+def mlp(ops, cfg, p: dict, h, prev: dict):
+    """The MLP sub-layer's addend to the residual (SwiGLU or GELU), and its latents."""
+    names = GATE_UP if cfg.swiglu else ("up",)
+    projs = [p["mlp"][n] for n in names]
+    ys, zs = ops.project_in(h, p["mlp_norm"], projs, [prev.get(n) for n in names])
+    ys = [with_bias(y, w) for y, w in zip(ys, projs)]
+    if cfg.swiglu:
+        a = jax.nn.silu(ys[0]) * ys[1]
+    else:  # gpt2 uses the tanh approximation ("gelu_new"), gpt_neox the exact erf form
+        a = jax.nn.gelu(ys[0], approximate=cfg.family == "gpt2")
+    y, zd = ops.project_out(a, p["mlp"]["down"], prev.get("down"))
+    return with_bias(y, p["mlp"]["down"]), dict(zip(names, zs)) | {"down": zd}
 
 
 def block(ops, cfg, p: dict, h, positions, prev: Optional[dict],
           attend: Optional[Callable] = None):
-    """h → h + attention → + mlp; returns (h, latents for the next lax block or None)."""
+    """h → h + attention → + mlp (parallel residual: h + attention(h) + mlp(h)); returns
+    (h, latents for the next lax block or None)."""
     prev = prev or {}
     h = checkpoint_name(h, RESIDUAL_NAME)
     y, lat_a = attention(ops, cfg, p, h, positions, prev, attend)
-    h = checkpoint_name(h + y.astype(h.dtype), RESIDUAL_NAME)
-    y, lat_m = mlp(ops, p, h, prev)
-    h = h + y.astype(h.dtype)
+    if cfg.parallel_residual:
+        y2, lat_m = mlp(ops, cfg, p, h, prev)
+        h = h + (y.astype(h.dtype) + y2.astype(h.dtype))
+    else:
+        h = checkpoint_name(h + y.astype(h.dtype), RESIDUAL_NAME)
+        y, lat_m = mlp(ops, cfg, p, h, prev)
+        h = h + y.astype(h.dtype)
     return h, (lat_a | lat_m if cfg.arch == "lax" else None)
 
 
@@ -185,33 +217,42 @@ def _part(tree, *keys):
     return tree
 
 
+def embed(ops, emb: dict, tokens, positions):
+    """The residual stream's start: token embedding (+ learned positions, gpt2). The position
+    table is laid out like the residual (btp: its d-slice), so the add needs no collective."""
+    h = ops.embed(emb["embedding"], tokens)
+    if "positions" in emb:
+        h = h + jnp.take(emb["positions"], positions, axis=0).astype(h.dtype)
+    return h
+
+
 def hidden(ops, cfg, params: dict, tokens, positions=None, slots=None,
            checkpoint: Callable = lambda f: f):
     """tokens [b, s] → the residual stream after the last block (before the final norm)."""
     if positions is None:
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
     emb = ops.fetch(params["embed"], _part(slots, "embed"), ("embed",))
-    h = ops.embed(emb["embedding"], tokens)
+    h = embed(ops, emb, tokens, positions)
     h, _ = run_blocks(ops, cfg, params["blocks"], _part(slots, "blocks"), h, positions,
                       ops.init_prev(tokens), checkpoint)
     return h
 
 
 def head_weights(ops, cfg, params: dict, slots=None):
-    """(final norm scale, [d, V] output projection) fetched for use (tied: the table's T)."""
-    scale = ops.fetch(params["final_norm"], _part(slots, "final_norm"), ("final_norm",))
+    """(final norm params, [d, V] output projection) fetched for use (tied: the table's T)."""
+    norm = ops.fetch(params["final_norm"], _part(slots, "final_norm"), ("final_norm",))
     if cfg.tie_embeddings:
         w = ops.fetch(params["embed"], _part(slots, "embed"), ("embed",))["embedding"].T
     else:
         w = ops.fetch(params["lm_head"], _part(slots, "lm_head"), ("lm_head",))["w"]
-    return scale["scale"], w
+    return norm, w
 
 
 def loss(ops, cfg, params: dict, batch: dict, slots=None, checkpoint: Callable = lambda f: f):
     """Mean cross-entropy of batch["targets"] given batch["inputs"] (int32 [b, s])."""
     h = hidden(ops, cfg, params, batch["inputs"], slots=slots, checkpoint=checkpoint)
-    scale, w = head_weights(ops, cfg, params, slots)
-    return ops.head_loss(h, scale, w, batch["targets"])
+    norm, w = head_weights(ops, cfg, params, slots)
+    return ops.head_loss(h, norm, w, batch["targets"])
 
 
 def logits(ops, cfg, params: dict, tokens, positions=None, checkpoint: Callable = lambda f: f):

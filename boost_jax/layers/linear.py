@@ -5,6 +5,9 @@
     cola: z = x @ a;                      y = silu(z) @ b
     lax:  z = Norm_r(x @ a + G(z_prev));  y = silu(z) @ b  + latent_scale [r] (+ g [r, r])
 
+Any kind may carry `bias` [d_out] (the GPT families), added to y by the forward
+(layers/forward.py: with_bias), after whatever collective produced y.
+
 G is the identity (lax_gate="identity") or z_prev @ g (lax_gate="gate"; g starts as the
 identity matrix, so both variants start as the identity crossing). z_prev is the latent of the
 same projection in the previous block; None (first block) means zeros.
@@ -85,11 +88,14 @@ class LowRankLinear(nnx.Module):
 
     def __init__(self, d_in: int, d_out: int, kind: str, *, rank: Optional[int] = None,
                  lax_gate: str = "identity", eps: float = 1e-6, init_std: float = 0.02,
-                 param_dtype=jnp.float32, dtype=jnp.float32, rngs: nnx.Rngs):
+                 param_dtype=jnp.float32, dtype=jnp.float32, bias: bool = False,
+                 rngs: nnx.Rngs):
         if kind not in KINDS:
             raise ValueError(f"unknown linear kind {kind!r}; expected one of {KINDS}")
         self.kind, self.eps, self.dtype = kind, eps, jnp.dtype(dtype)
         param_dtype = jnp.dtype(param_dtype)
+        if bias:
+            self.bias = nnx.Param(jnp.zeros((d_out,), param_dtype))
         if kind == "full":
             init = jax.nn.initializers.normal(init_std)
             self.w = nnx.Param(init(rngs.params(), (d_in, d_out), param_dtype))
@@ -110,12 +116,13 @@ class LowRankLinear(nnx.Module):
     def from_config(cls, cfg, d_in: int, d_out: int, *, rngs: nnx.Rngs) -> "LowRankLinear":
         return cls(d_in, d_out, cfg.arch, rank=cfg.r, lax_gate=cfg.lax_gate, eps=cfg.norm_eps,
                    init_std=cfg.init_std, param_dtype=cfg.param_dtype, dtype=cfg.dtype,
-                   rngs=rngs)
+                   bias=cfg.bias, rngs=rngs)
 
     def params_dict(self) -> dict:
-        names = ("w", "a", "b", "latent_scale", "g")
+        names = ("w", "a", "b", "latent_scale", "g", "bias")
         return {n: getattr(self, n)[...] for n in names if hasattr(self, n)}
 
     def __call__(self, x: jax.Array, prev: Optional[jax.Array] = None):
-        return lowrank_apply(self.kind, self.params_dict(), x, prev, eps=self.eps,
-                             dtype=self.dtype)
+        p = self.params_dict()
+        y, z = lowrank_apply(self.kind, p, x, prev, eps=self.eps, dtype=self.dtype)
+        return (y + p["bias"].astype(y.dtype) if "bias" in p else y), z

@@ -1,4 +1,5 @@
-"""Pre-norm LLaMA decoder whose 7 projections per block are LowRankLinear of `cfg.arch`.
+"""Pre-norm decoder (model.family llama | gpt_neox | gpt2) whose projections per block are
+LowRankLinear of `cfg.arch` (7 with SwiGLU; 6 in the GPT families, which have no gate).
 
 Param tree (`nnx.state(model, nnx.Param)`, paths joined with "/"):
 
@@ -9,6 +10,9 @@ Param tree (`nnx.state(model, nnx.Param)`, paths joined with "/"):
     blocks/mlp/{gate,up,down}/...   [L, ...]
     final_norm/scale                [d]
     lm_head/w                       [d, V]       absent when tie_embeddings (uses embed.T)
+
+GPT families: every norm also has `bias` [d] (LayerNorm), every projection `bias` [d_out],
+mlp has no gate, and gpt2 adds embed/positions [max_seq_len, d] (learned absolute positions).
 
 Projection params (linear.py): full `w` [d_in, d_out]; svd/cola `a` [d_in, r], `b` [r, d_out];
 lax adds `latent_scale` [r] and, with lax_gate="gate", `g` [r, r].
@@ -45,7 +49,7 @@ from boost_jax.layers.attention import Attention
 from boost_jax.layers.forward import LATENT_KEYS, RESIDUAL_NAME  # noqa: F401 (re-export)
 from boost_jax.layers.linear import LATENT_NAME
 from boost_jax.layers.mlp import MLP
-from boost_jax.layers.norms import RMSNorm, rms_norm
+from boost_jax.layers.norms import LayerNorm, RMSNorm, apply_norm
 
 REMAT_MODES = ("none", "full", "lowrank")
 LOWRANK_POLICY = jax.checkpoint_policies.save_only_these_names(LATENT_NAME, RESIDUAL_NAME)
@@ -65,18 +69,28 @@ class Block(nnx.Module):
     The block's math is boost_jax.layers.forward.block."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        norm = lambda: RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype,  # noqa: E731
-                               dtype=jnp.dtype(cfg.dtype))
+        norm = lambda: make_norm(cfg)  # noqa: E731
         self.attn_norm = norm()
         self.attn = Attention(cfg, rngs=rngs)
         self.mlp_norm = norm()
         self.mlp = MLP(cfg, rngs=rngs)
 
 
+def make_norm(cfg) -> nnx.Module:
+    """LayerNorm (with bias) for the GPT families, RMSNorm for llama."""
+    cls = LayerNorm if cfg.bias else RMSNorm
+    return cls(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype,
+               dtype=jnp.dtype(cfg.dtype))
+
+
 class Embedding(nnx.Module):
-    def __init__(self, vocab: int, dim: int, *, init_std: float, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, vocab: int, dim: int, *, init_std: float, param_dtype, rngs: nnx.Rngs,
+                 positions: int = 0):
         init = jax.nn.initializers.normal(init_std)
         self.embedding = nnx.Param(init(rngs.params(), (vocab, dim), jnp.dtype(param_dtype)))
+        if positions:  # learned absolute positions (gpt2)
+            self.positions = nnx.Param(
+                init(rngs.params(), (positions, dim), jnp.dtype(param_dtype)))
 
 
 class LMHead(nnx.Module):
@@ -94,7 +108,8 @@ class LlamaModel(nnx.Module):
         self.remat, self.scan_layers = remat, scan_layers
         self.dtype = jnp.dtype(cfg.dtype)
         self.embed = Embedding(cfg.vocab_size, cfg.d_model, init_std=cfg.init_std,
-                               param_dtype=cfg.param_dtype, rngs=rngs)
+                               param_dtype=cfg.param_dtype, rngs=rngs,
+                               positions=cfg.max_seq_len if cfg.learned_positions else 0)
         if scan_layers:
             @nnx.split_rngs(splits=cfg.n_layers)
             @nnx.vmap(in_axes=(0,), out_axes=0)
@@ -103,8 +118,7 @@ class LlamaModel(nnx.Module):
             self.blocks = make_blocks(rngs)
         else:
             self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, param_dtype=cfg.param_dtype,
-                                  dtype=self.dtype)
+        self.final_norm = make_norm(cfg)
         self.tie_embeddings = cfg.tie_embeddings
         if not cfg.tie_embeddings:
             self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, init_std=cfg.init_std,
@@ -132,7 +146,7 @@ class LlamaModel(nnx.Module):
         if not return_hidden:
             return forward.logits(ops, self.cfg, params, tokens, positions, ckpt)
         h = forward.hidden(ops, self.cfg, params, tokens, positions, checkpoint=ckpt)
-        return rms_norm(h, params["final_norm"]["scale"], self.cfg.norm_eps, self.dtype)
+        return apply_norm(h, params["final_norm"], self.cfg.norm_eps, self.dtype)
 
 
 def fast_compile_options() -> dict:

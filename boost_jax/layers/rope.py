@@ -36,3 +36,14 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10000.0) -> ja
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, theta: float, dims: int) -> jax.Array:
+    """RoPE on the leading `dims` of each head (GPT-NeoX's rotary_pct), the rest passed through;
+    frequencies as for a head of size `dims`. dims=0: x unchanged (learned positions)."""
+    if dims == 0:
+        return x
+    if dims == x.shape[-1]:
+        return apply_rope(x, positions, theta)
+    rot = apply_rope(x[..., :dims], positions, theta)
+    return jnp.concatenate([rot, x[..., dims:]], axis=-1)

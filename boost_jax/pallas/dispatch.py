@@ -26,7 +26,7 @@ from typing import Callable, Optional, Sequence
 import jax
 
 from boost_jax.errors import ConfigError
-from boost_jax.pallas import grouped, rmsnorm
+from boost_jax.pallas import grouped, layernorm, rmsnorm
 
 KINDS = ("auto", "pallas", "xla")
 
@@ -87,6 +87,16 @@ def online_rmsnorm_matmul(x_local, gamma_local, a_local, d_global: int, eps: flo
         x_local, gamma_local, a_local, d_global, eps, reduce_fn,
         impl="pallas" if use else "xla", interpret=interp, comm_dtype=comm_dtype,
         out_dtype=out_dtype)
+
+
+def online_layernorm_matmul(x_local, gamma_local, beta_local, a_local, d_global: int,
+                            eps: float = 1e-5, reduce_fn: Optional[Callable] = None, rank=0,
+                            t: int = 1, impl: str = "auto", *, out_dtype=None):
+    """LayerNorm(x)·A for d-sharded x with one reduction; see layernorm.py."""
+    use, interp = _pick(impl)
+    return layernorm.online_layernorm_matmul(
+        x_local, gamma_local, beta_local, a_local, d_global, eps, reduce_fn, rank, t,
+        impl="pallas" if use else "xla", interpret=interp, out_dtype=out_dtype)
 
 
 def grouped_up(z, b, impl: str = "auto"):

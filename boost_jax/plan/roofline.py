@@ -110,6 +110,7 @@ def block_model(m, b: int, s: int, mode: str, t: int, attention: str = "dense") 
     T = b * s
     d, hd, H, K, dff, r = m.d_model, m.head_dim, m.n_heads, m.kv_heads, m.d_ff, m.r
     full = m.arch == "full"
+    g = 2 if m.swiglu else 1  # MLP input projections: gate|up (SwiGLU) or up (GELU, GPT)
     if mode == "none":
         mode, t = ("megatron" if full else "btp"), 1
     ops: list[Op] = []
@@ -124,8 +125,8 @@ def block_model(m, b: int, s: int, mode: str, t: int, attention: str = "dense") 
                 _gemm("o", T, qn, d, e),
                 _elem("residual", 2 * e * T * d, e * T * d),
                 _elem("mlp_norm", e * T * d, e * T * d),
-                _gemm("gate_up", T, d, 2 * dff // t, e),
-                _elem("silu_mul", 2 * e * T * dff // t, e * T * dff // t),
+                _gemm("gate_up", T, d, g * dff // t, e),
+                _elem("silu_mul", g * e * T * dff // t, e * T * dff // t),
                 _gemm("down", T, dff // t, d, e),
                 _elem("residual", 2 * e * T * d, e * T * d)]
         if t > 1:
@@ -136,7 +137,8 @@ def block_model(m, b: int, s: int, mode: str, t: int, attention: str = "dense") 
     if mode == "vanilla":
         rl = r // t
         projs = [("q", d, H * hd), ("k", d, K * hd), ("v", d, K * hd), ("o", H * hd, d),
-                 ("gate", d, dff), ("up", d, dff), ("down", dff, d)]
+                 ("gate", d, dff), ("up", d, dff), ("down", dff, d)][:None if g == 2 else 4] + \
+            ([] if g == 2 else [("up", d, dff), ("down", dff, d)])
 
         def proj(name, din, dout):
             return [_gemm(f"A_{name}", T, din, rl, e, saved=True),
@@ -152,14 +154,14 @@ def block_model(m, b: int, s: int, mode: str, t: int, attention: str = "dense") 
         ops += proj(*pm["o"])
         ops += [_elem("residual", 2 * e * T * d, e * T * d),
                 _elem("mlp_norm", e * T * d, e * T * d)]
-        ops += proj(*pm["gate"]) + proj(*pm["up"])
-        ops += [_elem("silu_mul", 2 * e * T * dff, e * T * dff)]
+        ops += (proj(*pm["gate"]) if g == 2 else []) + proj(*pm["up"])
+        ops += [_elem("silu_mul", g * e * T * dff, e * T * dff)]
         ops += proj(*pm["down"])
         ops += [_elem("residual", 2 * e * T * d, e * T * d)]
         if t > 1:
             fwd = [TPColl(n, "all-reduce", e * T * dout) for n, _, dout in projs]
             bwd = [TPColl(f"{n}_in", "all-reduce", e * T * din) for n, din, _ in projs]
-        return BlockModel(ops, fwd, bwd, e * T * d, 7 * e * T * rl, True)
+        return BlockModel(ops, fwd, bwd, e * T * d, len(projs) * e * T * rl, True)
     if mode == "btp":
         dl, ql, kl, fl = d // t, H * hd // t, K * hd // t, dff // t
         ops += [_elem("online_norm", e * T * dl, e * T * dl),
@@ -173,25 +175,27 @@ def block_model(m, b: int, s: int, mode: str, t: int, attention: str = "dense") 
                 _gemm("B_o", T, r, dl, e),
                 _elem("residual", 2 * e * T * dl, e * T * dl),
                 _elem("online_norm", e * T * dl, e * T * dl),
-                _gemm("A_gate_up", T, dl, 2 * r, e, saved=True),
-                _elem("silu_gu", e * T * 2 * r, e * T * 2 * r),
-                _gemm("B_gate", T, r, fl, e), _gemm("B_up", T, r, fl, e),
-                _elem("silu_mul", 2 * e * T * fl, e * T * fl),
+                _gemm("A_gate_up", T, dl, g * r, e, saved=True),
+                _elem("silu_gu", e * T * g * r, e * T * g * r),
+                *([_gemm("B_gate", T, r, fl, e)] if g == 2 else []), _gemm("B_up", T, r, fl, e),
+                _elem("silu_mul", g * e * T * fl, e * T * fl),
                 _gemm("A_down", T, fl, r, e, saved=True),
                 _elem("silu_down", e * T * r, e * T * r),
                 _gemm("B_down", T, r, dl, e),
                 _elem("residual", 2 * e * T * dl, e * T * dl)]
         if t > 1:
-            stats = 4 * T  # the fp32 Σx² riding in the qkv and gate|up all-reduces
-            fwd = [TPColl("z_qkv", "all-reduce", e * T * 3 * r + stats),
+            # fp32 statistics riding in the qkv and gate|up all-reduces: RMSNorm Σx²; LayerNorm
+            # M2 + t slot means per token and γ·A, β·A once (sharding/tp/btp.py)
+            stats = (lambda n: 4 * T) if m.swiglu else (lambda n: 4 * (T * (1 + t) + (t + 1) * n))
+            fwd = [TPColl("z_qkv", "all-reduce", e * T * 3 * r + stats(3 * r)),
                    TPColl("z_o", "all-reduce", e * T * r),
-                   TPColl("z_gu", "all-reduce", e * T * 2 * r + stats),
+                   TPColl("z_gu", "all-reduce", e * T * g * r + stats(g * r)),
                    TPColl("z_down", "all-reduce", e * T * r)]
             bwd = [TPColl("dz_qkv", "all-reduce", e * T * 3 * r),
                    TPColl("dz_o", "all-reduce", e * T * r),
-                   TPColl("dz_gu", "all-reduce", e * T * 2 * r),
+                   TPColl("dz_gu", "all-reduce", e * T * g * r),
                    TPColl("dz_down", "all-reduce", e * T * r)]
-        return BlockModel(ops, fwd, bwd, e * T * dl, e * T * 7 * r, False)
+        return BlockModel(ops, fwd, bwd, e * T * dl, e * T * (5 + g) * r, False)
     raise ValueError(f"unknown tp mode {mode!r}")
 
 

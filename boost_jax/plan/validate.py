@@ -15,8 +15,8 @@ BOOST (MLSys 2026), iteration seconds, seq 4096, batch 4, A100 (Perlmutter, 40 G
     13B PP2      2 pipeline stages over 2 nodes, the batch as 4 micro-batches of 1, 1F1B:
                  the engine's pipeline (parallel.pp_stages=2), costed by plan/costmodel.py.
 LBP (arXiv 2501.04266), 20B GPT on Frontier:
-    shape        GPT-NeoX-20B: d=6144 L=44 H=64 vocab 50432, seq 2048; its 2-matrix 4d MLP
-                 is replaced by our SwiGLU with d_ff = 16384 (same parameter count, 20.6B).
+    shape        GPT-NeoX-20B itself (model.family=gpt_neox, configs/gpt-neox-20b.yaml):
+                 d=6144 L=44 H=64 d_ff=24576 vocab 50432, seq 2048, 20.6B parameters.
     run          micro-batch 1 sequence per GCD, no gradient accumulation (DeepSpeed defaults),
                  bf16 weights + fp32 master/Adam, gradients reduced in bf16 (DeepSpeed's
                  default communication dtype), whole-block recompute.
@@ -55,7 +55,7 @@ BOOST_RANGES = {"btp speed-up over full rank": (1.46, 1.91),
 BOOST_METHODS = (("full", "full", "megatron"), ("vanilla", "cola", "vanilla"),
                  ("btp", "cola", "btp"))
 
-LBP_SHAPE = dict(d=6144, L=44, H=64, d_ff=16384, vocab=50432, seq=2048)
+LBP_SHAPE = dict(d=6144, L=44, H=64, d_ff=24576, vocab=50432, seq=2048)  # GPT-NeoX-20B
 LBP_PUBLISHED = {"lbp_over_zeropp": 1.71, "scaling_efficiency": 0.94, "zeropp_over_zero3": 1.405}
 LBP_NODES = 48
 
@@ -125,7 +125,8 @@ def lbp_config(plan: str, nodes: int, micro_batches: int = 1, extra: tuple = ())
     s = LBP_SHAPE
     n = nodes * 8
     return load_config(None, [
-        "model.arch=full", f"model.vocab_size={s['vocab']}", f"model.d_model={s['d']}",
+        "model.arch=full", "model.family=gpt_neox", "model.norm_eps=1e-5",
+        f"model.vocab_size={s['vocab']}", f"model.d_model={s['d']}",
         f"model.n_layers={s['L']}", f"model.n_heads={s['H']}", f"model.d_ff={s['d_ff']}",
         f"model.max_seq_len={s['seq']}", f"data.seq_len={s['seq']}",
         "model.param_dtype=bfloat16", "model.dtype=bfloat16", f"parallel.plan={plan}",

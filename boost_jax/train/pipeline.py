@@ -161,7 +161,8 @@ class Pipeline:
             sl = None if sl is None else dict(sl, blocks=chunk(sl["blocks"]))
         part = lambda key: None if sl is None else sl[key]  # noqa: E731
         emb = ops.fetch(p["embed"], part("embed"), ("embed",))
-        h, prev = ops.embed(emb["embedding"], tokens), ops.init_prev(tokens)
+        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
+        h, prev = forward.embed(ops, emb, tokens, positions), ops.init_prev(tokens)
         if x is not None:
             first = (s == 0) & (v == 0)
             h = jnp.where(first, h, x[0])
@@ -169,11 +170,10 @@ class Pipeline:
         elif e.typed:  # typing only (zeros_like_outputs): latents pass stage-varying weights
             prev = jax.tree.map(lambda a: to_varying(a, (STAGE,)), prev)
         active = (v * self.P + s) * self.k + jnp.arange(self.k) < self.L
-        positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         h, prev = forward.run_blocks(ops, cfg, p["blocks"], part("blocks"), h, positions, prev,
                                      e.checkpoint, active)
-        scale, w = forward.head_weights(ops, cfg, p, sl)
-        return (h, prev), ops.head_loss(h, scale, w, targets)
+        norm, w = forward.head_weights(ops, cfg, p, sl)
+        return (h, prev), ops.head_loss(h, norm, w, targets)
 
     def zeros_like_outputs(self, params, slots, tokens, targets):
         """Zero (activation, latents) and loss typed as the stage forward's outputs."""

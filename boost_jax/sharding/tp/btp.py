@@ -30,6 +30,13 @@ Communication per layer (elements; b·s tokens; t-way all-reduce ring bytes = 2(
     remat=full replays the 4 forward all-reduces in backward; remat=lowrank saves the reduced
     latents (U_qkv, S, z_o, U_gu, S, z_down — 7r + 2 per token, replicated) and the residual
     shard (d/t per token) and replays none.
+
+GPT families (LayerNorm with bias, GELU MLP without gate, biases laid out like B's columns):
+Online-LayerNorm (boost_jax/pallas/layernorm.py) replaces Online-RMSNorm. Its statistics are
+this rank's centred M2 and its mean in slot i of t (Chan's exact combination, no Σx² − dμ²),
+1 + t fp32 per token, and the weights-only γ·A, β·A ((t+1)·n per layer) ride in the same
+flat buffer. Still 4 all-reduces forward (b·s·(6r + 2(1 + t)) + (t+1)·4r) and 4 backward
+(b·s·6r); the parallel residual (gpt_neox) only changes which h the MLP's norm reads.
 """
 
 from __future__ import annotations
@@ -38,11 +45,46 @@ import jax.numpy as jnp
 
 from boost_jax.layers.linear import lax_cross, latent_activation
 from boost_jax.pallas import dispatch
-from boost_jax.sharding.tp.common import TPContext, matmul, name_latent, psum, to_varying
+from boost_jax.sharding.tp.common import (
+    TPContext, matmul, name_latent, psum, rank_index, to_varying)
 from boost_jax.sharding.tp.head import TPOps
 
 
-def norm_down(ctx: TPContext, x, gamma, w):
+def norm_down(ctx: TPContext, x, norm: dict, w):
+    """[Online norm + grouped A] of a d-sharded x → replicated latent [b, s, n]: RMSNorm, or
+    LayerNorm when the norm has a bias (GPT families)."""
+    if "bias" in norm:
+        return layernorm_down(ctx, x, norm, w)
+    return rmsnorm_down(ctx, x, norm["scale"], w)
+
+
+def layernorm_down(ctx: TPContext, x, norm: dict, w):
+    """Online-LayerNorm (boost_jax/pallas/layernorm.py): the latent's partial sums, the
+    statistics (M2_i and this rank's mean in its slot) and the weights-only γ·A, β·A travel as
+    ONE flat fp32 buffer in one all-reduce (bf16: the latent in bf16 beside one fp32 buffer,
+    merged by XLA's combiner as for RMSNorm). The reduced values are tagged for remat."""
+    fp32 = jnp.dtype(ctx.dtype) == jnp.float32
+
+    def reduce_fn(payload):
+        token, weights = payload
+        n = weights.shape[-1]
+        u, rest = (None, token) if fp32 else (token[..., :n].astype(ctx.dtype), token[..., n:])
+        flat = jnp.concatenate([rest.reshape(-1), weights.reshape(-1)])
+        if fp32:
+            flat = name_latent(psum(ctx, flat))
+        else:
+            u, flat = (name_latent(v) for v in psum(ctx, (u, flat)))
+        k = rest.size
+        rest, weights = flat[:k].reshape(rest.shape), flat[k:].reshape(weights.shape)
+        token = rest if fp32 else jnp.concatenate([u.astype(jnp.float32), rest], axis=-1)
+        return token, weights
+
+    return dispatch.online_layernorm_matmul(x, norm["scale"], norm["bias"], w, ctx.d, ctx.eps,
+                                            reduce_fn, rank_index(ctx), ctx.t,
+                                            impl=ctx.kernels, out_dtype=ctx.dtype)
+
+
+def rmsnorm_down(ctx: TPContext, x, gamma, w):
     """[Online-RMSNorm + grouped A] of a d-sharded x → replicated latent [b, s, n].
 
     x [b, s, d/t], gamma [d/t], w [d/t, n]. The Online-RMSNorm itself is
@@ -82,10 +124,10 @@ class BTPOps(TPOps):
                           axis=-1)
         return dispatch.grouped_up(parts, [w.astype(ctx.dtype) for w in ws], impl=ctx.kernels)
 
-    def project_in(self, h, scale, projs, prevs):
-        """[Online-RMSNorm + grouped A] → AR(n·r + 1) → σ → grouped B (local columns)."""
+    def project_in(self, h, norm, projs, prevs):
+        """[Online norm + grouped A] → AR(n·r + stats) → σ → grouped B (local columns)."""
         r = self.ctx.r
-        z = norm_down(self.ctx, h, scale, jnp.concatenate([p["a"] for p in projs], axis=-1))
+        z = norm_down(self.ctx, h, norm, jnp.concatenate([p["a"] for p in projs], axis=-1))
         zs = [self.finish(z[..., i * r:(i + 1) * r], prev, p)
               for i, (p, prev) in enumerate(zip(projs, prevs))]
         return self.up(zs, [p["b"] for p in projs]), zs

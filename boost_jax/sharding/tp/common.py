@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
+from boost_jax.layers.forward import latent_keys
 from boost_jax.layers.linear import LATENT_NAME
 from boost_jax.backends import cpu as cpu_quirks
 from boost_jax.pallas import dispatch
@@ -42,6 +43,7 @@ class TPContext:
     tie: bool
     kernels: str  # resolved implementation of the fused kernels: xla | pallas
     typed: bool = True  # check_vma (False only for interpreted kernels: backends/cpu.py)
+    latent_keys: tuple = ()  # LaX: the latents a block passes on (layers/forward.latent_keys)
 
     @property
     def lax(self) -> bool:
@@ -54,7 +56,8 @@ def make_context(cfg, mesh) -> TPContext:
     return TPContext(
         mode=par.tp_mode, kind=m.arch, axes=axes, t=int(np.prod([mesh.shape[a] for a in axes])),
         d=m.d_model, r=m.r, eps=m.norm_eps, dtype=jnp.dtype(m.dtype), tie=m.tie_embeddings,
-        kernels=dispatch.resolve(par.kernels), typed=cpu_quirks.check_vma(cfg))
+        kernels=dispatch.resolve(par.kernels), typed=cpu_quirks.check_vma(cfg),
+        latent_keys=latent_keys(m))
 
 
 # --------------------------------------------------------------------------- collectives

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from boost_jax.layers.forward import first_latents
-from boost_jax.layers.norms import rms_norm
+from boost_jax.layers.norms import apply_norm
 from boost_jax.sharding.tp.common import TPContext, local_slice, psum, rank_index, to_varying
 
 
@@ -61,12 +61,12 @@ def vocab_parallel_cross_entropy(ctx: TPContext, x, w, targets):
     return jnp.mean(jnp.log(se) + m - gold)
 
 
-def head_loss(ctx: TPContext, h, scale, w, targets):
+def head_loss(ctx: TPContext, h, norm, w, targets):
     if ctx.mode == "btp":
         # typed varying: each rank's head computes only its vocab slice, so the backward of
         # this gather is the reduce-scatter of the ranks' partial cotangents
         h = jax.lax.all_gather(h, ctx.axes, axis=h.ndim - 1, tiled=True)
-    x = rms_norm(h, scale, ctx.eps, ctx.dtype)
+    x = apply_norm(h, norm, ctx.eps, ctx.dtype)
     return vocab_parallel_cross_entropy(ctx, x, w, targets)
 
 
@@ -83,10 +83,12 @@ class TPOps:
 
     def init_prev(self, tokens):
         """LaX: the first block crosses with zeros (replicated, like every TP latent)."""
-        return first_latents(tokens, self.ctx.r, self.ctx.dtype) if self.ctx.lax else None
+        if not self.ctx.lax:
+            return None
+        return first_latents(tokens, self.ctx.r, self.ctx.dtype, self.ctx.latent_keys)
 
     def embed(self, table, tokens):
         return embed(self.ctx, table, tokens)
 
-    def head_loss(self, h, scale, w, targets):
-        return head_loss(self.ctx, h, scale, w, targets)
+    def head_loss(self, h, norm, w, targets):
+        return head_loss(self.ctx, h, norm, w, targets)

@@ -3,7 +3,8 @@
 The residual stream is replicated. Attention: q|k|v column-parallel by heads (one GEMM over the
 concatenated local columns), attention on local heads, o row-parallel → all-reduce [b,s,d].
 MLP: gate|up column-parallel (d_ff/t), down row-parallel → all-reduce [b,s,d]. Norm scales are
-replicated.
+replicated. Biases (GPT families) follow their outputs: q/k/v/up column-split, o/down replicated
+(added after the all-reduce).
 
 Parameter split (leading layer axis L omitted): q/k/v/gate/up `w` [d, n] along n (columns),
 o/down `w` [n, d] along n (rows).
@@ -20,15 +21,15 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from boost_jax.layers.norms import rms_norm
+from boost_jax.layers.norms import apply_norm
 from boost_jax.sharding.tp.common import matmul, name_reduced, psum, to_varying
 from boost_jax.sharding.tp.head import TPOps
 
 
 class MegatronOps(TPOps):
-    def project_in(self, h, scale, projs, prevs):
+    def project_in(self, h, norm, projs, prevs):
         ctx = self.ctx
-        x = to_varying(ctx, rms_norm(h, scale, ctx.eps, ctx.dtype))
+        x = to_varying(ctx, apply_norm(h, norm, ctx.eps, ctx.dtype))
         ws = [p["w"] for p in projs]
         y = matmul(x, jnp.concatenate(ws, axis=-1), ctx.dtype)
         cuts = [sum(w.shape[-1] for w in ws[:i]) for i in range(1, len(ws))]

@@ -13,7 +13,9 @@ vanilla.py and btp.py):
     btp       svd/cola/lax   4 AR, b·s·(7r + 2) (2 fp32)    4 AR, b·s·7r
 
 (MHA; AR = all-reduce over the TP group, ring bytes per device 2(t−1)/t × payload.) Once per
-step, embedding + head (head.py). At 7B (d=4096, d_ff=11008, r=1024) vanilla/btp =
+step, embedding + head (head.py). GPT families: the same counts (btp: LayerNorm statistics in
+the same all-reduce, see btp.py); biases and gpt2's position table are laid out like the
+output they are added to. At 7B (d=4096, d_ff=11008, r=1024) vanilla/btp =
 42496/7170 ≈ 5.93× forward and 35584/7168 ≈ 4.96× backward; btp/megatron = 0.875× forward.
 """
 
@@ -96,6 +98,8 @@ def validate_tp(cfg, mesh) -> None:
 def _split_dim(mode: str, names: Sequence[str], tie: bool) -> Optional[int]:
     """Which dim (negative index) of the param at `names` is split over the TP axes."""
     top = names[0]
+    if names[-1] == "positions":  # laid out like the residual stream (btp: d-sharded)
+        return -1 if mode == "btp" else None
     if top == "embed":
         return -1 if (mode == "btp" and not tie) else -2  # d-sharded vs vocab-parallel
     if top == "lm_head":
@@ -109,6 +113,10 @@ def _split_dim(mode: str, names: Sequence[str], tie: bool) -> Optional[int]:
         return -1 if mode == "btp" else None
     proj = names[2]
     if leaf in ("latent_scale", "g"):
+        return None
+    if leaf == "bias":  # laid out like the projection's output
+        if mode == "btp" or (mode == "megatron" and proj not in ("o", "down")):
+            return -1
         return None
     if mode == "megatron" and leaf == "w":
         return -2 if proj in ("o", "down") else -1

@@ -6,7 +6,7 @@ The residual stream is replicated and every projection y = B·σ(A·x) is cut at
 heads (q, k, v arrive all-reduced). Norm scales are replicated.
 
 Parameter split (leading layer axis L omitted): `a` along r (columns), `b` along r (rows);
-LaX latent_scale/g replicated.
+LaX latent_scale/g and the GPT families' biases (added to the all-reduced outputs) replicated.
 
 Communication per layer (elements, b·s tokens, MHA; under GQA k/v carry K·hd instead of d):
     forward   7 all-reduces, b·s·(5d + 2·d_ff): outputs of q, k, v, o, down (d) and gate, up (d_ff)
@@ -23,7 +23,7 @@ Communication per layer (elements, b·s tokens, MHA; under GQA k/v carry K·hd i
 from __future__ import annotations
 
 from boost_jax.layers.linear import lax_cross, latent_activation
-from boost_jax.layers.norms import rms_norm
+from boost_jax.layers.norms import apply_norm
 from boost_jax.sharding.tp.common import (
     all_gather, local_slice, matmul, name_latent, name_reduced, psum, to_varying)
 from boost_jax.sharding.tp.head import TPOps
@@ -42,8 +42,8 @@ class VanillaOps(TPOps):
         y = psum(ctx, matmul(latent_activation(ctx.kind, z), p["b"], ctx.dtype))
         return name_reduced(y), lat
 
-    def project_in(self, h, scale, projs, prevs):
-        x = rms_norm(h, scale, self.ctx.eps, self.ctx.dtype)
+    def project_in(self, h, norm, projs, prevs):
+        x = apply_norm(h, norm, self.ctx.eps, self.ctx.dtype)
         outs = [self.project(p, x, z) for p, z in zip(projs, prevs)]
         return [y for y, _ in outs], [z for _, z in outs]
 
