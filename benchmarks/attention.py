@@ -74,8 +74,14 @@ def main(argv=None) -> int:
                 for x in ks[1:])
         auto = attention_impl("auto", s, plat, a.dtype, a.head_dim)
         for name, fn in impls(plat).items():
-            r = {"platform": plat, "seq": s, "impl": name, "auto": name == auto,
-                 **measure(fn, q, k, v, a.reps)}
+            r = {"platform": plat, "seq": s, "impl": name, "auto": name == auto}
+            try:  # one implementation failing (a kernel the GPU rejects) keeps the others' rows
+                r.update(measure(fn, q, k, v, a.reps))
+            except Exception as e:  # noqa: BLE001
+                r.update(ms=None, temp_bytes=None, error=f"{type(e).__name__}: {e}"[:300])
+                print(f"{plat} s={s:5d} {name:9s} FAILED {r['error']}", flush=True)
+                rows.append(r)
+                continue
             rows.append(r)
             print(f"{plat} s={s:5d} {name:9s} {r['ms']:9.2f} ms  temp "
                   f"{(r['temp_bytes'] or 0) / 2**20:8.1f} MiB{'  <- auto' if r['auto'] else ''}",
@@ -83,6 +89,10 @@ def main(argv=None) -> int:
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
     picked = {r["impl"] for r in rows if r["auto"]}
+    failed = [f"{r['impl']} at {r['seq']}" for r in rows if r.get("error")]
+    if failed:
+        print(f"error: {', '.join(failed)} failed (see above)", file=sys.stderr)
+        return 1
     if a.require_auto and picked != {a.require_auto}:
         print(f"error: model.attention=auto picked {sorted(picked)} on {plat}, not "
               f"{a.require_auto}", file=sys.stderr)

@@ -42,7 +42,8 @@ def attention_section(path: Path) -> list[str]:
     if not path.exists():
         return [f"no {path.name} (attention.py failed or did not run)"]
     rows = [[r["platform"], r["seq"], r["impl"] + (" (auto)" if r["auto"] else ""),
-             f"{r['ms']:.2f}", "-" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"]
+             r["error"] if r.get("error") else f"{r['ms']:.2f}",
+             "-" if r["temp_bytes"] is None else f"{r['temp_bytes'] / 2**20:.1f}"]
             for r in json.loads(path.read_text())]
     return [markdown_table(["platform", "tokens", "attention", "fwd+bwd ms",
                             "temporaries MiB"], rows)]

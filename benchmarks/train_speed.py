@@ -37,6 +37,7 @@ import numpy as np  # noqa: E402
 
 from boost_jax.analysis.flops import flops_per_token  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
+from boost_jax.layers.attention import compiled_impl  # noqa: E402
 from boost_jax.mesh import get_topology, mesh_from_config  # noqa: E402
 from boost_jax.train.step import build_step  # noqa: E402
 
@@ -58,11 +59,12 @@ def prepare(name: str, cfg):
         return m["loss"]
 
     mem = compiled.memory_analysis()
+    attn = compiled_impl(cfg.model, s)  # MFU counts the attention FLOPs of what was compiled
     info = dict(variant=name, arch=cfg.model.arch, tp_mode=cfg.parallel.tp_mode,
                 kernels=cfg.parallel.kernels, n_params=bundle.n_params,
                 tokens_per_step=b * s, compile_s=time.perf_counter() - t0,
                 temp_gib=getattr(mem, "temp_size_in_bytes", 0) / 2**30,
-                flops_per_token=flops_per_token(cfg.model, s)["train"])
+                attention=attn, flops_per_token=flops_per_token(cfg.model, s, attn)["train"])
     print(f"{name}: built and compiled in {info['compile_s']:.1f} s "
           f"({bundle.n_params / 1e6:.1f}M params)", flush=True)
     return step, holder, info

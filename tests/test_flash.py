@@ -173,3 +173,18 @@ def test_resume_may_switch_attention():
     assert diff == [("model.attention", "dense", "flash")]
     with pytest.raises(UserError, match="model.norm_eps"):
         check_resume(saved, load_config(None, ["model.norm_eps=0.001"]), 3, "runs/x")
+
+
+def test_gpu_summary_shows_the_attention_rows(tmp_path):
+    """benchmarks/gpu.sh's summary: one row per implementation, the one auto picks marked."""
+    import json
+
+    from benchmarks.gpu_summary import attention_section
+
+    rows = [{"platform": "cuda", "seq": 4096, "impl": i, "auto": i == "cudnn", "ms": ms,
+             "temp_bytes": mb * 2**20} for i, ms, mb in (("dense", 9.5, 4096), ("cudnn", 1.25, 8))]
+    (tmp_path / "attention.json").write_text(json.dumps(rows))
+    text = "\n".join(attention_section(tmp_path / "attention.json"))
+    assert "| cuda | 4096 | cudnn (auto) | 1.25 | 8.0 |" in text
+    assert "| cuda | 4096 | dense | 9.50 | 4096.0 |" in text
+    assert attention_section(tmp_path / "none.json")[0].startswith("no none.json")

@@ -24,6 +24,7 @@ from flax import nnx
 from boost_jax.errors import ConfigError
 from boost_jax.layers.flash import flash_attention
 from boost_jax.layers.linear import LowRankLinear
+from boost_jax.pallas.common import align_vma
 from boost_jax.pallas.dispatch import interpret_mode, platform
 from boost_jax.pallas.flash import flash_attention as pallas_flash
 
@@ -62,7 +63,8 @@ def causal_attention(q, k, v, offset=None, kind: str = "dense"):
         return dense_attention(q, k, v, offset)
     if impl == "blockwise":
         return flash_attention(q, k, v, offset)
-    if impl == "cudnn":
+    if impl == "cudnn":  # its outputs take the operands' varying axes: give them one set
+        q, k, v = align_vma(q, k, v)
         return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
     return pallas_flash(q, k, v, interpret=interpret_mode())
 
