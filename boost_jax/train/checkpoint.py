@@ -313,9 +313,12 @@ class Checkpointer:
             return
         step = self._sealing
         names = [n for s, n in self._interrupted_saves() if s == step] + [str(step)]
-        step_dir = next(os.path.join(self.directory, n) for n in names
-                        if os.path.isdir(os.path.join(self.directory, n)))
-        write_seal(step_dir)
+        found = [os.path.join(self.directory, n) for n in names
+                 if os.path.isdir(os.path.join(self.directory, n))]
+        if not found:
+            raise FileNotFoundError(errno.ENOENT, "the step to seal is gone",
+                                    os.path.join(self.directory, str(step)))
+        write_seal(found[0])
 
     def _wait(self) -> None:
         try:
