@@ -61,6 +61,14 @@ def test_two_processes_train_like_one_including_save_and_restore(jax_cache, tmp_
     assert "[rank 0] step 10/10 | loss" in out
     assert "[rank 1] step" not in out and "[rank 1] resumed" not in out  # logs: process 0 only
     assert "[Gloo]" not in out + second.stderr
+    assert "unusable" not in out + second.stderr  # both processes' shares matched the seal
+    from boost_jax.train.seal import SEAL_FILE, check_seal
+
+    for step in (5, 10):  # sealed after both processes wrote, every file of both covered
+        step_dir = os.path.join(two, "checkpoints", str(step))
+        assert check_seal(step_dir) is None
+        sealed = json.load(open(os.path.join(step_dir, SEAL_FILE)))["crc32"]
+        assert any(n.startswith("state/ocdbt.process_1/") for n in sealed), sorted(sealed)
 
     a, b = _rows(one), _rows(two)
     assert [r["step"] for r in b if "loss" in r] == list(range(1, 11))  # one writer, no repeats

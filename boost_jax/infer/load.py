@@ -124,7 +124,7 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
 
 def check_step_files(ckpt_dir: str, step: int, meta: dict) -> None:
     """A one-line error if any file of the step differs from its seal (train/seal.py); a
-    step saved before seals were written has none (its arrays are checked on restore)."""
+    step saved before seals were written has none and is read unchecked."""
     from boost_jax.train.seal import SEAL_FILE, check_seal
 
     step_dir = os.path.join(ckpt_dir, str(step))

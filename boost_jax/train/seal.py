@@ -10,7 +10,7 @@ detects every error burst of up to 32 bits).
 Cost: zlib's CRC-32 takes 0.75 s per GiB on one core of the 2-core development VM (1.5 s/GiB
 with the VM loaded), spread over up to 8 threads; the files are read once more, mostly from the
 page cache just after orbax wrote or read them. The demo's step (1.4 MiB of files) seals in
-3.5 ms of a 390 ms save (about 1%); async saves seal in orbax's background thread.
+3-7 ms of a 250-490 ms save (1-2%); async saves seal in orbax's background thread.
 """
 
 from __future__ import annotations
