@@ -121,3 +121,81 @@ def test_generate_until_is_the_decoders_greedy_output(scorer):
             stop = text[2:4]
             assert scorer.generate_until(ctx, ["\x01never", stop], SEQ - len(prompt)) == \
                 text[:text.find(stop)]
+
+
+def _adapter(env, *args, hide_lm_eval=False):
+    """python -m boost_jax.lm_eval_adapter; with hide_lm_eval, lm_eval cannot be imported."""
+    code = ("import runpy, sys; sys.modules['lm_eval'] = None; "
+            "runpy.run_module('boost_jax.lm_eval_adapter', run_name='__main__')")
+    pre = ["-c", code] if hide_lm_eval else ["-m", "boost_jax.lm_eval_adapter"]
+    return subprocess.run([sys.executable, *pre, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_adapter_without_lm_eval_is_one_line_exit_2(tmp_path):
+    p = _adapter(dict(os.environ, JAX_PLATFORMS="cpu"), "--model", "boost_jax", "--tasks", "x",
+                 hide_lm_eval=True)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == ("error: the lm-evaluation-harness is not installed; install "
+                                "the extra (pip install -e '.[lm_eval]')")
+
+
+TASK = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+"""
+MC = [{"q": "def f(x):\n    return", "choices": ["x", "]]]", "((("], "label": 0},
+      {"q": "import", "choices": [")))", "os", ";;;"], "label": 1},
+      {"q": "for i in", "choices": ["@@@", "]]", "range(3):"], "label": 2},
+      {"q": "x =", "choices": ["1", "\\n"], "label": 1}]
+TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n"]
+
+
+def _tasks(tmp, targets):
+    """Three local task files: multiple choice (loglikelihood), bits per byte of whole texts
+    (loglikelihood_rolling) and exact match of greedy continuations (generate_until)."""
+    rows = {"mc.jsonl": MC, "text.jsonl": [{"text": t, "target": g}
+                                           for t, g in zip(TEXTS, targets)]}
+    for name, docs in rows.items():
+        (tmp / name).write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp / "bj_mc.yaml").write_text(TASK.format(name="bj_mc", data=tmp / "mc.jsonl") + (
+        "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
+        "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n"))
+    (tmp / "bj_ppl.yaml").write_text(TASK.format(name="bj_ppl", data=tmp / "text.jsonl") + (
+        "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: bits_per_byte\n"))
+    (tmp / "bj_gen.yaml").write_text(TASK.format(name="bj_gen", data=tmp / "text.jsonl") + (
+        "output_type: generate_until\ndoc_to_text: '{{text}}'\ndoc_to_target: '{{target}}'\n"
+        "generation_kwargs:\n  until: ['\\n\\n', 'zz']\n  max_gen_toks: 5\n"
+        "metric_list:\n  - metric: exact_match\n"))
+
+
+def test_lm_eval_scores_local_tasks_as_the_scorer(scorer, run_dir, tmp_path):
+    """lm_eval's command line through the adapter, on three local task files: each metric is
+    what the scorer's own numbers give."""
+    pytest.importorskip("lm_eval")
+    import math
+
+    targets = [scorer.generate_until(TEXTS[0], ["\n\n", "zz"], 5), "not the continuation"]
+    _tasks(tmp_path, targets)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
+               HF_HOME=str(tmp_path / "hf"))
+    p = _adapter(env, "--model", "boost_jax", "--model_args", f"run={run_dir}",
+                 "--batch_size", "3", "--tasks", "bj_mc,bj_ppl,bj_gen", "--include_path",
+                 str(tmp_path), "--output_path", str(tmp_path / "out"))
+    assert p.returncode == 0, p.stderr
+    (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "out") for f in fs
+               if f.startswith("results_")]
+    res = json.load(open(path))["results"]
+
+    lls = [[lp for lp, _ in scorer.loglikelihood([(d["q"], " " + c) for c in d["choices"]])]
+           for d in MC]
+    acc = np.mean([int(np.argmax(ll)) == d["label"] for ll, d in zip(lls, MC)])
+    assert res["bj_mc"]["acc,none"] == pytest.approx(acc)
+    nats = -sum(scorer.loglikelihood_rolling(TEXTS))
+    bpb = nats / math.log(2) / sum(len(t.encode()) for t in TEXTS)
+    assert res["bj_ppl"]["bits_per_byte,none"] == pytest.approx(bpb, rel=1e-5)
+    assert res["bj_gen"]["exact_match,none"] == 0.5
