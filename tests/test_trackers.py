@@ -92,3 +92,16 @@ def test_wandb_offline_rows_equal_metrics_jsonl(env, tmp_path):
     metrics = [json.loads(ln) for ln in open(out / "metrics.jsonl")]
     assert [r["step"] for r in metrics] == [0, 1, 2, 3, 4]
     assert history == metrics
+
+
+def test_wandb_online_without_login_is_one_line_exit_2(env, tmp_path):
+    pytest.importorskip("wandb")
+    e = {k: v for k, v in env.items() if k != "WANDB_API_KEY"}
+    argv = [a.replace("offline", "online") for a in WANDB_OFF]
+    p = _train(e, tmp_path / "run", *argv)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2, p.stderr
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: logging.wandb=true but W&B did not start (No API key configured"), p.stderr
+    assert lines[0].endswith("run `wandb login`, or set logging.wandb_mode=offline (no "
+                             "network; `wandb sync` later)")

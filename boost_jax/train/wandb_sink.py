@@ -49,9 +49,15 @@ class WandbSink:
         lg = cfg.logging
         self.id = _run_id(out_dir, resumed)
         settings = wandb.Settings(console="off", quiet=True, silent=True)
-        self._run = wandb.init(project=lg.wandb_project, entity=lg.wandb_entity, name=cfg.name,
-                               id=self.id, resume="allow", mode=lg.wandb_mode, dir=out_dir,
-                               config=cfg.to_dict(), settings=settings)
+        try:
+            self._run = wandb.init(project=lg.wandb_project, entity=lg.wandb_entity,
+                                   name=cfg.name, id=self.id, resume="allow", mode=lg.wandb_mode,
+                                   dir=out_dir, config=cfg.to_dict(), settings=settings)
+        except wandb.errors.Error as e:  # no login, no network, no such entity
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"logging.wandb=true but W&B did not start ({reason}); run `wandb "
+                            "login`, or set logging.wandb_mode=offline (no network; `wandb "
+                            "sync` later)") from None
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
 
