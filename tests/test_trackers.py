@@ -103,5 +103,5 @@ def test_wandb_online_without_login_is_one_line_exit_2(env, tmp_path):
     assert p.returncode == 2, p.stderr
     assert len(lines) == 1 and lines[0].startswith(
         "error: logging.wandb=true but W&B did not start (No API key configured"), p.stderr
-    assert lines[0].endswith("run `wandb login`, or set logging.wandb_mode=offline (no "
-                             "network; `wandb sync` later)")
+    assert lines[0].endswith("run wandb login, or set logging.wandb_mode=offline (no "
+                             "network; wandb sync later)")

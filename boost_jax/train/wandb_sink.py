@@ -55,9 +55,9 @@ class WandbSink:
                                    dir=out_dir, config=cfg.to_dict(), settings=settings)
         except wandb.errors.Error as e:  # no login, no network, no such entity
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UserError(f"logging.wandb=true but W&B did not start ({reason}); run `wandb "
-                            "login`, or set logging.wandb_mode=offline (no network; `wandb "
-                            "sync` later)") from None
+            raise UserError(f"logging.wandb=true but W&B did not start ({reason}); run "
+                            "wandb login, or set logging.wandb_mode=offline (no network; "
+                            "wandb sync later)") from None
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
 
