@@ -68,6 +68,7 @@ def test_loglikelihood_is_evaluate_difference(scorer):
 def test_trailing_space_moves_to_the_continuation(scorer):
     assert scorer.encode_pair("x =", " 1") == scorer.encode_pair("x = ", "1")
     assert scorer.loglikelihood([("x = ", "1")]) == scorer.loglikelihood([("x =", " 1")])
+    assert scorer.loglikelihood([("x = 1", "")]) == [(0.0, True)]  # nothing to predict
 
 
 def test_rolling_windows_predict_every_token_once():

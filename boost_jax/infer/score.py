@@ -105,14 +105,12 @@ class Scorer:
 
     def loglikelihood(self, pairs: Sequence[tuple]) -> list:
         """[(log p(continuation | context), greedy)] for (context, continuation) strings; a
-        context too long for the model loses its start."""
+        context too long for the model loses its start (a continuation longer than max_len is
+        scored on its last max_len tokens, as lm_eval's own models do)."""
         seqs = []
         for context, continuation in pairs:
             ctx, cont = self.encode_pair(context, continuation)
-            if not cont or len(cont) > self.max_len:
-                raise ValueError(f"continuation of {len(cont)} tokens: it must be 1.."
-                                 f"{self.max_len} (max_length) tokens")
-            seqs.append(((ctx + cont)[-(self.max_len + 1):], len(cont)))
+            seqs.append(((ctx + cont)[-(self.max_len + 1):], min(len(cont), self.max_len)))
         return self.score_tokens(seqs)
 
     def loglikelihood_rolling(self, texts: Sequence[str]) -> list:
