@@ -4,6 +4,7 @@ decoder. Needs no lm_eval; where it is installed, the adapter runs a local task 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -148,23 +149,17 @@ dataset_kwargs:
     test: {data}
 test_split: test
 """
-MC = [{"q": "def f(x):\n    return", "choices": ["x", "]]]", "((("], "label": 0},
-      {"q": "import", "choices": [")))", "os", ";;;"], "label": 1},
-      {"q": "for i in", "choices": ["@@@", "]]", "range(3):"], "label": 2},
-      {"q": "x =", "choices": ["1", "\\n"], "label": 1}]
+LOCAL_TASK = os.path.join(ROOT, "configs", "lm_eval")  # python_next: the README's example
 TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n"]
 
 
 def _tasks(tmp, targets):
-    """Three local task files: multiple choice (loglikelihood), bits per byte of whole texts
-    (loglikelihood_rolling) and exact match of greedy continuations (generate_until)."""
-    rows = {"mc.jsonl": MC, "text.jsonl": [{"text": t, "target": g}
-                                           for t, g in zip(TEXTS, targets)]}
-    for name, docs in rows.items():
-        (tmp / name).write_text("".join(json.dumps(d) + "\n" for d in docs))
-    (tmp / "bj_mc.yaml").write_text(TASK.format(name="bj_mc", data=tmp / "mc.jsonl") + (
-        "output_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
-        "doc_to_target: '{{label}}'\nmetric_list:\n  - metric: acc\n"))
+    """Two local task files next to the shipped multiple-choice one (loglikelihood): bits per
+    byte of whole texts (loglikelihood_rolling), exact match of greedy continuations
+    (generate_until)."""
+    shutil.copy(os.path.join(LOCAL_TASK, "python_next.yaml"), tmp)  # its data path: from ROOT
+    (tmp / "text.jsonl").write_text("".join(json.dumps({"text": t, "target": g}) + "\n"
+                                            for t, g in zip(TEXTS, targets)))
     (tmp / "bj_ppl.yaml").write_text(TASK.format(name="bj_ppl", data=tmp / "text.jsonl") + (
         "output_type: loglikelihood_rolling\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
         "metric_list:\n  - metric: bits_per_byte\n"))
@@ -175,8 +170,9 @@ def _tasks(tmp, targets):
 
 
 def test_lm_eval_scores_local_tasks_as_the_scorer(scorer, run_dir, tmp_path):
-    """lm_eval's command line through the adapter, on three local task files: each metric is
-    what the scorer's own numbers give."""
+    """lm_eval's command line through the adapter, on three local task files (one of them the
+    README's configs/lm_eval/python_next.yaml): each metric is what the scorer's own numbers
+    give."""
     pytest.importorskip("lm_eval")
     import math
 
@@ -185,17 +181,22 @@ def test_lm_eval_scores_local_tasks_as_the_scorer(scorer, run_dir, tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1",
                HF_HOME=str(tmp_path / "hf"))
     p = _adapter(env, "--model", "boost_jax", "--model_args", f"run={run_dir}",
-                 "--batch_size", "3", "--tasks", "bj_mc,bj_ppl,bj_gen", "--include_path",
+                 "--batch_size", "3", "--tasks", "python_next,bj_ppl,bj_gen", "--include_path",
                  str(tmp_path), "--output_path", str(tmp_path / "out"))
     assert p.returncode == 0, p.stderr
     (path,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "out") for f in fs
                if f.startswith("results_")]
     res = json.load(open(path))["results"]
 
-    lls = [[lp for lp, _ in scorer.loglikelihood([(d["q"], " " + c) for c in d["choices"]])]
-           for d in MC]
-    acc = np.mean([int(np.argmax(ll)) == d["label"] for ll, d in zip(lls, MC)])
-    assert res["bj_mc"]["acc,none"] == pytest.approx(acc)
+    docs = [json.loads(ln) for ln in open(os.path.join(LOCAL_TASK, "python_next.jsonl"))]
+    lls = [np.array([lp for lp, _ in scorer.loglikelihood([(d["context"], c)
+                                                           for c in d["choices"]])])
+           for d in docs]
+    acc = np.mean([np.argmax(ll) == d["label"] for ll, d in zip(lls, docs)])
+    norm = np.mean([np.argmax(ll / [len(c) for c in d["choices"]]) == d["label"]
+                    for ll, d in zip(lls, docs)])
+    assert res["python_next"]["acc,none"] == pytest.approx(acc)
+    assert res["python_next"]["acc_norm,none"] == pytest.approx(norm)
     nats = -sum(scorer.loglikelihood_rolling(TEXTS))
     bpb = nats / math.log(2) / sum(len(t.encode()) for t in TEXTS)
     assert res["bj_ppl"]["bits_per_byte,none"] == pytest.approx(bpb, rel=1e-5)
