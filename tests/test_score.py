@@ -77,6 +77,12 @@ def test_rolling_windows_predict_every_token_once():
 
     assert rolling_windows(list(range(10)), -1, 4) == [
         ([-1, 0, 1, 2, 3], 4), ([3, 4, 5, 6, 7], 4), ([5, 6, 7, 8, 9], 2)]
+    assert rolling_windows([7], -1, 4) == [([-1, 7], 1)] and rolling_windows([], -1, 4) == []
+
+
+def test_rolling_windows_are_lm_evals():
+    from boost_jax.infer.score import rolling_windows
+
     lm_utils = pytest.importorskip("lm_eval.utils")
     for n, m in [(10, 4), (7, 7), (23, 5), (1, 3)]:
         ids = list(range(100, 100 + n))
