@@ -304,6 +304,11 @@ class LoggingConfig:
     tensorboard: bool = True
     plot: bool = True
     progress: bool = True  # live progress line on stderr
+    # Weights & Biases (the wandb extra): the rows of metrics.jsonl, from process 0
+    wandb: bool = False
+    wandb_project: str = "boost_jax"
+    wandb_entity: Optional[str] = None  # W&B user or team (default: the login's)
+    wandb_mode: Literal["online", "offline"] = "online"  # offline: no network, `wandb sync` later
 
 
 @dataclass

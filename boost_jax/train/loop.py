@@ -40,6 +40,7 @@ from boost_jax.train.run_lock import hold_out_dir
 from boost_jax.train.profile import StepProfiler
 from boost_jax.train.run_log import RunLog
 from boost_jax.train.step import build_step
+from boost_jax.train.wandb_sink import open_sink, require_wandb
 
 
 class NonFiniteError(UserError):
@@ -226,6 +227,7 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
         validate_tp(cfg, mesh)
     topo = get_topology(cfg.mesh.topology)
     tcfg = cfg.train
+    require_wandb(cfg)
 
     # build_data checks batch divisibility over processes and the tokenizer's vocab size
     data = build_data(cfg, pid, nproc, os.path.join(out_dir, "tokenizer"))
@@ -266,8 +268,9 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
             say(f"dropped {dropped} metrics.jsonl rows past step {start} (from a run that "
                 "stopped after its last checkpoint; those steps are re-done now)")
         run_config.record(out_dir, cfg, start)
+    tracker = open_sink(cfg, out_dir, restored is not None) if main_proc else None
     logger = MetricsLogger(out_dir, cfg.logging.tensorboard, cfg.logging.progress, main_proc,
-                           purge_step=start + 1 if restored is not None else 0)
+                           purge_step=start + 1 if restored is not None else 0, tracker=tracker)
     if restored is not None:
         changed = (f" with changed settings: {run_config.describe(accepted)} (configs kept in "
                    f"{os.path.join(out_dir, run_config.HISTORY_DIR)})" if accepted else "")
@@ -315,7 +318,7 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
 
 def _close_quietly(logger: MetricsLogger, log: RunLog) -> None:
     try:
-        logger.close()
+        logger.close(failed=True)
     except OSError as e:
         log.exception("closing metrics.jsonl / TensorBoard failed", e)
 

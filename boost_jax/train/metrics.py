@@ -1,4 +1,5 @@
-"""Run outputs: metrics.jsonl, TensorBoard events, the live progress line, the loss-curve PNG."""
+"""Run outputs: metrics.jsonl, TensorBoard events, an optional tracker (W&B), the live progress
+line, the loss-curve PNG."""
 
 from __future__ import annotations
 
@@ -48,16 +49,18 @@ class EventFile:
 
 class MetricsLogger:
     """Writes from process 0 only; other processes get a no-op logger. Every row reaches the disk
-    when it is logged (metrics.jsonl and TensorBoard alike)."""
+    when it is logged (metrics.jsonl and TensorBoard alike) and, when given, `tracker` (an
+    object with log(row) and close(failed)) gets the same row as metrics.jsonl."""
 
     def __init__(self, out_dir: str, tensorboard: bool = True, progress: bool = True,
-                 enabled: bool = True, purge_step: Optional[int] = None):
+                 enabled: bool = True, purge_step: Optional[int] = None, tracker=None):
         self.enabled = enabled
         self.progress = progress and enabled
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self._f = open(self.path, "a") if enabled else None
         self._tb = EventFile(os.path.join(out_dir, "tb"), purge_step) if (
             enabled and tensorboard) else None
+        self._tracker = tracker if enabled else None
 
     def log(self, step: int, metrics: dict) -> None:
         if not self.enabled:
@@ -71,14 +74,22 @@ class MetricsLogger:
                 v, (int, float)) and not isinstance(v, bool)})
         self._f.write(json_out.dumps(row) + "\n")
         self._f.flush()
+        if self._tracker is not None:
+            self._tracker.log(row)
 
     def line(self, text: str) -> None:
         if self.progress:
             print(text, file=sys.stderr, flush=True)
 
-    def close(self) -> None:
-        """Close both files; the first error (a full disk) is raised after both are closed."""
+    def close(self, failed: bool = False) -> None:
+        """Close both files and the tracker (marked failed if the run failed); the first error
+        (a full disk) is raised after all are closed."""
         first = None
+        if self._tracker is not None:
+            try:
+                self._tracker.close(failed)
+            except OSError as e:
+                first = e
         for f in (self._f, self._tb):
             if f is None:
                 continue
@@ -86,7 +97,7 @@ class MetricsLogger:
                 f.close()
             except OSError as e:
                 first = first or e
-        self._f = self._tb = None
+        self._f = self._tb = self._tracker = None
         if first is not None:
             raise first
 

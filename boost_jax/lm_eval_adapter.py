@@ -1,0 +1,103 @@
+"""lm-evaluation-harness on a trained run (the lm_eval extra: pip install -e '.[lm_eval]'):
+
+    python -m boost_jax.lm_eval_adapter --model boost_jax --model_args run=runs/demo \\
+        --tasks TASK --batch_size 8 [any other lm_eval option]
+
+lm_eval's own `lm_eval` command knows only its built-in models, so this module registers the
+model `boost_jax` and then runs lm_eval's command line with the same arguments. model_args:
+run (the out_dir, required), step (default: the latest checkpoint), max_length (tokens the
+model reads, default model.max_seq_len); lm_eval's --batch_size is the sequences per forward
+pass ("auto": 8).
+From Python, import this module and call lm_eval.simple_evaluate(model="boost_jax",
+model_args={"run": ...}, tasks=[...]), or pass model=BoostJaxLM(run=...).
+
+The scoring is boost_jax.infer.score; generation is greedy (sampling settings in a task's
+generation_kwargs are not applied; a warning says so).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from boost_jax.errors import UserError, cli_main
+
+try:
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+except ImportError:  # the lm_eval extra is not installed: main() says so
+    LM, register_model = object, None
+
+
+def _require_lm_eval() -> None:
+    if register_model is None:
+        raise UserError("the lm-evaluation-harness is not installed; install the extra "
+                        "(pip install -e '.[lm_eval]')")
+
+
+class BoostJaxLM(LM):
+    """lm_eval's model interface over a trained run (boost_jax.infer.score.Scorer)."""
+
+    def __init__(self, run: str, step=None, batch_size=8, max_length=None, **_ignored):
+        # lm_eval also passes device and max_batch_size: JAX places on its default device
+        super().__init__()
+        from boost_jax.infer.load import open_run, quiet_libraries
+        from boost_jax.infer.score import Scorer
+
+        quiet_libraries()
+        size = 8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") \
+            else int(batch_size)
+        self.run = open_run(run, None if step in (None, "") else int(step))
+        self.scorer = Scorer(self.run, size, int(max_length) if max_length else None)
+        self._warned = False
+
+    def loglikelihood(self, requests) -> list:
+        out = self.scorer.loglikelihood([req.args for req in requests])
+        for req, res in zip(requests, out):
+            self.cache_hook.add_partial("loglikelihood", req.args, res)
+        return out
+
+    def loglikelihood_rolling(self, requests) -> list:
+        out = self.scorer.loglikelihood_rolling([req.args[0] for req in requests])
+        for req, res in zip(requests, out):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, res)
+        return out
+
+    def generate_until(self, requests) -> list:
+        out = []
+        for req in requests:
+            context, kwargs = req.args
+            kwargs = dict(kwargs or {})
+            until = kwargs.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_gen = int(kwargs.pop("max_gen_toks", 256))
+            if (kwargs.get("do_sample") or float(kwargs.get("temperature") or 0) > 0) \
+                    and not self._warned:
+                print("warning: boost_jax decodes greedily; the task's sampling settings are "
+                      "not applied", file=sys.stderr)
+                self._warned = True
+            text = self.scorer.generate_until(context, until, max_gen)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+            out.append(text)
+        return out
+
+
+if register_model is not None and __name__ != "__main__":  # once, under the module's name
+    register_model("boost_jax")(BoostJaxLM)
+
+
+@cli_main
+def main(argv=None):
+    """lm_eval's command line, with the model `boost_jax` registered."""
+    _require_lm_eval()
+    import lm_eval.models  # noqa: F401 - registers lm_eval's own models next to ours
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+    cli_evaluate()
+    return 0
+
+
+if __name__ == "__main__":
+    from boost_jax.lm_eval_adapter import main as _main  # the copy that registered the model
+
+    sys.exit(_main())

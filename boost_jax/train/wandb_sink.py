@@ -1,0 +1,75 @@
+"""Weights & Biases as one more sink of the metrics rows (logging.wandb=true; the wandb extra).
+
+Each row is the exact dict written to metrics.jsonl, its `step` key the x-axis of every chart
+(define_metric), so W&B holds one history row per metrics.jsonl row. The run id is kept in
+out_dir/wandb_run_id: a resumed training run continues the same W&B run (offline, each
+invocation writes out_dir/wandb/offline-run-*-ID; `wandb sync` of them fills one run). The
+steps a resumed run re-does after its last checkpoint are logged again (metrics.jsonl drops the
+killed run's rows; W&B cannot), with the same values when the resume is exact.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import secrets
+
+from boost_jax.errors import UserError
+
+RUN_ID_FILE = "wandb_run_id"
+
+
+def require_wandb(cfg) -> None:
+    """Fail before any work when logging.wandb is on and the package is missing."""
+    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+        raise UserError("logging.wandb=true but the wandb package is not installed; install "
+                        "the extra (pip install -e '.[wandb]') or set logging.wandb=false")
+
+
+def _run_id(out_dir: str, resumed: bool) -> str:
+    """The id saved in out_dir when resuming, else a new one (saved for the next resume)."""
+    path = os.path.join(out_dir, RUN_ID_FILE)
+    if resumed and os.path.isfile(path):
+        with open(path) as f:
+            saved = f.read().strip()
+        if saved:
+            return saved
+    run_id = secrets.token_hex(4)  # W&B's form: 8 lowercase letters and digits
+    with open(path, "w") as f:
+        f.write(run_id + "\n")
+    return run_id
+
+
+class WandbSink:
+    """One W&B run fed the metrics rows; process 0 only (MetricsLogger holds it)."""
+
+    def __init__(self, cfg, out_dir: str, resumed: bool):
+        import wandb
+
+        lg = cfg.logging
+        self.id = _run_id(out_dir, resumed)
+        settings = wandb.Settings(console="off", quiet=True, silent=True)
+        try:
+            self._run = wandb.init(project=lg.wandb_project, entity=lg.wandb_entity,
+                                   name=cfg.name, id=self.id, resume="allow", mode=lg.wandb_mode,
+                                   dir=out_dir, config=cfg.to_dict(), settings=settings)
+        except wandb.errors.Error as e:  # no login, no network, no such entity
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"logging.wandb=true but W&B did not start ({reason}); run "
+                            "wandb login, or set logging.wandb_mode=offline (no network; "
+                            "wandb sync later)") from None
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
+
+    def log(self, row: dict) -> None:
+        self._run.log(dict(row))
+
+    def close(self, failed: bool = False) -> None:
+        run, self._run = self._run, None
+        if run is not None:
+            run.finish(exit_code=1 if failed else 0)
+
+
+def open_sink(cfg, out_dir: str, resumed: bool):
+    """A WandbSink when logging.wandb is on, else None."""
+    return WandbSink(cfg, out_dir, resumed) if cfg.logging.wandb else None
