@@ -89,6 +89,14 @@ COMMANDS = {
     "python -m boost_jax.export --run runs/demo --out hf/demo": _c(RUN),
     "python train.py --config configs/demo.yaml model.init_from=hf/demo out_dir=runs/next":
         _c(RUN, TINY),
+    "python train.py --config configs/demo.yaml model.family=gpt_neox":
+        _c(RUN, TINY + ["out_dir=runs/neox"]),
+    "python train.py --config configs/demo.yaml model.family=gpt2 model.tie_embeddings=true":
+        _c(RUN, TINY + ["out_dir=runs/gpt2"]),
+    "python benchmarks/attention.py --lengths 64,256 --reps 3": _c(RUN),
+    "python -m boost_jax.analysis.comm --config configs/demo.yaml --cpu-devices 8 "
+    "data.seq_len=4096 model.max_seq_len=4096 model.attention=flash":
+        _c(RUN, ["data.seq_len=256", "model.max_seq_len=256", "model.n_layers=1"]),
     "python -m boost_jax.data.prepare corpus/ data/corpus.bin --tokenizer byte":
         _c(RUN, setup=_corpus),
 }
@@ -129,8 +137,8 @@ def test_every_readme_command_is_accounted_for():
 def _scratch(tmp_path):
     """A folder that sees the repository's files (train.py, configs/, scripts/) as the README's
     reader does from the clone, while everything the commands write stays in tmp_path."""
-    for name in ("train.py", "configs", "scripts", "boost_jax", "Makefile", "pyproject.toml",
-                 ".venv"):
+    for name in ("train.py", "configs", "scripts", "boost_jax", "benchmarks", "Makefile",
+                 "pyproject.toml", ".venv"):
         if os.path.exists(os.path.join(ROOT, name)):
             os.symlink(os.path.join(ROOT, name), tmp_path / name)
     bindir = os.path.dirname(sys.executable)  # what `source .venv/bin/activate` puts first
