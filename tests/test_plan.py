@@ -256,3 +256,39 @@ def test_analytic_bytes_per_level_match_the_compiled_step(plan, tp):
     for lv in ("pair", "node", "global"):
         got, want = analytic[lv], dr.prediction.comm_bytes[lv]
         assert got == pytest.approx(want, rel=0.10, abs=2e4), (lv, got, want)
+
+
+def test_a_ring_over_whole_nodes_leaves_each_node_once():
+    """ZeRO-1 over 48 Frontier nodes: the ring's 8 GCDs on a node are contiguous, so the node's
+    four NICs carry one GCD's ring bytes (2(n-1)/n·P), not eight GCDs' worth."""
+    topo, a = get_topology("frontier"), C.Assumptions(eta_net=1.0)
+    sizes = {"pair": 2, "node": 4, "global": 48}
+    axes = ("pair", "node", "global")
+    k, groups = N.host_split(axes, sizes)
+    assert (k, groups) == (8, 1)
+    P = 11.5e9
+    c = N.Coll("ar", "all-reduce", P, 384, "global", 1, "step", axes, k, groups)
+    ring = 2 * 383 / 384 * P
+    assert c.egress_per_step(topo) == pytest.approx(ring)
+    # 100 GB/s of NICs per node (4 x 25 GB/s Slingshot-11), not 12.5 GB/s per GCD for all
+    # bytes; inside the node the ring runs over the package links (75 GB/s per GCD)
+    assert N.coll_time(c, topo, a) == pytest.approx(max(ring / 100e9, ring / 75e9) + 1e-5 * 9)
+    # the same bytes over a group with one member per node: every GCD's share of the NICs
+    one = N.Coll("ar", "all-reduce", P, 48, "global", 1, "step", ("global",),
+                 *N.host_split(("global",), sizes))
+    assert one.egress_per_step(topo) == pytest.approx(8 * 2 * 47 / 48 * P)
+    assert N.coll_time(one, topo, a) == pytest.approx(8 * 2 * 47 / 48 * P / 100e9 + 6e-5)
+
+
+def test_node_egress_is_reported_and_hierarchical_keeps_micro_batches_inside():
+    """The planner reports bytes leaving a node per step; hierarchical's per-micro-batch
+    traffic stays inside the node, ZeRO-3's leaves it."""
+    cfg = C.with_overrides(_cfg7b("cola", "btp", "[pair]"), **{"train.global_batch": 192})
+    topo = get_topology("frontier")
+    sizes = {"pair": 2, "node": 4, "global": 48}
+    z3 = C.predict(C.with_overrides(cfg, **{"parallel.plan": "zero3"}), topo, sizes)
+    hi = C.predict(C.with_overrides(cfg, **{"parallel.plan": "hierarchical"}), topo, sizes)
+    assert hi.node_egress["dp"] == 0 and z3.node_egress["dp"] > 0
+    # per device ZeRO-3 sends more across nodes than what leaves the node per GCD: the ring
+    # leaves each node once, so egress per node < 8 x the per-device global bytes
+    assert sum(z3.node_egress.values()) < 8 * z3.comm_bytes["global"] / 1.5

@@ -173,6 +173,12 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
     for lv in ("pair", "node", "global"):
         L.append(f"  {lv:<7}{_bytes(p.comm_bytes[lv]):>12}  {_ms(p.comm_time[lv]):>10}  "
                  f"({topo.bandwidth(lv) / 1e9:.1f} GB/s, {topo.latency(lv) * 1e6:.0f} us)")
+    eg = p.node_egress
+    if sum(eg.values()):
+        L.append(f"  leaving each node through its NICs ({topo.nic_node / 1e9:.0f} GB/s per node):"
+                 f" {_bytes(sum(eg.values()))} per step (tensor-parallel and pipeline "
+                 f"{_bytes(eg.get('tp', 0))}, per micro-batch {_bytes(eg.get('dp', 0))}, once "
+                 f"per step {_bytes(eg.get('step', 0))})")
     if compiled and m.get("analytic_comm_bytes"):
         ab = m["analytic_comm_bytes"]
         L.append("  (analytic model of the same layout: " + ", ".join(

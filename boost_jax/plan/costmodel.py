@@ -29,7 +29,7 @@ from typing import Any, Optional
 from boost_jax.analysis.flops import flops_per_token, param_count
 from boost_jax.errors import ConfigError
 from boost_jax.mesh import AXES, STAGE, Topology
-from boost_jax.plan.collectives import Coll, CommSummary, coll_time, level_of
+from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split, level_of
 from boost_jax.sharding.gather import qgz_stages
 from boost_jax.sharding.stages import layers_per_stage
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
@@ -160,6 +160,7 @@ class Prediction:
     assumptions: Assumptions
     collectives: list = field(default_factory=list, repr=False)
     notes: list = field(default_factory=list)
+    node_egress: dict = field(default_factory=dict)  # tp | dp | step: bytes leaving a host
 
     @property
     def fits(self) -> bool:
@@ -223,7 +224,7 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
         n = _size(sizes, axes)
         if n > 1:
             out.append(Coll(name, kind, payload / leaves, n, level_of(axes), times * leaves,
-                            phase, tuple(axes)))
+                            phase, tuple(axes), *host_split(axes, sizes)))
 
     if A:  # per layer, per micro-batch, with or without TP (boost_jax/sharding/gather.py)
         prim = q8 if pl.quantize_gather else pb
@@ -261,7 +262,7 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
     n_all = [a for a in (*AXES, STAGE) if sizes.get(a, 1) > 1]
     if n_all:
         out.append(Coll("grad_norm", "all-reduce", 4.0 * leaves, _size(sizes, n_all),
-                        level_of(n_all), 1, "step", tuple(n_all)))
+                        level_of(n_all), 1, "step", tuple(n_all), *host_split(n_all, sizes)))
     del nO
     return out
 
@@ -413,26 +414,26 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     tp_axes = cfg.parallel.tp_axes
     colls: list[Coll] = []
     if t > 1:
-        lv = level_of(tp_axes)
+        lv, hs = level_of(tp_axes), host_split(tp_axes, sizes)
         for c in bm.fwd:
             colls.append(Coll(f"tp_fwd_{c.name}", c.kind, c.payload, t, lv,
                               Lw * (fwd_calls + (bwd_calls if remat_replays else 0)), "tp",
-                              tuple(tp_axes)))
+                              tuple(tp_axes), *hs))
         for c in bm.bwd:
             colls.append(Coll(f"tp_bwd_{c.name}", c.kind, c.payload, t, lv, Lw * bwd_calls, "tp",
-                              tuple(tp_axes)))
+                              tuple(tp_axes), *hs))
         for c in hm.fwd:
             colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, V * fwd_calls, "tp",
-                              tuple(tp_axes)))
+                              tuple(tp_axes), *hs))
         for c in hm.bwd:
             colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, V * bwd_calls, "tp",
-                              tuple(tp_axes)))
+                              tuple(tp_axes), *hs))
     if pp > 1:
         from boost_jax.train.pipeline import Schedule
 
         sends = Schedule(cfg.parallel.pp_schedule, pp, micro, V).sends
         colls.append(Coll("stage_send", "collective-permute", stage_send_bytes(cfg, sizes, b),
-                          2, "global", sends, "tp", (STAGE,)))
+                          2, "global", sends, "tp", (STAGE,), *host_split((STAGE,), sizes)))
     colls += dp_collectives(cfg, sizes, st, pl)
     notes = []
     if measured is not None:
@@ -484,7 +485,8 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
                   optimizer=t_opt, p2p=p2p, total=total, total_overlapped=total_overlap),
         comm_bytes=per_level, comm_time=lvl_time, memory=mem, step_time=total,
         tokens_per_s=tokens / total, tflops_per_device=tflops, mfu=tflops * 1e12 / peak,
-        assumptions=a, collectives=colls if measured is None else [], notes=notes)
+        assumptions=a, collectives=colls if measured is None else [], notes=notes,
+        node_egress=dict(comm.egress or {}))
 
 
 def with_overrides(cfg, **kw):

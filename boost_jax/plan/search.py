@@ -79,6 +79,7 @@ class SearchResult:
                              remat=c.remat, step_time=p.step_time, tokens_per_s=p.tokens_per_s,
                              tflops_per_device=p.tflops_per_device, mfu=p.mfu,
                              memory=p.memory["total"], comm_bytes=p.comm_bytes,
+                             node_egress=sum(p.node_egress.values()),
                              compiled=c.compiled))
         tight = [dict(key=c.key(), memory=c.prediction.memory["total"],
                       analytic_memory=c.prediction.memory["analytic_total"])
@@ -164,8 +165,8 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
              f"(<= {res.candidates[0].prediction.assumptions.hbm_usable if res.fitting else 0.9:.0%}"
              f" of {topo.hbm_bytes / 2**30:.0f} GiB); best first:", ""]
     hdr = ("| # | plan | TP | PP | seq/dev/micro | micro-batches | remat | GiB/dev | step s | "
-           "tokens/s | TFLOP/s/dev | MFU | global GB/dev/step | compiled |")
-    lines += [hdr, "|" + "---|" * 14]
+           "tokens/s | TFLOP/s/dev | MFU | global GB/dev/step | node egress GB/step | compiled |")
+    lines += [hdr, "|" + "---|" * 15]
     for i, c in enumerate(res.fitting[:top], 1):
         p = c.prediction
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
@@ -175,6 +176,7 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                      f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
                      f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "
                      f"{p.comm_bytes['global'] / 1e9:.2f} | "
+                     f"{sum(p.node_egress.values()) / 1e9:.2f} | "
                      f"{'yes' if c.compiled else 'no'} |")
     tight = [c for c in res.candidates if c.compiled and c.compiled_fits is False]
     if tight:
@@ -190,5 +192,5 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                      "above the rows shown):")
         lines += [f"  {c.key()}: {c.error}" for c in failed]
     if not res.fitting:
-        lines.append("| - | nothing fits | | | | | | | | | | | | |")
+        lines.append("| - | nothing fits | | | | | | | | | | | | | |")
     return "\n".join(lines)
