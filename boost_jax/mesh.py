@@ -63,17 +63,25 @@ SLINGSHOT_CCL_ENV = (
     ("NCCL_CROSS_NIC", "1"),
     ("NCCL_SOCKET_IFNAME", "hsn0,hsn1,hsn2,hsn3"),
 )
-# XLA:GPU scheduling that overlaps our written-out collectives (per-layer gathers inside the
-# scanned layers, gradient reduce-scatters) with compute. Each flag is present in the 0.10.2
-# jax-cuda12-pjrt and jax-rocm7-pjrt plugins (an unknown XLA flag aborts the process).
-GPU_XLA_FLAGS = (
-    "--xla_gpu_enable_latency_hiding_scheduler=true",
-    "--xla_gpu_enable_highest_priority_async_stream=true",
-    "--xla_gpu_enable_pipelined_all_gather=true",
-    "--xla_gpu_enable_pipelined_reduce_scatter=true",
-    "--xla_gpu_enable_pipelined_all_reduce=true",
-    "--xla_gpu_enable_while_loop_double_buffering=true",
+# XLA:GPU scheduling of the step's collectives, each flag with what the cost model
+# (boost_jax/plan/costmodel.py, `overlap_exposed`) assumes because of it: one list, read by
+# the launcher (the flags) and the planner (the assumptions). Each flag is present in the
+# 0.10.2 jax-cuda12-pjrt and jax-rocm7-pjrt plugins (an unknown XLA flag aborts the process).
+GPU_XLA_SCHEDULE = (
+    ("--xla_gpu_enable_latency_hiding_scheduler=true",
+     "async collectives are scheduled to run behind independent compute"),
+    ("--xla_gpu_enable_highest_priority_async_stream=true",
+     "collectives run on their own stream, next to the compute kernels"),
+    ("--xla_gpu_enable_pipelined_all_gather=true",
+     "a layer's weight gather runs behind the previous layer's compute (scanned layers)"),
+    ("--xla_gpu_enable_pipelined_reduce_scatter=true",
+     "a layer's gradient reduce-scatter runs behind the next backward layer"),
+    ("--xla_gpu_enable_pipelined_all_reduce=true",
+     "a layer's gradient all-reduce (DDP) runs behind the next backward layer"),
+    ("--xla_gpu_enable_while_loop_double_buffering=true",
+     "the scanned layers are double-buffered, so the next layer's gathered weights exist"),
 )
+GPU_XLA_FLAGS = tuple(flag for flag, _ in GPU_XLA_SCHEDULE)
 # Frontier (OLCF user guide): ROCm 7 for the jax-rocm7 plugin (it links libamdhip64.so.7), the
 # rccl-net-plugin module (aws-ofi plugin and OLCF's RCCL settings for Slingshot), 56 usable cores
 # = 7 per GCD (low-noise mode), the batch partition, Orion scratch $MEMBERWORK/<project>.

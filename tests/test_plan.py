@@ -292,3 +292,33 @@ def test_node_egress_is_reported_and_hierarchical_keeps_micro_batches_inside():
     # per device ZeRO-3 sends more across nodes than what leaves the node per GCD: the ring
     # leaves each node once, so egress per node < 8 x the per-device global bytes
     assert sum(z3.node_egress.values()) < 8 * z3.comm_bytes["global"] / 1.5
+
+
+def test_overlap_assumptions_are_the_launchers_xla_flags():
+    """One list: the flags a GPU job sets are the ones the cost model's overlap rests on."""
+    from boost_jax.mesh import GPU_XLA_SCHEDULE, TOPOLOGIES
+
+    flags = [f for f, _ in GPU_XLA_SCHEDULE]
+    for name in ("frontier", "perlmutter", "dgx-h100"):
+        assert list(TOPOLOGIES[name].job.xla_flags) == flags
+    text = "\n".join(C.Assumptions().describe())
+    assert all(f in text for f in flags)
+    assert "none" in "\n".join(C.Assumptions(overlap="none").describe())
+
+
+def test_layer_collectives_hide_behind_compute_but_one_layer_per_pass():
+    a = C.Assumptions()
+    # 32 layers: at most one layer's share (1/32) of hidden traffic stays exposed
+    assert C.overlap_exposed(0.1, 1.0, 32, a) == pytest.approx(0.1 / 32)
+    assert C.overlap_exposed(1.5, 1.0, 32, a) == pytest.approx(0.5)
+    assert C.overlap_exposed(0.1, 1.0, 32, C.Assumptions(overlap="none")) == 0.1
+    cfg = C.with_overrides(_cfg7b("cola", "btp", "[pair]"), **{"train.global_batch": 192,
+                                                               "parallel.plan": "zero3"})
+    sizes = {"pair": 2, "node": 4, "global": 48}
+    topo = get_topology("frontier")
+    xla = C.predict(cfg, topo, sizes)
+    none = C.predict(cfg, topo, sizes, C.Assumptions(overlap="none"))
+    assert xla.time["dp"] == pytest.approx(none.time["dp"])
+    assert none.step_time - xla.step_time == pytest.approx(
+        none.time["dp_exposed"] - xla.time["dp_exposed"])
+    assert sum(C.critical_path(xla).values()) == pytest.approx(xla.step_time)

@@ -17,7 +17,8 @@ from typing import Optional
 
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.mesh import AXES, Topology
-from boost_jax.plan.costmodel import Assumptions, Prediction, SizesMesh, predict
+from boost_jax.plan.costmodel import (Assumptions, Prediction, SizesMesh, critical_path,
+                                     predict)
 
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 TP_AXES = ((), ("pair",), ("node",), ("pair", "node"))
@@ -80,6 +81,7 @@ class SearchResult:
                              tflops_per_device=p.tflops_per_device, mfu=p.mfu,
                              memory=p.memory["total"], comm_bytes=p.comm_bytes,
                              node_egress=sum(p.node_egress.values()),
+                             critical_path=critical_path(p),
                              compiled=c.compiled))
         tight = [dict(key=c.key(), memory=c.prediction.memory["total"],
                       analytic_memory=c.prediction.memory["analytic_total"])
@@ -178,6 +180,13 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                      f"{p.comm_bytes['global'] / 1e9:.2f} | "
                      f"{sum(p.node_egress.values()) / 1e9:.2f} | "
                      f"{'yes' if c.compiled else 'no'} |")
+    if res.fitting:
+        lines += ["", "critical path of the top layouts (ms per step: compute, exposed TP, "
+                  "exposed DP, pipeline bubble, once-per-step comm + optimizer):"]
+        for i, c in enumerate(res.fitting[:min(top, 5)], 1):
+            cp = critical_path(c.prediction)
+            lines.append(f"  {i}. {c.key()}: " + ", ".join(
+                f"{k} {v * 1e3:.1f}" for k, v in cp.items()))
     tight = [c for c in res.candidates if c.compiled and c.compiled_fits is False]
     if tight:
         lines.append("")
