@@ -362,3 +362,24 @@ def test_mfu_of_a_compute_bound_step_is_pinned():
     expected_mfu = p.flops_per_device / expected_step / topo.peak_flops
     assert p.mfu == pytest.approx(expected_mfu, rel=0.1)
     assert 0.5 < p.mfu < 0.7
+
+
+def test_roles_tp_takes_are_said_in_one_line():
+    from boost_jax.sharding.placement import resolve_roles
+
+    def roles(*extra):
+        return resolve_roles(load_config(None, [*TINY, "parallel.tp_mode=btp", *extra]))
+
+    r = roles("parallel.plan=hierarchical", "parallel.tp_axes=[pair,node]")
+    line = r["collapsed"]
+    assert "\n" not in line and "params pair -> -" in line and "grads pair+node -> -" in line
+    assert line.endswith("this runs as zero1 over global")
+    assert "params pair -> -" in roles("parallel.plan=hierarchical",
+                                       "parallel.tp_axes=[pair]")["collapsed"]
+    assert roles("parallel.plan=zero3", "parallel.tp_axes=[pair,node]")["collapsed"] is None
+    assert resolve_roles(load_config(None, [*TINY, "parallel.plan=hierarchical"]))[
+        "collapsed"] is None
+    cfg = load_config(None, [*TINY, "parallel.tp_mode=btp", "parallel.plan=hierarchical",
+                             "parallel.tp_axes=[pair,node]", "train.global_batch=8"])
+    p = C.predict(cfg, get_topology("frontier"), {"pair": 2, "node": 4, "global": 1})
+    assert line in p.notes

@@ -127,6 +127,9 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
              + f"remat {lay['remat']}; "
              f"{p.micro_batches} micro-batches x {p.micro_batch_per_device} seq/device of "
              f"{cfg.data.seq_len} tokens ({p.tokens_per_step} tokens/step)")
+    for note in p.notes:
+        if note.startswith("parallel.plan="):  # the roles TP took: the effective plan
+            L.append(f"  {note}")
     if compiled:
         progs = dr.compiled
         cs = dr.compile_sizes

@@ -441,7 +441,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
         colls.append(Coll("stage_send", "collective-permute", stage_send_bytes(cfg, sizes, b),
                           2, "global", sends, "tp", (STAGE,), *host_split((STAGE,), sizes)))
     colls += dp_collectives(cfg, sizes, st, pl)
-    notes = []
+    notes = list(pl.notes)  # roles tensor parallelism took, in one line
     if measured is not None:
         comm = measured
         notes.append("collectives: measured from the compiled step's HLO")
