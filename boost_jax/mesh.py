@@ -170,6 +170,12 @@ TOPOLOGIES: dict[str, Topology] = {
     "dgx-h100": Topology("dgx-h100", 2, 4, 450 * GB, 450 * GB, 50 * GB, 2e-6, 2e-6, 8e-6,
                          989e12, 80 * GB, "NVIDIA H100 SXM",
                          JobProfile("cuda", 8, gpus_per_node=8, xla_flags=GPU_XLA_FLAGS)),
+    # DGX A100 (NVIDIA DGX A100 datasheet; Selene, where Megatron-LM's published runs ran):
+    # 8 A100-80GB on NVSwitch, NVLink 3 600 GB/s bidirectional = 300 GB/s each way per GPU;
+    # 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU (200 GB/s per node); 312 TFLOP/s bf16.
+    "dgx-a100": Topology("dgx-a100", 2, 4, 300 * GB, 300 * GB, 25 * GB, 2e-6, 2e-6, 1e-5,
+                         312e12, 80 * GB, "NVIDIA A100-80GB SXM",
+                         JobProfile("cuda", 8, gpus_per_node=8, xla_flags=GPU_XLA_FLAGS)),
     # Simulated CPU devices for tests and laptops; bandwidths mirror Frontier's ratios so the
     # communication analysis means something; peak FLOP/s is this machine's measured fp32 GEMM
     # rate shared by its simulated devices (boost_jax.backends.cpu_peak).

@@ -383,3 +383,25 @@ def test_roles_tp_takes_are_said_in_one_line():
                              "parallel.tp_axes=[pair,node]", "train.global_batch=8"])
     p = C.predict(cfg, get_topology("frontier"), {"pair": 2, "node": 4, "global": 1})
     assert line in p.notes
+
+
+def test_validation_json_rows_and_absolute_gaps():
+    """--json rows carry name/kind/published/predicted/source; the absolute rows outside 25% are
+    exactly the ones the validation page explains (BOOST full-rank/vanilla 3B-7B with
+    whole-block recompute); Megatron-LM's 1T row is within."""
+    from boost_jax.plan import validate as V
+
+    rows = V.json_rows()
+    assert {r["kind"] for r in rows} == {"ratio", "absolute"}
+    assert all({"name", "kind", "published", "predicted", "source"} <= set(r) for r in rows)
+    absr = [r for r in rows if r["kind"] == "absolute"]
+    assert len(absr) == 10
+    outside = {r["name"] for r in absr if abs(r["error"]) > V.TOLERANCE}
+    assert outside == {"BOOST 3B full iteration s (Perlmutter)",
+                       "BOOST 3B vanilla iteration s (Perlmutter)",
+                       "BOOST 7B full iteration s (Perlmutter)"}
+    meg = absr[-1]
+    assert meg["published"] == 163.0 and abs(meg["error"]) <= V.TOLERANCE
+    # Megatron's FLOPs formula: 1T GPT, 3072 sequences of 2048 -> ~1.1e21 per iteration
+    assert V.megatron_flops() == pytest.approx(96 * 3072 * 2048 * 128 * 25600 ** 2 * (
+        1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600)))
