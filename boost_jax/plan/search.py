@@ -1,5 +1,5 @@
-"""Layout search: plan × TP mode × TP axes × pipeline stages × micro-batch size × remat, ranked by
-the cost model.
+"""Layout search: plan × TP mode × TP axes × pipeline stages × micro-batch size × remat ×
+working-weight/gradient dtype, ranked by the cost model.
 
 Every candidate is costed analytically (boost_jax.plan.costmodel: compiling hundreds of layouts
 is too slow); those whose predicted memory fits are ranked by predicted step time (the global
@@ -38,6 +38,7 @@ class Candidate:
     pp_stages: int = 1
     pp_virtual: int = 1
     sizes: dict = field(default_factory=dict)  # the mesh: global = hosts / pp_stages
+    low_precision: bool = False  # bf16 working weights and bf16 gradient reduction
     prediction: Optional[Prediction] = None
     error: Optional[str] = None
     compiled: bool = False
@@ -47,14 +48,19 @@ class Candidate:
         tp = f"{self.tp_mode}x{'+'.join(self.tp_axes)}" if self.tp_axes else "none"
         pp = f"/pp{self.pp_stages}" if self.pp_stages > 1 else ""
         pp += f"v{self.pp_virtual}" if self.pp_virtual > 1 else ""
-        return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}"
+        bf = "/bf16" if self.low_precision else ""
+        return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}{bf}"
 
     def config(self, cfg):
         par = dataclasses.replace(cfg.parallel, plan=self.plan, tp_mode=self.tp_mode,
                                   tp_axes=list(self.tp_axes), pp_stages=self.pp_stages,
                                   pp_schedule="1f1b", pp_virtual=self.pp_virtual)
         tr = dataclasses.replace(cfg.train, micro_batches=self.micro_batches, remat=self.remat)
-        return dataclasses.replace(cfg, parallel=par, train=tr)
+        model = cfg.model
+        if self.low_precision:
+            par = dataclasses.replace(par, grad_accum_dtype="bfloat16")
+            model = dataclasses.replace(model, param_dtype="bfloat16")
+        return dataclasses.replace(cfg, parallel=par, train=tr, model=model)
 
 
 @dataclass
@@ -77,7 +83,7 @@ class SearchResult:
             rows.append(dict(key=c.key(), plan=c.plan, tp_mode=c.tp_mode, tp_axes=list(c.tp_axes),
                              micro_size=c.micro_size, micro_batches=c.micro_batches,
                              pp_stages=c.pp_stages, pp_virtual=c.pp_virtual,
-                             remat=c.remat, step_time=p.step_time, tokens_per_s=p.tokens_per_s,
+                             remat=c.remat, low_precision=c.low_precision, step_time=p.step_time, tokens_per_s=p.tokens_per_s,
                              tflops_per_device=p.tflops_per_device, mfu=p.mfu,
                              memory=p.memory["total"], comm_bytes=p.comm_bytes,
                              node_egress=sum(p.node_egress.values()),
@@ -95,6 +101,10 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
     modes = ("vanilla", "btp") if lowrank else ("megatron",)
     remats = ("none", "full", "lowrank") if lowrank else ("none", "full")
     hosts = sizes["global"] * sizes.get("stage", 1)
+    # the config's weight/gradient dtypes, and bf16 weights + bf16 gradient reduction (fp32
+    # master and Adam stay) where the config has wider ones
+    wide = cfg.model.param_dtype != "bfloat16" or cfg.parallel.grad_accum_dtype != "bfloat16"
+    precisions = (False, True) if wide else (False,)
     out = []
     for pp, plan, axes in itertools.product(PP_STAGES, PLANS, TP_AXES):
         if hosts % pp or pp > cfg.model.n_layers or any(sizes[a] <= 1 for a in axes):
@@ -114,7 +124,9 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
                     continue  # 1F1B needs at least as many micro-batches as stages
                 for v in PP_VIRTUAL if pp > 1 else (1,):
                     if v == 1 or (m % pp == 0 and pp * v <= cfg.model.n_layers):
-                        out.append(Candidate(plan, mode, tuple(axes), b, m, remat, pp, v, sz))
+                        for low in precisions:
+                            out.append(Candidate(plan, mode, tuple(axes), b, m, remat, pp, v,
+                                                 sz, low))
     return out
 
 
