@@ -254,6 +254,10 @@ def test_analytic_bytes_per_level_match_the_compiled_step(plan, tp):
     for lv in ("pair", "node", "global"):
         got, want = analytic[lv], dr.prediction.comm_bytes[lv]
         assert got == pytest.approx(want, rel=0.10, abs=2e4), (lv, got, want)
+    # bytes leaving a node per step: the schedule's against the compiled step's
+    got = dr.prediction.memory["analytic_node_egress"]
+    want = sum(dr.prediction.node_egress.values())
+    assert got == pytest.approx(want, rel=0.10, abs=2e4), (got, want)
 
 
 def test_a_ring_over_whole_nodes_leaves_each_node_once():

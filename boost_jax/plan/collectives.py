@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from boost_jax.analysis.comm import ring_bytes
+from boost_jax.analysis.comm import egress_bytes, ring_bytes
 from boost_jax.mesh import AXES, Topology
 from boost_jax.plan.roofline import Assumptions
 
@@ -83,13 +83,7 @@ class Coll:
             return 0.0
         k = self.host_members or 1
         groups = self.host_groups or max(topo.devices_per_node // k, 1)
-        if self.kind == "all-to-all":
-            per_group = k * (self.n - k) / self.n * self.payload
-        elif self.kind == "collective-permute":
-            per_group = k * self.payload
-        else:  # a ring leaves the host once: one device's ring bytes
-            per_group = ring_bytes(self.kind, self.n, self.payload)
-        return groups * per_group * self.calls
+        return egress_bytes(self.kind, self.n, self.payload, k, groups) * self.calls
 
 
 def _intra_level(c: Coll) -> str:
