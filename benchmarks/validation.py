@@ -114,6 +114,14 @@ def _lbp_fill(a, lbp: dict, lbp_rows: list) -> dict:
                 noq_zz=noq["zeropp"].tflops_per_device / noq["zero3"].tflops_per_device)
 
 
+def busbw_table() -> str:
+    lines = ["| machine | 1 node | 2 nodes | 8 nodes | 48 nodes |", "|---|---|---|---|---|"]
+    for name in ("frontier", "perlmutter"):
+        cells = " | ".join(f"{V.bus_bandwidth(name, n) / 1e9:.0f} GB/s" for n in (1, 2, 8, 48))
+        lines.append(f"| {name} | {cells} |")
+    return "\n".join(lines)
+
+
 def absolute_table(rows: list) -> str:
     lines = ["| published figure | published | predicted | rel. error | within 25% | source |",
              "|---|---|---|---|---|---|"]
@@ -172,6 +180,18 @@ with whole-block recompute (see "Why" below). Dash et al.'s Frontier GPT runs (a
 2312.12705: 38.38% / 36.14% / 31.96% for 22B / 175B / 1T) are not rows yet: their TP / PP /
 DP / micro-batch layouts could not be taken from a source we could read, and a row with
 guessed layouts would not validate anything.
+
+## The network model's all-reduce bus bandwidth
+
+What `all_reduce_perf` (nccl-tests / rccl-tests) would print for a 1 GiB all-reduce over every
+device of the nodes, as the model costs it (a ring leaves each node once; the node's NICs and
+the links inside it both carry it):
+
+{busbw_table()}
+
+No published rccl-tests / nccl-tests all-reduce bus bandwidth for Frontier or Perlmutter was
+found in a source we could read, so these are not validation rows; they follow from the
+link bandwidths in `boost_jax/mesh.py` (each with its source) and `eta_net`.
 
 ## Where the published figures come from
 

@@ -409,3 +409,16 @@ def test_validation_json_rows_and_absolute_gaps():
     # Megatron's FLOPs formula: 1T GPT, 3072 sequences of 2048 -> ~1.1e21 per iteration
     assert V.megatron_flops() == pytest.approx(96 * 3072 * 2048 * 128 * 25600 ** 2 * (
         1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600)))
+
+
+def test_bus_bandwidth_of_a_multi_node_all_reduce_is_the_node_link_not_the_device_share():
+    """nccl-tests' bus bandwidth of a multi-node all-reduce, as modelled: bounded by a node's
+    NICs (4 x 25 GB/s) or the links inside it, never by one device's NIC share (12.5 / 25)."""
+    from boost_jax.plan import validate as V
+
+    eta = V.VALIDATION_ASSUMPTIONS.eta_net
+    for name, inside in (("frontier", 75e9), ("perlmutter", 300e9)):
+        topo = get_topology(name)
+        bw = V.bus_bandwidth(name, 48)
+        assert bw == pytest.approx(eta * min(topo.nic_node, inside), rel=0.01)
+        assert bw > 2 * eta * topo.bw_global

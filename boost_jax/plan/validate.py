@@ -238,6 +238,21 @@ def json_rows(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[dict]:
     return out
 
 
+def bus_bandwidth(topology: str, nodes: int, payload: float = 2.0 ** 30,
+                  assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> float:
+    """The model's nccl-tests bus bandwidth (2(n-1)/n·P / t, bytes/s) of an all-reduce over
+    every device of `nodes` nodes: what rccl-tests / nccl-tests all_reduce_perf would print."""
+    from boost_jax.plan.collectives import Coll, coll_time, host_split, level_of
+
+    topo = get_topology(topology)
+    sizes = {"pair": topo.pair, "node": topo.node, "global": nodes}
+    axes = tuple(a for a in ("pair", "node", "global") if sizes[a] > 1)
+    n = topo.devices_per_node * nodes
+    c = Coll("all_reduce_perf", "all-reduce", payload, n, level_of(axes), 1, "step", axes,
+             *host_split(axes, sizes))
+    return 2 * (n - 1) / n * payload / coll_time(c, topo, assumptions)
+
+
 def rel_err(pred: float, pub: float) -> float:
     return pred / pub - 1.0
 
