@@ -422,3 +422,14 @@ def test_bus_bandwidth_of_a_multi_node_all_reduce_is_the_node_link_not_the_devic
         bw = V.bus_bandwidth(name, 48)
         assert bw == pytest.approx(eta * min(topo.nic_node, inside), rel=0.01)
         assert bw > 2 * eta * topo.bw_global
+
+
+def test_attention_is_costed_as_the_step_compiles_it():
+    """auto: flash on GPU topologies, dense on the CPU; an explicit assumption wins."""
+    cfg = load_config(None, TINY)
+    auto = C.Assumptions()
+    assert C.resolve_attention(cfg, get_topology("frontier"), auto).attention == "flash"
+    assert C.resolve_attention(cfg, get_topology("perlmutter"), auto).attention == "flash"
+    assert C.resolve_attention(cfg, get_topology("cpu"), auto).attention == "dense"
+    dense = C.Assumptions(attention="dense")
+    assert C.resolve_attention(cfg, get_topology("frontier"), dense).attention == "dense"
