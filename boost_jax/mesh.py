@@ -63,17 +63,25 @@ SLINGSHOT_CCL_ENV = (
     ("NCCL_CROSS_NIC", "1"),
     ("NCCL_SOCKET_IFNAME", "hsn0,hsn1,hsn2,hsn3"),
 )
-# XLA:GPU scheduling that overlaps our written-out collectives (per-layer gathers inside the
-# scanned layers, gradient reduce-scatters) with compute. Each flag is present in the 0.10.2
-# jax-cuda12-pjrt and jax-rocm7-pjrt plugins (an unknown XLA flag aborts the process).
-GPU_XLA_FLAGS = (
-    "--xla_gpu_enable_latency_hiding_scheduler=true",
-    "--xla_gpu_enable_highest_priority_async_stream=true",
-    "--xla_gpu_enable_pipelined_all_gather=true",
-    "--xla_gpu_enable_pipelined_reduce_scatter=true",
-    "--xla_gpu_enable_pipelined_all_reduce=true",
-    "--xla_gpu_enable_while_loop_double_buffering=true",
+# XLA:GPU scheduling of the step's collectives, each flag with what the cost model
+# (boost_jax/plan/costmodel.py, `overlap_exposed`) assumes because of it: one list, read by
+# the launcher (the flags) and the planner (the assumptions). Each flag is present in the
+# 0.10.2 jax-cuda12-pjrt and jax-rocm7-pjrt plugins (an unknown XLA flag aborts the process).
+GPU_XLA_SCHEDULE = (
+    ("--xla_gpu_enable_latency_hiding_scheduler=true",
+     "async collectives are scheduled to run behind independent compute"),
+    ("--xla_gpu_enable_highest_priority_async_stream=true",
+     "collectives run on their own stream, next to the compute kernels"),
+    ("--xla_gpu_enable_pipelined_all_gather=true",
+     "a layer's weight gather runs behind the previous layer's compute (scanned layers)"),
+    ("--xla_gpu_enable_pipelined_reduce_scatter=true",
+     "a layer's gradient reduce-scatter runs behind the next backward layer"),
+    ("--xla_gpu_enable_pipelined_all_reduce=true",
+     "a layer's gradient all-reduce (DDP) runs behind the next backward layer"),
+    ("--xla_gpu_enable_while_loop_double_buffering=true",
+     "the scanned layers are double-buffered, so the next layer's gathered weights exist"),
 )
+GPU_XLA_FLAGS = tuple(flag for flag, _ in GPU_XLA_SCHEDULE)
 # Frontier (OLCF user guide): ROCm 7 for the jax-rocm7 plugin (it links libamdhip64.so.7), the
 # rccl-net-plugin module (aws-ofi plugin and OLCF's RCCL settings for Slingshot), 56 usable cores
 # = 7 per GCD (low-noise mode), the batch partition, Orion scratch $MEMBERWORK/<project>.
@@ -119,6 +127,11 @@ class Topology:
     def devices_per_node(self) -> int:
         return self.pair * self.node
 
+    @property
+    def nic_node(self) -> float:
+        """One host's NIC bandwidth, one direction (bytes/s); bw_global is a device's share."""
+        return self.bw_global * self.devices_per_node
+
     def bandwidth(self, level: str) -> float:
         return {"pair": self.bw_pair, "node": self.bw_node, "global": self.bw_global}[level]
 
@@ -128,16 +141,24 @@ class Topology:
 
 GB = 1e9
 TOPOLOGIES: dict[str, Topology] = {
-    # Frontier (OLCF user guide; arXiv 2501.04266 §2): 4 MI250X per node, 2 GCDs each joined by
-    # 4 Infinity Fabric links (~200 GB/s each way); packages joined by 50-100 GB/s links (75 used);
-    # 4 Slingshot-11 NICs x 25 GB/s per node = 12.5 GB/s per GCD; 191.5 TFLOP/s bf16, 64 GB HBM.
+    # Frontier. Node: 4 MI250X = 8 GCDs; the two GCDs of a package share 4 Infinity Fabric
+    # links = 200 GB/s each way (pair); packages are joined by 1-2 IF links of 50 GB/s (node
+    # level 75 GB/s per GCD, the mean of the 50/100 GB/s package pairs); 4 HPE Slingshot-11
+    # NICs of 200 Gb/s = 25 GB/s each way, 100 GB/s per node (nic_node), one per package
+    # (OLCF Frontier user guide, "Node Types" figure; arXiv 2501.04266 §2). 191.5 TFLOP/s
+    # dense bf16 and 64 GB HBM2e per GCD (AMD MI250X datasheet: 383 TFLOP/s per package).
+    # Latency per algorithm step: 2 us inside a node, 10 us across nodes — an assumption, not
+    # a measurement (of the order of NCCL/RCCL's per-step base latency; it matters only for
+    # small messages).
     "frontier": Topology("frontier", 2, 4, 200 * GB, 75 * GB, 12.5 * GB, 2e-6, 4e-6, 1e-5,
                          191.5e12, 64 * GB, "AMD MI250X GCD", FRONTIER_JOB),
-    # Perlmutter GPU nodes (NERSC docs): 4 A100 fully connected by NVLink 3 — 12 links x 25 GB/s
-    # per GPU, 4 links (100 GB/s each way) to each of the 3 peers. A pair-level collective has
-    # only its direct 100 GB/s; a collective over all 4 GPUs drives all 3 peer links at once
-    # (NCCL runs its rings/channels over every link): 3 x 100 = 300 GB/s per GPU each way.
-    # 4 Slingshot-11 NICs x 25 GB/s per node = 25 GB/s per GPU; 312 TFLOP/s bf16, 40/80 GB.
+    # Perlmutter GPU nodes (NERSC "Perlmutter Architecture"): 4 A100 fully connected by
+    # NVLink 3 — 12 links x 25 GB/s per GPU, 4 links (100 GB/s each way) to each of the 3
+    # peers (NVIDIA A100 datasheet: 600 GB/s bidirectional per GPU). A pair-level collective
+    # has only its direct 100 GB/s; a collective over all 4 GPUs drives all 3 peer links at
+    # once (NCCL runs its rings/channels over every link): 3 x 100 = 300 GB/s per GPU each
+    # way. 4 Slingshot-11 NICs x 25 GB/s = 100 GB/s per node (nic_node). 312 TFLOP/s dense
+    # bf16 (A100 datasheet), 40/80 GB HBM2e.
     "perlmutter": Topology("perlmutter", 2, 2, 100 * GB, 300 * GB, 25 * GB, 2e-6, 2e-6, 1e-5,
                            312e12, 40 * GB, "NVIDIA A100-40GB", PERLMUTTER_JOB),
     "perlmutter-80": Topology("perlmutter-80", 2, 2, 100 * GB, 300 * GB, 25 * GB, 2e-6, 2e-6,
@@ -148,6 +169,12 @@ TOPOLOGIES: dict[str, Topology] = {
     # Job: a generic SLURM cluster of DGX nodes (NCCL's InfiniBand defaults, no site modules).
     "dgx-h100": Topology("dgx-h100", 2, 4, 450 * GB, 450 * GB, 50 * GB, 2e-6, 2e-6, 8e-6,
                          989e12, 80 * GB, "NVIDIA H100 SXM",
+                         JobProfile("cuda", 8, gpus_per_node=8, xla_flags=GPU_XLA_FLAGS)),
+    # DGX A100 (NVIDIA DGX A100 datasheet; Selene, where Megatron-LM's published runs ran):
+    # 8 A100-80GB on NVSwitch, NVLink 3 600 GB/s bidirectional = 300 GB/s each way per GPU;
+    # 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU (200 GB/s per node); 312 TFLOP/s bf16.
+    "dgx-a100": Topology("dgx-a100", 2, 4, 300 * GB, 300 * GB, 25 * GB, 2e-6, 2e-6, 1e-5,
+                         312e12, 80 * GB, "NVIDIA A100-80GB SXM",
                          JobProfile("cuda", 8, gpus_per_node=8, xla_flags=GPU_XLA_FLAGS)),
     # Simulated CPU devices for tests and laptops; bandwidths mirror Frontier's ratios so the
     # communication analysis means something; peak FLOP/s is this machine's measured fp32 GEMM

@@ -76,6 +76,35 @@ def ring_bytes(kind: str, n: int, payload: float) -> float:
     return float(payload)  # collective-permute / broadcast: the whole buffer once
 
 
+def egress_bytes(kind: str, n: int, payload: float, k: int, groups: int) -> float:
+    """Bytes leaving one host per call of a collective whose groups span hosts: k members of a
+    group on the host, `groups` groups sharing it. A ring with contiguous members leaves the
+    host once (one device's ring bytes per group); an all-to-all sends k·(n−k)/n·P of a group
+    off the host; a point-to-point send moves every member's buffer."""
+    if n <= 1:
+        return 0.0
+    if kind == "all-to-all":
+        per_group = k * (n - k) / n * payload
+    elif kind in ("collective-permute", "collective-broadcast"):
+        per_group = k * payload
+    else:
+        per_group = ring_bytes(kind, n, payload)
+    return groups * per_group
+
+
+def host_egress(c: "Collective", mesh_shape: dict) -> float:
+    """Bytes per step that `c` sends out of one host (0 for groups inside a host)."""
+    if c.level != "global" or c.group_size <= 1:
+        return 0.0
+    k = 1
+    for a in c.axes:
+        if a in ("pair", "node"):
+            k *= int(mesh_shape.get(a, 1))
+    on_host = int(mesh_shape.get("pair", 1)) * int(mesh_shape.get("node", 1))
+    return egress_bytes(c.kind, c.group_size, c.payload_bytes, k, max(on_host // k, 1)) * (
+        c.trip_count or 1)
+
+
 def classify_group(members: Sequence[int], mesh) -> tuple[str, tuple[str, ...]]:
     """Topology level of one group of partition ids (row-major index into mesh.devices)."""
     shape = mesh.devices.shape
@@ -247,6 +276,11 @@ class CommReport:
     def total_bytes(self) -> float:
         return sum(c.bytes_per_step for c in self.collectives)
 
+    @property
+    def node_egress(self) -> float:
+        """Bytes leaving one host per step (rings leave a host once per group)."""
+        return sum(host_egress(c, self.mesh_shape) for c in self.collectives)
+
     def time_estimate(self, topology) -> dict[str, float]:
         """Seconds per step per level from the topology's per-device bandwidth and latency."""
         from boost_jax.mesh import get_topology
@@ -257,7 +291,7 @@ class CommReport:
 
     def to_dict(self) -> dict:
         return {"mesh": dict(self.mesh_shape), "per_level": self.per_level(),
-                "total_bytes": self.total_bytes, "memory": self.memory, "flops": self.flops,
+                "total_bytes": self.total_bytes, "node_egress_bytes": self.node_egress, "memory": self.memory, "flops": self.flops,
                 "collectives": [c.to_dict() for c in self.collectives]}
 
     def table(self) -> str:
@@ -283,6 +317,8 @@ class CommReport:
         for lv, row in self.per_level().items():
             lines.append(f"  {lv:<7}{_fmt_bytes(row['bytes']):>12}  {row['count']} ops, "
                          f"{row['calls']} calls/step")
+        lines.append(f"  leaving each node: {_fmt_bytes(self.node_egress)} per step (a ring "
+                     "leaves a node once per group)")
         if self.memory:
             m = self.memory
             # total, not XLA's peak: on CPU its peak leaves the temporaries out

@@ -75,10 +75,12 @@ def build_parser() -> OverrideParser:
     p.add_argument("--compile-top", type=int, default=0,
                    help="with --search: also compile the best K candidates")
     p.add_argument("--top", type=int, default=15, help="with --search: rows to print")
-    p.add_argument("--attention", choices=("dense", "flash"), default="dense",
-                   help="attention kernel the cost model assumes (dense = what the step compiles)")
-    p.add_argument("--dp-overlap", type=float, default=0.0,
-                   help="fraction of compute that hides data-parallel collectives (0..1)")
+    p.add_argument("--attention", choices=("auto", "dense", "flash"), default="auto",
+                   help="attention kernel the cost model assumes (auto: the config's "
+                        "model.attention, else flash on GPU topologies)")
+    p.add_argument("--overlap", choices=("xla", "none"), default="xla",
+                   help="xla: collectives overlap as the step compiled with the launcher's XLA "
+                        "flags does; none: every collective on the critical path")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--emit-config", default=None, metavar="FILE",
                    help="write the layout (with --search: the best that fits) as a config that "
@@ -144,6 +146,9 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
              + f"remat {lay['remat']}; "
              f"{p.micro_batches} micro-batches x {p.micro_batch_per_device} seq/device of "
              f"{cfg.data.seq_len} tokens ({p.tokens_per_step} tokens/step)")
+    for note in p.notes:
+        if note.startswith("parallel.plan="):  # the roles TP took: the effective plan
+            L.append(f"  {note}")
     if compiled:
         progs = dr.compiled
         cs = dr.compile_sizes
@@ -192,6 +197,12 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
     for lv in ("pair", "node", "global"):
         L.append(f"  {lv:<7}{_bytes(p.comm_bytes[lv]):>12}  {_ms(p.comm_time[lv]):>10}  "
                  f"({topo.bandwidth(lv) / 1e9:.1f} GB/s, {topo.latency(lv) * 1e6:.0f} us)")
+    eg = p.node_egress
+    if sum(eg.values()):
+        L.append(f"  leaving each node through its NICs ({topo.nic_node / 1e9:.0f} GB/s per node):"
+                 f" {_bytes(sum(eg.values()))} per step (tensor-parallel and pipeline "
+                 f"{_bytes(eg.get('tp', 0))}, per micro-batch {_bytes(eg.get('dp', 0))}, once "
+                 f"per step {_bytes(eg.get('step', 0))})")
     if compiled and m.get("analytic_comm_bytes"):
         ab = m["analytic_comm_bytes"]
         L.append("  (analytic model of the same layout: " + ", ".join(
@@ -200,10 +211,12 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
     t = p.time
     L.append("")
     L.append("predicted step time:")
-    L.append(f"  compute {_ms(t['compute'])} + TP collectives {_ms(t['tp'])} + DP collectives "
-             f"exposed {_ms(t['dp_exposed'])} (of {_ms(t['dp'])}) + once-per-step collectives "
-             f"{_ms(t['step_comm'])} + optimizer {_ms(t['optimizer'])}"
-             + (f" + pipeline p2p {_ms(t['p2p'])}" if t.get("p2p") else ""))
+    L.append(f"  compute {_ms(t['compute'])} (of which pipeline bubble {_ms(t['bubble'])}) + "
+             f"(de)quantization {_ms(t['quant'])} + TP collectives {_ms(t['tp'])} + DP "
+             f"collectives exposed {_ms(t['dp_exposed'])} (of {_ms(t['dp'])}) + once-per-step "
+             f"collectives {_ms(t['step_comm'])} + optimizer {_ms(t['optimizer'])}"
+             + (f" (pipeline p2p {_ms(t['p2p'])} within TP)" if t.get("p2p") else ""))
+    L.append("  critical path: " + critical_path_line(p))
     L.append(f"  = {_ms(t['total'])} per step  (DP collectives fully overlapped: "
              f"{_ms(t['total_overlapped'])})")
     L.append(f"  {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
@@ -212,6 +225,13 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
     for line in p.assumptions.describe():
         L.append(f"  - {line}")
     return "\n".join(L)
+
+
+def critical_path_line(p) -> str:
+    from boost_jax.plan.costmodel import critical_path
+
+    cp = critical_path(p)
+    return ", ".join(f"{k} {_ms(v)} ({v / p.step_time:.0%})" for k, v in cp.items())
 
 
 def check_args(args) -> None:
@@ -223,8 +243,6 @@ def check_args(args) -> None:
                                ("--top", args.top, 1), ("--compile-top", args.compile_top, 0)):
         if value is not None and value < least:
             raise UserError(f"{flag} {value} must be >= {least}")
-    if not 0.0 <= args.dp_overlap <= 1.0:
-        raise UserError(f"--dp-overlap {args.dp_overlap} must be in [0, 1]")
     if args.layers not in ("auto", "full") and not (args.layers.isdigit()
                                                     and int(args.layers) >= 1):
         raise UserError(f"--layers {args.layers!r} must be auto, full or a number >= 1")
@@ -263,7 +281,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         from boost_jax.plan.costmodel import Assumptions, predict
 
-        a = Assumptions(attention=args.attention, dp_overlap=args.dp_overlap)
+        a = Assumptions(attention=args.attention, overlap=args.overlap)
         cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
             cfg.mesh, topology=topo.name, shape=dryrun.mesh_hosts(full), nodes=None))
         from boost_jax.analysis.flops import param_count

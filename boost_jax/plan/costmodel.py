@@ -6,9 +6,12 @@ The pieces live in their own modules:
 
 compute   boost_jax.plan.roofline: every kernel of a block with its FLOPs and HBM bytes, costed
           by a roofline (GEMMs, attention, elementwise; backward and remat replays).
-network   boost_jax.plan.collectives: ring collectives at the slowest spanned level's bandwidth
-          plus latency; tensor-parallel ones on the critical path, data-parallel ones possibly
-          hidden behind compute (dp_overlap).
+network   boost_jax.plan.collectives: ring collectives on the links they cross (a node's NICs
+          shared by the groups leaving it) plus latency.
+overlap   as the step compiles with the launcher's XLA flags (mesh.GPU_XLA_SCHEDULE,
+          `overlap_exposed`): tensor-parallel collectives and pipeline sends on the critical
+          path, per-layer weight gathers and gradient reduce-scatters behind the neighbouring
+          layers' compute, once-per-step work exposed.
 memory    persistent state from the placement's layouts (exact, padding included) + gradient
           accumulator + gathered weights + saved activations by remat policy + one block's
           working set + logits; "fits" when it is ≤ `hbm_usable` × the device's HBM.
@@ -29,7 +32,7 @@ from typing import Any, Optional
 from boost_jax.analysis.flops import flops_per_token, param_count
 from boost_jax.errors import ConfigError
 from boost_jax.mesh import AXES, STAGE, Topology
-from boost_jax.plan.collectives import Coll, CommSummary, coll_time, level_of
+from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split, level_of
 from boost_jax.sharding.gather import qgz_stages
 from boost_jax.sharding.stages import layers_per_stage
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
@@ -160,6 +163,7 @@ class Prediction:
     assumptions: Assumptions
     collectives: list = field(default_factory=list, repr=False)
     notes: list = field(default_factory=list)
+    node_egress: dict = field(default_factory=dict)  # tp | dp | step: bytes leaving a host
 
     @property
     def fits(self) -> bool:
@@ -223,7 +227,7 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
         n = _size(sizes, axes)
         if n > 1:
             out.append(Coll(name, kind, payload / leaves, n, level_of(axes), times * leaves,
-                            phase, tuple(axes)))
+                            phase, tuple(axes), *host_split(axes, sizes)))
 
     if A:  # per layer, per micro-batch, with or without TP (boost_jax/sharding/gather.py)
         prim = q8 if pl.quantize_gather else pb
@@ -261,7 +265,7 @@ def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
     n_all = [a for a in (*AXES, STAGE) if sizes.get(a, 1) > 1]
     if n_all:
         out.append(Coll("grad_norm", "all-reduce", 4.0 * leaves, _size(sizes, n_all),
-                        level_of(n_all), 1, "step", tuple(n_all)))
+                        level_of(n_all), 1, "step", tuple(n_all), *host_split(n_all, sizes)))
     del nO
     return out
 
@@ -369,7 +373,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     backward), N = V·m, so compute = (N+P−1)·(F+B) — bubble (P−1)/(N+P−1) — and 2(N+P−1)−1
     activation sends on the critical path.
     """
-    a = assumptions or Assumptions()
+    a = resolve_attention(cfg, topo, assumptions or Assumptions())
     m = cfg.model
     sizes = with_stages(cfg, sizes)
     mode, t = tp_info(cfg, sizes)
@@ -389,12 +393,13 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
 
     def block_times(model: BlockModel) -> tuple[float, float, float]:
         """(forward, backward, remat replay) of one block or the head."""
-        fwd = sum(op_time(o, peak, hbm, a) for o in model.ops)
-        bwd = sum(op_time(o, peak, hbm, a, backward=True) for o in model.ops)
+        fused = a.elem_kernels * a.launch_s  # the block's fused elementwise kernels
+        fwd = sum(op_time(o, peak, hbm, a) for o in model.ops) + fused
+        bwd = sum(op_time(o, peak, hbm, a, backward=True) for o in model.ops) + 2 * fused
         if cfg.train.remat == "full" or (cfg.train.remat == "lowrank" and m.arch == "full"):
             rec = fwd
         elif cfg.train.remat == "lowrank":
-            rec = sum(op_time(o, peak, hbm, a) for o in model.ops if not o.lowrank_saved)
+            rec = sum(op_time(o, peak, hbm, a) for o in model.ops if not o.lowrank_saved) + fused
         else:
             rec = 0.0
         return fwd, bwd, rec
@@ -402,9 +407,11 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     (bf, bb, br), (hf, hb, hr) = block_times(bm), block_times(hm)
     if pp == 1:
         t_compute = micro * (L * (bf + bb + br) + hf + hb + hr)
+        t_bubble = 0.0
     else:
         t_f = L * bf + hf
         t_compute = ticks * (t_f + t_f + L * (bb + br) + hb + hr)
+        t_bubble = t_compute * (pp - 1) / ticks  # the ticks a stage idles (masked)
     remat_replays = cfg.train.remat == "full" or (cfg.train.remat == "lowrank"
                                                   and bm.replays_collectives_lowrank)
     fwd_calls, bwd_calls = fetch_calls(cfg)
@@ -413,28 +420,28 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     tp_axes = cfg.parallel.tp_axes
     colls: list[Coll] = []
     if t > 1:
-        lv = level_of(tp_axes)
+        lv, hs = level_of(tp_axes), host_split(tp_axes, sizes)
         for c in bm.fwd:
             colls.append(Coll(f"tp_fwd_{c.name}", c.kind, c.payload, t, lv,
                               Lw * (fwd_calls + (bwd_calls if remat_replays else 0)), "tp",
-                              tuple(tp_axes)))
+                              tuple(tp_axes), *hs))
         for c in bm.bwd:
             colls.append(Coll(f"tp_bwd_{c.name}", c.kind, c.payload, t, lv, Lw * bwd_calls, "tp",
-                              tuple(tp_axes)))
+                              tuple(tp_axes), *hs))
         for c in hm.fwd:
             colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, V * fwd_calls, "tp",
-                              tuple(tp_axes)))
+                              tuple(tp_axes), *hs))
         for c in hm.bwd:
             colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, V * bwd_calls, "tp",
-                              tuple(tp_axes)))
+                              tuple(tp_axes), *hs))
     if pp > 1:
         from boost_jax.train.pipeline import Schedule
 
         sends = Schedule(cfg.parallel.pp_schedule, pp, micro, V).sends
         colls.append(Coll("stage_send", "collective-permute", stage_send_bytes(cfg, sizes, b),
-                          2, "global", sends, "tp", (STAGE,)))
+                          2, "global", sends, "tp", (STAGE,), *host_split((STAGE,), sizes)))
     colls += dp_collectives(cfg, sizes, st, pl)
-    notes = []
+    notes = list(pl.notes)  # roles tensor parallelism took, in one line
     if measured is not None:
         comm = measured
         notes.append("collectives: measured from the compiled step's HLO")
@@ -447,9 +454,9 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
                      f"{micro} micro-batches: bubble {(pp - 1) / ticks:.0%}, each B tick re-runs "
                      "its stage forward")
     t_tp = comm.phase_time.get("tp", 0.0)
-    # the (de)quantization kernels run on the path of the collectives they feed
+    # the (de)quantization kernels run on the GPU next to the compute: never hidden
     t_quant = quant_seconds(cfg, sizes, st, pl, hbm, a)
-    t_dp = comm.phase_time.get("dp", 0.0) + t_quant
+    t_dp = comm.phase_time.get("dp", 0.0)
     t_stepc = comm.phase_time.get("step", 0.0)
     # optimizer: fp32 master/m/v/grad read+written on the opt_state shard (memory bound)
     opt_bytes = st.opt * (4 + 4 + 4 + 4) * 2 + st.params * DTYPE_BYTES[m.param_dtype]
@@ -457,9 +464,9 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     # the stage sends (part of t_tp: on the critical path), reported apart
     p2p = sum(coll_time(c, topo, a) for c in colls if c.name == "stage_send") \
         if measured is None else 0.0
-    exposed_dp = max(0.0, t_dp - a.dp_overlap * t_compute)
-    total = t_compute + t_tp + exposed_dp + t_stepc + t_opt
-    total_overlap = t_compute + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt
+    exposed_dp = overlap_exposed(t_dp, t_compute - t_bubble, L, a)
+    total = t_compute + t_quant + t_tp + exposed_dp + t_stepc + t_opt
+    total_overlap = t_compute + t_quant + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt
     tokens = cfg.train.global_batch * s
     fpt = flops_per_token(m, s)
     model_flops = fpt["train"] * tokens / n_dev
@@ -479,12 +486,47 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
         sizes=dict(sizes), devices=n_dev, tokens_per_step=tokens, micro_batch_per_device=b,
         micro_batches=micro, flops_per_device=model_flops,
         executed_flops_per_device=model_flops * rec_factor,
-        time=dict(compute=t_compute, tp=t_tp, dp=t_dp, quant=t_quant, dp_exposed=exposed_dp,
+        time=dict(compute=t_compute, bubble=t_bubble, tp=t_tp, dp=t_dp, quant=t_quant,
+                  dp_exposed=exposed_dp,
                   step_comm=t_stepc,
                   optimizer=t_opt, p2p=p2p, total=total, total_overlapped=total_overlap),
         comm_bytes=per_level, comm_time=lvl_time, memory=mem, step_time=total,
         tokens_per_s=tokens / total, tflops_per_device=tflops, mfu=tflops * 1e12 / peak,
-        assumptions=a, collectives=colls if measured is None else [], notes=notes)
+        assumptions=a, collectives=colls if measured is None else [], notes=notes,
+        node_egress=dict(comm.egress or {}))
+
+
+def resolve_attention(cfg, topo: Topology, a: Assumptions) -> Assumptions:
+    """The attention the step compiles: the assumption's if set, else the config's
+    model.attention (flash | dense), else (auto) flash on a GPU, dense on the CPU."""
+    if a.attention in ("flash", "dense"):
+        return a
+    want = getattr(cfg.model, "attention", "auto")
+    if want not in ("flash", "dense"):
+        gpu = topo.job is not None and topo.job.platform in ("cuda", "rocm")
+        want = "flash" if gpu else "dense"
+    return dataclasses.replace(a, attention=want)
+
+
+def overlap_exposed(t_dp: float, t_compute: float, layers: int, a: Assumptions) -> float:
+    """Seconds of the per-micro-batch data-parallel collectives left on the critical path.
+
+    With the launcher's XLA flags (mesh.GPU_XLA_SCHEDULE) the scanned layers pipeline them: a
+    layer's weight gather runs behind the previous layer's compute, its gradient
+    reduce-scatter behind the next backward layer. Each pass over the layers leaves one
+    layer's share exposed (the first gather, the last reduce-scatter): t_dp / L over the step;
+    traffic beyond the compute it hides behind is exposed as well."""
+    if a.overlap == "none":
+        return t_dp
+    return max(t_dp - t_compute, t_dp / max(layers, 1), 0.0)
+
+
+def critical_path(p: "Prediction") -> dict:
+    """Where a step's time goes, in the order it is spent (seconds; sums to the step)."""
+    t = p.time
+    return {"compute": t["compute"] - t.get("bubble", 0.0) + t.get("quant", 0.0),
+            "exposed TP": t["tp"], "exposed DP": t["dp_exposed"],
+            "bubble": t.get("bubble", 0.0), "once-per-step": t["step_comm"] + t["optimizer"]}
 
 
 def with_overrides(cfg, **kw):

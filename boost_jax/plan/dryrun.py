@@ -279,6 +279,7 @@ def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
     analytic = predict(cfg, topo, full, a)
     pred.memory["analytic_comm_bytes"] = analytic.comm_bytes
     pred.memory["analytic_step_time"] = analytic.step_time
+    pred.memory["analytic_node_egress"] = sum(analytic.node_egress.values())
     temp_b = float(temp)
     mem = {"arguments_formula": form_full["arguments"], "arguments_compiled": float(args_c),
            "temp_compiled": temp_b, "weights": form_full["weights"],

@@ -8,7 +8,9 @@ compute   every kernel of a block is listed with its FLOPs and HBM bytes (GEMMs 
           M·K·N, attention, the elementwise ops between them) and costs a roofline
               t = max(FLOPs / (eta_flops · peak), bytes / (eta_hbm · HBM bandwidth)) + launch
           backward = 2× a GEMM's forward (dX and dW), 2× an elementwise op's bytes; attention
-          backward 2.5× (flash: recomputes the scores) or 2× (dense). remat=full replays the
+          backward 2.5× (flash: recomputes the scores) or 2× (dense). Launches are counted as
+          XLA fuses: one per GEMM and attention, `elem_kernels` per block for the elementwise
+          ops (their HBM bytes stay). remat=full replays the
           whole forward of a block; remat=lowrank replays it minus the down-projections whose
           (reduced) outputs are saved.
 """
@@ -32,25 +34,40 @@ class Assumptions:
     eta_hbm: float = 0.8  # achievable fraction of HBM bandwidth (elementwise, skinny GEMMs)
     eta_net: float = 0.8  # achievable fraction of link bandwidth (collectives)
     launch_s: float = 4e-6  # per-kernel launch/sync overhead
-    dp_overlap: float = 0.0  # fraction of compute that hides data-parallel collectives
-    attention: str = "dense"  # dense (what our XLA step compiles) | flash (causal, fused)
+    # elementwise kernels per block and pass once XLA has fused the elementwise ops (norm,
+    # rope, activation, residual+norm); GEMMs and attention are a kernel each
+    elem_kernels: int = 4
+    overlap: str = "xla"  # xla: as the step compiled with mesh.GPU_XLA_SCHEDULE | none
+    attention: str = "auto"  # auto: the config's model.attention, else flash on GPUs
     hbm_usable: float = 0.9  # usable fraction of HBM (allocator, runtime, fragmentation)
 
     def describe(self) -> list[str]:
-        return [
+        from boost_jax.mesh import GPU_XLA_SCHEDULE
+
+        lines = [
             f"compute: roofline per kernel, {self.eta_flops:.0%} of peak FLOP/s, "
-            f"{self.eta_hbm:.0%} of HBM bandwidth, {self.launch_s * 1e6:.0f} us launch per kernel",
+            f"{self.eta_hbm:.0%} of HBM bandwidth, {self.launch_s * 1e6:.0f} us launch per kernel "
+            f"as XLA fuses them (each GEMM and attention one kernel, {self.elem_kernels} fused "
+            "elementwise kernels per block and pass)",
             f"attention: {self.attention}" + (" (causal half of the scores, no [s,s] in HBM)"
                                                if self.attention == "flash" else
-                                               " (full [s,s] fp32 scores through HBM, as compiled)"),
-            f"network: ring collectives at {self.eta_net:.0%} of the slowest spanned level's "
-            "per-device bandwidth + alpha*ceil(log2 n) per call (an all-to-all: alpha*(n-1), "
-            "one message per peer)",
-            "overlap: tensor-parallel collectives never overlap compute; data-parallel "
-            f"collectives hide behind {self.dp_overlap:.0%} of the micro-batch compute; "
-            "once-per-step reduction, weight re-gather and optimizer are exposed",
-            f"memory: fits when the estimate is <= {self.hbm_usable:.0%} of device HBM",
+                                               " (full [s,s] fp32 scores through HBM)"
+                                               if self.attention == "dense" else ""),
+            f"network: ring collectives at {self.eta_net:.0%} of link bandwidth; a ring spanning "
+            "nodes leaves each node once, the node's NICs shared by the groups leaving it, "
+            "+ alpha*ceil(log2 n) per call (an all-to-all: alpha*(n-1))",
         ]
+        if self.overlap == "xla":
+            lines.append("overlap (the launcher's XLA flags): tensor-parallel collectives and "
+                         "pipeline sends on the critical path; per micro-batch weight gathers "
+                         "and gradient reduce-scatters behind the neighbouring layers' compute "
+                         "(one layer's worth per pass exposed, and whatever exceeds the compute); "
+                         "once-per-step reduction, weight re-gather and optimizer exposed")
+            lines += [f"  {flag}: {why}" for flag, why in GPU_XLA_SCHEDULE]
+        else:
+            lines.append("overlap: none (every collective on the critical path)")
+        lines.append(f"memory: fits when the estimate is <= {self.hbm_usable:.0%} of device HBM")
+        return lines
 
 
 # --------------------------------------------------------------------------- kernels
@@ -231,4 +248,5 @@ def op_time(op: Op, peak: float, hbm: float, a: Assumptions, backward: bool = Fa
             f, by, n = f * (2.5 if a.attention == "flash" else 2.0), 2 * by, 1
         else:
             by, n = 2 * by, 1
-    return max(f / (a.eta_flops * peak), by / (a.eta_hbm * hbm)) + n * a.launch_s
+    launches = 0 if op.kind == "elem" else n  # fused: counted per block (elem_kernels)
+    return max(f / (a.eta_flops * peak), by / (a.eta_hbm * hbm)) + launches * a.launch_s

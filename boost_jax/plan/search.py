@@ -1,5 +1,5 @@
-"""Layout search: plan × TP mode × TP axes × pipeline stages × micro-batch size × remat, ranked by
-the cost model.
+"""Layout search: plan × TP mode × TP axes × pipeline stages × micro-batch size × remat ×
+working-weight/gradient dtype, ranked by the cost model.
 
 Every candidate is costed analytically (boost_jax.plan.costmodel: compiling hundreds of layouts
 is too slow); those whose predicted memory fits are ranked by predicted step time (the global
@@ -17,7 +17,8 @@ from typing import Optional
 
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.mesh import AXES, Topology
-from boost_jax.plan.costmodel import Assumptions, Prediction, SizesMesh, predict
+from boost_jax.plan.costmodel import (Assumptions, Prediction, SizesMesh, critical_path,
+                                     predict)
 
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 TP_AXES = ((), ("pair",), ("node",), ("pair", "node"))
@@ -37,6 +38,7 @@ class Candidate:
     pp_stages: int = 1
     pp_virtual: int = 1
     sizes: dict = field(default_factory=dict)  # the mesh: global = hosts / pp_stages
+    low_precision: bool = False  # bf16 working weights and bf16 gradient reduction
     prediction: Optional[Prediction] = None
     error: Optional[str] = None
     compiled: bool = False
@@ -46,14 +48,19 @@ class Candidate:
         tp = f"{self.tp_mode}x{'+'.join(self.tp_axes)}" if self.tp_axes else "none"
         pp = f"/pp{self.pp_stages}" if self.pp_stages > 1 else ""
         pp += f"v{self.pp_virtual}" if self.pp_virtual > 1 else ""
-        return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}"
+        bf = "/bf16" if self.low_precision else ""
+        return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}{bf}"
 
     def config(self, cfg):
         par = dataclasses.replace(cfg.parallel, plan=self.plan, tp_mode=self.tp_mode,
                                   tp_axes=list(self.tp_axes), pp_stages=self.pp_stages,
                                   pp_schedule="1f1b", pp_virtual=self.pp_virtual)
         tr = dataclasses.replace(cfg.train, micro_batches=self.micro_batches, remat=self.remat)
-        return dataclasses.replace(cfg, parallel=par, train=tr)
+        model = cfg.model
+        if self.low_precision:
+            par = dataclasses.replace(par, grad_accum_dtype="bfloat16")
+            model = dataclasses.replace(model, param_dtype="bfloat16")
+        return dataclasses.replace(cfg, parallel=par, train=tr, model=model)
 
 
 @dataclass
@@ -76,9 +83,11 @@ class SearchResult:
             rows.append(dict(key=c.key(), plan=c.plan, tp_mode=c.tp_mode, tp_axes=list(c.tp_axes),
                              micro_size=c.micro_size, micro_batches=c.micro_batches,
                              pp_stages=c.pp_stages, pp_virtual=c.pp_virtual,
-                             remat=c.remat, step_time=p.step_time, tokens_per_s=p.tokens_per_s,
+                             remat=c.remat, low_precision=c.low_precision, step_time=p.step_time, tokens_per_s=p.tokens_per_s,
                              tflops_per_device=p.tflops_per_device, mfu=p.mfu,
                              memory=p.memory["total"], comm_bytes=p.comm_bytes,
+                             node_egress=sum(p.node_egress.values()),
+                             critical_path=critical_path(p),
                              compiled=c.compiled))
         tight = [dict(key=c.key(), memory=c.prediction.memory["total"],
                       analytic_memory=c.prediction.memory["analytic_total"])
@@ -92,6 +101,10 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
     modes = ("vanilla", "btp") if lowrank else ("megatron",)
     remats = ("none", "full", "lowrank") if lowrank else ("none", "full")
     hosts = sizes["global"] * sizes.get("stage", 1)
+    # the config's weight/gradient dtypes, and bf16 weights + bf16 gradient reduction (fp32
+    # master and Adam stay) where the config has wider ones
+    wide = cfg.model.param_dtype != "bfloat16" or cfg.parallel.grad_accum_dtype != "bfloat16"
+    precisions = (False, True) if wide else (False,)
     out = []
     for pp, plan, axes in itertools.product(PP_STAGES, PLANS, TP_AXES):
         if hosts % pp or pp > cfg.model.n_layers or any(sizes[a] <= 1 for a in axes):
@@ -111,7 +124,9 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
                     continue  # 1F1B needs at least as many micro-batches as stages
                 for v in PP_VIRTUAL if pp > 1 else (1,):
                     if v == 1 or (m % pp == 0 and pp * v <= cfg.model.n_layers):
-                        out.append(Candidate(plan, mode, tuple(axes), b, m, remat, pp, v, sz))
+                        for low in precisions:
+                            out.append(Candidate(plan, mode, tuple(axes), b, m, remat, pp, v,
+                                                 sz, low))
     return out
 
 
@@ -164,8 +179,8 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
              f"(<= {res.candidates[0].prediction.assumptions.hbm_usable if res.fitting else 0.9:.0%}"
              f" of {topo.hbm_bytes / 2**30:.0f} GiB); best first:", ""]
     hdr = ("| # | plan | TP | PP | seq/dev/micro | micro-batches | remat | GiB/dev | step s | "
-           "tokens/s | TFLOP/s/dev | MFU | global GB/dev/step | compiled |")
-    lines += [hdr, "|" + "---|" * 14]
+           "tokens/s | TFLOP/s/dev | MFU | global GB/dev/step | node egress GB/step | compiled |")
+    lines += [hdr, "|" + "---|" * 15]
     for i, c in enumerate(res.fitting[:top], 1):
         p = c.prediction
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
@@ -175,7 +190,15 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                      f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
                      f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "
                      f"{p.comm_bytes['global'] / 1e9:.2f} | "
+                     f"{sum(p.node_egress.values()) / 1e9:.2f} | "
                      f"{'yes' if c.compiled else 'no'} |")
+    if res.fitting:
+        lines += ["", "critical path of the top layouts (ms per step: compute, exposed TP, "
+                  "exposed DP, pipeline bubble, once-per-step comm + optimizer):"]
+        for i, c in enumerate(res.fitting[:min(top, 5)], 1):
+            cp = critical_path(c.prediction)
+            lines.append(f"  {i}. {c.key()}: " + ", ".join(
+                f"{k} {v * 1e3:.1f}" for k, v in cp.items()))
     tight = [c for c in res.candidates if c.compiled and c.compiled_fits is False]
     if tight:
         lines.append("")
@@ -190,5 +213,5 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                      "above the rows shown):")
         lines += [f"  {c.key()}: {c.error}" for c in failed]
     if not res.fitting:
-        lines.append("| - | nothing fits | | | | | | | | | | | | |")
+        lines.append("| - | nothing fits | | | | | | | | | | | | | |")
     return "\n".join(lines)

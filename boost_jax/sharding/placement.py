@@ -261,7 +261,41 @@ def resolve_roles(cfg) -> dict:
     roles.update(secondary=sec, qwz=bool(qwz), qgz=bool(qgz),
                  sec_int8=(sec is not None and (sec_dtype == "int8" or bool(qwz))),
                  tp=tp, dp=dp)
+    roles["collapsed"] = collapsed_roles(cfg, roles)
     return roles
+
+
+def _axes_text(axes) -> str:
+    return "+".join(axes) if axes else "-"
+
+
+def effective_plan(roles: dict) -> str:
+    """The preset whose roles the resolved ones are (over the data-parallel axes left)."""
+    dp = set(roles["dp"])
+    p, g, o = set(roles["params"]), set(roles["grads"]), set(roles["opt_state"])
+    if not p and not g:
+        return "zero1" if o else "ddp"
+    if p == g == o == dp:
+        return "zeropp" if roles["secondary"] is not None else "zero3"
+    return "hierarchical-like (custom roles)"
+
+
+def collapsed_roles(cfg, roles: dict) -> Optional[str]:
+    """One line when tensor parallelism took axes a preset's roles name (None otherwise)."""
+    par = cfg.parallel
+    preset, tp = PRESETS[par.plan], set(roles["tp"])
+    lost = []
+    for name in ("params", "grads", "secondary"):
+        if getattr(par, f"{name}_axes", None) is not None or preset[name] in (None, ALL):
+            continue
+        taken = [a for a in preset[name] if a in tp]
+        if taken:
+            lost.append(f"{name} {_axes_text(preset[name])} -> {_axes_text(roles[name] or ())}")
+    if not lost:
+        return None
+    return (f"parallel.plan={par.plan} with parallel.tp_axes={list(par.tp_axes)}: tensor "
+            f"parallelism took the axes of {', '.join(lost)}; this runs as "
+            f"{effective_plan(roles)} over {_axes_text(roles['dp'])}")
 
 
 def make_placement(cfg, mesh, abstract_params=None) -> Placement:
@@ -271,7 +305,7 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
     r = resolve_roles(cfg)
     tp, dp = r["tp"], r["dp"]
     deferred = tuple(a for a in r["batch"] if a not in r["grads"])
-    notes = []
+    notes = [r["collapsed"]] if r["collapsed"] else []
     roles = [r["params"], r["grads"], r["opt_state"]] + ([r["secondary"]] if r["secondary"] else [])
     order = order_axes(roles, dp)
     ordered = lambda axes: tuple(a for a in order if a in axes)  # noqa: E731

@@ -234,6 +234,8 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
 
     copts = _compiler_options(compiler_options)
     bundle = build_step(cfg, mesh, copts) if copts else build_step(cfg, mesh)
+    for note in getattr(bundle.placement, "notes", ()):  # e.g. roles TP took over
+        say(note)
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint, warn=warn,
                         stages=(cfg.parallel.pp_stages, cfg.parallel.pp_virtual))
