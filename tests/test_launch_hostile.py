@@ -37,7 +37,8 @@ HOSTILE = {  # id -> value; {m} is the marker file an injected command would cre
     "leading_newline": "\n02:00:00",
     "not_utf8": "x\udcff$(touch {m})",  # a byte of the command line that is not UTF-8
 }
-OPTIONS = ("--partition", "--qos", "--account", "--time", "--module", "--python")
+OPTIONS = ("--partition", "--qos", "--account", "--time", "--module", "--python", "--topology",
+           "--nodes")
 # Values of these fields are paths: everything but control characters and bytes that are not
 # UTF-8 is a valid path, so the script must carry them (quoted), not refuse them.
 PATHS = {"out_dir", "data.source", "--python"}
