@@ -35,10 +35,12 @@ HOSTILE = {  # id -> value; {m} is the marker file an injected command would cre
     "heredoc_end": "BOOST_JAX_CONFIG\ntouch {m}",
     "trailing_newline": "abc\n",
     "leading_newline": "\n02:00:00",
+    "not_utf8": "x\udcff$(touch {m})",  # a byte of the command line that is not UTF-8
 }
-OPTIONS = ("--partition", "--qos", "--account", "--time", "--module", "--python")
-# Values of these fields are paths: everything but control characters is a valid path, so the
-# script must carry them (quoted), not refuse them.
+OPTIONS = ("--partition", "--qos", "--account", "--time", "--module", "--python", "--topology",
+           "--nodes")
+# Values of these fields are paths: everything but control characters and bytes that are not
+# UTF-8 is a valid path, so the script must carry them (quoted), not refuse them.
 PATHS = {"out_dir", "data.source", "--python"}
 
 
@@ -146,7 +148,7 @@ def test_hostile_values_stay_data(field, tmp_path, capsys):
         if code == 2:
             assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), (vid, err)
             assert not os.path.exists(job)
-            assert field not in PATHS or re.search(r"[\r\n]", value), (vid, err)
+            assert field not in PATHS or re.search(r"[\r\n\udc80-\udcff]", value), (vid, err)
         else:
             assert code == 0, (vid, err)
             _check_runs_as_data(field, value, job, tmp)

@@ -11,7 +11,7 @@ import hashlib
 import re
 import shlex
 from boost_jax.errors import UserError
-from boost_jax.plain_text import control_char, escape_controls
+from boost_jax.plain_text import control_char, escape_controls, lone_surrogate
 
 # `#SBATCH` values: sbatch splits these lines itself, so no spaces, quotes or shell characters.
 SLURM_NAME = r"[A-Za-z0-9][A-Za-z0-9_.+-]*"
@@ -28,6 +28,8 @@ def check_text(what: str, value: str, fix: str) -> str:
     c = control_char(value)
     if c is not None:
         raise UserError(f"{what} {value!r} contains a control character ({c}); {fix}")
+    if lone_surrogate(value) is not None:  # argv bytes that are not UTF-8: the script is UTF-8
+        raise UserError(f"{what} {value!r} is not UTF-8 text; {fix}")
     return value
 
 
