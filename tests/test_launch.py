@@ -45,7 +45,9 @@ def _parse_script(text: str) -> dict:
     exports = {k: shlex.split(v)[0] for k, v in exports.items()}
     modules = re.findall(r"^module load (\S+)", text, re.M)
     config = re.search(r"<<'(BOOST_JAX_CONFIG_\w+)'\n(.*?)\n\1$", text, re.S | re.M)
-    srun = re.search(r"^srun (.*?[^\\])$", text, re.S | re.M).group(1)
+    sruns = re.findall(r"^srun (.*?[^\\])$", text, re.S | re.M)
+    assert len(sruns) == 2 and "node_check.py" in sruns[0]  # the node check, then training
+    srun = sruns[1]
     words = shlex.split(srun.replace("\\\n", " "))
     opts = dict(w[2:].split("=", 1) for w in words if w.startswith("--") and "=" in w
                 and not w.startswith("--config"))
@@ -261,3 +263,37 @@ def test_local_job_trains_and_resumes_after_requeue_like_one_process(jax_cache, 
     a, b = rows(one), rows(two)
     assert [x["step"] for x in b if "loss" in x] == list(range(1, 21))  # re-done rows dropped
     assert_same_metrics(a, b)
+
+
+def test_script_states_the_effective_layout_and_checks_nodes_first(cluster_scripts):
+    """The header says what runs (roles after TP took their axes, stages, micro-batches); the
+    job's first step runs node_check.py with the job's Python on one task per node."""
+    _, _, text = cluster_scripts["frontier"]
+    header = "\n".join(x for x in text.splitlines() if x.startswith("# "))
+    assert "layout: plan hierarchical (params -, grads -, opt_state ['global'], secondary -); " \
+           "TP btp over ['pair', 'node']" in header
+    assert "this runs as zero1 over global" in header
+    check = re.search(r"^srun (.*node_check\.py.*)$", text, re.M).group(1)
+    words = shlex.split(check.split("||")[0])
+    assert words[:3] == ["--nodes=48", "--ntasks=48", "--ntasks-per-node=1"]
+    assert words[-2:] == ["gpu", "8"] and words[-3].endswith("boost_jax/launch/node_check.py")
+
+
+def test_script_header_names_pipeline_stages(tmp_path):
+    r = _cli("-m", "boost_jax.launch", "slurm", "--config", "configs/cola-13b.yaml",
+             "--account", "ABC123")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^# layout: plan \w+ .*; 2 pipeline stages \(1f1b\); 4 micro-batches",
+                     r.stdout, re.M), r.stdout[:3000]
+    assert "has no JAX GPU plugin" in r.stderr  # this test's Python is a CPU-only jaxlib
+
+
+@pytest.mark.parametrize("want,code", [("gpu", 3), ("cpu", 0)])
+def test_node_check_stops_a_job_without_gpus_in_one_line(want, code):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "boost_jax", "launch", "node_check.py"),
+                        want, "4"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == code, r.stderr
+    if code:
+        assert r.stderr.count("\n") == 1 and re.search(
+            r"JAX sees \d+ cpu device\(s\) but the job needs 4 GPU\(s\) per node", r.stderr)

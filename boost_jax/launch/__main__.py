@@ -36,7 +36,9 @@ def build_parser() -> OverrideParser:
     p.add_argument("--module", action="append", default=None, metavar="NAME",
                    help="module to load instead of the profile's (repeat for several)")
     p.add_argument("--python", default=None,
-                   help="Python on the compute nodes (default: this one, %(default)s)")
+                   help="Python of the environment on the compute nodes, with JAX's GPU plugin "
+                   f"(default: this one, {sys.executable}); checked here and by the job's first "
+                   "step on every node")
     p.add_argument("--out", default=None, help="write the script here (default: stdout)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing --out file (never the --config itself)")
@@ -78,6 +80,8 @@ def _slurm(args, command: str) -> int:
         print(f"warning: the planner estimates {p['memory'] / 2**30:.1f} GiB per device, more "
               f"than {p['hbm_usable']:.0%} of {topo.hbm_bytes / 2**30:.0f} GiB; check with "
               "python -m boost_jax.plan before submitting", file=sys.stderr)
+    if job.profile.platform != "cpu":
+        _warn_cpu_only(job.python)
     if args.out is None:
         sys.stdout.write(text)
         return 0
@@ -91,6 +95,32 @@ def _slurm(args, command: str) -> int:
           f"{job.devices_per_process} device(s) on {topo.name}, out_dir {job.out_dir}; submit "
           f"with: sbatch {args.out}", file=sys.stderr)
     return 0
+
+
+# a GPU plugin of JAX, as pip names it (jax-cuda12-plugin, jax_rocm7_plugin, ...)
+_PLUGIN = r"jax[-_](?:cuda|rocm)\d+[-_]plugin"
+_HAS_PLUGIN = ("import importlib.metadata as m, re; print(any(re.fullmatch(%r, d.metadata['Name'] "
+               "or '', re.I) for d in m.distributions()))" % _PLUGIN)
+
+
+def _warn_cpu_only(python: str) -> None:
+    """Say so now when the job's Python has no GPU plugin (the node check would stop the job,
+    but only after its queue wait)."""
+    import subprocess
+
+    try:
+        r = subprocess.run([python, "-c", _HAS_PLUGIN], capture_output=True, text=True,
+                           timeout=60)
+        has = r.stdout.strip() == "True" if r.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        has = None
+    if has is None:
+        print(f"warning: cannot run --python {python} here to check its JAX GPU plugin; the "
+              "job's node check tests it on the nodes before training", file=sys.stderr)
+    elif not has:
+        print(f"warning: --python {python} has no JAX GPU plugin (a CPU-only jaxlib); install "
+              "it (pip install -e '.[cuda]' or '.[rocm]') or pass --python of an environment "
+              "that has it: the job would stop at its node check", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from boost_jax.mesh import AXES, JobProfile, Topology
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_PY = os.path.join(ROOT, "train.py")
+NODE_CHECK = os.path.join(ROOT, "boost_jax", "launch", "node_check.py")  # run by path
 EXIT_SIGTERM = 143  # train.py after saving on SIGTERM: 128 + 15
 _TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
@@ -126,7 +127,8 @@ def check_layout(cfg: Config, topo: Topology, sizes: dict) -> dict:
     except (ConfigError, ValueError) as e:
         raise UserError(str(e).splitlines()[0]) from None
     return {"memory": p.memory["total"], "fits": p.memory["fits"], "step_time": p.step_time,
-            "hbm_usable": p.assumptions.hbm_usable}
+            "hbm_usable": p.assumptions.hbm_usable, "layout": p.layout,
+            "notes": list(p.notes)}
 
 
 def out_dir_expr(cfg: Config, profile: JobProfile, account: Optional[str]) -> str:
@@ -227,25 +229,53 @@ def srun_command(job: Job) -> str:
     return " \\\n    ".join(["srun", *opts, " ".join(train + ['"$@"'])])
 
 
+def layout_text(cfg: Config, layout: Optional[dict]) -> str:
+    """The layout the job runs, as the planner resolved it: the plan's roles after tensor
+    parallelism took its axes, TP, pipeline stages and micro-batches."""
+    par, tr = cfg.parallel, cfg.train
+    text = f"plan {par.plan}"
+    pl = (layout or {}).get("placement")
+    if pl:
+        roles = ", ".join(f"{k} {pl.get(k) or '-'}" for k in ("params", "grads", "opt_state",
+                                                               "secondary"))
+        text += f" ({roles})"
+    text += f"; TP {par.tp_mode} over {par.tp_axes or '-'}"
+    if par.pp_stages > 1:
+        text += (f"; {par.pp_stages} pipeline stages ({par.pp_schedule}"
+                 + (f", {par.pp_virtual} virtual" if par.pp_virtual > 1 else "") + ")")
+    return (text + f"; {tr.micro_batches} micro-batches, remat {tr.remat}; global batch "
+            f"{tr.global_batch} x {cfg.data.seq_len} tokens")
+
+
 def _header(job: Job) -> list[str]:
     c, s, pr = job.cfg, job.sizes, job.profile
-    par = c.parallel
     lines = [f"boost_jax: {c.name} on {job.topo.name} ({job.topo.device}): {job.nodes} nodes x "
              f"{pr.processes_per_node} processes x {job.devices_per_process} device(s) = "
              f"{math.prod(s.values())} devices = pair {s['pair']} x node {s['node']} x global "
              f"{s['global']}",
-             f"layout: plan {par.plan}, TP {par.tp_mode} over {par.tp_axes or '-'}, "
-             f"{c.train.micro_batches} micro-batches, remat {c.train.remat}, global batch "
-             f"{c.train.global_batch} x {c.data.seq_len} tokens"]
+             "layout: " + layout_text(c, (job.predicted or {}).get("layout"))]
     if job.predicted:
         p = job.predicted
+        lines += [f"note: {n}" for n in p.get("notes", [])]
         lines.append(f"planner (analytic): {p['memory'] / 2**30:.1f} GiB per device of "
                      f"{job.topo.hbm_bytes / 2**30:.0f} GiB, {p['step_time']:.3f} s per step")
+    lines.append(f"python on the compute nodes: {job.python}")
     if job.command:
         lines.append(f"written by: {job.command}")
     lines += ["submit: sbatch THIS_FILE [key=value ...]  (extra overrides go to train.py)",
               "resumes by itself: SIGTERM before the time limit -> checkpoint -> requeue"]
     return [sv.comment(x) for x in lines]
+
+
+def node_check_command(job: Job) -> str:
+    """One task per node runs node_check.py with the job's Python before training."""
+    pr = job.profile
+    opts = [f"--nodes={job.nodes}", f"--ntasks={job.nodes}", "--ntasks-per-node=1"]
+    if pr.gpus_per_node:
+        opts.append("--gpu-bind=none")
+    want = "cpu" if pr.platform == "cpu" else "gpu"
+    return " ".join(["srun", *opts, sv.quote(job.python), sv.quote(NODE_CHECK), want,
+                     str(job.topo.devices_per_node)])
 
 
 def render(job: Job) -> str:
@@ -271,6 +301,9 @@ def render(job: Job) -> str:
           'mkdir -p "$OUT_DIR" || exit 1',
           "# the resolved config (train.py --config takes it unchanged)",
           *sv.heredoc('"$CONFIG"', yaml_text, "BOOST_JAX_CONFIG"),
+          "", "# one task per node: JAX, its backend and every device, or stop here",
+          node_check_command(job) + ' || { echo "boost_jax: node check failed; not training"; '
+          "exit 1; }",
           "", srun_command(job), "status=$?",
           f"if [ \"$status\" -eq {EXIT_SIGTERM} ]; then",
           '    echo "boost_jax: saved a checkpoint on SIGTERM (time limit near); requeueing job '
