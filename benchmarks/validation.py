@@ -141,7 +141,7 @@ def build() -> str:
     all_rows = rows + lbp_rows
     n_ok = V.within(all_rows)
     abs_rows = V.absolute_rows(a, boost)
-    pm, fr = get_topology("perlmutter"), get_topology("frontier")
+    pm, fr, dg = get_topology("perlmutter"), get_topology("frontier"), get_topology("dgx-a100")
     br = {r["key"]: r["error"] for r in rows}
     bf = [br[k + " btp/full"] for k in boost]
     vb = [br[k + " vanilla/btp"] for k in boost]
@@ -207,12 +207,17 @@ over BTP's):
 {chr(10).join('- ' + x for x in a.describe())}
 - hardware: Perlmutter A100-40GB ({pm.peak_flops / 1e12:.0f} TFLOP/s bf16, 1.555 TB/s HBM;
   NVLink pair {pm.bw_pair / 1e9:.0f} GB/s, 4-GPU node collective {pm.bw_node / 1e9:.0f} GB/s,
-  Slingshot {pm.bw_global / 1e9:.0f} GB/s per GPU); Frontier MI250X GCD
+  4 Slingshot-11 NICs, {pm.nic_node / 1e9:.0f} GB/s per node); Frontier MI250X GCD
   ({fr.peak_flops / 1e12:.1f} TFLOP/s, 1.6 TB/s HBM; pair {fr.bw_pair / 1e9:.0f} GB/s, node
-  {fr.bw_node / 1e9:.0f} GB/s, Slingshot {fr.bw_global / 1e9:.1f} GB/s per GCD) — boost_jax/mesh.py.
-- whole-block recompute (remat=full) for every method and plan; bf16 weights with fp32 master
-  and Adam; flash attention (both published stacks use it; our step compiles dense attention,
-  see the sensitivity table).
+  {fr.bw_node / 1e9:.0f} GB/s, 4 Slingshot-11 NICs, {fr.nic_node / 1e9:.0f} GB/s per node); DGX A100
+  for the Megatron-LM row (NVSwitch {dg.bw_node / 1e9:.0f} GB/s per GPU, 8 HDR NICs,
+  {dg.nic_node / 1e9:.0f} GB/s per node) — boost_jax/mesh.py, each with its source.
+- whole-block recompute (remat=full) for every BOOST and LBP method and plan; bf16 weights with
+  fp32 master and Adam; flash attention (the published stacks use it, and the step compiles it
+  on GPUs with `model.attention` auto; dense is a sensitivity row).
+- Megatron-LM row: the 1T GPT as run (TP 8 inside a DGX node, 64 stages of 1F1B with the
+  stage forward re-run in each backward tick — the recompute — DP 6 with bf16 gradients),
+  TFLOP/s per GPU counted with Megatron-LM's own formula (recompute included).
 - BOOST rows: one TP group, batch 4 x 4096 tokens, no data parallelism. Shapes: 3B = OpenLLaMA-3B
   (d=3200, L=26, H=32, d_ff=8640; 3B is not a LLaMA-2 size), 7B/13B = LLaMA-2; vocab 32000;
   CoLA rank r = d/4. The vanilla baseline is modelled as *our* vanilla TP (attention replicated

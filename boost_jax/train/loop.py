@@ -234,7 +234,7 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
 
     copts = _compiler_options(compiler_options)
     bundle = build_step(cfg, mesh, copts) if copts else build_step(cfg, mesh)
-    for note in getattr(bundle.placement, "notes", ()):  # e.g. roles TP took over
+    for note in getattr(getattr(bundle, "placement", None), "notes", ()):  # roles TP took
         say(note)
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint, warn=warn,
