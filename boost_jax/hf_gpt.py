@@ -101,6 +101,10 @@ def _layer_tensors(cfg, f: dict, i: int, lp: dict, main: dict, factors: dict) ->
 def to_tensors(cfg, params: dict, layers: list) -> tuple[dict, dict]:
     """(model.safetensors, lowrank.safetensors or {}) of numpy params; `layers` per layer."""
     f = FAMILY[cfg.family]
+    if cfg.arch in ("full", "svd") and cfg.kv_heads != cfg.n_heads:
+        raise UserError(f"{f['arch']} has no grouped-query attention but model.n_kv_heads="
+                        f"{cfg.kv_heads} < model.n_heads={cfg.n_heads}; train the "
+                        f"{cfg.family} model without model.n_kv_heads to export it")
     main, factors = {f["embed"]: params["embed"]["embedding"],
                      f"{f['final']}.weight": params["final_norm"]["scale"],
                      f"{f['final']}.bias": params["final_norm"]["bias"]}, {}

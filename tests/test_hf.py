@@ -159,3 +159,12 @@ def test_logits_equal_transformers_live(name, tmp_path):
     cfg = ModelConfig(**MODELS[name])
     got = _logits(cfg, hf.load_init(str(tmp_path), cfg, stacked=True), TOKENS)
     assert np.abs(got - transformers_logits(str(tmp_path), TOKENS)).max() < 1e-4
+
+
+def test_gqa_gpt_export_is_refused(tmp_path):
+    """transformers' GPT-NeoX and GPT-2 have one kv head per query head."""
+    cfg = ModelConfig(arch="full", family="gpt_neox", vocab_size=64, d_model=32, n_layers=1,
+                      n_heads=4, n_kv_heads=2, d_ff=64, max_seq_len=16)
+    params = jax.tree.map(np.asarray, build_model(cfg).params())
+    with pytest.raises(UserError, match="no grouped-query attention"):
+        hf.write(str(tmp_path), cfg, params, {})

@@ -171,3 +171,9 @@ def test_gpt_btp_online_layernorm_rides_the_latent_allreduce():
     assert len(bwd) - len(fwd) == backward_only("btp")[0] == 4
     assert sum(bwd) - sum(fwd) == T * 6 * R  # cotangents of the 6 reduced latents
     assert gpt_comm(True, "lowrank") == bwd  # remat=lowrank replays none
+    # the planner's roofline prices the same payloads (fp32: 4 bytes an element)
+    from boost_jax.plan.roofline import block_model
+
+    bm = block_model(gpt_cfg().model, BATCH, SEQ, "btp", TP)
+    assert sorted(int(c.payload) // 4 for c in bm.fwd) == fwd
+    assert int(sum(c.payload for c in bm.bwd)) // 4 == sum(bwd) - sum(fwd)
