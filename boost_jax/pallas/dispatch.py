@@ -21,6 +21,7 @@ Inside jax.shard_map (what the caller must do):
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -31,8 +32,24 @@ from boost_jax.pallas import grouped, rmsnorm
 KINDS = ("auto", "pallas", "xla")
 
 
+_TARGET: list[str] = []  # platforms being compiled for (compile_target), innermost last
+
+
+@contextlib.contextmanager
+def compile_target(platform: str):
+    """Pick kernels for `platform` rather than the running backend: the planner compiles the
+    step for compile-only GPU devices (--gpu-compile) in a process that runs on the CPU."""
+    _TARGET.append(platform)
+    try:
+        yield
+    finally:
+        _TARGET.pop()
+
+
 def _platform() -> str:
-    """'cuda' | 'rocm' | 'cpu' | 'tpu' | … for the default backend."""
+    """'cuda' | 'rocm' | 'cpu' | 'tpu' | … for the default backend (or the compile target)."""
+    if _TARGET:
+        return _TARGET[-1]
     backend = jax.default_backend()
     if backend == "gpu":
         dev = jax.devices()[0]

@@ -137,15 +137,21 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
     report = analyze_compiled(compiled, mesh, cpu)
     colls = colls_from_report(report, c.parallel.tp_axes, c.train.micro_batches)
     raw = CommSummary.of(colls, topo, a).level_bytes
-    if sizes["global"] != full["global"]:
-        up = full["global"] / sizes["global"]
-        colls = [dataclasses.replace(x, n=int(round(x.n * up))) if "global" in x.axes else x
-                 for x in colls]
+    colls = full_size_colls(colls, sizes, full)
     mm, _ = matmul_flops(report.hlo_text)
     return Compiled(c.model.n_layers, dict(sizes), dict(report.memory or {}),
                     float(report.flops or 0.0), CommSummary.of(colls, topo, a), raw, dt,
                     len(report.collectives), matmul_flops=mm,
                     report=report if keep_report else None)
+
+
+def full_size_colls(colls: list, sizes: dict, full: dict) -> list:
+    """Collectives compiled on fewer hosts, with every group spanning `global` scaled back up."""
+    if sizes["global"] == full["global"]:
+        return colls
+    up = full["global"] / sizes["global"]
+    return [dataclasses.replace(x, n=int(round(x.n * up))) if "global" in x.axes else x
+            for x in colls]
 
 
 LAYER_POINTS = (2, 3)  # compile these layer counts (1 layer lets XLA drop the scan loop)

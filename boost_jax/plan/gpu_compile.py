@@ -1,0 +1,262 @@
+"""--gpu-compile: the planned layout's training step compiled for the topology's GPU, no GPU needed.
+
+The step (boost_jax.train.step, the launcher's GPU_XLA_FLAGS as compile options, Pallas kernels
+picked as on a GPU) is compiled for compile-only devices (boost_jax.plan.gpu_target) with 2 and
+3 layers (1 and 2 for shallower models), like the CPU dry run: per-layer figures are the
+difference, memory and collective totals are extrapolated linearly to the model's layers, and a
+mesh bigger than --cpu-devices is compiled with fewer hosts (groups spanning `global` re-costed
+at the full size). Read off the scheduled GPU program: memory_analysis(), kernels per layer,
+every collective with its group, bytes and the kernels scheduled between its start and done,
+and the collectives left exposed. Each figure stands next to the analytic model's; a difference
+over 25% is flagged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from boost_jax.analysis import hlo as H
+from boost_jax.analysis import schedule as S
+from boost_jax.mesh import STAGE, Topology
+from boost_jax.plan import dryrun, gpu_target
+from boost_jax.plan.collectives import CommSummary, Coll, coll_time, colls_from_report
+from boost_jax.plan.costmodel import Assumptions, predict
+from boost_jax.plan.roofline import block_model
+
+RTOL = 0.25
+
+
+@dataclass
+class Program:
+    """One compiled GPU program (n_layers layers per chunk) as read off its schedule."""
+
+    n_layers: int
+    memory: dict
+    kernels: float  # kernel launches per step
+    mix: dict
+    collectives: list  # dicts, one per collective of the HLO
+    comm: CommSummary
+    exposed_s: float  # collective time not hidden behind scheduled compute, per step
+    compile_s: float
+
+
+@dataclass
+class GpuCompile:
+    target: str
+    device_kind: str
+    sizes: dict  # the mesh compiled
+    programs: list
+    memory: dict  # per device at the model's layer count
+    kernels_per_layer: float
+    kernels_per_step: float
+    exposed: dict
+    comm_bytes: dict
+    comparison: list
+    notes: list = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _per_call(c: Coll) -> Coll:
+    return dataclasses.replace(c, calls=1.0)
+
+
+def read_program(comp: dryrun.Compiled, cfg, sizes, full, topo, a: Assumptions) -> Program:
+    """Kernels, collectives with their overlap, and exposed time of one compiled program."""
+    mod = H.parse_module(comp.report.hlo_text)
+    sched = {x.name: x for x in S.async_collectives(mod)}
+    colls = {c.name: c for c in dryrun.full_size_colls(
+        colls_from_report(comp.report, cfg.parallel.tp_axes, cfg.train.micro_batches),
+        sizes, full)}
+    peak = topo.peak_flops * a.eta_flops
+    rows, exposed = [], 0.0
+    for c in comp.report.collectives:
+        s, cc = sched.get(c.name), colls[c.name]
+        t = coll_time(_per_call(cc), topo, a)
+        hidden = 0.0 if s is None or s.sync else min(
+            t, s.overlap_flops / peak + len(s.overlapped) * a.launch_s)
+        trips = c.trip_count or 1
+        exposed += (t - hidden) * trips
+        rows.append({"name": c.name, "kind": c.kind, "level": c.level, "axes": list(c.axes),
+                     "group_size": cc.n, "groups": c.groups[:4], "shapes": c.shapes,
+                     "trips": trips, "bytes_per_call": c.bytes_per_call,
+                     "bytes_per_step": c.bytes_per_step, "phase": cc.phase,
+                     "sync": bool(s is None or s.sync),
+                     "overlapped_kernels": len(s.overlapped) if s else 0,
+                     "overlapped_gemms": s.gemms if s else 0,
+                     "overlapped": s.overlapped[:6] if s else [],
+                     "overlap_flops": s.overlap_flops if s else 0.0,
+                     "comm_s": t, "exposed_s": t - hidden,
+                     "exposed": bool(s is None or s.exposed)})
+    kernels, _ = S.kernel_launches(mod)
+    return Program(comp.n_layers, comp.memory, kernels, S.kernel_mix(mod), rows, comp.comm,
+                   exposed, comp.compile_s)
+
+
+def analytic_kernels_per_layer(cfg, sizes, a: Assumptions) -> float:
+    """Launches of one block per micro-batch in the roofline model: forward, backward (two
+    GEMMs per GEMM), and the forward replayed under remat."""
+    from boost_jax.plan.costmodel import state_sizes, tp_info, _size
+
+    mode, t = tp_info(cfg, sizes)
+    _, pl = state_sizes(cfg, sizes)
+    b = cfg.train.global_batch // cfg.train.micro_batches // _size(sizes, pl.batch_axes)
+    ops = block_model(cfg.model, b, cfg.data.seq_len, mode, t, a.attention).ops
+    bwd = sum(2 if o.kind == "gemm" else 1 for o in ops)
+    remat = cfg.train.remat
+    rec = len(ops) if remat == "full" else (
+        sum(not o.lowrank_saved for o in ops) if remat == "lowrank" else 0)
+    return float(len(ops) + bwd + rec)
+
+
+def layer_points(L: int) -> tuple[int, int]:
+    return dryrun.LAYER_POINTS if L >= dryrun.LAYER_POINTS[0] + 1 else (1, 2)
+
+
+def compile_programs(cfg, topo: Topology, full: dict, small: dict, a: Assumptions):
+    """(programs at the two layer points, layers per chunk, the chunks)."""
+    from boost_jax.pallas import dispatch
+
+    devices = gpu_target.compile_devices(topo, small)
+    chunks = cfg.parallel.pp_stages * cfg.parallel.pp_virtual
+    L = -(-cfg.model.n_layers // chunks)
+    progs = []
+    with dispatch.compile_target("cuda"):
+        for n in layer_points(L):
+            comp = dryrun.compile_once(cfg, full, small, topo, a, n * chunks, keep_report=True,
+                                       devices=devices,
+                                       compiler_options=gpu_target.compiler_options())
+            progs.append(read_program(comp, cfg, small, full, topo, a))
+    return progs, L, devices[0].device_kind
+
+
+def _lin(p1: Program, p2: Program, x1: float, x2: float, L: int) -> float:
+    return x1 + (L - p1.n_layers) * (x2 - x1) / (p2.n_layers - p1.n_layers)
+
+
+def memory_at(progs, L: int, cfg, full: dict, small: dict) -> dict:
+    """Per-device bytes at L layers: each memory_analysis() figure extrapolated linearly;
+    arguments from the placement formula when compiled on fewer hosts (as the dry run)."""
+    p1, p2 = progs
+    mem = {k: _lin(p1, p2, p1.memory.get(k, 0), p2.memory.get(k, 0), L)
+           for k in ("argument", "output", "alias", "temp")}
+    if small["global"] != full["global"]:
+        mem["argument"] = dryrun.argument_formula(cfg, full)["arguments"]
+    mem["total"] = mem["argument"] + mem["temp"] + max(0.0, mem["output"] - mem["alias"])
+    return mem
+
+
+def _row(what: str, gpu: float, analytic: float, unit: str) -> dict:
+    ratio = gpu / analytic if analytic else None
+    return {"what": what, "gpu": gpu, "analytic": analytic, "unit": unit, "ratio": ratio,
+            "differs": ratio is None and gpu > 0 or ratio is not None and abs(ratio - 1) > RTOL}
+
+
+def compare(g: GpuCompile, pred, cfg, full, a: Assumptions) -> list:
+    """The GPU program's figures next to the analytic model's, each flagged past 25%."""
+    m, t = pred.memory, pred.time
+    form = dryrun.argument_formula(cfg, full)
+    rows = [_row("memory total", g.memory["total"], m["total"], "bytes"),
+            _row("memory arguments", g.memory["argument"], form["arguments"], "bytes"),
+            _row("memory temporaries", g.memory["temp"], m["total"] - form["arguments"],
+                 "bytes")]
+    for lv in ("pair", "node", "global"):
+        if g.comm_bytes.get(lv, 0) or pred.comm_bytes.get(lv, 0):
+            rows.append(_row(f"collective bytes {lv}", g.comm_bytes.get(lv, 0.0),
+                             pred.comm_bytes.get(lv, 0.0), "bytes"))
+    rows.append(_row("exposed collective time", g.exposed["time_s"],
+                     t["tp"] + t["dp_exposed"] + t["step_comm"], "s"))
+    rows.append(_row("kernels per layer", g.kernels_per_layer,
+                     analytic_kernels_per_layer(cfg, full, a), "kernels"))
+    return rows
+
+
+def exposed_summary(p: Program, p1: Program, L: int, progs) -> dict:
+    exp = [c for c in p.collectives if c["exposed"]]
+    return {"count": len(exp), "of": len(p.collectives),
+            "bytes_per_step": sum(c["bytes_per_step"] for c in exp),
+            "time_s": _lin(p1, p, p1.exposed_s, p.exposed_s, L),
+            "by_kind": {k: [sum(c["exposed"] for c in p.collectives if c["kind"] == k),
+                            sum(c["kind"] == k for c in p.collectives)]
+                        for k in sorted({c["kind"] for c in p.collectives})}}
+
+
+def gpu_compile(cfg, topo: Topology, full: dict, a: Assumptions, max_devices: int) -> GpuCompile:
+    name = gpu_target.target_name(topo)
+    small = dryrun.compile_sizes(full, max_devices)
+    progs, L, kind = compile_programs(cfg, topo, full, small, a)
+    p1, p2 = progs
+    passes = (p2.n_layers - p1.n_layers) * cfg.train.micro_batches
+    per_layer = (p2.kernels - p1.kernels) / passes
+    comm = p1.comm.combine(p2.comm, *_weights(p1, p2, L))
+    g = GpuCompile(name, kind, dict(small), progs, memory_at(progs, L, cfg, full, small),
+                   per_layer, _lin(p1, p2, p1.kernels, p2.kernels, L),
+                   exposed_summary(p2, p1, L, progs), dict(comm.level_bytes), [])
+    g.notes.append(f"layers: compiled with {p1.n_layers} and {p2.n_layers} of {L} layers; "
+                   "memory, kernels per step and collective totals extrapolated linearly, "
+                   f"the collective list is the {p2.n_layers}-layer program's")
+    if small != full:
+        g.notes.append(f"mesh: compiled on {math.prod(small.values())} devices "
+                       f"({small}) instead of {math.prod(full.values())}; groups spanning "
+                       "`global` re-costed at the full size, arguments from the placement "
+                       "formula")
+    if cfg.parallel.pp_stages > 1:
+        g.notes.append("pipeline: kernels per layer count every tick's passes per micro-batch")
+    g.comparison = compare(g, predict(cfg, topo, full, a), cfg, full, a)
+    return g
+
+
+def _weights(p1: Program, p2: Program, L: int) -> tuple[float, float]:
+    w = (L - p1.n_layers) / (p2.n_layers - p1.n_layers)
+    return 1 - w, w
+
+
+def _fmt(x: float, unit: str) -> str:
+    if unit == "bytes":
+        for u, f in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+            if abs(x) >= f:
+                return f"{x / f:.2f} {u}"
+        return f"{x:.0f} B"
+    if unit == "s":
+        return f"{x * 1e3:.2f} ms"
+    return f"{x:.1f}"
+
+
+def report_text(g: GpuCompile, top: int = 12) -> str:
+    m, p = g.memory, g.programs[-1]
+    n_dev = math.prod(g.sizes.values())
+    L = [f"GPU program: compiled for {n_dev} x {g.device_kind} (target {g.target}, the "
+         f"launcher's GPU_XLA_FLAGS), {sum(q.compile_s for q in g.programs):.0f} s, no GPU used",
+         f"  memory per device: arguments {_fmt(m['argument'], 'bytes')}, temporaries "
+         f"{_fmt(m['temp'], 'bytes')}, total {_fmt(m['total'], 'bytes')}",
+         f"  kernels: {g.kernels_per_layer:.0f} per layer per micro-batch, "
+         f"{g.kernels_per_step:.0f} per step ("
+         + ", ".join(f"{k} {v:.0f}" for k, v in sorted(p.mix.items(), key=lambda kv: -kv[1]))
+         + f" in the {p.n_layers}-layer program)"]
+    e = g.exposed
+    L.append(f"  collectives ({p.n_layers}-layer program): {e['of']}, {e['of'] - e['count']} "
+             f"overlap compute, {e['count']} exposed ("
+             + ", ".join(f"{k} {x}/{n}" for k, (x, n) in e["by_kind"].items())
+             + f"); exposed collective time {_fmt(e['time_s'], 's')} per step")
+    hdr = f"    {'kind':<15}{'level':<7}{'n':>3}{'trips':>6}{'bytes/step':>12}  overlaps"
+    L.append(hdr)
+    rows = sorted(p.collectives, key=lambda c: -c["bytes_per_step"])
+    for c in rows[:top]:
+        ov = ("EXPOSED (sync)" if c["sync"] else "EXPOSED (nothing between start and done)"
+              if c["exposed"] else f"{c['overlapped_kernels']} kernels, {c['overlapped_gemms']} "
+              f"GEMMs ({', '.join(c['overlapped'][:3])}{', ...' if c['overlapped_kernels'] > 3 else ''})")
+        L.append(f"    {c['kind']:<15}{c['level']:<7}{c['group_size']:>3}{c['trips']:>6}"
+                 f"{_fmt(c['bytes_per_step'], 'bytes'):>12}  {ov}")
+    if len(rows) > top:
+        L.append(f"    ... {len(rows) - top} more (--json lists every one)")
+    L.append("  GPU program vs analytic model:")
+    for r in g.comparison:
+        ratio = f"x{r['ratio']:.2f}" if r["ratio"] is not None else "-"
+        L.append(f"    {r['what']:<26}{_fmt(r['gpu'], r['unit']):>12} vs "
+                 f"{_fmt(r['analytic'], r['unit']):>12}  {ratio:>6}"
+                 + ("  DIFFERS by more than 25%" if r["differs"] else ""))
+    L += [f"  note: {n}" for n in g.notes]
+    return "\n".join(L)
