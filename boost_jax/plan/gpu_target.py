@@ -45,7 +45,10 @@ def target_config(name: str) -> str:
 
 
 def plugin_installed() -> bool:
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    try:
+        return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+    except ModuleNotFoundError:  # no jax_plugins package at all
+        return False
 
 
 def prepare_env() -> None:
