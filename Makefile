@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test bench convergence clean gpu-dry-run gpu-compile-test
+.PHONY: train test bench convergence clean gpu-dry-run gpu-compile-test gpu-compile-bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -51,6 +51,11 @@ $(GPUC_VENV)/.installed: pyproject.toml
 gpu-compile-test: $(GPUC_VENV)/.installed
 	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu $(GPUC_VENV)/bin/python -m pytest \
 		tests/test_gpu_compile.py tests/test_pallas_gpu.py -p no:xdist $(ARGS)
+
+# Analytic model vs the GPU-compiled step, CoLA-1B and CoLA-7B on Perlmutter (benchmarks/README.md
+# section 11); not part of `make bench`, which runs without the extra.
+gpu-compile-bench: $(GPUC_VENV)/.installed
+	$(GPUC_VENV)/bin/python benchmarks/gpu_compile.py $(ARGS)
 
 # Every CPU figure of benchmarks/README.md and benchmarks/results/ (not the GPU check, gpu.sh,
 # and not `make convergence`); each script writes its results file and copies it into the README.

@@ -1,14 +1,15 @@
 """--gpu-compile: the planned layout's training step compiled for the topology's GPU, no GPU needed.
 
 The step (boost_jax.train.step, the launcher's GPU_XLA_FLAGS as compile options, Pallas kernels
-picked as on a GPU) is compiled for compile-only devices (boost_jax.plan.gpu_target) with 2 and
-3 layers (1 and 2 for shallower models), like the CPU dry run: per-layer figures are the
-difference, memory and collective totals are extrapolated linearly to the model's layers, and a
-mesh bigger than --cpu-devices is compiled with fewer hosts (groups spanning `global` re-costed
-at the full size). Read off the scheduled GPU program: memory_analysis(), kernels per layer,
-every collective with its group, bytes and the kernels scheduled between its start and done,
-and the collectives left exposed. Each figure stands next to the analytic model's; a difference
-over 25% is flagged.
+picked as on a GPU) is compiled for compile-only devices (boost_jax.plan.gpu_target) with the
+model's L layers and with L − 1: memory, collectives and their overlap are the L-layer
+program's as compiled (a GPU program's peak memory is not additive in layers: the scheduler's
+double buffering lays 2 and 3 layers out differently), kernels per layer the difference of the
+two. A mesh bigger than --cpu-devices is compiled with fewer hosts, as the CPU dry run does
+(groups spanning `global` re-costed at the full size, arguments from the placement formula).
+Read off the scheduled GPU program: memory_analysis(), kernels per layer, every collective with
+its group, bytes and the kernels scheduled between its start and done, and the collectives left
+exposed. Each figure stands next to the analytic model's; a difference over 25% is flagged.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def analytic_kernels_per_layer(cfg, sizes, a: Assumptions) -> float:
 
 
 def layer_points(L: int) -> tuple[int, int]:
-    return dryrun.LAYER_POINTS if L >= dryrun.LAYER_POINTS[0] + 1 else (1, 2)
+    """The layer counts compiled: L − 1 and L (1 and 2 for a one-layer model)."""
+    return (L - 1, L) if L >= 2 else (1, 2)
 
 
 def compile_programs(cfg, topo: Topology, full: dict, small: dict, a: Assumptions):
@@ -133,16 +135,10 @@ def compile_programs(cfg, topo: Topology, full: dict, small: dict, a: Assumption
     return progs, L, devices[0].device_kind
 
 
-def _lin(p1: Program, p2: Program, x1: float, x2: float, L: int) -> float:
-    return x1 + (L - p1.n_layers) * (x2 - x1) / (p2.n_layers - p1.n_layers)
-
-
-def memory_at(progs, L: int, cfg, full: dict, small: dict) -> dict:
-    """Per-device bytes at L layers: each memory_analysis() figure extrapolated linearly;
-    arguments from the placement formula when compiled on fewer hosts (as the dry run)."""
-    p1, p2 = progs
-    mem = {k: _lin(p1, p2, p1.memory.get(k, 0), p2.memory.get(k, 0), L)
-           for k in ("argument", "output", "alias", "temp")}
+def memory_of(prog: Program, cfg, full: dict, small: dict) -> dict:
+    """Per-device bytes of the L-layer program; arguments from the placement formula when
+    compiled on fewer hosts (as the dry run)."""
+    mem = {k: float(prog.memory.get(k, 0)) for k in ("argument", "output", "alias", "temp")}
     if small["global"] != full["global"]:
         mem["argument"] = dryrun.argument_formula(cfg, full)["arguments"]
     mem["total"] = mem["argument"] + mem["temp"] + max(0.0, mem["output"] - mem["alias"])
@@ -174,11 +170,12 @@ def compare(g: GpuCompile, pred, cfg, full, a: Assumptions) -> list:
     return rows
 
 
-def exposed_summary(p: Program, p1: Program, L: int, progs) -> dict:
+def exposed_summary(p: Program) -> dict:
     exp = [c for c in p.collectives if c["exposed"]]
     return {"count": len(exp), "of": len(p.collectives),
-            "bytes_per_step": sum(c["bytes_per_step"] for c in exp),
-            "time_s": _lin(p1, p, p1.exposed_s, p.exposed_s, L),
+            "overlap_gemm": sum(c["overlapped_gemms"] > 0 and not c["exposed"]
+                                for c in p.collectives),
+            "bytes_per_step": sum(c["bytes_per_step"] for c in exp), "time_s": p.exposed_s,
             "by_kind": {k: [sum(c["exposed"] for c in p.collectives if c["kind"] == k),
                             sum(c["kind"] == k for c in p.collectives)]
                         for k in sorted({c["kind"] for c in p.collectives})}}
@@ -189,15 +186,13 @@ def gpu_compile(cfg, topo: Topology, full: dict, a: Assumptions, max_devices: in
     small = dryrun.compile_sizes(full, max_devices)
     progs, L, kind = compile_programs(cfg, topo, full, small, a)
     p1, p2 = progs
-    passes = (p2.n_layers - p1.n_layers) * cfg.train.micro_batches
-    per_layer = (p2.kernels - p1.kernels) / passes
-    comm = p1.comm.combine(p2.comm, *_weights(p1, p2, L))
-    g = GpuCompile(name, kind, dict(small), progs, memory_at(progs, L, cfg, full, small),
-                   per_layer, _lin(p1, p2, p1.kernels, p2.kernels, L),
-                   exposed_summary(p2, p1, L, progs), dict(comm.level_bytes), [])
-    g.notes.append(f"layers: compiled with {p1.n_layers} and {p2.n_layers} of {L} layers; "
-                   "memory, kernels per step and collective totals extrapolated linearly, "
-                   f"the collective list is the {p2.n_layers}-layer program's")
+    prog = p2 if p2.n_layers == L else p1
+    per_layer = (p2.kernels - p1.kernels) / cfg.train.micro_batches
+    g = GpuCompile(name, kind, dict(small), progs, memory_of(prog, cfg, full, small),
+                   per_layer, prog.kernels, exposed_summary(prog), dict(prog.comm.level_bytes),
+                   [])
+    g.notes.append(f"layers: compiled with {p1.n_layers} and {p2.n_layers} layers; figures are "
+                   f"the {L}-layer program's, kernels per layer the difference of the two")
     if small != full:
         g.notes.append(f"mesh: compiled on {math.prod(small.values())} devices "
                        f"({small}) instead of {math.prod(full.values())}; groups spanning "
@@ -207,11 +202,6 @@ def gpu_compile(cfg, topo: Topology, full: dict, a: Assumptions, max_devices: in
         g.notes.append("pipeline: kernels per layer count every tick's passes per micro-batch")
     g.comparison = compare(g, predict(cfg, topo, full, a), cfg, full, a)
     return g
-
-
-def _weights(p1: Program, p2: Program, L: int) -> tuple[float, float]:
-    w = (L - p1.n_layers) / (p2.n_layers - p1.n_layers)
-    return 1 - w, w
 
 
 def _fmt(x: float, unit: str) -> str:
@@ -226,7 +216,8 @@ def _fmt(x: float, unit: str) -> str:
 
 
 def report_text(g: GpuCompile, top: int = 12) -> str:
-    m, p = g.memory, g.programs[-1]
+    m = g.memory
+    p = next(q for q in g.programs if q.kernels == g.kernels_per_step)
     n_dev = math.prod(g.sizes.values())
     L = [f"GPU program: compiled for {n_dev} x {g.device_kind} (target {g.target}, the "
          f"launcher's GPU_XLA_FLAGS), {sum(q.compile_s for q in g.programs):.0f} s, no GPU used",
@@ -235,10 +226,10 @@ def report_text(g: GpuCompile, top: int = 12) -> str:
          f"  kernels: {g.kernels_per_layer:.0f} per layer per micro-batch, "
          f"{g.kernels_per_step:.0f} per step ("
          + ", ".join(f"{k} {v:.0f}" for k, v in sorted(p.mix.items(), key=lambda kv: -kv[1]))
-         + f" in the {p.n_layers}-layer program)"]
+         + ")"]
     e = g.exposed
-    L.append(f"  collectives ({p.n_layers}-layer program): {e['of']}, {e['of'] - e['count']} "
-             f"overlap compute, {e['count']} exposed ("
+    L.append(f"  collectives: {e['of']}, {e['of'] - e['count']} overlap compute "
+             f"({e['overlap_gemm']} a GEMM), {e['count']} exposed ("
              + ", ".join(f"{k} {x}/{n}" for k, (x, n) in e["by_kind"].items())
              + f"); exposed collective time {_fmt(e['time_s'], 's')} per step")
     hdr = f"    {'kind':<15}{'level':<7}{'n':>3}{'trips':>6}{'bytes/step':>12}  overlaps"
