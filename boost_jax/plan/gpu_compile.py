@@ -90,7 +90,7 @@ def read_program(comp: dryrun.Compiled, cfg, sizes, full, topo, a: Assumptions) 
                      "overlapped_gemms": s.gemms if s else 0,
                      "overlapped": s.overlapped[:6] if s else [],
                      "overlap_flops": s.overlap_flops if s else 0.0,
-                     "comm_s": t, "exposed_s": t - hidden,
+                     "comm_s_per_call": t, "exposed_s_per_call": t - hidden,
                      "exposed": bool(s is None or s.exposed)})
     kernels, _ = S.kernel_launches(mod)
     return Program(comp.n_layers, comp.memory, kernels, S.kernel_mix(mod), rows, comp.comm,
@@ -119,7 +119,7 @@ def layer_points(L: int) -> tuple[int, int]:
 
 
 def compile_programs(cfg, topo: Topology, full: dict, small: dict, a: Assumptions):
-    """(programs at the two layer points, layers per chunk, the chunks)."""
+    """(programs at the two layer points, layers per pipeline chunk, the GPU's name)."""
     from boost_jax.pallas import dispatch
 
     devices = gpu_target.compile_devices(topo, small)
@@ -186,8 +186,10 @@ def gpu_compile(cfg, topo: Topology, full: dict, a: Assumptions, max_devices: in
     small = dryrun.compile_sizes(full, max_devices)
     progs, L, kind = compile_programs(cfg, topo, full, small, a)
     p1, p2 = progs
-    prog = p2 if p2.n_layers == L else p1
-    per_layer = (p2.kernels - p1.kernels) / cfg.train.micro_batches
+    prog = p2 if L >= 2 else p1
+    # one layer fewer per chunk: a device runs V chunks of its stage per micro-batch
+    v = cfg.parallel.pp_virtual if cfg.parallel.pp_stages > 1 else 1
+    per_layer = (p2.kernels - p1.kernels) / (cfg.train.micro_batches * v)
     g = GpuCompile(name, kind, dict(small), progs, memory_of(prog, cfg, full, small),
                    per_layer, prog.kernels, exposed_summary(prog), dict(prog.comm.level_bytes),
                    [])
