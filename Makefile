@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test bench convergence clean gpu-dry-run
+.PHONY: train test bench convergence clean gpu-dry-run gpu-compile-test gpu-compile-bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,26 @@ $(GPU_VENV)/.installed: benchmarks/gpu_image_requirements.txt
 gpu-dry-run: $(GPU_VENV)/.installed
 	bash benchmarks/gpu_wheels.sh
 	GPU_DRY_RUN=1 PY=$(GPU_VENV)/bin/python bash benchmarks/gpu.sh runs/gpu-dry-run
+
+# Compile for NVIDIA GPUs on this machine, without one: a separate venv with the CUDA plugin's
+# compiler (~4.4 GB), then the tests that compile the training step and the Pallas kernels for
+# A100 (sm_80) and H100 (sm_90) targets. JAX_PLATFORMS=cpu keeps the plugin from looking for a GPU.
+GPUC_VENV ?= .venv-gpuc
+
+$(GPUC_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(GPUC_VENV)
+	$(GPUC_VENV)/bin/pip install -q --upgrade pip
+	$(GPUC_VENV)/bin/pip install -q -e '.[test,gpu-compile]'
+	touch $@
+
+gpu-compile-test: $(GPUC_VENV)/.installed
+	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu $(GPUC_VENV)/bin/python -m pytest \
+		tests/test_gpu_compile.py tests/test_pallas_gpu.py -p no:xdist $(ARGS)
+
+# Analytic model vs the GPU-compiled step, CoLA-1B and CoLA-7B on Perlmutter (benchmarks/README.md
+# section 11); not part of `make bench`, which runs without the extra.
+gpu-compile-bench: $(GPUC_VENV)/.installed
+	$(GPUC_VENV)/bin/python benchmarks/gpu_compile.py $(ARGS)
 
 # Every CPU figure of benchmarks/README.md and benchmarks/results/ (not the GPU check, gpu.sh,
 # and not `make convergence`); each script writes its results file and copies it into the README.

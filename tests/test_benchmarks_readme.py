@@ -22,14 +22,19 @@ def test_readme_copies_equal_the_results_files():
 
 def test_make_bench_runs_every_script_that_writes_a_results_file():
     """`make bench` regenerates every CPU figure but learning per FLOP, which has its own
-    target (`make convergence`: an hour of training on its own)."""
+    target (`make convergence`: an hour of training on its own), and the GPU-compiled step
+    (`make gpu-compile-bench`: it needs the gpu-compile extra's 4.4 GB venv)."""
     make = open(os.path.join(ROOT, "Makefile")).read()
     recipe = make.split("\nbench:", 1)[1].split("\n\n", 1)[0]
     apart = make.split("\nconvergence:", 1)[1].split("\n\n", 1)[0]
+    gpuc = make.split("\ngpu-compile-bench:", 1)[1].split("\n\n", 1)[0]
     for path in glob.glob(os.path.join(RESULTS, "*.md")):
         m = re.search(r"benchmarks/(\w+)\.py", open(path).read())
         assert m, f"{path} does not name the script that wrote it"
         if os.path.basename(path) == "convergence.md":
             assert m.group(0) in apart, "make convergence does not run benchmarks/convergence.py"
+            continue
+        if os.path.basename(path) == "gpu_compile.md":
+            assert m.group(0) in gpuc, "make gpu-compile-bench does not run benchmarks/gpu_compile.py"
             continue
         assert f"benchmarks/{m.group(1)}.py" in recipe, f"make bench does not run {m.group(0)}"

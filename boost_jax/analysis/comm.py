@@ -128,7 +128,9 @@ def _worst(levels: list[str]) -> str:
     return max(levels, key=lambda lv: order.get(lv, 4)) if levels else "none"
 
 
-def extract_collectives(module: H.Module, mesh) -> list[Collective]:
+def extract_collectives(module: H.Module, mesh, cpu: bool = True) -> list[Collective]:
+    """Every collective of `module` with its groups, level and bytes per step. cpu=False reads a
+    GPU program as compiled (no XLA:CPU artifacts to undo)."""
     n_dev = int(np.prod(mesh.devices.shape))
     if module.num_partitions * module.num_replicas != n_dev:
         raise ValueError(f"program has {module.num_partitions} partitions x "
@@ -156,7 +158,7 @@ def extract_collectives(module: H.Module, mesh) -> list[Collective]:
             lowered = None
             payload = res_bytes
             sliced = lowered_reduce_scatter(module, comp, ins, n) if kind == "all-reduce" \
-                else None
+                and cpu else None
             if sliced is not None:  # payload stays the all-reduce result (= the RS input)
                 kind, lowered, shape = "reduce-scatter", "all-reduce+dynamic-slice", sliced
                 res_bytes = float(sum(a.nbytes for a in shape))
@@ -169,7 +171,8 @@ def extract_collectives(module: H.Module, mesh) -> list[Collective]:
                 red = roots[0] if roots else None
             raw_per_call = ring_bytes(kind, n, payload)
             kind, lowered, payload, factor, fixes = undo_cpu_artifacts(
-                module, comp, ins, kind, lowered, payload, n)
+                module, comp, ins, kind, lowered, payload, n) if cpu else \
+                (kind, lowered, payload, 1.0, ())
             per_call = raw_per_call * factor
             out.append(Collective(
                 name=ins.name, kind=kind, opcode=op, shapes=[str(a) for a in shape],
@@ -330,13 +333,13 @@ class CommReport:
         return "\n".join(lines)
 
 
-def analyze_hlo_text(text: str, mesh) -> CommReport:
+def analyze_hlo_text(text: str, mesh, cpu: bool = True) -> CommReport:
     module = H.parse_module(text)
-    return CommReport(extract_collectives(module, mesh), dict(mesh.shape), hlo_text=text)
+    return CommReport(extract_collectives(module, mesh, cpu), dict(mesh.shape), hlo_text=text)
 
 
-def analyze_compiled(compiled, mesh) -> CommReport:
-    report = analyze_hlo_text(compiled.as_text(), mesh)
+def analyze_compiled(compiled, mesh, cpu: bool = True) -> CommReport:
+    report = analyze_hlo_text(compiled.as_text(), mesh, cpu)
     report.memory = memory_report(compiled)
     try:
         ca = compiled.cost_analysis()

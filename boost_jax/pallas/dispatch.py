@@ -21,6 +21,7 @@ Inside jax.shard_map (what the caller must do):
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -31,8 +32,24 @@ from boost_jax.pallas import grouped, layernorm, rmsnorm
 KINDS = ("auto", "pallas", "xla")
 
 
+_TARGET: list[str] = []  # platforms being compiled for (compile_target), innermost last
+
+
+@contextlib.contextmanager
+def compile_target(platform: str):
+    """Pick kernels for `platform` rather than the running backend: the planner compiles the
+    step for compile-only GPU devices (--gpu-compile) in a process that runs on the CPU."""
+    _TARGET.append(platform)
+    try:
+        yield
+    finally:
+        _TARGET.pop()
+
+
 def platform() -> str:
-    """'cuda' | 'rocm' | 'cpu' | 'tpu' | … for the default backend."""
+    """'cuda' | 'rocm' | 'cpu' | 'tpu' | … for the default backend (or the compile target)."""
+    if _TARGET:
+        return _TARGET[-1]
     backend = jax.default_backend()
     if backend == "gpu":
         dev = jax.devices()[0]
@@ -47,7 +64,7 @@ _platform = platform
 def resolve(kind: str = "auto") -> str:
     if kind not in KINDS:
         raise ConfigError(f"parallel.kernels={kind!r}; choose one of {list(KINDS)}")
-    plat = _platform()
+    plat = platform()
     if kind == "auto":
         return "pallas" if plat in ("cuda", "rocm") else "xla"
     if kind == "pallas" and plat == "tpu":
@@ -58,7 +75,7 @@ def resolve(kind: str = "auto") -> str:
 
 def interpret_mode() -> bool:
     """True where Pallas kernels must run in the interpreter (no GPU)."""
-    return _platform() not in ("cuda", "rocm")
+    return platform() not in ("cuda", "rocm")
 
 
 def shard_map_check_vma(kind: str = "auto") -> bool:

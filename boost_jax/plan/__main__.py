@@ -6,6 +6,7 @@
     python -m boost_jax.plan ... --json             # machine-readable
     python -m boost_jax.plan ... --search           # rank candidate layouts that fit
     python -m boost_jax.plan ... --no-compile       # analytic only (no XLA compile)
+    python -m boost_jax.plan ... --gpu-compile      # compile for the topology's GPU (no GPU needed)
 
 Compiles the real training step (boost_jax.train.step) for the topology's device count on
 simulated CPU devices with abstract shapes — nothing is allocated — or, beyond --cpu-devices, on
@@ -81,6 +82,10 @@ def build_parser() -> OverrideParser:
     p.add_argument("--overlap", choices=("xla", "none"), default="xla",
                    help="xla: collectives overlap as the step compiled with the launcher's XLA "
                         "flags does; none: every collective on the critical path")
+    p.add_argument("--gpu-compile", action="store_true",
+                   help="compile the step for the topology's GPU (compile-only devices, the "
+                        "gpu-compile extra) instead of simulated CPUs; report its memory, "
+                        "kernels and collective overlap next to the analytic model")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--emit-config", default=None, metavar="FILE",
                    help="write the layout (with --search: the best that fits) as a config that "
@@ -243,9 +248,45 @@ def check_args(args) -> None:
                                ("--top", args.top, 1), ("--compile-top", args.compile_top, 0)):
         if value is not None and value < least:
             raise UserError(f"{flag} {value} must be >= {least}")
+    if args.gpu_compile and (args.search or args.no_compile):
+        raise UserError("--gpu-compile compiles one layout: drop --search / --no-compile")
     if args.layers not in ("auto", "full") and not (args.layers.isdigit()
                                                     and int(args.layers) >= 1):
         raise UserError(f"--layers {args.layers!r} must be auto, full or a number >= 1")
+
+
+def run_gpu_compile(args, cfg, topo, full: dict, a) -> int:
+    """--gpu-compile: the analytic prediction, then the GPU program next to it."""
+    from boost_jax.analysis.flops import param_count
+    from boost_jax.errors import UserError
+    from boost_jax.plan import dryrun, gpu_compile
+    from boost_jax.plan.costmodel import predict
+
+    gpu_compile.gpu_target.target_name(topo)  # a profile without a GPU target fails first
+    try:
+        pred = predict(cfg, topo, full, a)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    pred.memory["params_total"] = param_count(cfg.model)
+    failure = None
+    try:
+        g = gpu_compile.gpu_compile(cfg, topo, full, a, args.cpu_devices or 512)
+    except dryrun.StepCompileError as e:
+        failure, g = str(e), None
+        print(f"error: the training step does not compile for the GPU ({failure})",
+              file=sys.stderr)
+    if args.json:
+        d = pred.to_dict()
+        d["gpu_compile"] = g.to_dict() if g else {"error": failure}
+        print(json.dumps(d, indent=1, default=str))
+    else:
+        text = report_text(pred, cfg, topo, compiled=False).replace(
+            "not compiled: analytic model only (--no-compile)",
+            "analytic model (the CPU dry run is skipped with --gpu-compile); the GPU program "
+            "follows")
+        print(text + "\n\n" + (gpu_compile.report_text(g) if g else
+                                 f"GPU program: NOT COMPILED ({failure})"))
+    return 1 if failure else 0
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -265,13 +306,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         check_args(args)
         if args.emit_config:  # before any work: the file may not be written at all
             check_emit_target(args.emit_config, args.config, args.force)
+        if args.gpu_compile:  # before JAX starts
+            from boost_jax.plan.gpu_target import prepare_env
+
+            prepare_env()
         cfg = load_config(args.config, args.overrides)
         topo = get_topology(args.topology or cfg.mesh.topology)
         from boost_jax.plan import dryrun
 
         full = dryrun.full_sizes(cfg, topo, args.nodes if args.nodes is not None else cfg.mesh.nodes)
         total = math.prod(full.values())
-        compile_needed = not args.no_compile and not (args.search and not args.compile_top)
+        compile_needed = not args.no_compile and not (args.search and not args.compile_top) \
+            and not args.gpu_compile
         if compile_needed:
             n = args.cpu_devices or min(total, 512)
             from boost_jax.mesh import set_cpu_devices
@@ -286,6 +332,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             cfg.mesh, topology=topo.name, shape=dryrun.mesh_hosts(full), nodes=None))
         from boost_jax.analysis.flops import param_count
 
+        if args.gpu_compile:
+            return run_gpu_compile(args, cfg, topo, full, a)
         if args.search:
             from boost_jax.plan.search import print_search, search
 

@@ -110,7 +110,10 @@ class Compiled:
 
 
 def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
-                 n_layers: Optional[int] = None, keep_report: bool = False) -> Compiled:
+                 n_layers: Optional[int] = None, keep_report: bool = False,
+                 devices=None, compiler_options: Optional[dict] = None) -> Compiled:
+    """Compile the step on `sizes`; `devices` (default: jax.devices(), the simulated CPUs) may
+    be compile-only GPU devices (boost_jax.plan.gpu_target), read without the CPU fixes."""
     import jax
 
     from boost_jax.analysis.comm import analyze_compiled, compile_fn
@@ -118,10 +121,12 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
     from boost_jax.train.step import build_step_for_analysis
 
     c = scaled_config(cfg, sizes, full, n_layers)
-    mesh = make_mesh(topo, mesh_hosts(sizes), devices=jax.devices(), stages=sizes.get(STAGE, 1))
+    cpu = devices is None
+    mesh = make_mesh(topo, mesh_hosts(sizes), devices=jax.devices() if cpu else devices,
+                     stages=sizes.get(STAGE, 1))
     t0 = time.perf_counter()
     try:
-        fn, args = build_step_for_analysis(c, mesh)
+        fn, args = build_step_for_analysis(c, mesh, compiler_options)
         compiled = compile_fn(fn, args, mesh)
     except UserError:
         raise
@@ -129,18 +134,24 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
         raise StepCompileError(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                                ) from e
     dt = time.perf_counter() - t0
-    report = analyze_compiled(compiled, mesh)
+    report = analyze_compiled(compiled, mesh, cpu)
     colls = colls_from_report(report, c.parallel.tp_axes, c.train.micro_batches)
     raw = CommSummary.of(colls, topo, a).level_bytes
-    if sizes["global"] != full["global"]:
-        up = full["global"] / sizes["global"]
-        colls = [dataclasses.replace(x, n=int(round(x.n * up))) if "global" in x.axes else x
-                 for x in colls]
+    colls = full_size_colls(colls, sizes, full)
     mm, _ = matmul_flops(report.hlo_text)
     return Compiled(c.model.n_layers, dict(sizes), dict(report.memory or {}),
                     float(report.flops or 0.0), CommSummary.of(colls, topo, a), raw, dt,
                     len(report.collectives), matmul_flops=mm,
                     report=report if keep_report else None)
+
+
+def full_size_colls(colls: list, sizes: dict, full: dict) -> list:
+    """Collectives compiled on fewer hosts, with every group spanning `global` scaled back up."""
+    if sizes["global"] == full["global"]:
+        return colls
+    up = full["global"] / sizes["global"]
+    return [dataclasses.replace(x, n=int(round(x.n * up))) if "global" in x.axes else x
+            for x in colls]
 
 
 LAYER_POINTS = (2, 3)  # compile these layer counts (1 layer lets XLA drop the scan loop)

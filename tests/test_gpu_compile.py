@@ -1,0 +1,144 @@
+"""--gpu-compile: the step compiled for a GPU target on a CPU-only machine.
+
+The schedule reader and the CLI's errors run everywhere; the compiles need the gpu-compile extra
+(the CUDA plugin's compiler) and run in `make gpu-compile-test`."""
+
+import json
+
+import pytest
+
+from boost_jax.analysis import hlo as H
+from boost_jax.analysis import schedule as S
+from boost_jax.errors import UserError
+from boost_jax.plan import gpu_target
+
+needs_plugin = pytest.mark.skipif(
+    not gpu_target.plugin_installed(),
+    reason="the gpu-compile extra (jax-cuda12-plugin) is not installed; make gpu-compile-test "
+           "installs it and runs these")
+
+# A scheduled GPU program in miniature: a gather hidden behind a GEMM fusion, an all-reduce XLA
+# made synchronous, and a reduce-scatter (async-start around a wrapped computation) with nothing
+# scheduled between its start and done; the body runs 6 times.
+HLO = """HloModule m, is_scheduled=true, num_partitions=4
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%gemm_comp (p0: bf16[8,16], p1: bf16[16,32]) -> bf16[8,32] {
+  %p0 = bf16[8,16]{1,0} parameter(0)
+  %p1 = bf16[16,32]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[8,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%rs_comp (q: f32[8,32]) -> f32[2,32] {
+  %q = f32[8,32]{1,0} parameter(0)
+  ROOT %reduce-scatter.7 = f32[2,32]{1,0} reduce-scatter(%q), replica_groups={{0,1,2,3}}, dimensions={0}, to_apply=%add
+}
+
+%body (t: (s32[], bf16[8,16], bf16[16,32])) -> (s32[], bf16[8,16], bf16[16,32]) {
+  %t = (s32[], bf16[8,16]{1,0}, bf16[16,32]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %x = bf16[8,16]{1,0} get-tuple-element(%t), index=1
+  %w = bf16[16,32]{1,0} get-tuple-element(%t), index=2
+  %all-gather-start = (bf16[8,16]{1,0}, bf16[16,16]{1,0}) all-gather-start(%x), replica_groups={{0,1},{2,3}}, dimensions={0}, backend_config={"collective_backend_config":{"is_sync":false}}
+  %gemm = bf16[8,32]{1,0} fusion(%x, %w), kind=kCustom, calls=%gemm_comp
+  %all-gather-done = bf16[16,16]{1,0} all-gather-done(%all-gather-start)
+  %conv = f32[8,32]{1,0} convert(%gemm)
+  %all-reduce-start = f32[8,32]{1,0} all-reduce-start(%conv), replica_groups={{0,2},{1,3}}, to_apply=%add, backend_config={"collective_backend_config":{"is_sync":true}}
+  %neg = f32[8,32]{1,0} negate(%conv)
+  %all-reduce-done = f32[8,32]{1,0} all-reduce-done(%all-reduce-start)
+  %rs-start = ((f32[8,32]{1,0}), f32[2,32]{1,0}) async-start(%all-reduce-done), calls=%rs_comp
+  %rs-done = f32[2,32]{1,0} async-done(%rs-start)
+  ROOT %out = (s32[], bf16[8,16]{1,0}, bf16[16,32]{1,0}) tuple(%i, %x, %w)
+}
+
+%cond (c: (s32[], bf16[8,16], bf16[16,32])) -> pred[] {
+  %c = (s32[], bf16[8,16]{1,0}, bf16[16,32]{1,0}) parameter(0)
+  %k = s32[] get-tuple-element(%c), index=0
+  %n = s32[] constant(6)
+  ROOT %lt = pred[] compare(%k, %n), direction=LT
+}
+
+ENTRY %main (x0: bf16[8,16], w0: bf16[16,32]) -> bf16[8,16] {
+  %x0 = bf16[8,16]{1,0} parameter(0)
+  %w0 = bf16[16,32]{1,0} parameter(1)
+  %zero = s32[] constant(0)
+  %init = (s32[], bf16[8,16]{1,0}, bf16[16,32]{1,0}) tuple(%zero, %x0, %w0)
+  %loop = (s32[], bf16[8,16]{1,0}, bf16[16,32]{1,0}) while(%init), condition=%cond, body=%body
+  %copy.1 = bf16[8,16]{1,0} copy(%x0)
+  ROOT %r = bf16[8,16]{1,0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_schedule_reads_overlap_and_exposure():
+    mod = H.parse_module(HLO)
+    by = {c.name: c for c in S.async_collectives(mod)}
+    assert set(by) == {"all-gather-start", "all-reduce-start", "reduce-scatter.7"}
+    ag, ar, rs = by["all-gather-start"], by["all-reduce-start"], by["reduce-scatter.7"]
+    assert (ag.kind, ag.overlapped, ag.gemms, ag.exposed) == ("all-gather", ["gemm"], 1, False)
+    assert ag.overlap_flops == 2 * 8 * 32 * 16
+    assert ar.sync and ar.exposed and ar.overlapped == ["neg"]  # sync: exposed all the same
+    assert rs.kind == "reduce-scatter" and rs.exposed and not rs.overlapped
+
+
+def test_kernel_launches_follow_loop_trips():
+    mod = H.parse_module(HLO)
+    # per trip: gemm, convert, negate (collectives are not kernels) and the condition's compare
+    # (a GPU evaluates it on the device); the entry's copy once
+    assert S.kernel_launches(mod) == (6 * 4 + 1, True)
+    mix = S.kernel_mix(mod)
+    assert mix["gemm"] == 6 and mix["copy"] == 1
+
+
+def test_target_of_each_profile():
+    from boost_jax.mesh import get_topology
+
+    for name, target in gpu_target.TARGETS.items():
+        assert gpu_target.target_name(get_topology(name)) == target
+        text = gpu_target.target_config(target)
+        assert "dnn_version_info" in text and "cuda_compute_capability" in text
+    with pytest.raises(UserError, match="ROCm"):
+        gpu_target.target_name(get_topology("frontier"))
+    opts = gpu_target.compiler_options()
+    assert opts["xla_gpu_enable_latency_hiding_scheduler"] is True
+    assert len(opts) == len(gpu_target.GPU_XLA_FLAGS)
+
+
+def test_missing_plugin_is_one_line_and_exit_2(monkeypatch, capsys):
+    from boost_jax.plan.__main__ import main
+
+    monkeypatch.setattr(gpu_target, "plugin_installed", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "configs/demo.yaml", "--topology", "perlmutter", "--gpu-compile"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "pip install -e '.[gpu-compile]'" in err
+
+
+TINY = ["--config", "configs/demo.yaml", "--topology", "perlmutter", "--nodes", "2",
+        "parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.n_layers=3", "model.d_ff=170",
+        "train.micro_batches=2", "data.seq_len=64", "--gpu-compile", "--json"]
+
+
+@needs_plugin
+def test_step_compiles_for_a100_with_our_kernels(capsys):
+    from boost_jax.plan.__main__ import main
+
+    assert main(TINY) == 0
+    g = json.loads(capsys.readouterr().out)["gpu_compile"]
+    assert g["device_kind"] == "NVIDIA A100-SXM4-40GB" and g["sizes"]["global"] == 2
+    prog = g["programs"][-1]
+    assert prog["mix"].get("__gpu$xla.gpu.triton", 0) > 0  # the Pallas kernels, as Triton
+    assert g["memory"]["temp"] > 0 and g["kernels_per_layer"] > 0
+    rows = {r["what"]: r for r in g["comparison"]}
+    assert not rows["memory arguments"]["differs"]  # the placement formula holds on the GPU
+    colls = prog["collectives"]
+    assert any(c["level"] == "pair" and c["kind"] == "all-reduce" for c in colls)  # BTP's TP
+    assert all(c["group_size"] >= 2 and c["bytes_per_step"] > 0 for c in colls)
+    e = g["exposed"]
+    assert e["of"] == len(colls) and e["count"] == sum(c["exposed"] for c in colls)
