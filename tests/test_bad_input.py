@@ -22,14 +22,6 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=6
         "logging.progress=false", "logging.tensorboard=false", "logging.plot=false"]
 
 
-def _has_validate_tp():
-    try:
-        from boost_jax.sharding.tp.specs import validate_tp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 # id -> (extra argv, expected message regex after "error: ")
 ROWS = {
     "unknown_key": (["train.stesp=5"],
@@ -260,8 +252,6 @@ def results(tmp_path_factory):
     env.pop("XLA_FLAGS", None)
     procs = {}
     for name, (extra, _) in ROWS.items():
-        if name == "tp_not_dividing_heads" and not _has_validate_tp():
-            continue
         argv = [a.format(tmp=tmp, saved=saved, saved2=saved2) for a in extra]
         out_dir = [] if any(a.startswith("out_dir=") for a in argv) else [f"out_dir={tmp}/{name}"]
         procs[name] = subprocess.Popen(
@@ -286,8 +276,6 @@ def results(tmp_path_factory):
 
 @pytest.mark.parametrize("row", list(ROWS) + list(PLAN_ROWS) + list(OTHER_ROWS))
 def test_bad_input_is_one_line_and_exit_2(results, row):
-    if row not in results:
-        pytest.skip("boost_jax.sharding.tensor_parallel.validate_tp is not there yet")
     code, stdout, stderr = results[row]
     lines = [ln for ln in stderr.splitlines() if ln.strip()]
     assert code == 2, stderr

@@ -17,7 +17,7 @@ secondary axes):
                    secondary.
 
 The backward re-gather falls out of remat: each layer runs under jax.checkpoint with a policy
-that saves SECONDARY_NAME and never the gathered weight (engine.remat_policy).
+that saves SECONDARY_NAME and never the gathered weight (engine.remat_wrapper).
 
 Gradient: `fetch_leaf(f, x, slot)` is a custom_vjp whose primal ignores `slot` (zeros shaped
 like this device's grads shard) and whose backward turns the full weight's cotangent — this

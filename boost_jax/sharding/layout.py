@@ -75,9 +75,6 @@ class LeafLayout:
             entries.append(spec_entry(ax))
         return P(*entries)
 
-    def tp_spec(self) -> P:
-        return self.spec(())
-
     def sliced(self) -> "LeafLayout":
         """The layout of one layer of a stacked (scanned) array."""
         if not self.layer_axis:

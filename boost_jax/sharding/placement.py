@@ -116,11 +116,6 @@ class Placement:
     def batch_sharding(self) -> NamedSharding:
         return self.named(P(spec_entry(self.batch_axes)))
 
-    @property
-    def inner_batch_axes(self) -> tuple[str, ...]:
-        """Batch axes inside one deferred group (what a per-group batch is sharded over)."""
-        return tuple(a for a in self.batch_axes if a not in self.deferred_axes)
-
     def replicated(self) -> NamedSharding:
         return self.named(P())
 
@@ -129,24 +124,14 @@ class Placement:
                             layouts if layouts is not None else self.layouts,
                             is_leaf=lambda x: isinstance(x, LeafLayout))
 
-    def params_shardings(self, _unused=None):
+    def params_shardings(self):
         return self._tree(self.params_axes)
 
-    def grads_shardings(self, _unused=None):
+    def grads_shardings(self):
         return self._tree(self.grads_axes)
 
-    def master_shardings(self, _unused=None):
+    def master_shardings(self):
         return self._tree(self.opt_state_axes)
-
-    def full_shardings(self, _unused=None):
-        """Gathered weights: TP sharding only, replicated over data-parallel axes."""
-        return self._tree(())
-
-    def accum_shardings(self):
-        """The micro-batch gradient accumulator [|R|, *padded] (R major on the new dim 0)."""
-        lead = spec_entry(self.deferred_axes)
-        return jax.tree.map(lambda lay: self.named(P(lead, *lay.spec(self.grads_axes))),
-                            self.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
 
     def opt_state_shardings(self, opt_state, tx=None):
         """Param-shaped leaves of an optax state over opt_state axes; the rest replicated."""

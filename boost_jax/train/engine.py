@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from boost_jax.backends import cpu as cpu_quirks
+from boost_jax.backends import cpu as cpu_backend
 from boost_jax.layers import forward
 from boost_jax.layers.forward import RESIDUAL_NAME
 from boost_jax.layers.linear import LATENT_NAME
@@ -90,7 +90,7 @@ class Engine:
             validate_tp(cfg, self.mesh)  # one-line ConfigError if the model can't be cut
         self.ops = make_ops(cfg, self.mesh, self.fetch) if tp else \
             forward.Local(cfg.model, self.fetch)
-        self.typed = cpu_quirks.check_vma(cfg)
+        self.typed = cpu_backend.check_vma(cfg)
         self.tp_size = math.prod(dict(self.sizes)[a] for a in pl.tp_axes)
         self.pipeline = Pipeline(self) if STAGE in self.mesh.shape else None
 
@@ -163,10 +163,10 @@ class Engine:
                               batch)
             acc0 = self.slots()  # zeros in grad_accum_dtype
             if self.pipeline is not None:
-                loss, acc = self.pipeline.run(params, mb, self.tie, scale, True, acc0)
+                loss, acc = self.pipeline.run(params, mb, self.barrier, scale, True, acc0)
             else:
                 def one(acc, b):
-                    p = self.tie(params, b["inputs"])
+                    p = self.barrier(params, b["inputs"])
                     loss_fn = lambda s: self.local_loss(p, b, s) * scale  # noqa: E731
                     loss, g = jax.value_and_grad(loss_fn)(self.slots())
                     return jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g), loss
@@ -175,13 +175,13 @@ class Engine:
                 loss = jnp.sum(losses)
             grads = jax.tree.map(self.reduce_deferred, self.pl.layouts, acc, is_leaf=is_layout)
             if not self.typed:
-                grads = cpu_quirks.untyped_tp_grads(self, grads)
+                grads = cpu_backend.untyped_tp_grads(self, grads)
             return self.total(loss), grads
 
         return self.smap(body, (pspec, bspec), (P(), gspec))
 
     @staticmethod
-    def tie(params, anchor):
+    def barrier(params, anchor):
         """The weights tied to one micro-batch: XLA may not hoist their (loop-invariant)
         gathers out of the loop, so full weights never stay alive across micro-batches. One
         barrier per leaf: a barrier types its outputs with the union of its operands' varying
@@ -201,7 +201,7 @@ class Engine:
         def body(params, batch):
             if self.pipeline is not None:
                 mb = jax.tree.map(lambda x: x[None], batch)
-                loss, _ = self.pipeline.run(params, mb, self.tie, 1.0 / self.n_batch, False)
+                loss, _ = self.pipeline.run(params, mb, self.barrier, 1.0 / self.n_batch, False)
                 return self.total(loss)
             return self.total(self.local_loss(params, batch) / self.n_batch)
 

@@ -219,12 +219,9 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
     main_proc = pid == 0
     say, warn = _printer(main_proc), _printer(main_proc, "warning: ")
     mesh = mesh_from_config(cfg)
-    try:  # tensor-parallel divisibility: fail before reading data or compiling
-        from boost_jax.sharding.tp.specs import validate_tp
-    except ImportError:
-        validate_tp = None
-    if validate_tp is not None:
-        validate_tp(cfg, mesh)
+    from boost_jax.sharding.tp.specs import validate_tp
+
+    validate_tp(cfg, mesh)  # tensor-parallel divisibility: fail before reading data or compiling
     topo = get_topology(cfg.mesh.topology)
     tcfg = cfg.train
     require_wandb(cfg)
@@ -281,8 +278,7 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
         logger.line(f"{nproc} processes x {jax.local_device_count()} devices "
                     f"({jax.devices()[0].platform})")
 
-    n_params = getattr(bundle, "n_params", 0) or sum(
-        int(np.prod(x.shape)) for x in jax.tree.leaves(bundle.abstract_state["params"]))
+    n_params = bundle.n_params
     tokens_per_step = tcfg.global_batch * cfg.data.seq_len
     attn = compiled_impl(cfg.model, cfg.data.seq_len)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len, attn)["train"]

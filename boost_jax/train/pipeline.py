@@ -192,7 +192,7 @@ class Pipeline:
         return x, typed(loss)
 
     # ------------------------------------------------------------------ the schedule
-    def run(self, params, mb, tie, scale: float, backward: bool, acc=None):
+    def run(self, params, mb, barrier, scale: float, backward: bool, acc=None):
         """All ticks of the schedule over micro-batches `mb` ([m, rows, s] each).
 
         Returns (Σ over this device's valid last-stage forwards of loss · scale, accumulated
@@ -222,7 +222,7 @@ class Pipeline:
             ok = (f >= 0) & (f < N) & (i < m)
             last = last_stage & (v == V - 1)
             tok, tgt = micro(i)
-            p = tie(params, tok)
+            p = barrier(params, tok)
             x_out, loss = self.stage_fn(p, slots, c["fin"], tok, tgt, v)
             slot = jnp.where(ok, jnp.mod(f, D), D)  # masked writes land in the spare slot
             c = dict(c, buf=jax.tree.map(lambda b, x: b.at[slot].set(x), c["buf"], c["fin"]),
@@ -235,7 +235,7 @@ class Pipeline:
             ok = (b >= 0) & (b < N) & (i < m)
             last = last_stage & (v == V - 1)
             tok, tgt = micro(i)
-            p = tie(params, tok)
+            p = barrier(params, tok)
             x_b = jax.tree.map(lambda buf: buf[jnp.mod(sch.forward_slot(i, v), D)], c["buf"])
             g_out = jax.tree.map(lambda g: jnp.where(ok & ~last, g, jnp.zeros_like(g)), c["gin"])
             g_loss = jnp.where(ok & last, scale, 0.0).astype(loss0.dtype) + loss0

@@ -66,7 +66,6 @@ class StepBundle:
     mesh: Any
     placement: Placement
     engine: Engine
-    graphdef: Any
     tx: optax.GradientTransformation
     abstract_state: Any  # ShapeDtypeStructs with shardings (stored, possibly padded shapes)
     state_shardings: Any
@@ -74,7 +73,7 @@ class StepBundle:
     train_step: Callable  # (state, batch) -> (state, metrics)
     eval_step: Callable  # (state["params"], batch) -> loss
     init_state: Callable  # () -> state, sharded
-    n_params: int = 0  # logical parameter count (without padding)
+    n_params: int  # logical parameter count (without padding)
 
     def abstract_batch(self, batch_size: int | None = None):
         b = batch_size or self.cfg.train.global_batch
@@ -91,7 +90,7 @@ class StepBundle:
         return jax.jit(lambda p: unpad_tree(self.placement.layouts, p))(state["params"])
 
 
-def _tree_wsc(tree, shardings):
+def constrain_tree(tree, shardings):
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
 
 
@@ -137,18 +136,18 @@ def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
         params = state["params"]
         # 1. loss and gradient (micro-batches, per-layer gathers, TP, deferred reduction)
         loss, grads = grads_fn(params, batch)
-        grads = _tree_wsc(jax.tree.map(lambda g: g.astype(jnp.float32), grads), master_sh)
+        grads = constrain_tree(jax.tree.map(lambda g: g.astype(jnp.float32), grads), master_sh)
         # 2. clip by global norm
         gnorm = optax.tree.norm(grads)
         if clip > 0:
             scale = jnp.minimum(1.0, clip / (gnorm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
         # 3. AdamW on the fp32 master shard
-        master = state["master"] if mixed else _tree_wsc(params, master_sh)
+        master = state["master"] if mixed else constrain_tree(params, master_sh)
         updates, opt_state = tx.update(grads, state["opt_state"], master)
-        new_master = _tree_wsc(optax.apply_updates(master, updates), master_sh)
+        new_master = constrain_tree(optax.apply_updates(master, updates), master_sh)
         # 4. the new working weights, cast on the opt_state shard so the gathers move pdtype
-        new_params = _tree_wsc(jax.tree.map(lambda x: x.astype(pdtype), new_master), master_sh)
+        new_params = constrain_tree(jax.tree.map(lambda x: x.astype(pdtype), new_master), master_sh)
         src = master_sh
         if grads_stage:
             new_params = jax.tree.map(reshard_bits, new_params, grads_sh, src)
@@ -192,7 +191,7 @@ def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepB
     """The plan's StepBundle. `compiler_options` go to the train/eval jits (tests pass
     boost_jax.layers.model.fast_compile_options() to cut CPU compile time ~4x); the one-off
     init program always compiles with the fast options."""
-    graphdef, abs_params = abstract_params(cfg)
+    abs_params = abstract_params(cfg)[1]
     pl = make_placement(cfg, mesh, abs_params)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     abstract_state, state_sh = state_layout(pl, tx, jnp.dtype(cfg.model.param_dtype))
@@ -205,7 +204,7 @@ def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepB
     eval_step = jax.jit(engine.loss_fn(), in_shardings=(state_sh["params"], batch_sh),
                         out_shardings=rep, compiler_options=copts)
     n_params = sum(l.numel for l in jax.tree.leaves(pl.layouts, is_leaf=is_layout))
-    return StepBundle(cfg, mesh, pl, engine, graphdef, tx, abstract_state, state_sh, batch_sh,
+    return StepBundle(cfg, mesh, pl, engine, tx, abstract_state, state_sh, batch_sh,
                       train_step, eval_step, make_init(cfg, pl, tx, state_sh), n_params)
 
 

@@ -7,7 +7,7 @@ inserts `pcast(..., to="varying")` where an invariant value meets a varying one,
 psum ↔ pcast, so backward collectives sit exactly where the Megatron f/g operators put them.
 We place some pcasts explicitly so that one backward all-reduce covers a whole group of
 projections instead of one per matmul. (The one exception, Pallas kernels in the interpreter,
-is boost_jax.backends.cpu.untyped_tp.)
+is boost_jax.backends.cpu.untyped_tp_grads.)
 """
 
 from __future__ import annotations
