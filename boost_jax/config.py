@@ -173,6 +173,8 @@ class DataConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        if self.sources is not None:
+            self._validate_sources()
         _positive("data.seq_len", self.seq_len)
         if self.tokenizer == "bpe":
             from boost_jax.data.tokenizers import check_bpe_vocab_size
@@ -182,8 +184,6 @@ class DataConfig:
             raise ConfigError(f"data.val_fraction={self.val_fraction} must be in (0, 1)")
         if self.max_bytes is not None:
             _positive("data.max_bytes", self.max_bytes)
-        if self.sources is not None:
-            self._validate_sources()
 
     def _validate_sources(self) -> None:
         example = "e.g. data.sources=[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]"
