@@ -24,8 +24,9 @@ def _blocks():
     return [b.strip().splitlines() for b in re.findall(r"```\n(.*?)```", text[start:end], re.S)]
 
 
-def _downloads(d):
-    """What step 1 leaves: hf's local-dir layout with a parquet shard, a save_to_disk folder."""
+def downloads(d):
+    """What step 1 leaves: hf's local-dir layout with a parquet shard, a save_to_disk folder
+    (tests/test_readme.py may use it as the setup of step 2)."""
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
 
@@ -65,7 +66,7 @@ def _run(line, cwd, env):
 def test_walkthrough_commands_run_as_written(tmp_path):
     blocks = _blocks()
     assert len(blocks) == 4 and blocks[0][0].startswith("hf download")
-    _downloads(tmp_path)
+    downloads(tmp_path)
     for name in ("configs", "train.py"):
         os.symlink(os.path.join(ROOT, name), tmp_path / name)
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
