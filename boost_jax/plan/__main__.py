@@ -23,6 +23,7 @@ import sys
 from typing import Optional, Sequence
 
 from boost_jax.cli import OverrideParser
+from boost_jax.data.demo_guard import refuse_demo_corpus
 
 
 def _gb(x: float) -> str:
@@ -256,8 +257,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         full = dryrun.full_sizes(cfg, topo, args.nodes if args.nodes is not None else cfg.mesh.nodes)
         if args.emit_config:  # before any work: a cluster job on the demo corpus is a mistake
-            from boost_jax.data.demo_guard import refuse_demo_corpus
-
             refuse_demo_corpus(cfg, _hosts(full), topo.name, args.allow_demo_data)
         total = math.prod(full.values())
         compile_needed = not args.no_compile and not (args.search and not args.compile_top)
