@@ -4,6 +4,7 @@ validation from every source, and one-line errors."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -145,8 +146,8 @@ def test_tokenizer_mismatch_is_one_line_exit_2(corpora, tmp_path):
 
 # --------------------------------------------------------------------------- kill -9, resume
 
-STEPS = 8
-RUN = TINY + [f"train.steps={STEPS}", "train.eval_every=4", "checkpoint.every=3",
+STEPS = 10
+RUN = TINY + [f"train.steps={STEPS}", "train.eval_every=5", "checkpoint.every=3",
               "logging.progress=false", "data.max_bytes=null"]
 
 
@@ -169,8 +170,9 @@ def test_mixture_resumes_exactly_after_sigkill(corpora, jax_cache, tmp_path):
     out = tmp_path / "run"
     t = Train(out, env)
     t.until(lambda: os.path.exists(out / "checkpoints" / "3" / "data" / "metadata"))
-    t.until_trained(5)
-    t.kill()  # SIGKILL after the step-3 checkpoint, mid-training
+    t.until_trained(4)
+    assert t.kill() == -signal.SIGKILL  # after the step-3 checkpoint, mid-training
+    assert not os.path.exists(out / "checkpoints" / str(STEPS))
     state = json.load(open(out / "checkpoints" / "3" / "data" / "metadata"))
     assert state == {"next_index": 3}  # the mixture's position, saved with the weights
     t = Train(out, env)
