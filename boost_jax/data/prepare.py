@@ -192,9 +192,9 @@ def _bpe_texts(files: list[str], field: str, max_bytes: int) -> Iterator[str]:
         for text, _ in _documents([item], field):
             if n >= max_bytes:
                 return
-            text = text[: max_bytes - n]
-            n += len(text)
-            yield text
+            raw = text.encode("utf-8", "surrogatepass")[: max_bytes - n]
+            n += len(raw)
+            yield raw.decode("utf-8", "ignore")  # a character cut at the end is dropped
 
 
 def train_source_bpe(files: list[str], field: str, vocab_size: int, max_bytes: int) -> str:
@@ -385,7 +385,7 @@ def parse_args(argv=None):
     p.add_argument("--bpe-vocab-size", type=int, default=4096,
                    help="with --tokenizer bpe: its vocabulary, EOS included (default 4096)")
     p.add_argument("--bpe-max-bytes", type=int, default=BPE_MAX_BYTES,
-                   help="with --tokenizer bpe: train on the first N characters of SOURCE "
+                   help="with --tokenizer bpe: train on the first N bytes of SOURCE's text "
                         "(default 2^30)")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="tokenizing processes (default: one per core but one)")
