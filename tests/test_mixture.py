@@ -181,3 +181,10 @@ def test_mixture_resumes_exactly_after_sigkill(corpora, jax_cache, tmp_path):
     rows = _losses(out)
     assert sorted(r["step"] for r in rows if "loss" in r) == list(range(1, STEPS + 1))
     assert_same_metrics(_losses(ref), rows, rtol=1e-6)
+    # evaluate --run scores the mixture's own eval windows: it reproduces the logged val_loss
+    r = subprocess.run([sys.executable, "-m", "boost_jax.evaluate", "--run", str(out), "--json"],
+                       cwd=ROOT, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    logged = [x for x in rows if "val_loss" in x][-1]
+    assert json.loads(r.stdout.splitlines()[-1])["loss"] == pytest.approx(logged["val_loss"],
+                                                                          rel=1e-5)
