@@ -193,8 +193,19 @@ class ParallelConfig:
 
 
 @dataclass
+class SourceSpec:
+    """One corpus of a mixture: a .bin written by python -m boost_jax.data.prepare, drawn with
+    probability weight / (sum of the weights)."""
+    path: str
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     source: str = "stdlib"  # stdlib | text file | folder | .jsonl | .bin (pre-tokenized)
+    # A weighted mixture of prepared .bin corpora instead of data.source (data/mixture.py):
+    # data.sources=[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]
+    sources: Optional[list[SourceSpec]] = None
     tokenizer: str = "byte"  # byte | bpe (trained on the corpus) | path/to/tokenizer.json
     bpe_vocab_size: int = 4096
     seq_len: int = 128
@@ -204,6 +215,8 @@ class DataConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        if self.sources is not None:
+            self._validate_sources()
         _positive("data.seq_len", self.seq_len)
         if self.tokenizer == "bpe":
             from boost_jax.data.tokenizers import check_bpe_vocab_size
@@ -215,6 +228,24 @@ class DataConfig:
             _positive("data.max_bytes", self.max_bytes)
         if self.seed < 0:
             raise ConfigError(f"data.seed={self.seed} must be >= 0")
+
+    def _validate_sources(self) -> None:
+        example = "e.g. data.sources=[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]"
+        if not self.sources:
+            raise ConfigError(f"data.sources is an empty list; name at least one .bin, {example}")
+        if self.source != "stdlib":
+            raise ConfigError(f"data.source={self.source!r} and data.sources are both set; keep "
+                              "one (a single corpus is data.sources with one entry)")
+        if self.tokenizer == "bpe":
+            raise ConfigError("data.sources are pre-tokenized, so data.tokenizer=bpe cannot be "
+                              "trained on them; set data.tokenizer to the tokenizer.json they "
+                              "were prepared with (or byte)")
+        for i, s in enumerate(self.sources):
+            if not s.path.endswith(".bin"):
+                raise ConfigError(f"data.sources[{i}].path={s.path!r} is not a .bin; prepare it "
+                                  "with python -m boost_jax.data.prepare SOURCE OUT.bin")
+            if not s.weight > 0:
+                raise ConfigError(f"data.sources[{i}].weight={s.weight} must be > 0, {example}")
 
 
 @dataclass
@@ -416,6 +447,8 @@ def _type_name(tp) -> str:
     if origin is list:
         (arg,) = typing.get_args(tp)
         return f"a list of {_type_name(arg)}"
+    if dataclasses.is_dataclass(tp):
+        return "{" + ", ".join(f"{f.name}: ..." for f in dataclasses.fields(tp)) + "}"
     return getattr(tp, "__name__", str(tp))
 
 
@@ -445,6 +478,8 @@ def _coerce(key: str, value: Any, tp) -> Any:
             except _WrongType:  # another member may take it; a value out of range is final
                 pass
         raise bad
+    if dataclasses.is_dataclass(tp):  # an entry of a list of records (data.sources)
+        return _record(key, value, tp)
     if origin is list:
         (arg,) = typing.get_args(tp)
         if isinstance(value, str):  # `tp_axes=pair` on the command line
@@ -486,6 +521,23 @@ def _coerce(key: str, value: Any, tp) -> Any:
             raise ConfigError(f"{key}={value!r} is not UTF-8 text; write it in UTF-8")
         return value
     raise bad
+
+
+def _record(key: str, value: Any, tp):
+    """A {field: value} mapping as dataclass `tp`, each field coerced; one line per mistake."""
+    fields = [f.name for f in dataclasses.fields(tp)]
+    shape = "{" + ", ".join(f"{f}: ..." for f in fields) + "}"
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key}={value!r} has the wrong type: expected a mapping {shape}")
+    for k in value:
+        if k not in fields:
+            raise ConfigError(f"{key} has unknown key {k!r}; each entry is {shape}")
+    required = [f.name for f in dataclasses.fields(tp) if f.default is dataclasses.MISSING]
+    for k in required:
+        if k not in value:
+            raise ConfigError(f"{key} has no {k!r}; each entry is {shape}")
+    hints = typing.get_type_hints(tp)
+    return tp(**{k: _coerce(f"{key}.{k}", v, hints[k]) for k, v in value.items()})
 
 
 def _all_keys(cls, prefix="") -> list[str]:

@@ -42,14 +42,13 @@ def run_val_windows(run) -> np.ndarray:
     """The run's own eval windows [n, seq_len + 1] (as train/loop.py evaluates them)."""
     import os
 
-    from boost_jax.data.pipeline import make_eval_batches
-    from boost_jax.data.sources import load_corpus
+    from boost_jax.data.pipeline import eval_batches, load_splits
     from boost_jax.infer.load import TOKENIZER_DIR
 
     cfg = run.cfg
-    corpus = load_corpus(cfg.data, os.path.join(run.path, TOKENIZER_DIR))
-    batches = make_eval_batches(corpus.val, cfg.data.seq_len, cfg.train.global_batch,
-                                cfg.train.eval_batches)
+    _, _, vals, weights = load_splits(cfg, os.path.join(run.path, TOKENIZER_DIR))
+    batches = eval_batches(vals, weights, cfg.data.seq_len, cfg.train.global_batch,
+                           cfg.train.eval_batches)
     return np.concatenate([np.concatenate([b["inputs"], b["targets"][:, -1:]], axis=1)
                            for b in batches])
 

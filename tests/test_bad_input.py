@@ -87,6 +87,13 @@ ROWS = {
                              r"tokenizer file '.*/tokenizer\.json' is not a valid tokenizer\.json"),
     "missing_tokenizer": (["data.tokenizer={tmp}/none.json"],
                           r"tokenizer file '.*/none\.json' does not exist"),
+    "sources_missing_file": (["data.sources=[{{path: {tmp}/no/a.bin, weight: 1}}]"],
+                             r"data\.sources\[0\] '.*/no/a\.bin' does not exist; prepare it"),
+    "sources_weight_zero": (["data.sources=[{{path: a.bin, weight: 1}}, "
+                             "{{path: b.bin, weight: 0}}]"],
+                            r"data\.sources\[1\]\.weight=0\.0 must be > 0"),
+    "sources_weight_nan": (["data.sources=[{{path: a.bin, weight: .nan}}]"],
+                           r"data\.sources\[0\]\.weight=nan must be a finite number"),
     "out_dir_not_writable": (["out_dir={tmp}/a_file/run"],
                              r"out_dir '.*/a_file/run' is not writable \(Not a directory\)"),
     "explicit_distributed_incomplete": (

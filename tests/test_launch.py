@@ -63,10 +63,11 @@ def cluster_scripts(tmp_path_factory):
     for topo, (nodes, overrides) in LAYOUTS.items():
         cfg_path, job = str(tmp / f"{topo}.yaml"), str(tmp / f"{topo}.sbatch")
         r = _cli("-m", "boost_jax.plan", "--config", "configs/cola-7b.yaml", "--topology", topo,
-                 "--nodes", str(nodes), *overrides, "--no-compile", "--emit-config", cfg_path)
+                 "--nodes", str(nodes), *overrides, "--no-compile", "--emit-config", cfg_path,
+                 "--allow-demo-data")
         assert r.returncode == 0, r.stderr
         r = _cli("-m", "boost_jax.launch", "slurm", "--config", cfg_path, "--account", "ABC123",
-                 "--time", "01:30:00", "--out", job)
+                 "--time", "01:30:00", "--out", job, "--allow-demo-data")
         assert r.returncode == 0, r.stderr
         assert f"submit with: sbatch {job}" in r.stderr
         with open(job) as f:
@@ -173,6 +174,31 @@ def test_bad_input_is_one_line_exit_2(row, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match("error: " + msg, lines[0]), r.stderr
     assert not os.path.exists(out)
+
+
+def test_cluster_jobs_refuse_the_demo_corpus(tmp_path):
+    """48 Frontier nodes on the default config: one line naming data.source and the epochs;
+    the same with data.sources, or --allow-demo-data, goes on."""
+    out = tmp_path / "c.yaml"
+    r = _cli("-m", "boost_jax.plan", "--topology", "frontier", "--nodes", "48", "--no-compile",
+             "--emit-config", str(out), "train.steps=1000")
+    assert r.returncode == 2 and not out.exists()
+    m = re.fullmatch(r"error: data\.source=stdlib is the embedded demo corpus \(([\d.]+) M "
+                     r"training tokens\): 1,000 steps x 16 sequences x 128 tokens on 48 nodes "
+                     r"would make ([\d.]+) epochs of it; .* set data\.sources=.* or pass "
+                     r"--allow-demo-data to run on it anyway\n", r.stderr)
+    assert m, r.stderr
+    assert abs(float(m.group(2)) - 1000 * 16 * 128 / (float(m.group(1)) * 1e6)) < 0.1
+    job = tmp_path / "j.sbatch"
+    launch = ["-m", "boost_jax.launch", "slurm", "--topology", "perlmutter", "--nodes", "2",
+              "--out", str(job)]
+    r = _cli(*launch)
+    assert r.returncode == 2 and r.stderr.startswith("error: data.source=stdlib is the "
+                                                     "embedded demo corpus") and not job.exists()
+    r = _cli(*launch, "data.sources=[{path: /scratch/a.bin, weight: 1}]")
+    assert r.returncode == 0 and "data.sources=" not in r.stderr, r.stderr
+    r = _cli(*launch, "--allow-demo-data", "--force")
+    assert r.returncode == 0, r.stderr
 
 
 def test_planner_refuses_to_emit_a_layout_that_does_not_fit(tmp_path):

@@ -144,3 +144,32 @@ def test_memory_does_not_grow_with_the_corpus(tmp_path):
     assert os.path.getsize(tmp_path / "big.bin") > 120 << 20
     assert peak[0] - base[0] < 32 << 10 and peak[1] - base[1] < 32 << 10, (base, peak)
     assert max(peak) < 128 << 10, peak  # KiB: under 128 MiB each, the ids alone are 128 MiB
+
+
+def test_tokenizer_bpe_trains_saves_and_names_it(tmp_path, capsys):
+    """--tokenizer bpe: a BPE trained on SOURCE lands next to OUT, the ids are its ids, the
+    printed train line names it and training accepts the pair."""
+    from boost_jax.data.prepare import main
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 2))
+    out = str(tmp_path / "data" / "c.bin")
+    argv = [str(src), out, "--tokenizer", "bpe", "--bpe-vocab-size", "600", "--workers", "2",
+            "--no-progress"]
+    assert main(argv) == 0
+    tok_path = str(tmp_path / "data" / "c.tokenizer.json")
+    printed = capsys.readouterr().out
+    assert f"data.tokenizer={tok_path} " in printed and f": {tok_path}\n" in printed
+    tok = HFTokenizer.from_file(tok_path)
+    assert 512 < tok.vocab_size <= 600 and tok.eos_id == 0  # a small corpus may stop short
+    assert np.array_equal(np.fromfile(out, np.uint16), _expected(tok, DOCS * 2))
+    assert read_meta(out)["tokenizer"] == tok_path
+    corpus = load_corpus(DataConfig(source=out, tokenizer=tok_path, max_bytes=None))
+    assert len(corpus.train) + len(corpus.val) == read_meta(out)["n_tokens"]
+    with pytest.raises(SystemExit) as e:  # all three exist: one line, nothing replaced
+        main(argv)
+    assert e.value.code == 2
+    assert "c.tokenizer.json' already exist" in capsys.readouterr().err
+    before = open(tok_path).read()
+    assert main(argv + ["--force", "--bpe-vocab-size", "520"]) == 0
+    assert open(tok_path).read() != before and HFTokenizer.from_file(tok_path).vocab_size == 520

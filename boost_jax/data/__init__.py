@@ -10,6 +10,7 @@ import importlib
 _WHERE = {
     "DataBundle": "pipeline", "PackedSequences": "pipeline", "build_data": "pipeline",
     "make_eval_batches": "pipeline", "make_train_iterator": "pipeline",
+    "make_mixture_iterator": "pipeline", "load_splits": "pipeline", "eval_batches": "pipeline",
     "Corpus": "sources", "load_corpus": "sources", "read_documents": "sources",
     "split_documents": "sources",
     "ByteTokenizer": "tokenizers", "HFTokenizer": "tokenizers", "Tokenizer": "tokenizers",

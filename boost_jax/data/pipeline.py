@@ -8,7 +8,8 @@ p, p+P, p+2P, …, so at step k the P per-process batches together are exactly g
 [k·B, (k+1)·B) with B = P·b: the data of a step does not depend on the process count.
 
 Iterator state is grain's `{"next_index": k}` (k = batches taken), plain JSON, and the same on
-every process at the same step.
+every process at the same step. `data.sources` mixes several corpora into that one global
+stream before the per-process shard (data/mixture.py), so all of the above holds for a mixture.
 """
 
 from __future__ import annotations
@@ -50,6 +51,27 @@ def _to_example(window: np.ndarray) -> dict:
     return {"inputs": window[:, :-1], "targets": window[:, 1:]}
 
 
+def _windows(tokens: np.ndarray, seq_len: int, seed: int) -> grain.MapDataset:
+    """The corpus's windows, shuffled, repeated without end (reshuffled each epoch: seed+epoch)."""
+    return (grain.MapDataset.source(PackedSequences(tokens, seq_len))
+            .shuffle(seed=seed % 2**32)
+            .repeat())
+
+
+def _batches(ds: grain.MapDataset, batch_size_per_process: int, process_index: int,
+             process_count: int):
+    """This process's share of the global stream, batched; grain's resumable iterator."""
+    ds = (ds.slice(slice(process_index, None, process_count))
+          .batch(batch_size_per_process, drop_remainder=True)
+          .map(_to_example))
+    return iter(ds.to_iter_dataset(_READ))
+
+
+def _check_process(process_index: int, process_count: int) -> None:
+    if not 0 <= process_index < process_count:
+        raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+
+
 def make_train_iterator(tokens: np.ndarray, seq_len: int, batch_size_per_process: int,
                         seed: int, process_index: int = 0, process_count: int = 1):
     """Infinite iterator of {"inputs","targets"}: int32[batch_size_per_process, seq_len].
@@ -57,22 +79,34 @@ def make_train_iterator(tokens: np.ndarray, seq_len: int, batch_size_per_process
     Returns grain's DatasetIterator: `get_state()` (JSON-serialisable dict) and
     `set_state(state)` resume exactly.
     """
-    if not 0 <= process_index < process_count:
-        raise ValueError(f"process_index={process_index} not in [0, {process_count})")
-    src = PackedSequences(tokens, seq_len)
+    _check_process(process_index, process_count)
+    n = len(PackedSequences(tokens, seq_len))
     need = batch_size_per_process * process_count
-    if len(src) < need:
+    if n < need:
         raise UserError(
-            f"the training split has {len(tokens)} tokens = {len(src)} sequences of "
+            f"the training split has {len(tokens)} tokens = {n} sequences of "
             f"data.seq_len+1={seq_len + 1}, fewer than one global batch of {need}; use a larger "
             "corpus (data.source / data.max_bytes) or lower data.seq_len or train.global_batch")
-    ds = (grain.MapDataset.source(src)
-          .shuffle(seed=seed % 2**32)
-          .repeat()  # infinite; ShuffleMapDataset reshuffles each epoch (seed + epoch)
-          .slice(slice(process_index, None, process_count))
-          .batch(batch_size_per_process, drop_remainder=True)
-          .map(_to_example))
-    return iter(ds.to_iter_dataset(_READ))
+    return _batches(_windows(tokens, seq_len, seed), batch_size_per_process, process_index,
+                    process_count)
+
+
+def make_mixture_iterator(tokens: list, weights: list, seq_len: int,
+                          batch_size_per_process: int, seed: int, process_index: int = 0,
+                          process_count: int = 1):
+    """make_train_iterator over several corpora mixed by weight (data/mixture.py)."""
+    from boost_jax.data.mixture import source_seed
+
+    _check_process(process_index, process_count)
+    for i, t in enumerate(tokens):
+        if len(PackedSequences(t, seq_len)) == 0:
+            raise UserError(
+                f"the training split of data.sources[{i}] has {len(t)} tokens, fewer than one "
+                f"sequence of data.seq_len+1={seq_len + 1}; use a larger corpus or lower "
+                "data.seq_len")
+    parts = [_windows(t, seq_len, source_seed(seed, j)) for j, t in enumerate(tokens)]
+    return _batches(grain.MapDataset.mix(parts, list(weights)), batch_size_per_process,
+                    process_index, process_count)
 
 
 def make_eval_batches(tokens: np.ndarray, seq_len: int, batch: int, n_batches: int) -> list[dict]:
@@ -103,6 +137,32 @@ class DataBundle:
     n_train_sequences: int = 0  # windows per epoch, all processes together
 
 
+def load_splits(cfg, cache_dir: Optional[str] = None):
+    """(tokenizer, train arrays, val arrays, weights): one corpus (`data.source`) or the
+    mixture `data.sources`."""
+    d = cfg.data
+    if not d.sources:
+        corpus = load_corpus(d, cache_dir)
+        return corpus.tokenizer, [corpus.train], [corpus.val], [1.0]
+    from boost_jax.data.mixture import load_sources
+    from boost_jax.data.tokenizers import get_tokenizer
+
+    tok = get_tokenizer(d, list, cache_dir)
+    trains, vals = load_sources(d, tok)
+    return tok, trains, vals, [s.weight for s in d.sources]
+
+
+def eval_batches(vals: list, weights: list, seq_len: int, batch: int,
+                 n_batches: int) -> list[dict]:
+    """The run's fixed eval batches: make_eval_batches, or the mixture's (data/mixture.py)."""
+    if len(vals) == 1:
+        return make_eval_batches(vals[0], seq_len, batch, n_batches)
+    from boost_jax.data.mixture import mixture_eval_windows
+
+    windows = mixture_eval_windows(vals, weights, seq_len, batch * n_batches)
+    return [_to_example(w) for w in windows.reshape(n_batches, batch, seq_len + 1)]
+
+
 def build_data(cfg, process_index: int = 0, process_count: int = 1,
                cache_dir: Optional[str] = None) -> DataBundle:
     """Everything train.py needs from `cfg.data` (+ train.global_batch / eval_batches).
@@ -116,17 +176,21 @@ def build_data(cfg, process_index: int = 0, process_count: int = 1,
         raise UserError(
             f"train.global_batch={t.global_batch} is not divisible by the {process_count} "
             "processes; choose a multiple of the process count")
-    corpus = load_corpus(d, cache_dir)
-    tok = corpus.tokenizer
+    tok, trains, vals, weights = load_splits(cfg, cache_dir)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < tok.vocab_size:
         raise UserError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
             f"{tok.vocab_size} tokens; set model.vocab_size={tok.vocab_size} or leave it unset "
             "to follow the tokenizer")
     per = t.global_batch // process_count
-    train_iter = make_train_iterator(corpus.train, d.seq_len, per, d.seed,
-                                     process_index, process_count)
-    evals = make_eval_batches(corpus.val, d.seq_len, t.global_batch, t.eval_batches)
+    if len(trains) == 1:
+        train_iter = make_train_iterator(trains[0], d.seq_len, per, d.seed, process_index,
+                                         process_count)
+    else:
+        train_iter = make_mixture_iterator(trains, weights, d.seq_len, per, d.seed,
+                                           process_index, process_count)
+    evals = eval_batches(vals, weights, d.seq_len, t.global_batch, t.eval_batches)
     local = [{k: v[process_index::process_count] for k, v in b.items()} for b in evals]
-    return DataBundle(train_iter, local, tok, tok.vocab_size, int(len(corpus.train)),
-                      int(len(corpus.val)), len(PackedSequences(corpus.train, d.seq_len)))
+    return DataBundle(train_iter, local, tok, tok.vocab_size, sum(len(x) for x in trains),
+                      sum(len(x) for x in vals),
+                      sum(len(PackedSequences(x, d.seq_len)) for x in trains))

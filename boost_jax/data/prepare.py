@@ -1,5 +1,9 @@
 """Tokenize a corpus ahead of time: python -m boost_jax.data.prepare SOURCE OUT --tokenizer T
 
+T is `byte`, a tokenizer.json, or `bpe`: a byte-level BPE (the trainer data.tokenizer=bpe uses,
+--bpe-vocab-size tokens) trained on the first --bpe-max-bytes of SOURCE and written next to OUT
+as `<OUT without .bin>.tokenizer.json`, published with OUT (the same rules as its metadata).
+
 SOURCE is a text file, a .jsonl (one document per line, in field --field), a .parquet file, a
 Hugging Face dataset saved with `save_to_disk` (a folder holding dataset_info.json and .arrow
 files), or a folder of such files (searched recursively, in sorted order). OUT receives the
@@ -20,6 +24,7 @@ stops at once.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import multiprocessing
@@ -37,6 +42,7 @@ from boost_jax.data.token_bin import FORMAT, meta_path
 from boost_jax.errors import UserError, cli_main
 from boost_jax.plain_text import lone_surrogate
 
+BPE_MAX_BYTES = 1 << 30  # text a BPE is trained on by default (the merges settle long before)
 PIECE = 1 << 20  # bytes of a text file read at a time
 TASK = 1 << 20  # bytes of text per worker task (with the window below, bounds memory)
 EXTS = (".txt", ".md", ".py", ".jsonl", ".parquet", ".arrow")
@@ -174,24 +180,49 @@ def tasks(items: Iterator[tuple], size: int = TASK) -> Iterator[list]:
 # --------------------------------------------------------------------------- tokenizing (workers)
 
 
-def load_tokenizer(spec: str):
+def load_tokenizer(spec: str, text: str = None):
+    """byte, a tokenizer.json, or (`text`) the JSON of a tokenizer trained here."""
     from boost_jax.data.tokenizers import ByteTokenizer, HFTokenizer
 
+    if text is not None:
+        from tokenizers import Tokenizer as _HF
+
+        return HFTokenizer(_HF.from_str(text), name=spec)
     if spec == "byte":
         return ByteTokenizer()
-    if spec == "bpe":
-        raise UserError("--tokenizer bpe would need a BPE trained on the corpus first; train a "
-                        "run with data.tokenizer=bpe and pass its out_dir/tokenizer/"
-                        "tokenizer.json, or pass any tokenizer.json (or byte)")
     return HFTokenizer.from_file(spec)
+
+
+def bpe_path(out: str) -> str:
+    """Where --tokenizer bpe saves the BPE it trains: next to OUT."""
+    return os.path.splitext(out)[0] + ".tokenizer.json"
+
+
+def _bpe_texts(files: list[str], field: str, max_bytes: int) -> Iterator[str]:
+    """The documents (text pieces) of the first `max_bytes` of the source, for BPE training."""
+    n = 0
+    for item in read_items(files, field):
+        for text, _ in _documents([item], field):
+            if n >= max_bytes:
+                return
+            raw = text.encode("utf-8", "surrogatepass")[: max_bytes - n]
+            n += len(raw)
+            yield raw.decode("utf-8", "ignore")  # a character cut at the end is dropped
+
+
+def train_source_bpe(files: list[str], field: str, vocab_size: int, max_bytes: int) -> str:
+    """The JSON of a byte-level BPE trained on the source (tokenizers.train_bpe)."""
+    from boost_jax.data.tokenizers import train_bpe
+
+    return train_bpe(_bpe_texts(files, field, max_bytes), vocab_size)._tok.to_str()
 
 
 _WORKER: dict = {}
 
 
-def _init_worker(spec: str, field: str, dtype: str) -> None:
+def _init_worker(spec: str, field: str, dtype: str, text: str = None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the worker count is the parallelism
-    _WORKER.update(tok=load_tokenizer(spec), field=field, dtype=np.dtype(dtype))
+    _WORKER.update(tok=load_tokenizer(spec, text), field=field, dtype=np.dtype(dtype))
 
 
 def _documents(task: list, field: str) -> list[tuple[str, bool]]:
@@ -263,17 +294,23 @@ def _check_targets(source: str, out: str, spec: str, force: bool) -> None:
     fix = "choose another OUT (its metadata goes to <OUT without .bin>.json)"
     refuse_inputs(out, inputs, f"OUT {out!r}", fix)
     refuse_inputs(meta, inputs, f"the metadata file {meta!r} of OUT", fix)
-    refuse_existing([out, meta], force, "choose another OUT")
+    targets = [out, meta]
+    if spec == "bpe":
+        refuse_inputs(bpe_path(out), inputs, f"the tokenizer {bpe_path(out)!r} of OUT", fix)
+        targets.append(bpe_path(out))
+    refuse_existing(targets, force, "choose another OUT")
 
 
-def _tokenize(files, field, spec, dtype, workers, progress, task_bytes, total, f) -> tuple:
+def _tokenize(files, field, spec, dtype, workers, progress, task_bytes, total, f,
+              tok_text=None) -> tuple:
     """Write the ids of `files` to the binary file `f`: (tokens, documents, largest id)."""
     n_tokens = n_docs = 0
     top = -1
     t0 = time.perf_counter()
     ctx = multiprocessing.get_context("spawn")  # safe whatever the caller has imported
     with _progress(total, progress) as bar, ProcessPoolExecutor(
-            workers, ctx, initializer=_init_worker, initargs=(spec, field, dtype)) as pool:
+            workers, ctx, initializer=_init_worker,
+            initargs=(spec, field, dtype, tok_text)) as pool:
         task_id = bar.add_task("", total=total, tokens=0, rate="")
         pending: deque = deque()
 
@@ -294,33 +331,58 @@ def _tokenize(files, field, spec, dtype, workers, progress, task_bytes, total, f
     return n_tokens, n_docs, top
 
 
+def _stage_bpe(stack, files, out, field, vocab_size, max_bytes) -> tuple:
+    """Train the BPE of --tokenizer bpe and stage it as OUT's tokenizer: (tokenizer, JSON,
+    staged file)."""
+    from boost_jax.safe_write import Staged
+
+    text = train_source_bpe(files, field, vocab_size, max_bytes)
+    staged = stack.enter_context(Staged(bpe_path(out), text=True))
+    staged.file.write(text)
+    return load_tokenizer(bpe_path(out), text), text, staged
+
+
 def prepare(source: str, out: str, spec: str, workers: int = 1, field: str = "text",
-            force: bool = False, progress: bool = True, task_bytes: int = TASK) -> dict:
-    """Tokenize `source` into `out` (+ metadata); returns the metadata. Both files are written
-    as temp files and published together, metadata first (boost_jax/safe_write.py)."""
+            force: bool = False, progress: bool = True, task_bytes: int = TASK,
+            bpe_vocab_size: int = 4096, bpe_max_bytes: int = BPE_MAX_BYTES) -> dict:
+    """Tokenize `source` into `out` (+ metadata, + with spec=bpe the tokenizer trained here);
+    returns the metadata. The files are written as temp files and published together,
+    tokenizer and metadata first (boost_jax/safe_write.py)."""
     from boost_jax.safe_write import Staged, exclusive, publish
 
     files = source_files(source)
     _check_targets(source, out, spec, force)
-    tok = load_tokenizer(spec)
-    dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+    if spec == "bpe":
+        from boost_jax.data.tokenizers import check_bpe_vocab_size
+
+        check_bpe_vocab_size(bpe_vocab_size)
+    tok = None if spec == "bpe" else load_tokenizer(spec)
     total = sum(os.path.getsize(f) for f in files)
     t0 = time.perf_counter()
+    targets = [out, meta_path(out)] + ([bpe_path(out)] if spec == "bpe" else [])
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        with exclusive([out, meta_path(out)], f"OUT {out!r}", "choose another OUT"):
+        with exclusive(targets, f"OUT {out!r}", "choose another OUT"), \
+                contextlib.ExitStack() as stack:
             _check_targets(source, out, spec, force)  # a writer that finished meanwhile
-            with Staged(out) as data, Staged(meta_path(out), text=True) as meta_file:
-                n_tokens, n_docs, top = _tokenize(files, field, spec, dtype, workers, progress,
-                                                  task_bytes, total, data.file)
-                meta = {"dtype": dtype, "n_tokens": n_tokens, "n_documents": n_docs,
-                        "max_id": top, "eos_id": int(tok.eos_id),
-                        "vocab_size": int(tok.vocab_size), "tokenizer": spec,
-                        "tokenizer_fingerprint": tok.fingerprint,
-                        "source": os.path.abspath(source), "source_bytes": total,
-                        "workers": workers, "seconds": round(time.perf_counter() - t0, 3)}
-                json.dump(dict(meta, format=FORMAT), meta_file.file, indent=2)
-                publish([meta_file, data], replace=force)
+            tok_text, first = None, []
+            if spec == "bpe":
+                tok, tok_text, staged = _stage_bpe(stack, files, out, field, bpe_vocab_size,
+                                                   bpe_max_bytes)
+                spec, first = bpe_path(out), [staged]
+            dtype = "uint16" if tok.vocab_size <= 1 << 16 else "uint32"
+            data = stack.enter_context(Staged(out))
+            meta_file = stack.enter_context(Staged(meta_path(out), text=True))
+            n_tokens, n_docs, top = _tokenize(files, field, spec, dtype, workers, progress,
+                                              task_bytes, total, data.file, tok_text)
+            meta = {"dtype": dtype, "n_tokens": n_tokens, "n_documents": n_docs,
+                    "max_id": top, "eos_id": int(tok.eos_id),
+                    "vocab_size": int(tok.vocab_size), "tokenizer": spec,
+                    "tokenizer_fingerprint": tok.fingerprint,
+                    "source": os.path.abspath(source), "source_bytes": total,
+                    "workers": workers, "seconds": round(time.perf_counter() - t0, 3)}
+            json.dump(dict(meta, format=FORMAT), meta_file.file, indent=2)
+            publish(first + [meta_file, data], replace=force)
     except OSError as e:
         full = e.errno in (errno.ENOSPC, errno.EDQUOT)
         raise UserError(f"writing {out!r} failed ({e.strerror or e}); nothing was published "
@@ -334,7 +396,14 @@ def parse_args(argv=None):
     p.add_argument("source", metavar="SOURCE", help="text/.jsonl/.parquet file, saved HF "
                    "dataset, or a folder of them")
     p.add_argument("out", metavar="OUT", help="the .bin to write, e.g. data/corpus.bin")
-    p.add_argument("--tokenizer", required=True, help="byte, or a tokenizer.json")
+    p.add_argument("--tokenizer", required=True,
+                   help="byte, a tokenizer.json, or bpe: train a byte-level BPE on SOURCE and "
+                        "save it as <OUT without .bin>.tokenizer.json")
+    p.add_argument("--bpe-vocab-size", type=int, default=4096,
+                   help="with --tokenizer bpe: its vocabulary, EOS included (default 4096)")
+    p.add_argument("--bpe-max-bytes", type=int, default=BPE_MAX_BYTES,
+                   help="with --tokenizer bpe: train on the first N bytes of SOURCE's text "
+                        "(default 2^30)")
     p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                    help="tokenizing processes (default: one per core but one)")
     p.add_argument("--field", default="text", help="the text field of .jsonl/.parquet/arrow")
@@ -343,6 +412,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers {args.workers} must be >= 1")
+    if args.bpe_max_bytes < 1:
+        p.error(f"--bpe-max-bytes {args.bpe_max_bytes} must be >= 1")
     if not args.out.endswith(".bin"):
         p.error(f"OUT {args.out!r} must end in .bin (training recognises token files by it)")
     return args
@@ -353,12 +424,16 @@ def main(argv=None):
     args = parse_args(argv)
     check_has_text(args.source, args.field)
     meta = prepare(args.source, args.out, args.tokenizer, args.workers, args.field,
-                   args.force, not args.no_progress)
+                   args.force, not args.no_progress, bpe_vocab_size=args.bpe_vocab_size,
+                   bpe_max_bytes=args.bpe_max_bytes)
     rate = meta["n_tokens"] / max(meta["seconds"], 1e-9)
+    if args.tokenizer == "bpe":
+        print(f"trained a byte-level BPE of {meta['vocab_size']:,} tokens on {args.source}: "
+              f"{meta['tokenizer']}")
     print(f"wrote {args.out}: {meta['n_tokens']:,} {meta['dtype']} tokens, "
           f"{meta['n_documents']:,} documents, in {meta['seconds']:.1f} s ({rate:,.0f} tokens/s, "
           f"{args.workers} workers); metadata in {meta_path(args.out)}\n"
-          f"train on it with: data.source={args.out} data.tokenizer={args.tokenizer} "
+          f"train on it with: data.source={args.out} data.tokenizer={meta['tokenizer']} "
           f"data.bin_dtype={meta['dtype']} data.max_bytes=null")
     return 0
 

@@ -42,6 +42,8 @@ def build_parser() -> OverrideParser:
     p.add_argument("--out", default=None, help="write the script here (default: stdout)")
     p.add_argument("--force", action="store_true",
                    help="replace an existing --out file (never the --config itself)")
+    p.add_argument("--allow-demo-data", action="store_true",
+                   help="write a multi-node job on the demo corpus (data.source=stdlib) anyway")
     return p
 
 
@@ -74,6 +76,9 @@ def _slurm(args, command: str) -> int:
     job = make_job(cfg, topo, args.nodes, account=args.account, time=args.time,
                    partition=args.partition, qos=args.qos, modules=args.module,
                    python=args.python, command=command)
+    from boost_jax.data.demo_guard import refuse_demo_corpus
+
+    refuse_demo_corpus(job.cfg, job.nodes, topo.name, args.allow_demo_data)
     text = render(job)
     p = job.predicted
     if not p["fits"]:

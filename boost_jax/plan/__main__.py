@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 from boost_jax import json_out
 from boost_jax.cli import OverrideParser
+from boost_jax.data.demo_guard import refuse_demo_corpus
 
 
 def _gb(x: float) -> str:
@@ -92,6 +93,9 @@ def build_parser() -> OverrideParser:
                         "train.py and python -m boost_jax.launch slurm take unchanged")
     p.add_argument("--force", action="store_true",
                    help="replace an existing --emit-config FILE (never the --config itself)")
+    p.add_argument("--allow-demo-data", action="store_true",
+                   help="let --emit-config write a multi-node run on the demo corpus "
+                        "(data.source=stdlib), e.g. to smoke-test a cluster")
     return p
 
 
@@ -315,6 +319,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from boost_jax.plan import dryrun
 
         full = dryrun.full_sizes(cfg, topo, args.nodes if args.nodes is not None else cfg.mesh.nodes)
+        if args.emit_config:  # before any work: a cluster job on the demo corpus is a mistake
+            refuse_demo_corpus(cfg, _hosts(full), topo.name, args.allow_demo_data)
         total = math.prod(full.values())
         compile_needed = not args.no_compile and not (args.search and not args.compile_top) \
             and not args.gpu_compile

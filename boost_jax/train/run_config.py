@@ -143,11 +143,13 @@ def _write(path: str, text: str) -> None:
 
 def check_inputs(cfg: Config, out_dir: str) -> None:
     """safe_write's rule for train.py's inputs: no output of the run may be, hold or lie inside
-    data.source or model.init_from (the same on every process: paths only)."""
+    data.source(s) or model.init_from (the same on every process: paths only)."""
     from boost_jax.safe_write import refuse_inputs
 
     source = cfg.data.source if cfg.data.source != "stdlib" else None
     inputs = {"data.source": source, "model.init_from": cfg.model.init_from}
+    for i, s in enumerate(cfg.data.sources or []):
+        inputs[f"data.sources[{i}]"] = s.path
     for name in OUTPUTS:
         target = os.path.join(out_dir, name)
         refuse_inputs(target, inputs, f"the run's {name} {target!r}",
