@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from test_walkthrough import downloads
 from train_proc import ROOT
 
 README = os.path.join(ROOT, "README.md")
@@ -59,11 +60,35 @@ COMMANDS = {
     "module load rocm/7.0.2 && pip install -e '.[rocm]'": _c(CLUSTER, why="a ROCm module"),
     'python -c "import jax; print(jax.default_backend(), jax.device_count(), jax.devices())"':
         _c(RUN),
+    'hf download HuggingFaceFW/fineweb-edu --repo-type dataset --include '
+    '"sample/10BT/000_*.parquet" --local-dir downloads/fineweb-edu':
+        _c(CLUSTER, why="downloads from the Hugging Face Hub; step 2 runs on files like these"),
+    'python -c "from datasets import load_dataset; load_dataset(\'roneneldan/TinyStories\', '
+    'split=\'train\').save_to_disk(\'downloads/tinystories\')"':
+        _c(CLUSTER, why="downloads from the Hugging Face Hub; step 2 runs on files like these"),
+    "python -m boost_jax.data.prepare downloads/fineweb-edu data/fineweb.bin --tokenizer bpe "
+    "--bpe-vocab-size 32000": _c(RUN, setup=downloads),
+    "python -m boost_jax.data.prepare downloads/tinystories data/tinystories.bin --tokenizer "
+    "data/fineweb.tokenizer.json": _c(RUN),
+    'python train.py --config configs/demo.yaml "data.sources=[{path: data/fineweb.bin, weight: '
+    '0.7}, {path: data/tinystories.bin, weight: 0.3}]" data.tokenizer=data/fineweb.tokenizer.json '
+    "data.max_bytes=null model.vocab_size=null out_dir=runs/mix": _c(RUN, TINY),
+    "python -m boost_jax.evaluate --run runs/mix": _c(RUN),
     "python -m boost_jax.plan --config configs/cola-7b.yaml --topology frontier --nodes 48 "
-    "train.global_batch=768 --search --emit-config cola-7b-f48.yaml": _c(RUN, ["--no-compile"]),
+    "train.global_batch=768 --search --emit-config cola-7b-f48.yaml "
+    '"data.sources=[{path: $PWD/data/fineweb.bin, weight: 0.7}, {path: '
+    '$PWD/data/tinystories.bin, weight: 0.3}]" data.tokenizer=$PWD/data/fineweb.tokenizer.json '
+    "data.max_bytes=null": _c(RUN, ["--no-compile"]),
     "python -m boost_jax.launch slurm --config cola-7b-f48.yaml --account abc123 --time "
     "02:00:00 --out cola-7b-f48.sbatch": _c(RUN),
     "sbatch cola-7b-f48.sbatch": _c(CLUSTER, why="48 Frontier nodes"),
+    "pip install -e '.[gpu-compile]'":
+        _c(ELSEWHERE, why="4.4 GB of CUDA wheels; `make gpu-compile-test` installs them into "
+                          ".venv-gpuc and runs tests/test_gpu_compile.py there"),
+    "python -m boost_jax.plan --config configs/cola-1b.yaml --topology perlmutter --nodes 4 "
+    "parallel.tp_mode=btp parallel.tp_axes=[pair] model.d_ff=5462 --gpu-compile [--json]":
+        _c(ELSEWHERE, why="tests/test_gpu_compile.py::test_step_compiles_for_a100_with_our_"
+                          "kernels"),
     "python -m boost_jax.launch slurm --config configs/demo.yaml --topology cpu --nodes 2 "
     "train.steps=50 out_dir=$PWD/runs/slurm-local --out runs/local.sbatch": _c(RUN),
     "PATH=$PWD/scripts/local_slurm:$PATH sbatch runs/local.sbatch":
