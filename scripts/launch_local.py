@@ -59,13 +59,14 @@ def parse_args(argv=None):
     return a
 
 
-# gloo (CPU collectives) announces each rank's connections on stderr: noise for every local run
-GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# gloo (CPU collectives) announces each rank's connections, from several threads at once (its
+# pieces interleave within a line): noise for every local run
+GLOO_CONNECTED = re.compile(rb"\[Gloo\]|is connected to \d+ peer ranks")
 
 def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
     prefix = f"[rank {rank}] ".encode()
     for line in iter(stream.readline, b""):
-        if GLOO_CONNECTED.match(line):
+        if GLOO_CONNECTED.search(line):
             continue
         with lock:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")

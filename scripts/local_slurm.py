@@ -230,13 +230,14 @@ def srun(argv: list) -> int:
     return code
 
 
-# gloo (CPU collectives) announces each rank's connections on stderr: noise for every local run
-GLOO_CONNECTED = re.compile(rb"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# gloo (CPU collectives) announces each rank's connections, from several threads at once (its
+# pieces interleave within a line): noise for every local run
+GLOO_CONNECTED = re.compile(rb"\[Gloo\]|is connected to \d+ peer ranks")
 
 def _pump(stream, out, lock: threading.Lock, prefix: str) -> None:
     """Whole lines, as srun forwards its tasks' output (lines of tasks never interleave)."""
     for line in iter(stream.readline, b""):
-        if GLOO_CONNECTED.match(line):
+        if GLOO_CONNECTED.search(line):
             continue
         with lock:
             out.write(prefix.encode() + line + (b"" if line.endswith(b"\n") else b"\n"))

@@ -307,7 +307,7 @@ def test_script_states_the_effective_layout_and_checks_nodes_first(cluster_scrip
 
 def test_script_header_names_pipeline_stages(tmp_path):
     r = _cli("-m", "boost_jax.launch", "slurm", "--config", "configs/cola-13b.yaml",
-             "--account", "ABC123")
+             "--account", "ABC123", "--allow-demo-data")
     assert r.returncode == 0, r.stderr
     assert re.search(r"^# layout: plan \w+ .*; 2 pipeline stages \(1f1b\); 4 micro-batches",
                      r.stdout, re.M), r.stdout[:3000]

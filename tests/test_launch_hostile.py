@@ -59,9 +59,12 @@ FIELDS = CONFIG_KEYS + list(OPTIONS) + ["--config"]
 
 
 def _stubs(d):
-    """srun records its words (NUL-separated) and exits $SRUN_EXIT; scontrol and module record."""
+    """srun records its words (NUL-separated) and exits $SRUN_EXIT (the node check step: its
+    words to srun_check, exit 0); scontrol and module record."""
     os.makedirs(d)
-    for name, body in (("srun", 'printf "%s\\0" "$@" > "$STUB_LOG/srun"; exit "${SRUN_EXIT:-0}"'),
+    srun = ('case "$*" in *node_check.py*) printf "%s\\0" "$@" > "$STUB_LOG/srun_check"; '
+            'exit 0;; esac\nprintf "%s\\0" "$@" > "$STUB_LOG/srun"; exit "${SRUN_EXIT:-0}"')
+    for name, body in (("srun", srun),
                        ("scontrol", 'printf "%s " "$@" > "$STUB_LOG/scontrol"'),
                        ("module", 'printf "%s\\n" "$*" >> "$STUB_LOG/module"')):
         p = os.path.join(d, name)

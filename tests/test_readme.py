@@ -26,7 +26,8 @@ TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=6
         "model.rank=8", "model.max_seq_len=32", "data.seq_len=32", "data.max_bytes=200000",
         "train.global_batch=8", "train.steps=2", "train.eval_every=2", "train.eval_batches=1",
         "logging.progress=false", "logging.tensorboard=false", "logging.plot=false"]
-TINY_PP = [x for x in TINY if not x.startswith("train.global_batch")] + ["train.global_batch=8"]
+# 2 stages leave 4 data-parallel devices of 8: 4 micro-batches of 4 sequences
+TINY_PP = [x for x in TINY if not x.startswith("train.global_batch")] + ["train.global_batch=16"]
 RUN, ELSEWHERE, CLUSTER = "run", "elsewhere", "cluster"
 
 

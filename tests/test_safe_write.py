@@ -69,7 +69,7 @@ def test_train_outputs_never_touch_data_source_or_init_from(tmp_path):
     corpus.mkdir()
 
     def cfg(source, init_from=None):
-        return SimpleNamespace(data=SimpleNamespace(source=str(source)),
+        return SimpleNamespace(data=SimpleNamespace(source=str(source), sources=None),
                                model=SimpleNamespace(init_from=init_from))
 
     with pytest.raises(Refused, match=r"^the run's config\.yaml '.*/corpus/run/config\.yaml' "
