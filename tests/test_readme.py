@@ -9,6 +9,7 @@ A README command missing from COMMANDS, or a COMMANDS entry no longer in the REA
 the README cannot drift from what is run.
 """
 
+import json
 import os
 import re
 import shlex
@@ -17,7 +18,6 @@ import sys
 
 import pytest
 
-from test_walkthrough import downloads
 from train_proc import ROOT
 
 README = os.path.join(ROOT, "README.md")
@@ -41,6 +41,33 @@ def _corpus(tmp_path):
     (tmp_path / "corpus").mkdir()
     for i in range(3):
         (tmp_path / "corpus" / f"part{i}.txt").write_text(f"document {i}: " + "some text " * 500)
+
+
+def downloads(d):
+    """What the walk-through's download step leaves: hf's local-dir layout with a parquet shard
+    and a save_to_disk folder, both small."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    import argparse
+    import json as json_mod
+
+    def docs(module, n):
+        lines = open(module.__file__, encoding="utf-8").read().splitlines()
+        return ["\n".join(lines[i::n]) for i in range(n)]
+
+    shard = d / "downloads" / "fineweb-edu" / "sample" / "10BT"
+    shard.mkdir(parents=True)
+    pq.write_table(pa.table({"text": docs(argparse, 200), "id": list(range(200))}),
+                   shard / "000_00000.parquet")
+    (d / "downloads" / "fineweb-edu" / ".cache" / "huggingface").mkdir(parents=True)
+    saved = d / "downloads" / "tinystories"
+    saved.mkdir()
+    (saved / "dataset_info.json").write_text("{}")
+    (saved / "state.json").write_text("{}")
+    table = pa.table({"text": docs(json_mod.decoder, 100)})
+    with pa.ipc.new_stream(str(saved / "data-00000-of-00001.arrow"), table.schema) as w:
+        w.write_table(table)
 
 
 COMMANDS = {
@@ -104,7 +131,8 @@ COMMANDS = {
     "parallel.pp_virtual=2 train.micro_batches=4":
         _c(RUN, TINY_PP + ["model.n_layers=4", "out_dir=runs/ppv"]),
     "python -m boost_jax.plan --config configs/cola-7b.yaml --topology frontier --nodes 48 "
-    "parallel.tp_mode=btp parallel.tp_axes=[pair,node] parallel.plan=hierarchical":
+    "parallel.tp_mode=btp parallel.tp_axes=[pair,node] parallel.plan=hierarchical "
+    "train.global_batch=768":
         _c(RUN, ["--no-compile"]),
     "python -m boost_jax.plan --config configs/cola-1b.yaml --topology frontier --nodes 8 "
     "--search": _c(RUN, ["--no-compile"]),
@@ -190,3 +218,6 @@ def test_readme_commands_run_as_written(tmp_path, jax_cache):
         assert r.returncode == 0, f"$ {line}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
         ran += 1
     assert ran >= 16
+    # the walk-through's two corpora share the tokenizer the first one trained
+    metas = [json.load(open(tmp_path / "data" / f"{n}.json")) for n in ("fineweb", "tinystories")]
+    assert metas[0]["tokenizer_fingerprint"] == metas[1]["tokenizer_fingerprint"]
