@@ -37,8 +37,8 @@ def _qkvw(b, sq, sk, H, K, hd, dtype=jnp.float32):
 
 # (b, sq, sk, H, K, hd, tile, offset): training (sq = sk), GQA, a KV cache with unfilled slots
 # after the queries (offset + sq < sk), one decode step, a tile larger than the sequence
-CASES = [(2, 7, 7, 4, 2, 8, 3, None), (1, 5, 11, 2, 1, 4, 4, 3), (2, 13, 13, 6, 3, 4, 4, None),
-         (1, 1, 9, 2, 2, 4, 4, 4), (1, 6, 6, 2, 2, 4, 16, None), (1, 10, 10, 2, 1, 4, 5, None)]
+CASES = [(2, 7, 7, 4, 2, 8, 3, None), (1, 5, 11, 2, 1, 4, 4, 3), (1, 1, 9, 2, 2, 4, 4, 4),
+         (1, 6, 6, 2, 2, 4, 16, None)]
 
 
 @pytest.mark.parametrize("b,sq,sk,H,K,hd,tile,off", CASES)

@@ -64,8 +64,11 @@ def test_pipeline_composes_with_plans_and_tp(plan, mode, arch, schedule):
     assert_same(reference(_model_key(cfg)), engine_run(cfg, mesh_of(2))[:2])
 
 
-CASES = list(itertools.product((2, 4), ("gpipe", "1f1b"), ("none", "btp"),
-                               ("ddp", "hierarchical")))
+# half of the 2^4 product (odd parity): every pair of the four settings meets in all four
+# combinations, at half the compiles
+CASES = [c for i, c in enumerate(itertools.product((2, 4), ("gpipe", "1f1b"), ("none", "btp"),
+                                                   ("ddp", "hierarchical")))
+         if bin(i).count("1") % 2 == 1]
 COMPILED = {}
 
 
