@@ -142,3 +142,20 @@ def test_step_compiles_for_a100_with_our_kernels(capsys):
     assert all(c["group_size"] >= 2 and c["bytes_per_step"] > 0 for c in colls)
     e = g["exposed"]
     assert e["of"] == len(colls) and e["count"] == sum(c["exposed"] for c in colls)
+
+
+def test_json_report_when_the_gpu_compile_fails(monkeypatch, capsys):
+    """--json prints the analytic prediction with the GPU compile's failure under gpu_compile
+    (runs without the extra: the compile itself is replaced by one that fails)."""
+    from boost_jax.plan import dryrun, gpu_compile
+    from boost_jax.plan.__main__ import main
+
+    monkeypatch.setattr(gpu_target, "plugin_installed", lambda: True)
+
+    def fail(*a, **k):
+        raise dryrun.StepCompileError("no GPU compiler here")
+
+    monkeypatch.setattr(gpu_compile, "gpu_compile", fail)
+    main(TINY)
+    out = json.loads(capsys.readouterr().out)
+    assert out["gpu_compile"] == {"error": "no GPU compiler here"} and out["step_time"] > 0

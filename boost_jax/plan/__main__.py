@@ -282,7 +282,7 @@ def run_gpu_compile(args, cfg, topo, full: dict, a) -> int:
     if args.json:
         d = pred.to_dict()
         d["gpu_compile"] = g.to_dict() if g else {"error": failure}
-        print(json.dumps(d, indent=1, default=str))
+        print(json_out.dumps(d, indent=1, default=str))
     else:
         text = report_text(pred, cfg, topo, compiled=False).replace(
             "not compiled: analytic model only (--no-compile)",
