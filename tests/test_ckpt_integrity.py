@@ -7,7 +7,6 @@ losses equal the reference's exactly).
 """
 
 import errno
-import json
 import os
 import random
 import shutil
@@ -22,25 +21,13 @@ from boost_jax.errors import UserError
 from boost_jax.train import seal
 from boost_jax.train.checkpoint import TMP_MARK, UNUSABLE_DIR, CheckpointSaveError, Checkpointer
 from boost_jax.train.loop import run
-from train_proc import TINY, TrainProcess, train_env
+from train_proc import checkpoint_steps, metric_losses, TINY, TrainProcess, train_env
 
 STEPS = 30  # room for 10 kills, each after at least one new step
 RUN = TINY + ["logging.progress=false", f"train.steps={STEPS}", "train.eval_every=4",
               "checkpoint.every=2", "checkpoint.keep=2"]
 
 pytestmark = pytest.mark.usefixtures("jax_cache")  # conftest: shared compile cache
-
-
-def _losses(out_dir):
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-    steps = [r["step"] for r in rows if "loss" in r]
-    assert len(steps) == len(set(steps)), f"duplicate metric rows: {steps}"
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
-def _steps(out_dir):
-    d = os.path.join(out_dir, "checkpoints")
-    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
 
 
 def _tmp_dirs(out_dir):
@@ -52,7 +39,7 @@ def _tmp_dirs(out_dir):
 def reference(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("reference") / "run")
     run(load_config(None, RUN + [f"out_dir={out}"]))
-    assert _steps(out) == [STEPS - 2, STEPS] and sorted(_losses(out)) == list(range(1, STEPS + 1))
+    assert checkpoint_steps(out) == [STEPS - 2, STEPS] and sorted(metric_losses(out)) == list(range(1, STEPS + 1))
     return out
 
 
@@ -126,7 +113,7 @@ def test_resume_past_a_changed_byte_trains_on_like_the_reference(reference, tmp_
     assert summary["start_step"] == STEPS - 2 and summary["final_step"] == STEPS
     assert (f"warning: checkpoint step {STEPS} in {os.path.dirname(step_dir)} is unusable (file "
             f"{name} does not match the CRC-32 recorded when it was written)") in err
-    ref, got = _losses(reference), _losses(out)
+    ref, got = metric_losses(reference), metric_losses(out)
     assert sorted(got) == sorted(ref)
     np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)],
                                rtol=1e-6)
@@ -177,7 +164,7 @@ def test_a_failed_last_save_leaves_no_partial_directory(reference, monkeypatch, 
         run(load_config(None, RUN + [f"out_dir={out}", f"checkpoint.async_save={async_save}"]))
     assert str(e.value).startswith(f"saving checkpoint step {STEPS} failed (No space left on "
                                    "device")
-    assert _steps(out) == [STEPS - 4, STEPS - 2] and not _tmp_dirs(out)
+    assert checkpoint_steps(out) == [STEPS - 4, STEPS - 2] and not _tmp_dirs(out)
 
 
 # --------------------------------------------------------------------------- SIGKILL loop
@@ -197,19 +184,19 @@ def test_sigkill_at_ten_random_moments_of_frequent_saves(reference, jax_cache, t
     rng = random.Random(2024)
     for _ in range(10):
         t = Train(out, env, "checkpoint.every=1")
-        t.until_trained(max(_steps(str(out)), default=0) + 1)
+        t.until_trained(max(checkpoint_steps(str(out)), default=0) + 1)
         time.sleep(rng.uniform(0.0, 0.2))
         assert t.p.poll() is None, "the run finished before it was killed"
         t.kill()
         assert not os.path.exists(out / UNUSABLE_DIR), t.output
     t = Train(out, env, "checkpoint.every=1")
     assert t.wait() == 0, t.output
-    ref, got = _losses(reference), _losses(str(out))
+    ref, got = metric_losses(reference), metric_losses(str(out))
     assert sorted(got) == sorted(ref)
     np.testing.assert_allclose([got[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)],
                                rtol=1e-6)
     assert not _tmp_dirs(str(out)) and not os.path.exists(out / UNUSABLE_DIR)
-    assert _steps(str(out)) == [STEPS - 1, STEPS]
+    assert checkpoint_steps(str(out)) == [STEPS - 1, STEPS]
 
 
 # --------------------------------------------------------------------------- checksums

@@ -24,7 +24,7 @@ from boost_jax.errors import UserError
 from boost_jax.train.checkpoint import TMP_MARK, CheckpointSaveError, UNUSABLE_DIR
 from boost_jax.train.loop import NonFiniteError, run
 from boost_jax.train.seal import write_seal
-from train_proc import TrainProcess, train_env
+from train_proc import checkpoint_steps, metric_losses, TrainProcess, train_env
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
         "model.rank=8", "model.max_seq_len=32", "data.seq_len=32", "data.max_bytes=300000",
@@ -36,18 +36,6 @@ RUN = TINY + [f"train.steps={STEPS}", "train.eval_every=6", "checkpoint.every=3"
               "checkpoint.keep=3"]
 
 
-def _losses(out_dir):
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-    steps = [r["step"] for r in rows if "loss" in r]
-    assert len(steps) == len(set(steps)), f"duplicate metric rows: {steps}"
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
-
-
-def _steps(out_dir):
-    d = os.path.join(out_dir, "checkpoints")
-    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
-
-
 pytestmark = pytest.mark.usefixtures("jax_cache")  # conftest: shared compile cache
 
 
@@ -55,7 +43,7 @@ pytestmark = pytest.mark.usefixtures("jax_cache")  # conftest: shared compile ca
 def reference(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("reference"))
     run(load_config(None, RUN + [f"out_dir={out}"]))
-    losses = _losses(out)
+    losses = metric_losses(out)
     assert sorted(losses) == list(range(1, STEPS + 1))
     return out, losses
 
@@ -90,7 +78,7 @@ def test_sigkill_mid_save_and_mid_step_resumes_with_identical_losses(reference, 
             break
     assert killed_mid_save, "never caught a save in progress"
     left = _tmp_dirs(out)
-    finalised = _steps(out)
+    finalised = checkpoint_steps(out)
 
     # 2. Resume; SIGKILL again at a random moment once it trained a step past its checkpoint
     #    (mid-step, between steps, or during the next async save).
@@ -104,11 +92,11 @@ def test_sigkill_mid_save_and_mid_step_resumes_with_identical_losses(reference, 
     # 3. Resume and finish: every step's loss equals the uninterrupted run's.
     t = Train(out, env)
     assert t.wait() == 0, t.output
-    losses = _losses(out)
+    losses = metric_losses(out)
     assert sorted(losses) == list(range(1, STEPS + 1))
     np.testing.assert_allclose([losses[s] for s in sorted(ref)], [ref[s] for s in sorted(ref)],
                                rtol=1e-6)
-    assert _steps(out)[-1] == STEPS and not _tmp_dirs(out)
+    assert checkpoint_steps(out)[-1] == STEPS and not _tmp_dirs(out)
 
 
 def test_sigterm_saves_a_checkpoint_then_exits(env, tmp_path):
@@ -118,7 +106,7 @@ def test_sigterm_saves_a_checkpoint_then_exits(env, tmp_path):
     t.p.send_signal(signal.SIGTERM)
     code = t.wait()
     assert code == 128 + signal.SIGTERM, t.output
-    saved = _steps(out)
+    saved = checkpoint_steps(out)
     assert len(saved) == 1 and 2 <= saved[0] < STEPS
     assert f"signal {int(signal.SIGTERM)}: saved step {saved[0]}, exiting" in t.output
     meta = json.load(open(os.path.join(out, "checkpoints", str(saved[0]), "data", "metadata")))
@@ -157,7 +145,7 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(reference, t
     ref_dir, ref = reference
     out = str(tmp_path / "run")
     shutil.copytree(ref_dir, out)
-    assert _steps(out) == [6, 9, 12]
+    assert checkpoint_steps(out) == [6, 9, 12]
     _corrupt_arrays(os.path.join(out, "checkpoints", "12"))
     _tamper_digest(os.path.join(out, "checkpoints", "9"))
     capfd.readouterr()
@@ -169,8 +157,8 @@ def test_corrupted_latest_checkpoint_falls_back_to_the_previous_one(reference, t
     assert "falling back to step 6" in err
     # set aside, not deleted; training redid 7..12 with the reference's losses and saved anew
     assert sorted(os.listdir(os.path.join(out, UNUSABLE_DIR))) == ["12", "9"]
-    assert _steps(out) == [6, 9, 12]
-    losses = _losses(out)
+    assert checkpoint_steps(out) == [6, 9, 12]
+    losses = metric_losses(out)
     np.testing.assert_allclose([losses[s] for s in range(1, 13)], [ref[s] for s in range(1, 13)],
                                rtol=1e-6)
 
@@ -184,7 +172,7 @@ def test_no_usable_checkpoint_is_an_error_that_moves_nothing(reference, tmp_path
         _tamper_digest(os.path.join(out, "checkpoints", str(s)))
     with pytest.raises(UserError, match=r"no usable checkpoint in .*step 12: .*step 6: "):
         run(load_config(None, RUN + [f"out_dir={out}"]))
-    assert _steps(out) == [6, 9, 12] and not os.path.exists(os.path.join(out, UNUSABLE_DIR))
+    assert checkpoint_steps(out) == [6, 9, 12] and not os.path.exists(os.path.join(out, UNUSABLE_DIR))
 
 
 # --------------------------------------------------------------------------- NaN injection
@@ -249,7 +237,7 @@ def test_nan_loss_stops_the_run_naming_the_step_and_writes_no_bad_checkpoint(nan
     with pytest.raises(NonFiniteError, match=r"non-finite loss or gradient at step 5;"):
         run(cfg)
     # the check runs before every save: step 6's checkpoint (after the NaN) is never written
-    assert _steps(out) == [2, 4]
+    assert checkpoint_steps(out) == [2, 4]
     params = jax.device_get(open_run(out, 4).params)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
@@ -260,12 +248,12 @@ def test_skip_nonfinite_skips_the_update_and_carries_on(nan_at_step, reference, 
     out = str(tmp_path / "run")
     summary = run(load_config(None, RUN + [f"out_dir={out}", "train.skip_nonfinite=true"]))
     assert summary["final_step"] == STEPS
-    losses = _losses(out)
+    losses = metric_losses(out)
     assert losses[5] is None  # null plus a flag in metrics.jsonl: bare NaN is not JSON
     np.testing.assert_allclose([losses[s] for s in range(1, 5)], [ref[s] for s in range(1, 5)],
                                rtol=1e-6)
     assert all(np.isfinite(losses[s]) for s in range(6, STEPS + 1))
-    assert _steps(out)[-1] == STEPS
+    assert checkpoint_steps(out)[-1] == STEPS
 
 
 # --------------------------------------------------------------------------- failed save
@@ -290,12 +278,12 @@ def test_failed_save_keeps_earlier_checkpoints_and_says_so(reference, monkeypatc
     msg = str(e.value)
     assert msg.startswith("saving checkpoint step 9 failed (No space left on device")
     assert "the earlier checkpoints (steps 3, 6) in" in msg and "resume from step 6" in msg
-    assert _steps(out) == [3, 6] and not _tmp_dirs(out)  # the partial step 9 is removed at once
+    assert checkpoint_steps(out) == [3, 6] and not _tmp_dirs(out)  # the partial step 9 is removed at once
 
     monkeypatch.setattr(epath.Path, "write_text", real_write)  # space freed: resume works
     summary = run(load_config(None, RUN + [f"out_dir={out}", "train.stop_after=3"]))
     assert not _tmp_dirs(out)
     assert summary["start_step"] == 6 and summary["final_step"] == 9
-    losses = _losses(out)
+    losses = metric_losses(out)
     np.testing.assert_allclose([losses[s] for s in range(1, 10)], [ref[s] for s in range(1, 10)],
                                rtol=1e-6)

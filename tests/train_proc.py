@@ -105,3 +105,15 @@ def assert_same_metrics(want: list, got: list, rtol: float = 1e-5) -> None:
         np.testing.assert_allclose([rb[s] for s in sorted(ra)], [ra[s] for s in sorted(ra)],
                                    rtol=rtol)
 
+
+def metric_losses(out_dir):
+    """{step: loss} of out_dir/metrics.jsonl; a step logged twice fails (resume drops re-done rows)."""
+    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert len(steps) == len(set(steps)), f"duplicate metric rows: {steps}"
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def checkpoint_steps(out_dir):
+    d = os.path.join(out_dir, "checkpoints")
+    return sorted(int(n) for n in os.listdir(d) if n.isdigit()) if os.path.isdir(d) else []
