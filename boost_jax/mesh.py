@@ -21,6 +21,17 @@ AXES = ("pair", "node", "global")
 STAGE = "stage"  # pipeline stages: split off `global` (make_mesh), never a data-parallel role
 
 
+def level_of(axes: Sequence[str]) -> str:
+    """The slowest link a group over `axes` crosses: global (pipeline stages are groups of
+    hosts, so `stage` counts as global) > node > pair; "none" for a group of no axes."""
+    axes = set(axes)
+    if not axes:
+        return "none"
+    if "global" in axes or STAGE in axes:
+        return "global"
+    return "node" if "node" in axes else "pair"
+
+
 @dataclass(frozen=True)
 class JobProfile:
     """How a cluster runs a job: what `python -m boost_jax.launch slurm` writes into a script.

@@ -150,16 +150,16 @@ def test_hierarchical_keeps_micro_batch_traffic_inside_the_node():
                              "train.global_batch=1536", "train.micro_batches=4"])
     sizes = {"pair": 2, "node": 4, "global": 48}
     st, pl = C.state_sizes(cfg, sizes)
-    colls = C.dp_collectives(cfg, sizes, st, pl)
+    colls = C.dp_collectives(cfg, sizes, pl)
     assert all(c.level != "global" for c in colls if c.phase == "dp")
-    glob = [c for c in colls if c.level == "global" and c.name != "grad_norm"]
+    glob = [c for c in colls if c.level == "global" and c.name != "grad norm"]
     assert glob and all(c.phase == "step" for c in glob)
     # ZeRO-3 on the same mesh crosses nodes every micro-batch
     z3 = load_config(None, [*TINY, "parallel.plan=zero3", "train.global_batch=1536",
                             "train.micro_batches=4"])
     st3, pl3 = C.state_sizes(z3, sizes)
     assert any(c.level == "global" and c.phase == "dp"
-               for c in C.dp_collectives(z3, sizes, st3, pl3))
+               for c in C.dp_collectives(z3, sizes, pl3))
 
 
 def test_state_memory_formula_of_the_design():

@@ -15,6 +15,7 @@ from boost_jax.config import load_config
 from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding.formulas import comm_per_step
+from boost_jax.sharding.step_collectives import Passes, step_collectives
 from boost_jax.train.step import build_step
 
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.d_ff=128",
@@ -173,3 +174,22 @@ def test_qgz_reduces_gradients_by_int4_all_to_all_inside_the_node_then_across(co
     for lv in ("node", "global"):
         assert r.per_level()[lv]["bytes"] == pytest.approx(pred[lv], rel=0.10), (lv, r.table())
     assert r.per_level()["global"]["bytes"] < 0.5 * plain.per_level()["global"]["bytes"]
+
+
+@pytest.mark.parametrize("plan", ["hierarchical", "zero3", "zeropp", "zero1"])
+def test_compiled_collectives_are_the_step_collectives_list(compiled, plan):
+    """The one list of the step's collectives (sharding/step_collectives.py) against the
+    compiled program, kind by kind and level by level: the same kinds cross the same links
+    with the same bytes (within 10%: the compiled program also holds the loss's and the
+    clip's scalar all-reduces)."""
+    b, r = compiled(plan)
+    listed = {}
+    for c in step_collectives(b.placement, Passes.of(4)):
+        listed[(c.kind, c.level)] = listed.get((c.kind, c.level), 0.0) + c.sent
+    measured = {}
+    for c in r.collectives:
+        key = (c.kind, c.level)
+        measured[key] = measured.get(key, 0.0) + c.bytes_per_step
+    assert set(measured) == set(listed), r.table()
+    for key, v in measured.items():
+        assert v == pytest.approx(listed[key], rel=0.10), (key, r.table())

@@ -25,6 +25,8 @@ import numpy as np
 from boost_jax import json_out
 from boost_jax.analysis import hlo as H
 from boost_jax.analysis.cpu_lowering import lowered_reduce_scatter, undo_cpu_artifacts
+from boost_jax.mesh import level_of
+from boost_jax.sharding.step_collectives import ring_bytes
 
 LEVELS = ("pair", "node", "global")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
@@ -63,17 +65,6 @@ class Collective:
         if len(self.groups) > 64:  # keep JSON readable for 384-device plans
             d["groups"] = self.groups[:4] + [["..."]]
         return d
-
-
-def ring_bytes(kind: str, n: int, payload: float) -> float:
-    """Bytes one device sends for a ring collective over n members (payload as documented)."""
-    if n <= 1:
-        return 0.0
-    if kind == "all-reduce":
-        return 2.0 * (n - 1) / n * payload
-    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
-        return (n - 1) / n * payload
-    return float(payload)  # collective-permute / broadcast: the whole buffer once
 
 
 def egress_bytes(kind: str, n: int, payload: float, k: int, groups: int) -> float:
@@ -116,11 +107,7 @@ def classify_group(members: Sequence[int], mesh) -> tuple[str, tuple[str, ...]]:
     names = set(mesh.axis_names)
     if not {"pair", "node", "global"} <= names:
         return "+".join(varying), varying
-    if set(varying) <= {"pair"}:
-        return "pair", varying
-    if "global" not in varying and "stage" not in varying:  # stages are groups of hosts
-        return "node", varying
-    return "global", varying
+    return level_of(varying), varying
 
 
 def _worst(levels: list[str]) -> str:

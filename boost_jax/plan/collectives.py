@@ -30,22 +30,12 @@ import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from boost_jax.analysis.comm import egress_bytes, ring_bytes
+from boost_jax.analysis.comm import egress_bytes
 from boost_jax.mesh import AXES, Topology
+from boost_jax.sharding.step_collectives import ring_bytes
 from boost_jax.plan.roofline import Assumptions
 
 HOST_AXES = ("pair", "node")  # mesh axes inside one host; global and stage cross hosts
-
-
-def level_of(axes: Sequence[str]) -> str:
-    axes = set(axes)
-    if not axes:
-        return "none"
-    if "global" in axes or "stage" in axes:  # pipeline stages are groups of hosts
-        return "global"
-    if "node" in axes:
-        return "node"
-    return "pair"
 
 
 def host_split(axes: Sequence[str], sizes: Optional[dict]) -> tuple[int, int]:

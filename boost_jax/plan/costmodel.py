@@ -31,9 +31,10 @@ from typing import Any, Optional
 
 from boost_jax.analysis.flops import flops_per_token, param_count
 from boost_jax.errors import ConfigError
-from boost_jax.mesh import AXES, STAGE, Topology
-from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split, level_of
+from boost_jax.mesh import AXES, STAGE, Topology, level_of
+from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split
 from boost_jax.sharding.gather import qgz_stages
+from boost_jax.sharding.step_collectives import Passes, step_collectives
 from boost_jax.sharding.stages import layers_per_stage
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
                                      head_model, op_time)
@@ -189,85 +190,31 @@ def stage_layers(cfg) -> int:
     return v * layers_per_stage(cfg.model.n_layers, pp, v) if pp > 1 else cfg.model.n_layers
 
 
+def passes(cfg) -> Passes:
+    """Passes over each weight per step (micro-batches, or the pipeline's ticks)."""
+    par = cfg.parallel
+    return Passes.of(cfg.train.micro_batches, par.pp_stages, par.pp_virtual)
+
+
 def fetch_calls(cfg) -> tuple[float, float]:
-    """(forward, backward) passes over each block weight per step: one of each per
-    micro-batch; with pipeline stages one forward per tick with F, and per tick with B the
-    re-run forward and the backward (boost_jax/train/pipeline.py), masked ticks included, a
-    tick running one of the V chunks (the end weights run every tick: V times as many)."""
-    m, pp, v = cfg.train.micro_batches, cfg.parallel.pp_stages, cfg.parallel.pp_virtual
-    if pp == 1:
-        return m, m
-    ticks = v * m + pp - 1
-    return (2 * ticks, ticks) if v == 1 else (2 * ticks / v, ticks / v)
+    """(forward, backward) passes over each block weight per step (see `passes`)."""
+    p = passes(cfg)
+    return p.forward, p.backward
 
 
-def dp_collectives(cfg, sizes, st: StateSizes, pl) -> list[Coll]:
-    """Data-parallel / ZeRO collectives of the step (what boost_jax.train.step compiles)."""
-    m, par = cfg.model, cfg.parallel
-    pb = DTYPE_BYTES[m.param_dtype]
-    gb = DTYPE_BYTES[par.grad_accum_dtype]
-    fwd_calls, micro = fetch_calls(cfg)
-    # virtual stages: the ends' gradients are reduced every B tick, a chunk's blocks' once in V
-    # (gathers stay at the blocks' count: compiled, the ends are gathered once per tick, fewer)
-    ends = 1 + (par.pp_virtual - 1) * st.outside_tp_local / max(st.tp_local, 1.0)
-    L = stage_layers(cfg)
-    q8 = 1.0 + 4.0 / par.quant_block  # int8 + one fp32 scale per block
-    A, G, O = pl.params_axes, pl.grads_axes, pl.opt_state_axes
-    S, R = pl.secondary_axes, pl.deferred_axes
-    nA, nG, nO = _size(sizes, A), _size(sizes, G), _size(sizes, O)
-    W = st.tp_local_padded  # TP-local elements of the whole model
-    out: list[Coll] = []
-
-    # one call per leaf and layer: the step's scan fetches and reduces each block leaf per layer
-    leaves = max(st.n_leaves - st.n_block_leaves + L * st.n_block_leaves, 1)
-
-    def add(name, kind, payload, axes, times, phase):
-        """`payload`: the whole model's buffer, moved `times` per step in one call per leaf."""
-        axes = [a for a in axes if sizes.get(a, 1) > 1]  # a size-1 axis spans no link
-        n = _size(sizes, axes)
-        if n > 1:
-            out.append(Coll(name, kind, payload / leaves, n, level_of(axes), times * leaves,
-                            phase, tuple(axes), *host_split(axes, sizes)))
-
-    if A:  # per layer, per micro-batch, with or without TP (boost_jax/sharding/gather.py)
-        prim = q8 if pl.quantize_gather else pb
-        if S is not None:
-            sb = q8 if (pl.secondary_int8 or pl.quantize_gather) else pb
-            if not set(A) <= set(S):  # ZeRO++: flat gather over A, then the secondary's gather
-                add("gather_fwd", "all-gather", W * prim, A, fwd_calls, "dp")
-            add("gather_secondary", "all-gather", W * sb, S, fwd_calls, "dp")
-            add("regather_bwd", "all-gather", W * sb, S, micro, "dp")
-        else:
-            add("gather_fwd", "all-gather", W * prim, A, fwd_calls, "dp")
-            add("regather_bwd", "all-gather", W * prim, A, micro, "dp")
-    # gradients: reduce-scatter into the grads sharding per layer, per micro-batch, in gb; with
-    # qgZ an int4 all-to-all per stage (inside the node, then across), 1/2 byte + scales
-    if pl.quantize_grads:
-        q4, w_stage = 0.5 + 4.0 / par.quant_block, W
-        for axes in qgz_stages(G):
-            add("grad_all_to_all_int4", "all-to-all", w_stage * q4, axes, micro * ends, "dp")
-            w_stage /= _size(sizes, axes)
-    else:
-        add("grad_reduce_scatter", "reduce-scatter", W * gb, G, micro * ends, "dp")
-    # once per step: sum the deferred axes R straight into the opt_state sharding
-    if R:
-        kind = "reduce-scatter" if set(R) <= set(O) else "all-reduce"
-        add("grad_reduce_deferred", kind, W / nG * gb, R, 1, "step")
-    # updated weights back: opt_state → grads sharding → params sharding (in param dtype)
-    stage = set(A) <= set(G) <= set(O)
-    if stage:
-        add("gather_update_opt_to_grads", "all-gather", W / nG * pb,
-            [a for a in O if a not in G], 1, "step")
-        add("gather_update_grads_to_params", "all-gather", W / nA * pb,
-            [a for a in G if a not in A], 1, "step")
-    else:
-        add("gather_update", "all-gather", W / nA * pb, [a for a in O if a not in A], 1, "step")
-    n_all = [a for a in (*AXES, STAGE) if sizes.get(a, 1) > 1]
-    if n_all:
-        out.append(Coll("grad_norm", "all-reduce", 4.0 * leaves, _size(sizes, n_all),
-                        level_of(n_all), 1, "step", tuple(n_all), *host_split(n_all, sizes)))
-    del nO
-    return out
+def dp_collectives(cfg, sizes, pl) -> list[Coll]:
+    """The step's data-parallel / ZeRO collectives (sharding/step_collectives.py: what the
+    engine runs), one Coll per kind of collective and group: calls and bytes summed over the
+    weights, so the time (linear in both) is the sum of the weights' times."""
+    groups: dict = {}
+    for c in step_collectives(pl, passes(cfg), cfg.model.tie_embeddings):
+        axes = tuple(a for a in c.axes if sizes.get(a, 1) > 1)
+        key = (c.what, c.kind, axes, c.phase)
+        calls, total = groups.get(key, (0.0, 0.0))
+        groups[key] = (calls + c.calls, total + c.payload * c.calls)
+    return [Coll(what, kind, total / calls, _size(sizes, axes), level_of(axes), calls, phase,
+                 axes, *host_split(axes, sizes))
+            for (what, kind, axes, phase), (calls, total) in groups.items()]
 
 
 def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) -> float:
@@ -440,7 +387,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
         sends = Schedule(cfg.parallel.pp_schedule, pp, micro, V).sends
         colls.append(Coll("stage_send", "collective-permute", stage_send_bytes(cfg, sizes, b),
                           2, "global", sends, "tp", (STAGE,), *host_split((STAGE,), sizes)))
-    colls += dp_collectives(cfg, sizes, st, pl)
+    colls += dp_collectives(cfg, sizes, pl)
     notes = list(pl.notes)  # roles tensor parallelism took, in one line
     if measured is not None:
         comm = measured

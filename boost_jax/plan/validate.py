@@ -242,7 +242,8 @@ def bus_bandwidth(topology: str, nodes: int, payload: float = 2.0 ** 30,
                   assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> float:
     """The model's nccl-tests bus bandwidth (2(n-1)/n·P / t, bytes/s) of an all-reduce over
     every device of `nodes` nodes: what rccl-tests / nccl-tests all_reduce_perf would print."""
-    from boost_jax.plan.collectives import Coll, coll_time, host_split, level_of
+    from boost_jax.mesh import level_of
+    from boost_jax.plan.collectives import Coll, coll_time, host_split
 
     topo = get_topology(topology)
     sizes = {"pair": topo.pair, "node": topo.node, "global": nodes}

@@ -143,10 +143,21 @@ class LeafFetch:
     def maybe_quantize(self, x, int8: bool, src_axes):
         return self.quantize(x, src_axes) if int8 else x
 
+    @property
+    def secondary_from_flat(self) -> bool:
+        """The secondary is sliced from a flat gather over the params axes (ZeRO++'s hpZ,
+        S ⊂ P), not locally from the stored shard (S ⊇ P, P-major)."""
+        P, S = self.params_axes, self.secondary_axes
+        return S is not None and S[:len(P)] != P
+
+    @property
+    def int8_secondary(self) -> bool:
+        return self.secondary_int8 or self.quantize_gather
+
     def to_secondary(self, x):
         """Stored shard → this device's block of the secondary partition (int8: (q, scale))."""
         P, S = self.params_axes, self.secondary_axes
-        if S[:len(P)] == P:  # S ⊇ P, P-major: a local slice
+        if not self.secondary_from_flat:  # S ⊇ P, P-major: a local slice
             extra = S[len(P):]
             if extra:
                 k = x.shape[self.dim] // self.n(extra)
@@ -155,8 +166,7 @@ class LeafFetch:
             full = self.gather(self.maybe_quantize(x, self.quantize_gather, P), P, P)
             k = full.shape[self.dim] // self.n(S)
             x = jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(S) * k, k, self.dim)
-        return self.maybe_quantize(x.astype(self.dtype),
-                                   self.secondary_int8 or self.quantize_gather, S)
+        return self.maybe_quantize(x.astype(self.dtype), self.int8_secondary, S)
 
     def expand(self, src):
         """The saved source (stored shard or secondary) → the full, unpadded working weight."""
@@ -184,15 +194,27 @@ class LeafFetch:
             widths = [(0, 0)] * ct.ndim
             widths[self.dim] = (0, self.layout.pad)
             ct = jnp.pad(ct, widths)
-        G = self.grads_axes
-        if G and self.dim is not None and self.quantize_grads:
-            for axes in qgz_stages(G):
+        for kind, axes in self.grad_steps():
+            if kind == "all-to-all":
                 ct = self.int4_reduce_scatter(ct, axes)
-        elif G and self.dim is not None:
-            ct = jax.lax.psum_scatter(ct, G, scatter_dimension=self.dim, tiled=True)
-        elif G:
-            ct = jax.lax.psum(ct, G)
+            elif kind == "reduce-scatter":
+                ct = jax.lax.psum_scatter(ct, axes, scatter_dimension=self.dim, tiled=True)
+            else:
+                ct = jax.lax.psum(ct, axes)
         return to_varying(ct, self.slot_axes())
+
+    def grad_steps(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(kind, axes) of each collective that reduces a micro-batch's gradient over G: qgZ's
+        int4 all-to-all per stage, else one reduce-scatter (an all-reduce for a leaf that is
+        not sharded)."""
+        G = self.grads_axes
+        if not G:
+            return []
+        if self.dim is None:
+            return [("all-reduce", G)]
+        if self.quantize_grads:
+            return [("all-to-all", axes) for axes in qgz_stages(G)]
+        return [("reduce-scatter", G)]
 
     def int4_reduce_scatter(self, ct, axes):
         """ZeRO++'s qgZ step over `axes`: split the sharded dim into one chunk per device,

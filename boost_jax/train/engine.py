@@ -14,7 +14,10 @@ and every collective in it is written in one place:
             grad_accum_dtype) and is added to the accumulator   gather.LeafFetch.reduce
     once per step: the accumulator, unreduced over the batch
         axes R that grads do not cover, is reduced straight
-        into the opt_state sharding (RS over R ∩ opt, AR over R − opt)      reduce_deferred
+        into the opt_state sharding (AR over R − opt, RS over R ∩ opt)      reduce_deferred
+
+Every data-parallel collective above is listed, with its bytes and calls, by
+sharding/step_collectives.py: the formulas and the planner count and time that list.
 
 The loss each device differentiates is its rows' mean CE / (data-parallel devices × micro-
 batches), so the reductions above sum to the gradient of the global mean. GSPMD only places
@@ -38,6 +41,7 @@ from boost_jax.layers.linear import LATENT_NAME
 from boost_jax.mesh import STAGE
 from boost_jax.sharding.gather import SECONDARY_NAME, LeafFetch, fetch_tree, slot_like
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
+from boost_jax.sharding import step_collectives
 from boost_jax.sharding.placement import Placement
 from boost_jax.sharding.tp.common import REDUCED_NAME
 from boost_jax.sharding.tp.specs import make_ops, validate_tp
@@ -116,23 +120,16 @@ class Engine:
         return jax.tree.map(one, self.pl.layouts, self.fetches, is_leaf=is_layout)
 
     def explicit(self, lay: LeafLayout) -> bool:
-        """Whether the opt_state shard of `lay` is a reduce-scatter over R ∩ opt of its grads
-        shard (true for every preset: the canonical axis order nests the roles)."""
-        if lay.dim is None:
-            return True
-        s1 = tuple(a for a in self.R if a in self.pl.opt_state_axes)
-        return lay.spec(self.pl.opt_state_axes) == lay.spec(self.pl.grads_axes + s1)
+        return step_collectives.explicit(self.pl, lay)
 
     def reduce_deferred(self, lay: LeafLayout, acc):
-        """Once per step: the accumulator over R → the opt_state shard (else the grads shard)."""
-        s1 = tuple(a for a in self.R if a in self.pl.opt_state_axes)
-        if lay.dim is None or not self.explicit(lay):
-            return jax.lax.psum(acc, self.R) if self.R else acc
-        s2 = tuple(a for a in self.R if a not in s1)
-        if s2:
-            acc = jax.lax.psum(acc, s2)
-        if s1:
-            acc = jax.lax.psum_scatter(acc, s1, scatter_dimension=lay.dim, tiled=True)
+        """Once per step: the accumulator over R → the opt_state shard (else the grads shard),
+        as step_collectives.deferred_reduction lists it."""
+        ar, rs = step_collectives.deferred_reduction(self.pl, lay)
+        if ar:
+            acc = jax.lax.psum(acc, ar)
+        if rs:
+            acc = jax.lax.psum_scatter(acc, rs, scatter_dimension=lay.dim, tiled=True)
         return acc
 
     def local_loss(self, params, batch, slots=None):

@@ -37,6 +37,7 @@ from boost_jax.backends.cpu import reshard_bits
 from boost_jax.config import Config
 from boost_jax.sharding.layout import is_layout, pad_tree, unpad_tree
 from boost_jax.sharding.placement import Placement, make_placement
+from boost_jax.sharding.step_collectives import update_via_grads
 from boost_jax.train.engine import Engine
 from boost_jax.train.optim import lr_schedule, make_optimizer
 
@@ -130,7 +131,7 @@ def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
     clip = cfg.optim.clip_norm
     # the updated weights go back opt_state → grads → params sharding, so the cross-node part
     # moves only the node's shard
-    grads_stage = set(pl.params_axes) <= set(pl.grads_axes) <= set(pl.opt_state_axes)
+    grads_stage = update_via_grads(pl)
 
     def step_fn(state, batch):
         params = state["params"]

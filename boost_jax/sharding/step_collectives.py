@@ -1,0 +1,249 @@
+"""The data-parallel collectives of one optimizer step, weight by weight: the one list the engine
+runs, the formulas count (sharding/formulas.py) and the planner times (plan/costmodel.py).
+
+Notation: Ψ the elements of one device's TP shard of a weight (one layer of a stacked leaf);
+w bytes per working-weight element (2 bf16, 4 fp32), a per gradient element (grad_accum_dtype);
+A params axes, S secondary axes, G grads axes, O opt_state axes, R = batch axes − G (the
+deferred axes). Ring costs, bytes *sent by one device* per call (`ring_bytes`):
+
+    all-gather over n devices of a result of P bytes      (n−1)/n · P
+    reduce-scatter over n devices of an input of P bytes  (n−1)/n · P
+    all-reduce over n devices of P bytes                  2(n−1)/n · P
+    all-to-all over n devices of a buffer of P bytes      (n−1)/n · P
+
+Per pass over the weights (`Passes`: once per micro-batch; more with pipeline ticks), every
+weight that is gathered (A ≠ ∅), as sharding/gather.py's LeafFetch runs it:
+    gather        no secondary: AG_A(Ψw, or int8 q(Ψ) under qwZ)
+                  secondary S:  [AG_A(Ψw or q) when S ⊂ A: hpZ slices it] + AG_S(Ψw or q)
+    regather      the layers re-fetch in backward (remat never saves a gathered weight):
+                  AG_A, or AG_S from the saved secondary; the embedding and head do not
+    grad          RS_G(Ψa) into the grads sharding (AR_G for a leaf that is not sharded);
+                  qgZ: an int4 all-to-all per stage, inside the node then across
+Once per step, on the whole leaf (engine.reduce_deferred, step.make_step_fn):
+    reduce        AR over R − O, then RS over R ∩ O, of the grads shard
+    update        AG of the new weights opt_state → grads → params sharding (P ⊆ G ⊆ O: the
+                  cross-node part moves only the node's shard), else opt_state → params
+    grad norm     one fp32 partial sum per leaf, all-reduced over every axis
+int8 payloads are q(Ψ) = Ψ + 4·blocks (one fp32 scale per block of ≤ quant_block); qgZ's int4
+payloads Ψ/2 + 4·blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from boost_jax.mesh import level_of
+from boost_jax.sharding import quant
+from boost_jax.sharding.gather import LeafFetch, qgz_stages
+from boost_jax.sharding.layout import LeafLayout, is_layout
+
+
+def ring_bytes(kind: str, n: int, payload: float) -> float:
+    """Bytes one device sends for a ring collective over n members (payload as documented)."""
+    if n <= 1:
+        return 0.0
+    if kind == "all-reduce":
+        return 2.0 * (n - 1) / n * payload
+    if kind in ("all-gather", "reduce-scatter", "all-to-all"):
+        return (n - 1) / n * payload
+    return float(payload)  # collective-permute / broadcast: the whole buffer once
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of the step: `calls` calls per optimizer step of `payload` bytes each."""
+
+    leaf: str  # the weight's path, e.g. blocks/attn/wq/A
+    what: str  # gather | gather(S) | regather | regather(S) | grad | grad(int4) | reduce | ...
+    kind: str  # all-gather | reduce-scatter | all-reduce | all-to-all
+    axes: tuple[str, ...]
+    n: int  # devices in one group
+    payload: float  # bytes of one call's un-sharded buffer (the ring formulas' P)
+    calls: float  # per optimizer step
+    phase: str  # dp: per pass, inside the layer loop | step: once per step
+
+    @property
+    def level(self) -> str:
+        return level_of(self.axes)
+
+    @property
+    def sent(self) -> float:
+        """Bytes one device sends per optimizer step."""
+        return ring_bytes(self.kind, self.n, self.payload) * self.calls
+
+
+@dataclass(frozen=True)
+class Passes:
+    """Passes of one optimizer step over each weight: forward fetches, backward re-fetches and
+    gradient reductions of the layer stack, and of the ends (embedding, head, final norm)."""
+
+    forward: float
+    backward: float
+    ends_forward: float
+    ends_grads: float
+
+    @classmethod
+    def of(cls, micro_batches: int, stages: int = 1, virtual: int = 1) -> "Passes":
+        """One of each per micro-batch; a pipeline (train/pipeline.py) fetches a chunk's
+        weights on every tick with F and again on every tick with B (its forward re-run), a
+        tick running one of the V chunks; the ends run, and reduce, on every B tick."""
+        m = micro_batches
+        if stages == 1:
+            return cls(m, m, m, m)
+        ticks = virtual * m + stages - 1
+        return cls(2 * ticks / virtual, ticks / virtual, 2 * ticks / virtual, ticks)
+
+
+def explicit(pl, lay: LeafLayout) -> bool:
+    """Whether the opt_state shard of `lay` is a reduce-scatter over R ∩ O of its grads shard
+    (true for every preset: the canonical axis order nests the roles)."""
+    if lay.dim is None:
+        return True
+    s1 = tuple(a for a in pl.deferred_axes if a in pl.opt_state_axes)
+    return lay.spec(pl.opt_state_axes) == lay.spec(pl.grads_axes + s1)
+
+
+def deferred_reduction(pl, lay: LeafLayout) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(all-reduce axes, reduce-scatter axes) of the once-per-step reduction of one leaf's
+    accumulator over the deferred axes R."""
+    R = pl.deferred_axes
+    if lay.dim is None or not explicit(pl, lay):
+        return R, ()
+    rs = tuple(a for a in R if a in pl.opt_state_axes)
+    return tuple(a for a in R if a not in rs), rs
+
+
+def update_via_grads(pl) -> bool:
+    """The new weights go opt_state → grads → params sharding (A ⊆ G ⊆ O), so the cross-node
+    part moves only the node's shard; else opt_state → params directly."""
+    return set(pl.params_axes) <= set(pl.grads_axes) <= set(pl.opt_state_axes)
+
+
+def int8_payload(f: LeafFetch, axes) -> float:
+    """Bytes of q + scales of one layer's (TP-local) leaf when each shard over `axes` is
+    quantized on its own (what an int8 all-gather over `axes` delivers)."""
+    qa, shape = f.quant_axis(axes), f.local_shape(axes)
+    return float(f.n(axes) * quant.payload_bytes(shape, f.qblock(shape[qa]), qa))
+
+
+def qgz_payloads(f: LeafFetch) -> list[tuple[tuple[str, ...], float]]:
+    """(axes, all-to-all buffer bytes) of each qgZ stage for one layer of a leaf: each
+    device's n chunks of int4 blocks + fp32 scales (LeafFetch.int4_reduce_scatter)."""
+    out, elems = [], math.prod(f.local_shape(()))
+    for axes in qgz_stages(f.grads_axes):
+        n = f.n(axes)
+        m = elems // n
+        block = f.qblock(m) + f.qblock(m) % 2
+        out.append((axes, n * quant.payload_bytes_int4(m, block)))
+        elems = m
+    return out
+
+
+def leaves(pl) -> list[tuple[tuple, LeafLayout]]:
+    """(path, layout) of every weight of a placement."""
+    flat = jax.tree_util.tree_flatten_with_path(pl.layouts, is_leaf=is_layout)[0]
+    return [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), lay) for p, lay in flat]
+
+
+def device_layers(f: LeafFetch, lay: LeafLayout) -> int:
+    """Layers of a stacked leaf on one device (a pipeline stage's share; 1 if not stacked)."""
+    return lay.padded[0] // f.n(lay.tp[0]) if lay.layer_axis else 1
+
+
+def tp_local(f: LeafFetch, lay: LeafLayout) -> float:
+    """Elements of one device's TP (and stage) shard of the whole leaf, padded."""
+    return lay.padded_numel / math.prod(f.n(tp) for tp in lay.tp)
+
+
+def _itemsize(dtype) -> int:
+    return int(np.dtype(dtype).itemsize)
+
+
+def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
+                     uses: int = 1) -> list[Collective]:
+    """The collectives of one weight per optimizer step; `uses`: fetches per pass (2 for an
+    embedding that is also the head)."""
+    f = LeafFetch.of(pl, lay)
+    name = "/".join(str(p) for p in path)
+    layers = device_layers(f, lay)
+    psi = tp_local(f, lay) / layers  # one layer's elements
+    w, a = _itemsize(pl.param_dtype), _itemsize(pl.grad_accum_dtype)
+    block = path[:1] == ("blocks",)
+    fwd = layers * uses * (passes.forward if block else passes.ends_forward)
+    bwd = layers * passes.backward if block else 0  # the ends keep their fetched copy
+    grads = layers * uses * (passes.backward if block else passes.ends_grads)
+    out: list[Collective] = []
+
+    def add(what, kind, axes, payload, calls, phase="dp"):
+        axes = tuple(axes)
+        n = f.n(axes)
+        if n > 1 and calls > 0 and payload > 0:
+            out.append(Collective(name, what, kind, axes, n, float(payload), calls, phase))
+
+    A, S = pl.params_axes, pl.secondary_axes
+    if f.gathers:
+        prim = int8_payload(f, A) if f.quantize_gather else psi * w
+        if S is None:
+            add("gather", "all-gather", A, prim, fwd)
+            add("regather", "all-gather", A, prim, bwd)
+        else:
+            sec = int8_payload(f, S) if f.int8_secondary else psi * w
+            if f.secondary_from_flat:
+                add("gather", "all-gather", A, prim, fwd)
+            add("gather(S)", "all-gather", S, sec, fwd)
+            add("regather(S)", "all-gather", S, sec, bwd)
+    int4 = dict(qgz_payloads(f)) if f.quantize_grads and f.dim is not None else {}
+    for kind, axes in f.grad_steps():
+        if kind == "all-to-all":
+            add("grad(int4)", kind, axes, int4[axes], grads)
+        else:
+            add("grad", kind, axes, psi * a, grads)
+    leaf_a = psi * layers * a / (f.n(pl.grads_axes) if lay.dim is not None else 1)
+    ar, rs = deferred_reduction(pl, lay)
+    add("reduce", "all-reduce", ar, leaf_a, 1, "step")
+    add("reduce", "reduce-scatter", rs, leaf_a, 1, "step")
+    if lay.dim is not None:
+        O, G = pl.opt_state_axes, pl.grads_axes
+        leaf_w = psi * layers * w
+        if update_via_grads(pl):
+            add("update", "all-gather", [x for x in O if x not in G], leaf_w / f.n(G), 1, "step")
+            add("update", "all-gather", [x for x in G if x not in A], leaf_w / f.n(A), 1, "step")
+        else:
+            add("update", "all-gather", [x for x in O if x not in A], leaf_w / f.n(A), 1, "step")
+    return out
+
+
+def step_collectives(pl, passes: Passes, tied: bool = False) -> list[Collective]:
+    """Every data-parallel collective of one optimizer step of placement `pl` (TP's activation
+    collectives are sharding/tp/specs.py's; pipeline sends are train/pipeline.py's). `tied`:
+    the embedding is also the head (fetched twice)."""
+    out: list[Collective] = []
+    all_leaves = leaves(pl)
+    for path, lay in all_leaves:
+        uses = 2 if (tied and path[:1] == ("embed",)) else 1
+        out += leaf_collectives(pl, path, lay, passes, uses)
+    every = tuple(a for a, n in pl.mesh.shape.items() if int(n) > 1)
+    n_all = int(math.prod(int(pl.mesh.shape[a]) for a in every))
+    if n_all > 1:  # the clip's global norm: one fp32 partial sum per leaf
+        out.append(Collective("*", "grad norm", "all-reduce", every, n_all,
+                              4.0 * len(all_leaves), 1, "step"))
+    return out
+
+
+def bytes_by_level(colls: Sequence[Collective]) -> dict[str, float]:
+    """Bytes one device sends per step, by level (pair, node, global)."""
+    out = {lv: 0.0 for lv in ("pair", "node", "global")}
+    for c in colls:
+        if c.level in out:
+            out[c.level] += c.sent
+    return out
+
+
+__all__ = ["Collective", "Passes", "step_collectives", "leaf_collectives", "deferred_reduction",
+           "update_via_grads", "explicit", "ring_bytes", "int8_payload", "qgz_payloads",
+           "bytes_by_level", "leaves", "tp_local", "device_layers"]
