@@ -344,6 +344,7 @@ def _train_and_close(ctx: _RunCtx, log: RunLog, state, start: int, summary: dict
 
 
 def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict]) -> dict:
+    """Inside out_dir's lock and run log: set up, resume or init, train, write the outputs."""
     pid, nproc = jax.process_index(), jax.process_count()
     main_proc = pid == 0
     say, warn = _printer(main_proc), _printer(main_proc, "warning: ")
