@@ -456,70 +456,95 @@ class _WrongType(ConfigError):
     pass
 
 
+def _coerce_literal(key: str, value: Any, tp) -> Any:
+    if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans
+        value = "on" if value else "off"
+    if value not in typing.get_args(tp):
+        raise ConfigError(f"{key}={value!r} is not valid: expected {_type_name(tp)}")
+    return value
+
+
+def _coerce_union(key: str, value: Any, tp, bad: _WrongType) -> Any:
+    """The first member that takes `value` (None only where the union allows it)."""
+    args = typing.get_args(tp)
+    if value is None and type(None) in args:
+        return None
+    for a in args:
+        if a is type(None):
+            continue
+        try:
+            return _coerce(key, value, a)
+        except _WrongType:  # another member may take it; a value out of range is final
+            pass
+    raise bad
+
+
+def _coerce_list(key: str, value: Any, tp, bad: _WrongType) -> list:
+    (arg,) = typing.get_args(tp)
+    if isinstance(value, str):  # `tp_axes=pair` on the command line
+        value = [v for v in value.split(",") if v]
+    if not isinstance(value, (list, tuple)):
+        raise bad
+    return [_coerce(f"{key}[{i}]", v, arg) for i, v in enumerate(value)]
+
+
+def _coerce_int(key: str, value: Any, bad: _WrongType) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad
+    if not -INT64 <= value < INT64:
+        raise ConfigError(f"{key}={value} is out of range; use a value of at most {INT64 - 1}")
+    return value
+
+
+def _coerce_float(key: str, value: Any, bad: _WrongType) -> float:
+    if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            raise bad from None
+        if not math.isfinite(value):  # `nan`, `inf` typed as strings
+            raise ConfigError(f"{key}={value!r} must be a finite number")
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise bad
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}={value!r} must be a finite number")
+    return float(value)
+
+
+def _coerce_str(key: str, value: Any, bad: _WrongType) -> str:
+    if not isinstance(value, str):
+        raise bad
+    c = control_char(value)
+    if c is not None:  # a newline in a name or path would become a line of a script
+        raise ConfigError(f"{key}={value!r} contains a control character ({c}); remove it")
+    if lone_surrogate(value) is not None:  # bytes of the command line that are not UTF-8
+        raise ConfigError(f"{key}={value!r} is not UTF-8 text; write it in UTF-8")
+    return value
+
+
 def _coerce(key: str, value: Any, tp) -> Any:
     """Check `value` against annotation `tp`; int→float is the only implicit conversion."""
     origin = typing.get_origin(tp)
     bad = _WrongType(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
     if origin is Literal:
-        if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans
-            value = "on" if value else "off"
-        if value not in typing.get_args(tp):
-            raise ConfigError(f"{key}={value!r} is not valid: expected {_type_name(tp)}")
-        return value
+        return _coerce_literal(key, value, tp)
     if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(key, value, a)
-            except _WrongType:  # another member may take it; a value out of range is final
-                pass
-        raise bad
+        return _coerce_union(key, value, tp, bad)
     if dataclasses.is_dataclass(tp):  # an entry of a list of records (data.sources)
         return _record(key, value, tp)
     if origin is list:
-        (arg,) = typing.get_args(tp)
-        if isinstance(value, str):  # `tp_axes=pair` on the command line
-            value = [v for v in value.split(",") if v]
-        if not isinstance(value, (list, tuple)):
-            raise bad
-        return [_coerce(f"{key}[{i}]", v, arg) for i, v in enumerate(value)]
+        return _coerce_list(key, value, tp, bad)
     if tp is bool:
         if not isinstance(value, bool):
             raise bad
         return value
     if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise bad
-        if not -INT64 <= value < INT64:
-            raise ConfigError(f"{key}={value} is out of range; use a value of at most {INT64 - 1}")
-        return value
+        return _coerce_int(key, value, bad)
     if tp is float:
-        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
-            try:
-                value = float(value)
-            except ValueError:
-                raise bad from None
-            if not math.isfinite(value):  # `nan`, `inf` typed as strings
-                raise ConfigError(f"{key}={value!r} must be a finite number")
-            return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise bad
-        if not math.isfinite(value):
-            raise ConfigError(f"{key}={value!r} must be a finite number")
-        return float(value)
+        return _coerce_float(key, value, bad)
     if tp is str:
-        if not isinstance(value, str):
-            raise bad
-        c = control_char(value)
-        if c is not None:  # a newline in a name or path would become a line of a script
-            raise ConfigError(f"{key}={value!r} contains a control character ({c}); remove it")
-        if lone_surrogate(value) is not None:  # bytes of the command line that are not UTF-8
-            raise ConfigError(f"{key}={value!r} is not UTF-8 text; write it in UTF-8")
-        return value
+        return _coerce_str(key, value, bad)
     raise bad
 
 
@@ -627,3 +652,4 @@ def config_from_dict(tree: dict, validate: bool = True) -> Config:
 
 def config_to_yaml(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+

@@ -1,8 +1,11 @@
-"""Helpers shared by the Pallas kernels (rmsnorm.py, grouped.py): tile sizes, Triton
-parameters, in-kernel matmul, flattening, and the varying-axes (vma) alignment that lets a
-kernel run inside jax.shard_map with check_vma=True."""
+"""Helpers shared by the Pallas kernels (rmsnorm.py, layernorm.py, grouped.py, flash.py): tile
+sizes, Triton parameters, in-kernel matmul, flattening, the varying-axes (vma) alignment that
+lets a kernel run inside jax.shard_map with check_vma=True, and the row-norm plumbing (tiles,
+pallas_call, custom VJP, the [..., n] wrapper) the two local-norm kernels share."""
 
 from __future__ import annotations
+
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +14,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 F32 = jnp.float32
-
 
 
 def pow2(n: int, lo: int = 16) -> int:
@@ -51,3 +53,62 @@ def align_vma(*xs):
 def sds(shape, dtype, like):
     """Output ShapeDtypeStruct carrying `like`'s manual-axis type (check_vma needs it)."""
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
+# ---------------------------------------------------------------- row norms (rmsnorm, layernorm)
+def norm_blocks(T: int, d: int):
+    """(bt, bd, num_warps) of a row-norm kernel over [T, d]: one [bt, bd] tile per program."""
+    bd = pow2(d)
+    bt = max(1, min(64, 8192 // bd, pow2(T, 1)))  # keep a [bt, bd] tile in registers
+    return bt, bd, (4 if bt * bd <= 4096 else 8)
+
+
+def tile_masks(T: int, d: int, bt: int, bd: int):
+    """Row, column and tile masks of this program's [bt, bd] tile (ragged edges masked)."""
+    rows = pl.program_id(0) * bt + jnp.arange(bt)
+    cols = jnp.arange(bd)
+    rm, cm = rows < T, cols < d
+    return rm, cm, rm[:, None] & cm[None, :]
+
+
+def norm_call(x, eps, interpret, kernel, ins, outs, name):
+    """pallas_call of a row-norm `kernel` (static T, d, eps, bt, bd) over x [T, d]'s row tiles;
+    `ins`/`outs` name each operand's block: row [bt, bd], vec [bt], gam [bd] (the whole γ),
+    part [bd] (one row per tile: per-tile partial sums). Call the result with out_shape=."""
+    T, d = x.shape
+    bt, bd, nw = norm_blocks(T, d)
+    row, vec = pl.BlockSpec((bt, bd), lambda i: (i, 0)), pl.BlockSpec((bt,), lambda i: (i,))
+    specs = {"row": row, "vec": vec, "gam": pl.BlockSpec((bd,), lambda i: (0,)),
+             "part": pl.BlockSpec((None, bd), lambda i: (i, 0))}
+    return partial(pl.pallas_call, partial(kernel, T=T, d=d, eps=eps, bt=bt, bd=bd),
+                   grid=(pl.cdiv(T, bt),), in_specs=[specs[k] for k in ins],
+                   out_specs=tuple(specs[k] for k in outs), compiler_params=triton_params(nw),
+                   interpret=interpret, name=name)
+
+
+def norm_vjp(fwd_call, bwd_call):
+    """fwd_call(x, g, eps, interpret) -> (x̂, *per-row statistics) as a custom_vjp (eps and
+    interpret static) whose backward is bwd_call(x, g, gx̂, *statistics' cotangents in fp32,
+    eps, interpret) -> (dx, dg): x is saved, x̂ recomputed."""
+
+    @partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+    def norm(x, g, eps, interpret):
+        return fwd_call(x, g, eps, interpret)
+
+    def norm_fwd(x, g, eps, interpret):
+        return fwd_call(x, g, eps, interpret), (x, g)
+
+    def norm_bwd(eps, interpret, res, cts):
+        x, g = res
+        return bwd_call(x, g, cts[0], *(c.astype(F32) for c in cts[1:]), eps, interpret)
+
+    norm.defvjp(norm_fwd, norm_bwd)
+    return norm
+
+
+def local_norm(norm, x, gamma, eps: float, interpret: bool):
+    """`norm` (from norm_vjp) on x [..., n] as rows: (x̂ [..., n] x.dtype, *statistics [...])."""
+    lead = x.shape[:-1]
+    x, gamma = align_vma(x, gamma)
+    outs = norm(flat(x), gamma, float(eps), bool(interpret))
+    return outs[0].reshape(x.shape), *(o.reshape(lead) for o in outs[1:])

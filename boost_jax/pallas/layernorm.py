@@ -22,22 +22,20 @@ operands of one psum, which XLA combines into one all-reduce with the latent.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable, Optional
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from boost_jax.pallas.common import F32, align_vma, flat, mm, sds, triton_params
-from boost_jax.pallas.rmsnorm import _norm_blocks, _tile_masks
+from boost_jax.pallas.common import (F32, local_norm, mm, norm_blocks, norm_call, norm_vjp, sds,
+                                     tile_masks)
 
 
 # ---------------------------------------------------------------- kernels
 def _fwd_kernel(x_ref, g_ref, xh_ref, m_ref, q_ref, r_ref, *, T, d, eps, bt, bd):
-    rm, cm, msk = _tile_masks(T, d, bt, bd)
+    rm, cm, msk = tile_masks(T, d, bt, bd)
     x = plt.load(x_ref, mask=msk, other=0).astype(F32)
     g = plt.load(g_ref, mask=cm, other=0).astype(F32)
     m = jnp.sum(x, axis=1) / d
@@ -52,7 +50,7 @@ def _fwd_kernel(x_ref, g_ref, xh_ref, m_ref, q_ref, r_ref, *, T, d, eps, bt, bd)
 
 def _bwd_kernel(x_ref, g_ref, gxh_ref, gm_ref, gq_ref, gr_ref, dx_ref, dg_ref, *,
                 T, d, eps, bt, bd):
-    rm, cm, msk = _tile_masks(T, d, bt, bd)
+    rm, cm, msk = tile_masks(T, d, bt, bd)
     x = plt.load(x_ref, mask=msk, other=0).astype(F32)
     g = plt.load(g_ref, mask=cm, other=0).astype(F32)
     gxh = plt.load(gxh_ref, mask=msk, other=0).astype(F32)
@@ -70,60 +68,30 @@ def _bwd_kernel(x_ref, g_ref, gxh_ref, gm_ref, gq_ref, gr_ref, dx_ref, dg_ref, *
     plt.store(dg_ref, jnp.sum(gxh * c * inv[:, None], axis=0), mask=cm)
 
 
-def _calls(x, g, eps, interpret, kernel, n_in, outs, name):
-    T, d = x.shape
-    bt, bd, nw = _norm_blocks(T, d)
-    row, vec = pl.BlockSpec((bt, bd), lambda i: (i, 0)), pl.BlockSpec((bt,), lambda i: (i,))
-    specs = {"row": row, "vec": vec, "gam": pl.BlockSpec((bd,), lambda i: (0,)),
-             "part": pl.BlockSpec((None, bd), lambda i: (i, 0))}
-    return partial(pl.pallas_call, partial(kernel, T=T, d=d, eps=eps, bt=bt, bd=bd),
-                   grid=(pl.cdiv(T, bt),), in_specs=[specs[k] for k in n_in],
-                   out_specs=tuple(specs[k] for k in outs), compiler_params=triton_params(nw),
-                   interpret=interpret, name=name)
-
-
 def _fwd_call(x, g, eps, interpret):
     T, d = x.shape
-    call = _calls(x, g, eps, interpret, _fwd_kernel, ("row", "gam"),
-                  ("row", "vec", "vec", "vec"), "online_layernorm_fwd")
+    call = norm_call(x, eps, interpret, _fwd_kernel, ("row", "gam"),
+                     ("row", "vec", "vec", "vec"), "online_layernorm_fwd")
     return call(out_shape=(sds((T, d), x.dtype, x), *(sds((T,), F32, x),) * 3))(x, g)
 
 
 def _bwd_call(x, g, gxh, gm, gq, gr, eps, interpret):
     T, d = x.shape
-    nb = pl.cdiv(T, _norm_blocks(T, d)[0])
-    call = _calls(x, g, eps, interpret, _bwd_kernel, ("row", "gam", "row", "vec", "vec", "vec"),
-                  ("row", "part"), "online_layernorm_bwd")
+    nb = pl.cdiv(T, norm_blocks(T, d)[0])
+    call = norm_call(x, eps, interpret, _bwd_kernel, ("row", "gam", "row", "vec", "vec", "vec"),
+                     ("row", "part"), "online_layernorm_bwd")
     dx, dgp = call(out_shape=(sds((T, d), x.dtype, x), sds((nb, d), F32, x)))(
         x, g, gxh, gm, gq, gr)
     return dx, jnp.sum(dgp, axis=0).astype(g.dtype)  # per-block partials: no atomics
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _norm_pallas(x, g, eps, interpret):
-    return _fwd_call(x, g, eps, interpret)
-
-
-def _norm_pallas_fwd(x, g, eps, interpret):
-    return _fwd_call(x, g, eps, interpret), (x, g)
-
-
-def _norm_pallas_bwd(eps, interpret, res, cts):
-    x, g = res
-    return _bwd_call(x, g, *(c.astype(F32) if i else c for i, c in enumerate(cts)), eps,
-                     interpret)
-
-
-_norm_pallas.defvjp(_norm_pallas_fwd, _norm_pallas_bwd)
+_norm_pallas = norm_vjp(_fwd_call, _bwd_call)
 
 
 # ---------------------------------------------------------------- local statistics
 def local_layernorm(x, gamma, eps: float = 1e-5, *, interpret: bool = False):
     """Pallas: x [..., n], γ [n] → (x̂ [..., n] x.dtype, m, M2, std [...] fp32)."""
-    lead = x.shape[:-1]
-    x, gamma = align_vma(x, gamma)
-    outs = _norm_pallas(flat(x), gamma, float(eps), bool(interpret))
-    return outs[0].reshape(x.shape), *(o.reshape(lead) for o in outs[1:])
+    return local_norm(_norm_pallas, x, gamma, eps, interpret)
 
 
 def local_layernorm_ref(x, gamma, eps: float = 1e-5, *, interpret: bool = False):

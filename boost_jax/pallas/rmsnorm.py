@@ -20,35 +20,21 @@ calls it with `reduce_fn=lambda p: jax.lax.psum(p, tp_axes)` and it knows nothin
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Callable, Optional
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from boost_jax.pallas.common import F32, align_vma, flat, mm, pow2, sds, triton_params
+from boost_jax.pallas.common import (F32, flat, local_norm, mm, norm_blocks, norm_call, norm_vjp,
+                                     sds, tile_masks)
 from boost_jax.pallas.grouped import norm_matmul
-
-def _norm_blocks(T: int, d: int):
-    bd = pow2(d)
-    bt = max(1, min(64, 8192 // bd, pow2(T, 1)))  # keep a [bt, bd] tile in registers
-    return bt, bd, (4 if bt * bd <= 4096 else 8)
-
-
-def _tile_masks(T: int, d: int, bt: int, bd: int):
-    """Row, column and tile masks of this program's [bt, bd] tile (ragged edges masked)."""
-    rows = pl.program_id(0) * bt + jnp.arange(bt)
-    cols = jnp.arange(bd)
-    rm, cm = rows < T, cols < d
-    return rm, cm, rm[:, None] & cm[None, :]
 
 
 # ---------------------------------------------------------------- forward kernel
 def _fwd_kernel(x_ref, g_ref, xh_ref, s_ref, r_ref, *, T, d, eps, bt, bd):
-    rm, cm, m = _tile_masks(T, d, bt, bd)
+    rm, cm, m = tile_masks(T, d, bt, bd)
     x = plt.load(x_ref, mask=m, other=0).astype(F32)
     g = plt.load(g_ref, mask=cm, other=0).astype(F32)
     s = jnp.sum(x * x, axis=1)
@@ -61,22 +47,14 @@ def _fwd_kernel(x_ref, g_ref, xh_ref, s_ref, r_ref, *, T, d, eps, bt, bd):
 
 def _fwd_call(x, g, eps, interpret):
     T, d = x.shape
-    bt, bd, nw = _norm_blocks(T, d)
-    rowblk = pl.BlockSpec((bt, bd), lambda i: (i, 0))
-    vec = pl.BlockSpec((bt,), lambda i: (i,))
-    return pl.pallas_call(
-        partial(_fwd_kernel, T=T, d=d, eps=eps, bt=bt, bd=bd),
-        out_shape=(sds((T, d), x.dtype, x), sds((T,), F32, x), sds((T,), F32, x)),
-        grid=(pl.cdiv(T, bt),),
-        in_specs=[rowblk, pl.BlockSpec((bd,), lambda i: (0,))],
-        out_specs=(rowblk, vec, vec),
-        compiler_params=triton_params(nw), interpret=interpret, name="online_rmsnorm_fwd",
-    )(x, g)
+    call = norm_call(x, eps, interpret, _fwd_kernel, ("row", "gam"), ("row", "vec", "vec"),
+                     "online_rmsnorm_fwd")
+    return call(out_shape=(sds((T, d), x.dtype, x), sds((T,), F32, x), sds((T,), F32, x)))(x, g)
 
 
 # ---------------------------------------------------------------- backward kernel
 def _bwd_kernel(x_ref, g_ref, gxh_ref, gs_ref, gr_ref, dx_ref, dg_ref, *, T, d, eps, bt, bd):
-    rm, cm, m = _tile_masks(T, d, bt, bd)
+    rm, cm, m = tile_masks(T, d, bt, bd)
     x = plt.load(x_ref, mask=m, other=0).astype(F32)
     g = plt.load(g_ref, mask=cm, other=0).astype(F32)
     gxh = plt.load(gxh_ref, mask=m, other=0).astype(F32)
@@ -94,47 +72,21 @@ def _bwd_kernel(x_ref, g_ref, gxh_ref, gs_ref, gr_ref, dx_ref, dg_ref, *, T, d, 
 
 def _bwd_call(x, g, gxh, gs, gr, eps, interpret):
     T, d = x.shape
-    bt, bd, nw = _norm_blocks(T, d)
-    nb = pl.cdiv(T, bt)
-    rowblk = pl.BlockSpec((bt, bd), lambda i: (i, 0))
-    vec = pl.BlockSpec((bt,), lambda i: (i,))
-    dx, dgp = pl.pallas_call(
-        partial(_bwd_kernel, T=T, d=d, eps=eps, bt=bt, bd=bd),
-        out_shape=(sds((T, d), x.dtype, x), sds((nb, d), F32, x)),
-        grid=(nb,),
-        in_specs=[rowblk, pl.BlockSpec((bd,), lambda i: (0,)), rowblk, vec, vec],
-        out_specs=(rowblk, pl.BlockSpec((None, bd), lambda i: (i, 0))),
-        compiler_params=triton_params(nw), interpret=interpret, name="online_rmsnorm_bwd",
-    )(x, g, gxh, gs, gr)
+    nb = pl.cdiv(T, norm_blocks(T, d)[0])
+    call = norm_call(x, eps, interpret, _bwd_kernel, ("row", "gam", "row", "vec", "vec"),
+                     ("row", "part"), "online_rmsnorm_bwd")
+    dx, dgp = call(out_shape=(sds((T, d), x.dtype, x), sds((nb, d), F32, x)))(x, g, gxh, gs, gr)
     # partials per token block, summed here: deterministic, no atomics
     return dx, jnp.sum(dgp, axis=0).astype(g.dtype)
 
 
-@partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _norm_pallas(x, g, eps, interpret):
-    return _fwd_call(x, g, eps, interpret)
-
-
-def _norm_pallas_fwd(x, g, eps, interpret):
-    return _fwd_call(x, g, eps, interpret), (x, g)
-
-
-def _norm_pallas_bwd(eps, interpret, res, cts):
-    x, g = res
-    gxh, gs, gr = cts
-    return _bwd_call(x, g, gxh, gs.astype(F32), gr.astype(F32), eps, interpret)
-
-
-_norm_pallas.defvjp(_norm_pallas_fwd, _norm_pallas_bwd)
+_norm_pallas = norm_vjp(_fwd_call, _bwd_call)
 
 
 # ---------------------------------------------------------------- public API
 def local_rmsnorm(x, gamma, eps: float = 1e-6, *, interpret: bool = False):
     """Pallas: x [..., d_i], γ [d_i] -> (x̂ [..., d_i] x.dtype, s [...] fp32, rms [...] fp32)."""
-    lead = x.shape[:-1]
-    x, gamma = align_vma(x, gamma)
-    xh, s, r = _norm_pallas(flat(x), gamma, float(eps), bool(interpret))
-    return xh.reshape(x.shape), s.reshape(lead), r.reshape(lead)
+    return local_norm(_norm_pallas, x, gamma, eps, interpret)
 
 
 def local_rmsnorm_ref(x, gamma, eps: float = 1e-6, *, interpret: bool = False):

@@ -135,74 +135,92 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False) -
           f"python -m boost_jax.launch slurm --config {path}", file=sys.stderr)
 
 
-def report_text(dr, cfg, topo, compiled: bool) -> str:
-    p = dr.prediction if compiled else dr
+def _layout_line(p, cfg) -> str:
     lay = p.layout
+    pl = lay["placement"]
+    return (f"layout: plan {lay['plan']} (params {pl['params'] or '-'}, grads {pl['grads'] or '-'}"
+            f", opt_state {pl['opt_state'] or '-'}, secondary {pl['secondary'] or '-'}"
+            f"{' int8' if pl['secondary_int8'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''})"
+            f"; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; "
+            + (f"{lay['pipeline_stages']} pipeline stages ({lay['pp_schedule']}"
+               + (f", {lay['pp_virtual']} virtual" if (lay.get("pp_virtual") or 1) > 1 else "")
+               + "); "
+               if lay.get("pipeline_stages", 1) > 1 else "")
+            + f"remat {lay['remat']}; "
+            f"{p.micro_batches} micro-batches x {p.micro_batch_per_device} seq/device of "
+            f"{cfg.data.seq_len} tokens ({p.tokens_per_step} tokens/step)")
+
+
+def _header_lines(p, cfg, topo) -> list:
+    """What runs where: model, cluster, layout, the plan TP settled on."""
     sizes = p.sizes
-    n = p.devices
     L = [f"plan for {cfg.name}: {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
          f"({_count(p.memory.get('params_total', 0))} params) on {topo.name} "
-         f"({topo.device}): {_hosts(sizes)} nodes, {n} devices = {_mesh_text(sizes)}"]
-    pl = lay["placement"]
-    L.append(f"layout: plan {lay['plan']} (params {pl['params'] or '-'}, grads {pl['grads'] or '-'}"
-             f", opt_state {pl['opt_state'] or '-'}, secondary {pl['secondary'] or '-'}"
-             f"{' int8' if pl['secondary_int8'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''})"
-             f"; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; "
-             + (f"{lay['pipeline_stages']} pipeline stages ({lay['pp_schedule']}"
-                + (f", {lay['pp_virtual']} virtual" if (lay.get("pp_virtual") or 1) > 1 else "")
-                + "); "
-                if lay.get("pipeline_stages", 1) > 1 else "")
-             + f"remat {lay['remat']}; "
-             f"{p.micro_batches} micro-batches x {p.micro_batch_per_device} seq/device of "
-             f"{cfg.data.seq_len} tokens ({p.tokens_per_step} tokens/step)")
+         f"({topo.device}): {_hosts(sizes)} nodes, {p.devices} devices = {_mesh_text(sizes)}",
+         _layout_line(p, cfg)]
     for note in p.notes:
         if note.startswith("parallel.plan="):  # the roles TP took: the effective plan
             L.append(f"  {note}")
-    if compiled:
-        progs = dr.compiled
-        cs = dr.compile_sizes
-        L.append(f"compiled: {len(progs)} program(s) on {math.prod(cs.values())} simulated CPU "
-                 f"devices ({_mesh_text(cs)}), "
-                 f"layers {[c.n_layers for c in progs]}, "
-                 f"{sum(c.compile_s for c in progs):.0f} s, abstract shapes (nothing allocated)")
-        for note in dr.notes:
-            L.append(f"  extrapolated: {note}")
-    else:
-        L.append("not compiled: analytic model only (--no-compile)")
+    return L
+
+
+def _compile_lines(dr, compiled: bool) -> list:
+    if not compiled:
+        return ["not compiled: analytic model only (--no-compile)"]
+    progs = dr.compiled
+    cs = dr.compile_sizes
+    L = [f"compiled: {len(progs)} program(s) on {math.prod(cs.values())} simulated CPU "
+         f"devices ({_mesh_text(cs)}), "
+         f"layers {[c.n_layers for c in progs]}, "
+         f"{sum(c.compile_s for c in progs):.0f} s, abstract shapes (nothing allocated)"]
+    return L + [f"  extrapolated: {note}" for note in dr.notes]
+
+
+def _compiled_memory_lines(m: dict, dr) -> list:
+    L = [f"  arguments: formula {_bytes(m['arguments_formula'])}"
+         + (f" (compiled {_bytes(m['arguments_compiled'])})" if not dr.global_extrapolated
+            else f" (compile-size check: formula {_bytes(dr.formula['arguments'])} vs "
+                 f"compiled {_bytes(dr.compiled[-1].memory.get('argument', 0))} at "
+                 f"{dr.compiled[-1].n_layers} layer(s))")
+         + f"; temporaries (compiled) {_bytes(m['temp_compiled'])}",
+         f"  analytic cross-check: activations {_bytes(m['activations'])}, gathered "
+         f"weights {_bytes(m['gathered_weights'])}, analytic total "
+         f"{_bytes(m['analytic_total'])}"]
+    if m.get("largest_temporaries"):
+        L.append("  largest buffers: " + ", ".join(f"{s} {_bytes(b)}" for s, b in
+                                                   m["largest_temporaries"]))
+    return L
+
+
+def _memory_lines(p, dr, topo, compiled: bool) -> list:
     m = p.memory
-    L.append("")
-    L.append(f"memory per device ({topo.device}, {_gb(topo.hbm_bytes)} {'host RAM' if topo.name == 'cpu' else 'HBM'}, usable "
-             f"{p.assumptions.hbm_usable:.0%}):")
-    L.append(f"  weights {_bytes(m['weights'])}, fp32 master {_bytes(m['master'])}, Adam m+v "
-             f"{_bytes(m['adam'])}, grad accumulator {_bytes(m.get('grads_accumulator', m.get('grads', 0)))}"
-             + (f", secondary {_bytes(m['secondary'])}" if m.get("secondary") else ""))
+    L = [f"memory per device ({topo.device}, {_gb(topo.hbm_bytes)} {'host RAM' if topo.name == 'cpu' else 'HBM'}, usable "
+         f"{p.assumptions.hbm_usable:.0%}):",
+         f"  weights {_bytes(m['weights'])}, fp32 master {_bytes(m['master'])}, Adam m+v "
+         f"{_bytes(m['adam'])}, grad accumulator {_bytes(m.get('grads_accumulator', m.get('grads', 0)))}"
+         + (f", secondary {_bytes(m['secondary'])}" if m.get("secondary") else "")]
     if compiled:
-        L.append(f"  arguments: formula {_bytes(m['arguments_formula'])}"
-                 + (f" (compiled {_bytes(m['arguments_compiled'])})" if not dr.global_extrapolated
-                    else f" (compile-size check: formula {_bytes(dr.formula['arguments'])} vs "
-                         f"compiled {_bytes(dr.compiled[-1].memory.get('argument', 0))} at "
-                         f"{dr.compiled[-1].n_layers} layer(s))")
-                 + f"; temporaries (compiled) {_bytes(m['temp_compiled'])}")
-        L.append(f"  analytic cross-check: activations {_bytes(m['activations'])}, gathered "
-                 f"weights {_bytes(m['gathered_weights'])}, analytic total "
-                 f"{_bytes(m['analytic_total'])}")
-        if m.get("largest_temporaries"):
-            L.append("  largest buffers: " + ", ".join(f"{s} {_bytes(b)}" for s, b in
-                                                       m["largest_temporaries"]))
+        L += _compiled_memory_lines(m, dr)
     else:
         L.append(f"  activations {_bytes(m['activations'])}, gathered weights "
                  f"{_bytes(m['gathered_weights'])}, logits {_bytes(m['logits'])}")
     verdict = "FITS" if m["fits"] else "DOES NOT FIT"
     L.append(f"  total {_bytes(m['total'])} of {_bytes(topo.hbm_bytes)} -> {verdict}")
-    L.append("")
+    return L
+
+
+def _flops_line(p, dr, compiled: bool) -> str:
     fl = (f"flops per device per step: model {p.flops_per_device:.3e} (3x forward; "
-          f"{p.executed_flops_per_device:.3e} with remat={lay['remat']} recompute)")
+          f"{p.executed_flops_per_device:.3e} with remat={p.layout['remat']} recompute)")
     if compiled:
         fl += (f", compiled {dr.flops_compiled:.3e} (dots x loop trip counts; XLA "
                f"cost_analysis, which counts a loop body once: {dr.xla_flops:.3e})")
-    L.append(fl)
-    L.append("collective bytes per device per step (ring bytes sent) and time at "
-             f"{p.assumptions.eta_net:.0%} of link bandwidth:")
+    return fl
+
+
+def _comm_lines(p, topo, compiled: bool) -> list:
+    L = ["collective bytes per device per step (ring bytes sent) and time at "
+         f"{p.assumptions.eta_net:.0%} of link bandwidth:"]
     for lv in ("pair", "node", "global"):
         L.append(f"  {lv:<7}{_bytes(p.comm_bytes[lv]):>12}  {_ms(p.comm_time[lv]):>10}  "
                  f"({topo.bandwidth(lv) / 1e9:.1f} GB/s, {topo.latency(lv) * 1e6:.0f} us)")
@@ -212,27 +230,39 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
                  f" {_bytes(sum(eg.values()))} per step (tensor-parallel and pipeline "
                  f"{_bytes(eg.get('tp', 0))}, per micro-batch {_bytes(eg.get('dp', 0))}, once "
                  f"per step {_bytes(eg.get('step', 0))})")
+    m = p.memory
     if compiled and m.get("analytic_comm_bytes"):
         ab = m["analytic_comm_bytes"]
         L.append("  (analytic model of the same layout: " + ", ".join(
             f"{lv} {_bytes(ab[lv])}" for lv in ("pair", "node", "global"))
             + f"; step {_ms(m['analytic_step_time'])})")
+    return L
+
+
+def _time_lines(p, topo) -> list:
     t = p.time
-    L.append("")
-    L.append("predicted step time:")
-    L.append(f"  compute {_ms(t['compute'])} (of which pipeline bubble {_ms(t['bubble'])}) + "
-             f"(de)quantization {_ms(t['quant'])} + TP collectives {_ms(t['tp'])} + DP "
-             f"collectives exposed {_ms(t['dp_exposed'])} (of {_ms(t['dp'])}) + once-per-step "
-             f"collectives {_ms(t['step_comm'])} + optimizer {_ms(t['optimizer'])}"
-             + (f" (pipeline p2p {_ms(t['p2p'])} within TP)" if t.get("p2p") else ""))
-    L.append("  critical path: " + critical_path_line(p))
-    L.append(f"  = {_ms(t['total'])} per step  (DP collectives fully overlapped: "
-             f"{_ms(t['total_overlapped'])})")
-    L.append(f"  {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
-             f"MFU {p.mfu:.1%} of {topo.peak_flops / 1e12:.1f} TFLOP/s")
-    L.append("assumptions:")
-    for line in p.assumptions.describe():
-        L.append(f"  - {line}")
+    L = ["predicted step time:",
+         f"  compute {_ms(t['compute'])} (of which pipeline bubble {_ms(t['bubble'])}) + "
+         f"(de)quantization {_ms(t['quant'])} + TP collectives {_ms(t['tp'])} + DP "
+         f"collectives exposed {_ms(t['dp_exposed'])} (of {_ms(t['dp'])}) + once-per-step "
+         f"collectives {_ms(t['step_comm'])} + optimizer {_ms(t['optimizer'])}"
+         + (f" (pipeline p2p {_ms(t['p2p'])} within TP)" if t.get("p2p") else ""),
+         "  critical path: " + critical_path_line(p),
+         f"  = {_ms(t['total'])} per step  (DP collectives fully overlapped: "
+         f"{_ms(t['total_overlapped'])})",
+         f"  {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
+         f"MFU {p.mfu:.1%} of {topo.peak_flops / 1e12:.1f} TFLOP/s",
+         "assumptions:"]
+    return L + [f"  - {line}" for line in p.assumptions.describe()]
+
+
+def report_text(dr, cfg, topo, compiled: bool) -> str:
+    """The human report: `dr` is a dry run when `compiled`, else an analytic prediction."""
+    p = dr.prediction if compiled else dr
+    L = _header_lines(p, cfg, topo) + _compile_lines(dr, compiled)
+    L += [""] + _memory_lines(p, dr, topo, compiled)
+    L += ["", _flops_line(p, dr, compiled)] + _comm_lines(p, topo, compiled)
+    L += [""] + _time_lines(p, topo)
     return "\n".join(L)
 
 
@@ -293,119 +323,162 @@ def run_gpu_compile(args, cfg, topo, full: dict, a) -> int:
     return 1 if failure else 0
 
 
+def _set_compile_devices(args, full: dict) -> None:
+    """The simulated CPU device count, before JAX starts: only when the step is compiled."""
+    total = math.prod(full.values())
+    compile_needed = not args.no_compile and not (args.search and not args.compile_top) \
+        and not args.gpu_compile
+    if compile_needed:
+        n = args.cpu_devices or min(total, 512)
+        from boost_jax.mesh import set_cpu_devices
+
+        set_cpu_devices(min(n, max(total, 1)) if args.cpu_devices is None else n)
+
+
+def _load_plan_inputs(args):
+    """Checks, then (cfg with the planned mesh, topology, full mesh sizes, assumptions).
+    The import order matters: the GPU env and the CPU device count are set before JAX starts."""
+    from boost_jax.config import load_config
+    from boost_jax.mesh import get_topology
+
+    check_args(args)
+    if args.emit_config:  # before any work: the file may not be written at all
+        check_emit_target(args.emit_config, args.config, args.force)
+    if args.gpu_compile:  # before JAX starts
+        from boost_jax.plan.gpu_target import prepare_env
+
+        prepare_env()
+    cfg = load_config(args.config, args.overrides)
+    topo = get_topology(args.topology or cfg.mesh.topology)
+    from boost_jax.plan import dryrun
+
+    full = dryrun.full_sizes(cfg, topo, args.nodes if args.nodes is not None else cfg.mesh.nodes)
+    if args.emit_config:  # before any work: a cluster job on the demo corpus is a mistake
+        refuse_demo_corpus(cfg, _hosts(full), topo.name, args.allow_demo_data)
+    _set_compile_devices(args, full)
+    import dataclasses
+
+    from boost_jax.plan.costmodel import Assumptions
+
+    a = Assumptions(attention=args.attention, overlap=args.overlap)
+    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
+        cfg.mesh, topology=topo.name, shape=dryrun.mesh_hosts(full), nodes=None))
+    return cfg, topo, full, a
+
+
+def run_search(args, cfg, topo, full: dict, a, command: str) -> int:
+    """--search: rank the layouts; --emit-config writes the best that fits."""
+    from boost_jax.errors import UserError
+    from boost_jax.plan.search import print_search, search
+
+    res = search(cfg, topo, full, a, compile_top=args.compile_top,
+                 max_devices=args.cpu_devices or 512)
+    if args.json:
+        print(json_out.dumps(res.to_dict(), indent=1, default=str))
+    else:
+        print(print_search(res, cfg, topo, full, top=args.top))
+    if args.emit_config:
+        if not res.fitting:
+            raise UserError(f"no layout fits, so --emit-config {args.emit_config} was "
+                            "not written; try more nodes or a smaller global batch")
+        best = res.fitting[0]
+        emit_config(args.emit_config, best.config(cfg), best.prediction, topo, command,
+                    args.force)
+    return 0
+
+
+def _dry_run_or_predict(args, cfg, topo, full: dict, a):
+    """(out, compiled, failure): the dry run when compiling, else (or when the step fails
+    to compile) the analytic prediction."""
+    from boost_jax.analysis.flops import param_count
+    from boost_jax.errors import UserError
+    from boost_jax.plan import dryrun
+    from boost_jax.plan.costmodel import predict
+
+    compiled, failure = not args.no_compile, None
+    try:
+        if compiled:
+            import jax
+
+            try:
+                out = dryrun.dry_run(cfg, topo, None, jax.device_count(), a,
+                                     full_layers_max=10**9 if args.layers == "full" else
+                                     (4 if args.layers == "auto" else int(args.layers)),
+                                     keep_report=True)
+                out.prediction.memory["params_total"] = param_count(cfg.model)
+            except dryrun.StepCompileError as e:
+                failure = str(e)
+                compiled = False
+        if not compiled:
+            out = predict(cfg, topo, full, a)
+            out.memory["params_total"] = param_count(cfg.model)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return out, compiled, failure
+
+
+def _print_layout(args, out, cfg, topo, compiled: bool, failure: Optional[str]) -> None:
+    if failure:
+        print(f"error: the training step does not compile for this layout ({failure}); "
+              "the analytic prediction follows, but train.py would fail the same way",
+              file=sys.stderr)
+        out.notes.insert(0, f"compile failed: {failure}")
+    if args.json:
+        d = out.to_dict()
+        if failure:
+            d["compile_error"] = failure
+        print(json_out.dumps(d, indent=1, default=str))
+    else:
+        text = report_text(out, cfg, topo, compiled=compiled)
+        if failure:
+            text = text.replace("not compiled: analytic model only (--no-compile)",
+                                f"NOT COMPILED: the step failed to compile ({failure}); "
+                                "analytic model only")
+        print(text)
+
+
+def _emit_layout(args, pred, cfg, topo, failure: Optional[str], command: str) -> None:
+    """--emit-config for one layout: written only when it compiles and fits."""
+    from boost_jax.errors import UserError
+
+    if failure or not pred.memory["fits"]:
+        why = "the step does not compile" if failure else (
+            f"it needs {pred.memory['total'] / 2**30:.1f} GiB per device, more than "
+            f"{pred.assumptions.hbm_usable:.0%} of {topo.hbm_bytes / 2**30:.0f} GiB")
+        raise UserError(f"this layout does not fit ({why}), so --emit-config "
+                        f"{args.emit_config} was not written; --search lists layouts "
+                        "that fit")
+    emit_config(args.emit_config, cfg, pred, topo, command, args.force)
+
+
+def run_layout(args, cfg, topo, full: dict, a, command: str) -> int:
+    """One layout: dry run (or analytic model), report, maybe --emit-config."""
+    out, compiled, failure = _dry_run_or_predict(args, cfg, topo, full, a)
+    _print_layout(args, out, cfg, topo, compiled, failure)
+    if args.emit_config:
+        _emit_layout(args, out.prediction if compiled else out, cfg, topo, failure, command)
+    return 1 if failure else 0
+
+
+def run_plan(args, command: str) -> int:
+    """The planner for parsed `args`; `command` is the command line --emit-config records."""
+    cfg, topo, full, a = _load_plan_inputs(args)
+    if args.gpu_compile:
+        return run_gpu_compile(args, cfg, topo, full, a)
+    if args.search:
+        return run_search(args, cfg, topo, full, a, command)
+    return run_layout(args, cfg, topo, full, a, command)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     import shlex
 
-    from boost_jax.errors import UserError, cli_main
+    from boost_jax.errors import cli_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
     command = "python -m boost_jax.plan " + shlex.join(argv)
     args = build_parser().parse(argv)
-
-    @cli_main
-    def run() -> int:
-        from boost_jax.config import load_config
-        from boost_jax.mesh import get_topology
-
-        check_args(args)
-        if args.emit_config:  # before any work: the file may not be written at all
-            check_emit_target(args.emit_config, args.config, args.force)
-        if args.gpu_compile:  # before JAX starts
-            from boost_jax.plan.gpu_target import prepare_env
-
-            prepare_env()
-        cfg = load_config(args.config, args.overrides)
-        topo = get_topology(args.topology or cfg.mesh.topology)
-        from boost_jax.plan import dryrun
-
-        full = dryrun.full_sizes(cfg, topo, args.nodes if args.nodes is not None else cfg.mesh.nodes)
-        if args.emit_config:  # before any work: a cluster job on the demo corpus is a mistake
-            refuse_demo_corpus(cfg, _hosts(full), topo.name, args.allow_demo_data)
-        total = math.prod(full.values())
-        compile_needed = not args.no_compile and not (args.search and not args.compile_top) \
-            and not args.gpu_compile
-        if compile_needed:
-            n = args.cpu_devices or min(total, 512)
-            from boost_jax.mesh import set_cpu_devices
-
-            set_cpu_devices(min(n, max(total, 1)) if args.cpu_devices is None else n)
-        import dataclasses
-
-        from boost_jax.plan.costmodel import Assumptions, predict
-
-        a = Assumptions(attention=args.attention, overlap=args.overlap)
-        cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
-            cfg.mesh, topology=topo.name, shape=dryrun.mesh_hosts(full), nodes=None))
-        from boost_jax.analysis.flops import param_count
-
-        if args.gpu_compile:
-            return run_gpu_compile(args, cfg, topo, full, a)
-        if args.search:
-            from boost_jax.plan.search import print_search, search
-
-            res = search(cfg, topo, full, a, compile_top=args.compile_top,
-                         max_devices=args.cpu_devices or 512)
-            if args.json:
-                print(json_out.dumps(res.to_dict(), indent=1, default=str))
-            else:
-                print(print_search(res, cfg, topo, full, top=args.top))
-            if args.emit_config:
-                if not res.fitting:
-                    raise UserError(f"no layout fits, so --emit-config {args.emit_config} was "
-                                    "not written; try more nodes or a smaller global batch")
-                best = res.fitting[0]
-                emit_config(args.emit_config, best.config(cfg), best.prediction, topo, command,
-                            args.force)
-            return 0
-        compiled, failure = not args.no_compile, None
-        try:
-            if compiled:
-                import jax
-
-                try:
-                    out = dryrun.dry_run(cfg, topo, None, jax.device_count(), a,
-                                         full_layers_max=10**9 if args.layers == "full" else
-                                         (4 if args.layers == "auto" else int(args.layers)),
-                                         keep_report=True)
-                    out.prediction.memory["params_total"] = param_count(cfg.model)
-                except dryrun.StepCompileError as e:
-                    failure = str(e)
-                    compiled = False
-            if not compiled:
-                out = predict(cfg, topo, full, a)
-                out.memory["params_total"] = param_count(cfg.model)
-        except ValueError as e:
-            raise UserError(str(e)) from None
-        if failure:
-            print(f"error: the training step does not compile for this layout ({failure}); "
-                  "the analytic prediction follows, but train.py would fail the same way",
-                  file=sys.stderr)
-            out.notes.insert(0, f"compile failed: {failure}")
-        if args.json:
-            d = out.to_dict()
-            if failure:
-                d["compile_error"] = failure
-            print(json_out.dumps(d, indent=1, default=str))
-        else:
-            text = report_text(out, cfg, topo, compiled=compiled)
-            if failure:
-                text = text.replace("not compiled: analytic model only (--no-compile)",
-                                    f"NOT COMPILED: the step failed to compile ({failure}); "
-                                    "analytic model only")
-            print(text)
-        if args.emit_config:
-            pred = out.prediction if compiled else out
-            if failure or not pred.memory["fits"]:
-                why = "the step does not compile" if failure else (
-                    f"it needs {pred.memory['total'] / 2**30:.1f} GiB per device, more than "
-                    f"{pred.assumptions.hbm_usable:.0%} of {topo.hbm_bytes / 2**30:.0f} GiB")
-                raise UserError(f"this layout does not fit ({why}), so --emit-config "
-                                f"{args.emit_config} was not written; --search lists layouts "
-                                "that fit")
-            emit_config(args.emit_config, cfg, pred, topo, command, args.force)
-        return 1 if failure else 0
-
-    return run()
+    return cli_main(run_plan)(args, command)
 
 
 if __name__ == "__main__":

@@ -243,67 +243,95 @@ def argument_formula(cfg, sizes: dict) -> dict:
     return d
 
 
-def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
-            a: Optional[Assumptions] = None, full_layers_max: int = 4,
-            keep_report: bool = False) -> DryRun:
-    a = a or Assumptions()
-    full = full_sizes(cfg, topo, nodes)
-    small = compile_sizes(full, max_devices)
+@dataclass
+class _LayerFit:
+    """The compiled programs' figures at the run's layer count (extrapolated when two)."""
+
+    progs: list  # Compiled programs (1 or 2)
+    two_point: bool
+    comm: CommSummary
+    temp: float
+    flops: float
+    xla_flops: float
+    args: float  # compiled argument bytes
+    notes: list
+
+
+def _compile_layers(cfg, full: dict, small: dict, topo: Topology, a: Assumptions,
+                    full_layers_max: int, keep_report: bool) -> _LayerFit:
+    """Compile every layer, or LAYER_POINTS layers and extrapolate linearly to the rest."""
     # per-chunk layers: what the compiled program's scan runs (all layers without stages;
     # a stage's, or with virtual stages one chunk's)
     chunks = cfg.parallel.pp_stages * cfg.parallel.pp_virtual
     L = -(-cfg.model.n_layers // chunks)
-    notes = []
-    two_point = L > full_layers_max
-    if two_point:
-        p1, p2 = LAYER_POINTS
-        progs = [compile_once(cfg, full, small, topo, a, p1 * chunks, keep_report),
-                 compile_once(cfg, full, small, topo, a, p2 * chunks, keep_report)]
-        c1, c2 = progs
-        w = (L - p1) / (p2 - p1)
-        comm = c1.comm.combine(c2.comm, 1 - w, w)  # X(p1) + (L−p1)·(X(p2) − X(p1))/(p2−p1)
-        temp = _lin(c1.memory.get("temp", 0), c2.memory.get("temp", 0), L)
-        flops = _lin(c1.matmul_flops, c2.matmul_flops, L)
-        xla_flops = _lin(c1.flops, c2.flops, L)
-        args_c = _lin(c1.memory.get("argument", 0), c2.memory.get("argument", 0), L)
-        per = ("" if chunks == 1 else
-               " per stage" if cfg.parallel.pp_virtual == 1 else " per chunk")
-        notes.append(f"layers: compiled with {p1} and {p2} of {L} layers{per}; per-layer "
-                     "figures extrapolated linearly (scan over layers: cost is additive)")
-    else:
-        progs = [compile_once(cfg, full, small, topo, a, None, keep_report)]
-        comm, temp = progs[0].comm, progs[0].memory.get("temp", 0)
-        flops, xla_flops = progs[0].matmul_flops, progs[0].flops
-        args_c = progs[0].memory.get("argument", 0)
-    glob = small["global"] != full["global"]
-    if glob:
-        notes.append(f"mesh: compiled on pair={small['pair']} x node={small['node']} x "
-                     f"global={small['global']}"
-                     + (f" x stage={small[STAGE]}" if STAGE in small else "")
-                     + f" ({math.prod(small.values())} devices) instead "
-                     f"of global={full['global']}; collectives spanning `global` re-costed at "
-                     "the full group size, persistent state from the placement formula at the "
-                     "full size")
-    form_small = argument_formula(scaled_config(cfg, small, full), small)
-    form_full = argument_formula(cfg, full)
-    pred = predict(cfg, topo, full, a, measured=comm)
-    analytic = predict(cfg, topo, full, a)
-    pred.memory["analytic_comm_bytes"] = analytic.comm_bytes
-    pred.memory["analytic_step_time"] = analytic.step_time
-    pred.memory["analytic_node_egress"] = sum(analytic.node_egress.values())
-    temp_b = float(temp)
-    mem = {"arguments_formula": form_full["arguments"], "arguments_compiled": float(args_c),
+    if L <= full_layers_max:
+        c = compile_once(cfg, full, small, topo, a, None, keep_report)
+        return _LayerFit([c], False, c.comm, c.memory.get("temp", 0), c.matmul_flops, c.flops,
+                         c.memory.get("argument", 0), [])
+    p1, p2 = LAYER_POINTS
+    c1 = compile_once(cfg, full, small, topo, a, p1 * chunks, keep_report)
+    c2 = compile_once(cfg, full, small, topo, a, p2 * chunks, keep_report)
+    w = (L - p1) / (p2 - p1)
+    comm = c1.comm.combine(c2.comm, 1 - w, w)  # X(p1) + (L−p1)·(X(p2) − X(p1))/(p2−p1)
+    per = ("" if chunks == 1 else
+           " per stage" if cfg.parallel.pp_virtual == 1 else " per chunk")
+    note = (f"layers: compiled with {p1} and {p2} of {L} layers{per}; per-layer "
+            "figures extrapolated linearly (scan over layers: cost is additive)")
+    return _LayerFit([c1, c2], True, comm,
+                     _lin(c1.memory.get("temp", 0), c2.memory.get("temp", 0), L),
+                     _lin(c1.matmul_flops, c2.matmul_flops, L), _lin(c1.flops, c2.flops, L),
+                     _lin(c1.memory.get("argument", 0), c2.memory.get("argument", 0), L),
+                     [note])
+
+
+def _mesh_note(small: dict, full: dict) -> str:
+    return (f"mesh: compiled on pair={small['pair']} x node={small['node']} x "
+            f"global={small['global']}"
+            + (f" x stage={small[STAGE]}" if STAGE in small else "")
+            + f" ({math.prod(small.values())} devices) instead "
+            f"of global={full['global']}; collectives spanning `global` re-costed at "
+            "the full group size, persistent state from the placement formula at the "
+            "full size")
+
+
+def _dry_run_memory(fit: _LayerFit, form_full: dict, topo: Topology, a: Assumptions,
+                    keep_report: bool) -> dict:
+    """Per-device bytes at the full size: formula arguments plus compiled temporaries."""
+    temp_b = float(fit.temp)
+    mem = {"arguments_formula": form_full["arguments"], "arguments_compiled": float(fit.args),
            "temp_compiled": temp_b, "weights": form_full["weights"],
            "master": form_full["master"], "adam": form_full["adam"],
            "grads_accumulator": form_full["grads"]}
     mem["total"] = form_full["arguments"] + temp_b
     mem["hbm"] = topo.hbm_bytes
     mem["fits"] = mem["total"] <= a.hbm_usable * topo.hbm_bytes
-    mem["largest_temporaries"] = largest_buffers(progs[-1].report) if keep_report else []
+    mem["largest_temporaries"] = largest_buffers(fit.progs[-1].report) if keep_report else []
+    return mem
+
+
+def dry_run(cfg, topo: Topology, nodes: Optional[int], max_devices: int,
+            a: Optional[Assumptions] = None, full_layers_max: int = 4,
+            keep_report: bool = False) -> DryRun:
+    a = a or Assumptions()
+    full = full_sizes(cfg, topo, nodes)
+    small = compile_sizes(full, max_devices)
+    fit = _compile_layers(cfg, full, small, topo, a, full_layers_max, keep_report)
+    notes = list(fit.notes)
+    glob = small["global"] != full["global"]
+    if glob:
+        notes.append(_mesh_note(small, full))
+    form_small = argument_formula(scaled_config(cfg, small, full), small)
+    form_full = argument_formula(cfg, full)
+    pred = predict(cfg, topo, full, a, measured=fit.comm)
+    analytic = predict(cfg, topo, full, a)
+    pred.memory["analytic_comm_bytes"] = analytic.comm_bytes
+    pred.memory["analytic_step_time"] = analytic.step_time
+    pred.memory["analytic_node_egress"] = sum(analytic.node_egress.values())
+    mem = _dry_run_memory(fit, form_full, topo, a, keep_report)
     pred.memory = {**pred.memory, "analytic_total": pred.memory["total"], **mem}
     pred.notes = notes + pred.notes
-    return DryRun(pred, progs, full, small, two_point, glob, mem, flops, form_small, notes,
-                  xla_flops)
+    return DryRun(pred, fit.progs, full, small, fit.two_point, glob, mem, fit.flops, form_small,
+                  notes, fit.xla_flops)
 
 
 def largest_buffers(report, k: int = 6) -> list:
@@ -322,3 +350,4 @@ def largest_buffers(report, k: int = 6) -> list:
             if arr.dims:
                 seen[str(arr)] = max(seen.get(str(arr), 0), arr.nbytes)
     return sorted(seen.items(), key=lambda kv: -kv[1])[:k]
+

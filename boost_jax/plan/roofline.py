@@ -121,99 +121,129 @@ class BlockModel:
     replays_collectives_lowrank: bool
 
 
+def _megatron_block(m, b: int, s: int, t: int, attention: str, e: int, g: int) -> BlockModel:
+    """Dense weights split over heads and d_ff; two all-reduces each way."""
+    T = b * s
+    d, hd, H, K, dff = m.d_model, m.head_dim, m.n_heads, m.kv_heads, m.d_ff
+    qn, kn = H * hd // t, K * hd // t
+    ops = [_elem("attn_norm", e * T * d, e * T * d),
+           _gemm("qkv", T, d, qn + 2 * kn, e),
+           _elem("rope", 2 * e * T * (qn + kn), e * T * (qn + kn)),
+           _attn(b, s, H // t, K // t, hd, e, attention),
+           _gemm("o", T, qn, d, e),
+           _elem("residual", 2 * e * T * d, e * T * d),
+           _elem("mlp_norm", e * T * d, e * T * d),
+           _gemm("gate_up", T, d, g * dff // t, e),
+           _elem("silu_mul", g * e * T * dff // t, e * T * dff // t),
+           _gemm("down", T, dff // t, d, e),
+           _elem("residual", 2 * e * T * d, e * T * d)]
+    fwd: list[TPColl] = []
+    bwd: list[TPColl] = []
+    if t > 1:
+        fwd = [TPColl("o", "all-reduce", e * T * d), TPColl("down", "all-reduce", e * T * d)]
+        bwd = [TPColl("qkv_in", "all-reduce", e * T * d),
+               TPColl("gate_up_in", "all-reduce", e * T * d)]
+    return BlockModel(ops, fwd, bwd, e * T * d, 0.0, True)
+
+
+def _lowrank_proj(name: str, din: int, dout: int, T: int, rl: int, e: int) -> list[Op]:
+    """One CoLA projection x -> A -> silu -> B with a rank-`rl` slice."""
+    return [_gemm(f"A_{name}", T, din, rl, e, saved=True),
+            _elem(f"silu_{name}", e * T * rl, e * T * rl),
+            _gemm(f"B_{name}", T, rl, dout, e)]
+
+
+def _vanilla_block(m, b: int, s: int, t: int, attention: str, e: int, g: int) -> BlockModel:
+    """Rank split over TP, attention replicated; one all-reduce per projection each way."""
+    T = b * s
+    d, hd, H, K, dff, r = m.d_model, m.head_dim, m.n_heads, m.kv_heads, m.d_ff, m.r
+    rl = r // t
+    projs = [("q", d, H * hd), ("k", d, K * hd), ("v", d, K * hd), ("o", H * hd, d),
+             ("gate", d, dff), ("up", d, dff), ("down", dff, d)][:None if g == 2 else 4] + \
+        ([] if g == 2 else [("up", d, dff), ("down", dff, d)])
+    pm = {p[0]: p for p in projs}
+
+    def proj(name):
+        return _lowrank_proj(*pm[name], T, rl, e)
+
+    ops = [_elem("attn_norm", e * T * d, e * T * d)]
+    for n in ("q", "k", "v"):
+        ops += proj(n)
+    ops += [_elem("rope", 2 * e * T * (H + K) * hd, e * T * (H + K) * hd),
+            _attn(b, s, H, K, hd, e, attention)]  # replicated: every rank, all heads
+    ops += proj("o")
+    ops += [_elem("residual", 2 * e * T * d, e * T * d),
+            _elem("mlp_norm", e * T * d, e * T * d)]
+    ops += (proj("gate") if g == 2 else []) + proj("up")
+    ops += [_elem("silu_mul", g * e * T * dff, e * T * dff)]
+    ops += proj("down")
+    ops += [_elem("residual", 2 * e * T * d, e * T * d)]
+    fwd: list[TPColl] = []
+    bwd: list[TPColl] = []
+    if t > 1:
+        fwd = [TPColl(n, "all-reduce", e * T * dout) for n, _, dout in projs]
+        bwd = [TPColl(f"{n}_in", "all-reduce", e * T * din) for n, din, _ in projs]
+    return BlockModel(ops, fwd, bwd, e * T * d, len(projs) * e * T * rl, True)
+
+
+def _btp_collectives(m, T: int, t: int, e: int, g: int) -> tuple[list[TPColl], list[TPColl]]:
+    """BTP's four all-reduces each way on the rank-r latents z."""
+    r = m.r
+    # fp32 statistics riding in the qkv and gate|up all-reduces: RMSNorm Σx²; LayerNorm
+    # M2 + t slot means per token and γ·A, β·A once (sharding/tp/btp.py)
+    stats = (lambda n: 4 * T) if m.swiglu else (lambda n: 4 * (T * (1 + t) + (t + 1) * n))
+    fwd = [TPColl("z_qkv", "all-reduce", e * T * 3 * r + stats(3 * r)),
+           TPColl("z_o", "all-reduce", e * T * r),
+           TPColl("z_gu", "all-reduce", e * T * g * r + stats(g * r)),
+           TPColl("z_down", "all-reduce", e * T * r)]
+    bwd = [TPColl("dz_qkv", "all-reduce", e * T * 3 * r),
+           TPColl("dz_o", "all-reduce", e * T * r),
+           TPColl("dz_gu", "all-reduce", e * T * g * r),
+           TPColl("dz_down", "all-reduce", e * T * r)]
+    return fwd, bwd
+
+
+def _btp_block(m, b: int, s: int, t: int, attention: str, e: int, g: int) -> BlockModel:
+    """d, heads and d_ff split over TP; the all-reduces carry rank-r latents."""
+    T = b * s
+    hd, H, K, r = m.head_dim, m.n_heads, m.kv_heads, m.r
+    dl, ql, kl, fl = m.d_model // t, H * hd // t, K * hd // t, m.d_ff // t
+    ops = [_elem("online_norm", e * T * dl, e * T * dl),
+           _gemm("A_qkv", T, dl, 3 * r, e, saved=True),
+           _elem("silu_qkv", e * T * 3 * r, e * T * 3 * r),
+           _gemm("B_q", T, r, ql, e), _gemm("B_k", T, r, kl, e), _gemm("B_v", T, r, kl, e),
+           _elem("rope", 2 * e * T * (ql + kl), e * T * (ql + kl)),
+           _attn(b, s, H // t, K // t, hd, e, attention),
+           _gemm("A_o", T, ql, r, e, saved=True),
+           _elem("silu_o", e * T * r, e * T * r),
+           _gemm("B_o", T, r, dl, e),
+           _elem("residual", 2 * e * T * dl, e * T * dl),
+           _elem("online_norm", e * T * dl, e * T * dl),
+           _gemm("A_gate_up", T, dl, g * r, e, saved=True),
+           _elem("silu_gu", e * T * g * r, e * T * g * r),
+           *([_gemm("B_gate", T, r, fl, e)] if g == 2 else []), _gemm("B_up", T, r, fl, e),
+           _elem("silu_mul", g * e * T * fl, e * T * fl),
+           _gemm("A_down", T, fl, r, e, saved=True),
+           _elem("silu_down", e * T * r, e * T * r),
+           _gemm("B_down", T, r, dl, e),
+           _elem("residual", 2 * e * T * dl, e * T * dl)]
+    fwd, bwd = _btp_collectives(m, T, t, e, g) if t > 1 else ([], [])
+    return BlockModel(ops, fwd, bwd, e * T * dl, e * T * (5 + g) * r, False)
+
+
+_BLOCK_BUILDERS = {"megatron": _megatron_block, "vanilla": _vanilla_block, "btp": _btp_block}
+
+
 def block_model(m, b: int, s: int, mode: str, t: int, attention: str = "dense") -> BlockModel:
     """Kernels of one decoder block. mode: none | megatron | vanilla | btp (t = TP degree)."""
     e = DTYPE_BYTES[m.dtype]
-    T = b * s
-    d, hd, H, K, dff, r = m.d_model, m.head_dim, m.n_heads, m.kv_heads, m.d_ff, m.r
     full = m.arch == "full"
     g = 2 if m.swiglu else 1  # MLP input projections: gate|up (SwiGLU) or up (GELU, GPT)
     if mode == "none":
         mode, t = ("megatron" if full else "btp"), 1
-    ops: list[Op] = []
-    fwd: list[TPColl] = []
-    bwd: list[TPColl] = []
-    if mode == "megatron":
-        qn, kn = H * hd // t, K * hd // t
-        ops += [_elem("attn_norm", e * T * d, e * T * d),
-                _gemm("qkv", T, d, qn + 2 * kn, e),
-                _elem("rope", 2 * e * T * (qn + kn), e * T * (qn + kn)),
-                _attn(b, s, H // t, K // t, hd, e, attention),
-                _gemm("o", T, qn, d, e),
-                _elem("residual", 2 * e * T * d, e * T * d),
-                _elem("mlp_norm", e * T * d, e * T * d),
-                _gemm("gate_up", T, d, g * dff // t, e),
-                _elem("silu_mul", g * e * T * dff // t, e * T * dff // t),
-                _gemm("down", T, dff // t, d, e),
-                _elem("residual", 2 * e * T * d, e * T * d)]
-        if t > 1:
-            fwd = [TPColl("o", "all-reduce", e * T * d), TPColl("down", "all-reduce", e * T * d)]
-            bwd = [TPColl("qkv_in", "all-reduce", e * T * d),
-                   TPColl("gate_up_in", "all-reduce", e * T * d)]
-        return BlockModel(ops, fwd, bwd, e * T * d, 0.0, True)
-    if mode == "vanilla":
-        rl = r // t
-        projs = [("q", d, H * hd), ("k", d, K * hd), ("v", d, K * hd), ("o", H * hd, d),
-                 ("gate", d, dff), ("up", d, dff), ("down", dff, d)][:None if g == 2 else 4] + \
-            ([] if g == 2 else [("up", d, dff), ("down", dff, d)])
-
-        def proj(name, din, dout):
-            return [_gemm(f"A_{name}", T, din, rl, e, saved=True),
-                    _elem(f"silu_{name}", e * T * rl, e * T * rl),
-                    _gemm(f"B_{name}", T, rl, dout, e)]
-
-        pm = {p[0]: p for p in projs}
-        ops += [_elem("attn_norm", e * T * d, e * T * d)]
-        for n in ("q", "k", "v"):
-            ops += proj(*pm[n])
-        ops += [_elem("rope", 2 * e * T * (H + K) * hd, e * T * (H + K) * hd),
-                _attn(b, s, H, K, hd, e, attention)]  # replicated: every rank, all heads
-        ops += proj(*pm["o"])
-        ops += [_elem("residual", 2 * e * T * d, e * T * d),
-                _elem("mlp_norm", e * T * d, e * T * d)]
-        ops += (proj(*pm["gate"]) if g == 2 else []) + proj(*pm["up"])
-        ops += [_elem("silu_mul", g * e * T * dff, e * T * dff)]
-        ops += proj(*pm["down"])
-        ops += [_elem("residual", 2 * e * T * d, e * T * d)]
-        if t > 1:
-            fwd = [TPColl(n, "all-reduce", e * T * dout) for n, _, dout in projs]
-            bwd = [TPColl(f"{n}_in", "all-reduce", e * T * din) for n, din, _ in projs]
-        return BlockModel(ops, fwd, bwd, e * T * d, len(projs) * e * T * rl, True)
-    if mode == "btp":
-        dl, ql, kl, fl = d // t, H * hd // t, K * hd // t, dff // t
-        ops += [_elem("online_norm", e * T * dl, e * T * dl),
-                _gemm("A_qkv", T, dl, 3 * r, e, saved=True),
-                _elem("silu_qkv", e * T * 3 * r, e * T * 3 * r),
-                _gemm("B_q", T, r, ql, e), _gemm("B_k", T, r, kl, e), _gemm("B_v", T, r, kl, e),
-                _elem("rope", 2 * e * T * (ql + kl), e * T * (ql + kl)),
-                _attn(b, s, H // t, K // t, hd, e, attention),
-                _gemm("A_o", T, ql, r, e, saved=True),
-                _elem("silu_o", e * T * r, e * T * r),
-                _gemm("B_o", T, r, dl, e),
-                _elem("residual", 2 * e * T * dl, e * T * dl),
-                _elem("online_norm", e * T * dl, e * T * dl),
-                _gemm("A_gate_up", T, dl, g * r, e, saved=True),
-                _elem("silu_gu", e * T * g * r, e * T * g * r),
-                *([_gemm("B_gate", T, r, fl, e)] if g == 2 else []), _gemm("B_up", T, r, fl, e),
-                _elem("silu_mul", g * e * T * fl, e * T * fl),
-                _gemm("A_down", T, fl, r, e, saved=True),
-                _elem("silu_down", e * T * r, e * T * r),
-                _gemm("B_down", T, r, dl, e),
-                _elem("residual", 2 * e * T * dl, e * T * dl)]
-        if t > 1:
-            # fp32 statistics riding in the qkv and gate|up all-reduces: RMSNorm Σx²; LayerNorm
-            # M2 + t slot means per token and γ·A, β·A once (sharding/tp/btp.py)
-            stats = (lambda n: 4 * T) if m.swiglu else (lambda n: 4 * (T * (1 + t) + (t + 1) * n))
-            fwd = [TPColl("z_qkv", "all-reduce", e * T * 3 * r + stats(3 * r)),
-                   TPColl("z_o", "all-reduce", e * T * r),
-                   TPColl("z_gu", "all-reduce", e * T * g * r + stats(g * r)),
-                   TPColl("z_down", "all-reduce", e * T * r)]
-            bwd = [TPColl("dz_qkv", "all-reduce", e * T * 3 * r),
-                   TPColl("dz_o", "all-reduce", e * T * r),
-                   TPColl("dz_gu", "all-reduce", e * T * g * r),
-                   TPColl("dz_down", "all-reduce", e * T * r)]
-        return BlockModel(ops, fwd, bwd, e * T * dl, e * T * (5 + g) * r, False)
-    raise ValueError(f"unknown tp mode {mode!r}")
+    if mode not in _BLOCK_BUILDERS:
+        raise ValueError(f"unknown tp mode {mode!r}")
+    return _BLOCK_BUILDERS[mode](m, b, s, t, attention, e, g)
 
 
 def head_model(m, b: int, s: int, mode: str, t: int) -> BlockModel:
@@ -250,3 +280,4 @@ def op_time(op: Op, peak: float, hbm: float, a: Assumptions, backward: bool = Fa
             by, n = 2 * by, 1
     launches = 0 if op.kind == "elem" else n  # fused: counted per block (elem_kernels)
     return max(f / (a.eta_flops * peak), by / (a.eta_hbm * hbm)) + launches * a.launch_s
+

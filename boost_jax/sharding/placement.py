@@ -179,45 +179,33 @@ def dp_axes_of(tp_axes: Sequence[str]) -> tuple[str, ...]:
     return tuple(a for a in AXES if a not in tp_axes)
 
 
-def resolve_roles(cfg) -> dict:
-    """Role → axes (unordered) after presets, overrides and TP exclusion; validated."""
-    par = cfg.parallel
-    if par.plan not in PRESETS:
-        raise ConfigError(f"parallel.plan={par.plan!r} is not available; choose one of "
-                          f"{sorted(PRESETS)}")
-    tp = tuple(par.tp_axes)
-    dp = dp_axes_of(tp)
-    preset = PRESETS[par.plan]
+def _pick_axes(name: str, override, default, tp: tuple, dp: tuple) -> tuple:
+    """One role's axes: the parallel.<name> override (checked against TP), else the preset's."""
+    if override is not None:
+        axes = tuple(override)
+        clash = [a for a in axes if a in tp]
+        if clash:
+            raise ConfigError(
+                f"parallel.{name}={list(axes)} uses {clash}, which tensor parallelism "
+                f"(parallel.tp_axes={list(tp)}) already holds; data-parallel roles may use "
+                f"only {list(dp)}")
+        if len(set(axes)) != len(axes):
+            raise ConfigError(f"parallel.{name}={list(axes)} repeats an axis")
+        return axes
+    axes = dp if default == ALL else tuple(default)
+    return tuple(a for a in axes if a not in tp)  # presets silently drop TP axes
 
-    def pick(name, override, default):
-        if override is not None:
-            axes = tuple(override)
-            clash = [a for a in axes if a in tp]
-            if clash:
-                raise ConfigError(
-                    f"parallel.{name}={list(axes)} uses {clash}, which tensor parallelism "
-                    f"(parallel.tp_axes={list(tp)}) already holds; data-parallel roles may use "
-                    f"only {list(dp)}")
-            if len(set(axes)) != len(axes):
-                raise ConfigError(f"parallel.{name}={list(axes)} repeats an axis")
-            return axes
-        axes = dp if default == ALL else tuple(default)
-        return tuple(a for a in axes if a not in tp)  # presets silently drop TP axes
 
-    roles = {
-        "batch": pick("batch_axes", par.batch_axes, ALL),
-        "params": pick("params_axes", par.params_axes, preset["params"]),
-        "grads": pick("grads_axes", par.grads_axes, preset["grads"]),
-        "opt_state": pick("opt_state_axes", par.opt_state_axes, preset["opt_state"]),
-    }
+def _secondary_roles(par, preset: dict, params: tuple, tp: tuple, dp: tuple):
+    """(secondary axes or None, qwZ, secondary dtype): dropped where they would change nothing."""
     if par.secondary_axes is not None:
-        sec = pick("secondary_axes", par.secondary_axes, ())
+        sec = _pick_axes("secondary_axes", par.secondary_axes, (), tp, dp)
     else:
         sec = preset["secondary"]
         sec = None if sec is None else tuple(a for a in sec if a not in tp)
     qwz = par.quantize_gather if par.quantize_gather is not None else preset["qwz"]
     sec_dtype = par.secondary_dtype or preset["sec_dtype"]
-    if not roles["params"]:
+    if not params:
         if par.secondary_axes is not None and par.secondary_axes:
             raise ConfigError(
                 f"parallel.secondary_axes={par.secondary_axes} needs sharded weights, but plan "
@@ -228,21 +216,51 @@ def resolve_roles(cfg) -> dict:
         sec, qwz = None, False
     if sec is not None and not sec and sec_dtype != "int8":
         sec = None  # a replicated bf16 secondary is just "keep the gathered weights"
-    if sec is not None and tuple(sorted(sec)) == tuple(sorted(roles["params"])) \
+    if sec is not None and tuple(sorted(sec)) == tuple(sorted(params)) \
             and sec_dtype != "int8" and not qwz:
         sec = None  # identical to the primary partition: re-gather from it
+    return sec, qwz, sec_dtype
+
+
+def _check_sharded_over_batch(roles: dict) -> None:
     for name in ("params", "grads"):
         extra = [a for a in roles[name] if a not in roles["batch"]]
         if extra:
             raise ConfigError(f"parallel.{name}_axes {extra} are not batch axes "
                               f"({list(roles['batch'])}); shard {name} only over batch axes")
+
+
+def _quantize_grads_role(par, preset: dict, grads: tuple) -> bool:
+    """qgZ: only with sharded gradients (an explicit request without them is an error)."""
     qgz = par.quantize_grads if par.quantize_grads is not None else preset["qgz"]
-    if qgz and not roles["grads"]:
+    if qgz and not grads:
         if par.quantize_grads:
             raise ConfigError(f"parallel.quantize_grads=true needs sharded gradients, but plan "
                               f"{par.plan!r} keeps them replicated; set parallel.grads_axes or "
                               "drop it")
         qgz = False
+    return qgz
+
+
+def resolve_roles(cfg) -> dict:
+    """Role → axes (unordered) after presets, overrides and TP exclusion; validated."""
+    par = cfg.parallel
+    if par.plan not in PRESETS:
+        raise ConfigError(f"parallel.plan={par.plan!r} is not available; choose one of "
+                          f"{sorted(PRESETS)}")
+    tp = tuple(par.tp_axes)
+    dp = dp_axes_of(tp)
+    preset = PRESETS[par.plan]
+    roles = {
+        "batch": _pick_axes("batch_axes", par.batch_axes, ALL, tp, dp),
+        "params": _pick_axes("params_axes", par.params_axes, preset["params"], tp, dp),
+        "grads": _pick_axes("grads_axes", par.grads_axes, preset["grads"], tp, dp),
+        "opt_state": _pick_axes("opt_state_axes", par.opt_state_axes, preset["opt_state"],
+                                tp, dp),
+    }
+    sec, qwz, sec_dtype = _secondary_roles(par, preset, roles["params"], tp, dp)
+    _check_sharded_over_batch(roles)
+    qgz = _quantize_grads_role(par, preset, roles["grads"])
     roles.update(secondary=sec, qwz=bool(qwz), qgz=bool(qgz),
                  sec_int8=(sec is not None and (sec_dtype == "int8" or bool(qwz))),
                  tp=tp, dp=dp)
@@ -351,3 +369,4 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
 
 __all__ = ["Placement", "LeafLayout", "PRESETS", "make_placement", "make_layouts",
            "choose_layout", "order_axes", "resolve_roles", "replace"]
+

@@ -23,7 +23,8 @@ import os
 import signal
 import sys
 import time
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
@@ -210,20 +211,31 @@ def _write_failed(e: OSError, ckpt, log: RunLog) -> OutputWriteError:
     return OutputWriteError(f"{what} failed ({e.strerror or e}); {keep}; details in {log.path}")
 
 
-def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict]) -> dict:
-    from boost_jax.analysis.flops import flops_per_token
-    from boost_jax.data import build_data
-    from boost_jax.layers.attention import compiled_impl
+@dataclass
+class _RunCtx:
+    """What the step loop works with; fixed for the whole run."""
 
-    pid, nproc = jax.process_index(), jax.process_count()
-    main_proc = pid == 0
-    say, warn = _printer(main_proc), _printer(main_proc, "warning: ")
+    cfg: Config
+    bundle: Any  # build_step's StepBundle: train/eval steps, shardings, state init
+    data: Any  # build_data's iterators and tokenizer
+    ckpt: Checkpointer
+    logger: MetricsLogger
+    thr: Throughput
+    meta: dict  # saved with every checkpoint
+    say: Callable[[str], None]
+    nproc: int
+
+
+def _build(cfg: Config, out_dir: str, pid: int, nproc: int, compiler_options: Optional[dict],
+           say):
+    """(mesh, topology, data, step bundle); cheap checks first, compilation last."""
+    from boost_jax.data import build_data
+
     mesh = mesh_from_config(cfg)
     from boost_jax.sharding.tp.specs import validate_tp
 
     validate_tp(cfg, mesh)  # tensor-parallel divisibility: fail before reading data or compiling
     topo = get_topology(cfg.mesh.topology)
-    tcfg = cfg.train
     require_wandb(cfg)
 
     # build_data checks batch divisibility over processes and the tokenizer's vocab size
@@ -233,6 +245,11 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
     bundle = build_step(cfg, mesh, copts) if copts else build_step(cfg, mesh)
     for note in getattr(getattr(bundle, "placement", None), "notes", ()):  # roles TP took
         say(note)
+    return mesh, topo, data, bundle
+
+
+def _open_checkpointer(cfg: Config, out_dir: str, warn) -> tuple[Checkpointer, list]:
+    """The run's Checkpointer and the steps it holds (refused unless checkpoint.resume)."""
     ckpt_dir = os.path.join(out_dir, "checkpoints")
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint, warn=warn,
                         stages=(cfg.parallel.pp_stages, cfg.parallel.pp_virtual))
@@ -241,61 +258,80 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
         raise UserError(f"{ckpt_dir} already holds checkpoints (steps {existing}) and "
                         "checkpoint.resume=false would overwrite them; use a new out_dir, or "
                         "checkpoint.resume=true to continue")
+    return ckpt, existing
 
-    meta = {"model": run_config.model_signature(cfg), "mesh": list(mesh.devices.shape),
-            "plan": cfg.parallel.plan, "tp_mode": cfg.parallel.tp_mode, "processes": nproc,
-            "config": cfg.to_dict()}
+
+def _resume_or_init(cfg: Config, out_dir: str, bundle, data, ckpt: Checkpointer,
+                    existing: list, meta: dict, say):
+    """(start step, state, resumed, accepted config changes): the latest checkpoint that
+    restores (with the data iterator's position), else a fresh or model.init_from state."""
     accepted: list = []
     check_meta = _resume_check(cfg, out_dir, meta, accepted)
     restored = ckpt.restore_latest(bundle.abstract_state, check_meta) if existing else None
     if restored is not None:
         start, state, data_state, _ = restored
         data.train_iter.set_state(data_state)
-    else:
-        state = bundle.init_state()
-        if cfg.model.init_from:
-            from boost_jax import hf
+        return start, state, True, accepted
+    state = bundle.init_state()
+    if cfg.model.init_from:
+        from boost_jax import hf
 
-            hf.check_tokenizer(cfg.model.init_from, data.tokenizer)
-            state = hf.init_state_from(bundle, state, cfg.model.init_from)
-            say(f"initialised from {cfg.model.init_from}")
-        start = 0
+        hf.check_tokenizer(cfg.model.init_from, data.tokenizer)
+        state = hf.init_state_from(bundle, state, cfg.model.init_from)
+        say(f"initialised from {cfg.model.init_from}")
+    return 0, state, False, accepted
+
+
+def _open_logger(cfg: Config, out_dir: str, start: int, resumed: bool, accepted: list,
+                 main_proc: bool, nproc: int, say) -> MetricsLogger:
+    """metrics.jsonl trimmed to the restored step, config recorded, the tracker opened."""
     logger_path = os.path.join(out_dir, "metrics.jsonl")
     if main_proc:
-        dropped = _trim_metrics(logger_path, start if restored is not None else -1)
+        dropped = _trim_metrics(logger_path, start if resumed else -1)
         if dropped and start:
             say(f"dropped {dropped} metrics.jsonl rows past step {start} (from a run that "
                 "stopped after its last checkpoint; those steps are re-done now)")
         run_config.record(out_dir, cfg, start)
-    tracker = open_sink(cfg, out_dir, restored is not None) if main_proc else None
+    tracker = open_sink(cfg, out_dir, resumed) if main_proc else None
     logger = MetricsLogger(out_dir, cfg.logging.tensorboard, cfg.logging.progress, main_proc,
-                           purge_step=start + 1 if restored is not None else 0, tracker=tracker)
-    if restored is not None:
+                           purge_step=start + 1 if resumed else 0, tracker=tracker)
+    if resumed:
         changed = (f" with changed settings: {run_config.describe(accepted)} (configs kept in "
                    f"{os.path.join(out_dir, run_config.HISTORY_DIR)})" if accepted else "")
         say(f"resumed from step {start} in {out_dir}{changed}")
     if nproc > 1:
         logger.line(f"{nproc} processes x {jax.local_device_count()} devices "
                     f"({jax.devices()[0].platform})")
+    return logger
 
-    n_params = bundle.n_params
-    tokens_per_step = tcfg.global_batch * cfg.data.seq_len
+
+def _throughput(cfg: Config, mesh, topo, bundle, data, logger: MetricsLogger) -> Throughput:
+    """The throughput meter (model FLOPs of the attention that compiles); logs the run line."""
+    from boost_jax.analysis.flops import flops_per_token
+    from boost_jax.layers.attention import compiled_impl
+
+    tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     attn = compiled_impl(cfg.model, cfg.data.seq_len)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len, attn)["train"]
     thr = Throughput(tokens_per_step, fpt * tokens_per_step, mesh.size, topo.peak_flops)
     logger.line(f"{cfg.name}: {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
-                f"params={n_params / 1e6:.2f}M | mesh {dict(mesh.shape)} plan={cfg.parallel.plan} "
-                f"tp={cfg.parallel.tp_mode} attention={attn} | "
+                f"params={bundle.n_params / 1e6:.2f}M | mesh {dict(mesh.shape)} "
+                f"plan={cfg.parallel.plan} tp={cfg.parallel.tp_mode} attention={attn} | "
                 f"{data.n_train_tokens / 1e6:.2f}M train tokens | "
                 f"{tokens_per_step} tokens/step")
+    return thr
 
-    summary = {"start_step": start, "params": n_params}
+
+def _train_and_close(ctx: _RunCtx, log: RunLog, state, start: int, summary: dict) -> int:
+    """_train, then close the checkpointer (a failed last async save fails here too); on any
+    failure the outputs are closed and a save or write error becomes one line with details."""
+    ckpt = ctx.ckpt
     try:
-        step = _train(cfg, bundle, data, ckpt, logger, thr, state, start, meta, summary, say)
+        step = _train(ctx, state, start, summary)
         ckpt.close()  # inside: a failed last (async) save is handled like any other
     except BaseException as e:
         ckpt.abandon()  # a save still running in the background is valid: let it finish
-        _close_quietly(logger, log)
+        _close_quietly(ctx.logger, log)
         if isinstance(e, CheckpointSaveError):
             ckpt.discard_failed()  # frees the space a full disk needs for the details below
             log.exception(str(e), getattr(e, "detail", e))
@@ -304,7 +340,27 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
             log.exception("writing a run output failed", e)
             raise _write_failed(e, ckpt, log) from None
         raise
-    summary["final_step"] = step
+    return step
+
+
+def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict]) -> dict:
+    """Inside out_dir's lock and run log: set up, resume or init, train, write the outputs."""
+    pid, nproc = jax.process_index(), jax.process_count()
+    main_proc = pid == 0
+    say, warn = _printer(main_proc), _printer(main_proc, "warning: ")
+    mesh, topo, data, bundle = _build(cfg, out_dir, pid, nproc, compiler_options, say)
+    ckpt, existing = _open_checkpointer(cfg, out_dir, warn)
+    meta = {"model": run_config.model_signature(cfg), "mesh": list(mesh.devices.shape),
+            "plan": cfg.parallel.plan, "tp_mode": cfg.parallel.tp_mode, "processes": nproc,
+            "config": cfg.to_dict()}
+    start, state, resumed, accepted = _resume_or_init(cfg, out_dir, bundle, data, ckpt,
+                                                      existing, meta, say)
+    logger = _open_logger(cfg, out_dir, start, resumed, accepted, main_proc, nproc, say)
+    thr = _throughput(cfg, mesh, topo, bundle, data, logger)
+
+    summary = {"start_step": start, "params": bundle.n_params}
+    ctx = _RunCtx(cfg, bundle, data, ckpt, logger, thr, meta, say, nproc)
+    summary["final_step"] = _train_and_close(ctx, log, state, start, summary)
     if main_proc:
         try:
             _finish(cfg, out_dir, logger, summary)
@@ -347,86 +403,125 @@ def _closing(prof: StepProfiler):
         prof.stop()  # a trace cut short by a stop or an error is still written
 
 
-def _train(cfg, bundle, data, ckpt, logger, thr, state, start, meta, summary, say) -> int:
+@dataclass
+class _LoopState:
+    """What the step loop changes as it goes."""
+
+    state: Any  # the train state: params, optimizer state, step counter
+    step: int  # last step trained
+    start: int  # the step this process started (or resumed) from
+    saved_steps: set  # steps with a checkpoint: never saved twice
+    t_start: float  # perf_counter when the loop started
+    pending_finite: list = field(default_factory=list)  # device flags not yet checked
+
+
+def _check_finite(ctx: _RunCtx, ls: _LoopState) -> None:
+    """Fetch the finite flags since the last check (one sync); stop at the first bad step."""
+    flags = [bool(f) for f in jax.device_get(ls.pending_finite)]
+    ls.pending_finite.clear()
+    if not all(flags) and not ctx.cfg.train.skip_nonfinite:
+        bad = ls.step - len(flags) + flags.index(False) + 1
+        raise NonFiniteError(
+            f"non-finite loss or gradient at step {bad}; no checkpoint was written after it "
+            "(lower optim.lr, check the data, or set train.skip_nonfinite=true)")
+
+
+def _save(ctx: _RunCtx, ls: _LoopState, force: bool = False) -> None:
+    if ls.step in ls.saved_steps:
+        return
+    _check_finite(ctx, ls)
+    ctx.ckpt.save(ls.step, ls.state, ctx.data.train_iter.get_state(), ctx.meta, force=force)
+    ls.saved_steps.add(ls.step)
+
+
+def _take_step(ctx: _RunCtx, ls: _LoopState, prof: StepProfiler, summary: dict) -> dict:
+    """One train step on the next batch; returns its (device) metrics."""
+    batch = _to_device(next(ctx.data.train_iter), ctx.bundle.batch_sharding)
+    prof.before(ls.step + 1)
+    ls.state, m = ctx.bundle.train_step(ls.state, batch)
+    ls.step += 1
+    ls.pending_finite.append(m["finite"])
+    if (trace := prof.after(ls.step, m["loss"])) is not None:
+        ctx.say(f"profile of steps {prof.first}-{ls.step} written to {trace}")
+    ctx.thr.tick()
+    if ls.step == ls.start + 1:  # the first step includes compilation: timed on its own
+        jax.block_until_ready(m["loss"])
+        summary["first_step_s"] = time.perf_counter() - ls.t_start
+        ctx.thr.reset()
+    return m
+
+
+def _maybe_log_metrics(ctx: _RunCtx, ls: _LoopState, m: dict, row: dict) -> None:
+    tcfg, step, thr = ctx.cfg.train, ls.step, ctx.thr
+    if not (step % tcfg.log_every == 0 or step == tcfg.steps):
+        return
+    m = jax.device_get(m)
+    _check_finite(ctx, ls)
+    perf = thr.report() if thr.steps else {}
+    row.update(loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
+               lr=float(m["lr"]), **perf)
+    eta = (tcfg.steps - step) * perf.get("step_time_s", float("nan"))
+    ctx.logger.line(
+        f"step {step}/{tcfg.steps} | loss {row['loss']:.4f} | "
+        f"{perf.get('tokens_per_s', 0):,.0f} tok/s | "
+        f"{perf.get('tflops_per_device', 0):.3f} TFLOP/s/dev | "
+        f"MFU {perf.get('mfu', 0):.1%} | ETA {format_eta(eta)}")
+    thr.reset()
+
+
+def _maybe_evaluate(ctx: _RunCtx, ls: _LoopState, row: dict) -> None:
+    tcfg = ctx.cfg.train
+    if ls.step % tcfg.eval_every == 0 or ls.step == tcfg.steps:
+        val = evaluate(ctx.bundle, _eval_params(ctx.bundle, ls.state), ctx.data.val_batches)
+        row.update(val_loss=val, val_ppl=math.exp(min(val, 50)))
+        ctx.logger.line(f"step {ls.step} | val_loss {val:.4f} | "
+                        f"val_ppl {math.exp(min(val, 50)):.2f}")
+        ctx.thr.reset()
+
+
+def _maybe_save(ctx: _RunCtx, ls: _LoopState) -> None:
+    if ls.step % ctx.cfg.checkpoint.every == 0 or ls.step == ctx.cfg.train.steps:
+        _save(ctx, ls)
+
+
+def _should_stop(ctx: _RunCtx, ls: _LoopState, stop: _StopSignal, summary: dict) -> bool:
+    """train.stop_after reached, or a signal on any process: save and stop (all together)."""
+    tcfg, step = ctx.cfg.train, ls.step
+    if tcfg.stop_after is not None and step - ls.start >= tcfg.stop_after and step < tcfg.steps:
+        _save(ctx, ls, force=True)
+        ctx.say(f"stop_after={tcfg.stop_after}: saved step {step}, exiting")
+        return True
+    signum = _agree_stop(stop.received, ctx.nproc)
+    if signum is not None:
+        _save(ctx, ls, force=True)
+        ctx.say(f"signal {signum}: saved step {step}, exiting; rerun the same command "
+                "to resume")
+        summary["stopped_by_signal"] = int(signum)
+        return True
+    return False
+
+
+def _train(ctx: _RunCtx, state, start: int, summary: dict) -> int:
     """The step loop from `start`; returns the last step trained. Fills summary."""
-    tcfg, nproc = cfg.train, jax.process_count()
+    tcfg = ctx.cfg.train
     if start == 0:
-        val = evaluate(bundle, _eval_params(bundle, state), data.val_batches)
-        logger.log(0, {"val_loss": val, "val_ppl": math.exp(min(val, 50))})
-        logger.line(f"step 0 | val_loss {val:.4f}")
-
-    pending_finite = []
-
-    def check_finite(step: int) -> None:
-        flags = [bool(f) for f in jax.device_get(pending_finite)]
-        pending_finite.clear()
-        if not all(flags) and not tcfg.skip_nonfinite:
-            bad = step - len(flags) + flags.index(False) + 1
-            raise NonFiniteError(
-                f"non-finite loss or gradient at step {bad}; no checkpoint was written after it "
-                "(lower optim.lr, check the data, or set train.skip_nonfinite=true)")
-
-    saved_steps = set(ckpt.all_steps())
-
-    def save(step: int, force: bool = False) -> None:
-        if step in saved_steps:
-            return
-        check_finite(step)
-        ckpt.save(step, state, data.train_iter.get_state(), meta, force=force)
-        saved_steps.add(step)
-
-    step = start
-    t_start = time.perf_counter()
-    prof = StepProfiler(os.path.abspath(cfg.out_dir), tcfg.profile_steps)
+        val = evaluate(ctx.bundle, _eval_params(ctx.bundle, state), ctx.data.val_batches)
+        ctx.logger.log(0, {"val_loss": val, "val_ppl": math.exp(min(val, 50))})
+        ctx.logger.line(f"step 0 | val_loss {val:.4f}")
+    ls = _LoopState(state, start, start, saved_steps=set(ctx.ckpt.all_steps()),
+                    t_start=time.perf_counter())
+    prof = StepProfiler(os.path.abspath(ctx.cfg.out_dir), tcfg.profile_steps)
     with _StopSignal() as stop, _closing(prof):
-        while step < tcfg.steps:
-            batch = _to_device(next(data.train_iter), bundle.batch_sharding)
-            prof.before(step + 1)
-            state, m = bundle.train_step(state, batch)
-            step += 1
-            pending_finite.append(m["finite"])
-            if (trace := prof.after(step, m["loss"])) is not None:
-                say(f"profile of steps {prof.first}-{step} written to {trace}")
-            thr.tick()
-            if step == start + 1:
-                jax.block_until_ready(m["loss"])
-                summary["first_step_s"] = time.perf_counter() - t_start
-                thr.reset()
-            row = {}
-            if step % tcfg.log_every == 0 or step == tcfg.steps:
-                m = jax.device_get(m)
-                check_finite(step)
-                perf = thr.report() if thr.steps else {}
-                row.update(loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
-                           lr=float(m["lr"]), **perf)
-                eta = (tcfg.steps - step) * perf.get("step_time_s", float("nan"))
-                logger.line(
-                    f"step {step}/{tcfg.steps} | loss {row['loss']:.4f} | "
-                    f"{perf.get('tokens_per_s', 0):,.0f} tok/s | "
-                    f"{perf.get('tflops_per_device', 0):.3f} TFLOP/s/dev | "
-                    f"MFU {perf.get('mfu', 0):.1%} | ETA {format_eta(eta)}")
-                thr.reset()
-            if step % tcfg.eval_every == 0 or step == tcfg.steps:
-                val = evaluate(bundle, _eval_params(bundle, state), data.val_batches)
-                row.update(val_loss=val, val_ppl=math.exp(min(val, 50)))
-                logger.line(f"step {step} | val_loss {val:.4f} | "
-                            f"val_ppl {math.exp(min(val, 50)):.2f}")
-                thr.reset()
+        while ls.step < tcfg.steps:
+            m = _take_step(ctx, ls, prof, summary)
+            row: dict = {}  # this step's metrics.jsonl row, if any
+            _maybe_log_metrics(ctx, ls, m, row)
+            _maybe_evaluate(ctx, ls, row)
             if row:
-                logger.log(step, row)
-            if step % cfg.checkpoint.every == 0 or step == tcfg.steps:
-                save(step)
-            if (tcfg.stop_after is not None and step - start >= tcfg.stop_after
-                    and step < tcfg.steps):
-                save(step, force=True)
-                say(f"stop_after={tcfg.stop_after}: saved step {step}, exiting")
+                ctx.logger.log(ls.step, row)
+            _maybe_save(ctx, ls)
+            if _should_stop(ctx, ls, stop, summary):
                 break
-            signum = _agree_stop(stop.received, nproc)
-            if signum is not None:
-                save(step, force=True)
-                say(f"signal {signum}: saved step {step}, exiting; rerun the same command "
-                    "to resume")
-                summary["stopped_by_signal"] = int(signum)
-                break
-    summary["wall_s"] = time.perf_counter() - t_start
-    return step
+    summary["wall_s"] = time.perf_counter() - ls.t_start
+    return ls.step
+

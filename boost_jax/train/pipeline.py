@@ -36,6 +36,7 @@ stages are these sends (and the step's scalar loss).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -197,73 +198,101 @@ class Pipeline:
 
         Returns (Σ over this device's valid last-stage forwards of loss · scale, accumulated
         gradient slots or None)."""
-        e, P = self.e, self.P
         m = mb["inputs"].shape[0]
-        V = self.V
-        sch = Schedule(self.kind if backward else "gpipe", P, m, V)
-        N = sch.units
+        sch = Schedule(self.kind if backward else "gpipe", self.P, m, self.V)
         s = jax.lax.axis_index(STAGE)
-        last_stage = s == P - 1
-        slots = e.slots() if backward else None
+        last_stage = s == self.P - 1
+        slots = self.e.slots() if backward else None
         x0, loss0 = self.zeros_like_outputs(params, slots, mb["inputs"][0], mb["targets"][0])
-        D = sch.depth
-        carry = {"fin": x0, "gin": x0, "loss": loss0,
-                 "buf": jax.tree.map(lambda z: jnp.zeros((D + 1, *z.shape), z.dtype) + z, x0)}
+        ticks = _Ticks(self, sch, params, slots, mb, barrier, scale, s, last_stage, loss0)
+        carry = ticks.initial_carry(x0)
         if backward:
             carry["acc"] = acc
-
-        def micro(i):
-            i = jnp.clip(i, 0, m - 1)
-            return mb["inputs"][i], mb["targets"][i]
-
-        def forward_tick(c, t):
-            f = sch.forward_index(t, s)
-            i, v = sch.unit(f)
-            ok = (f >= 0) & (f < N) & (i < m)
-            last = last_stage & (v == V - 1)
-            tok, tgt = micro(i)
-            p = barrier(params, tok)
-            x_out, loss = self.stage_fn(p, slots, c["fin"], tok, tgt, v)
-            slot = jnp.where(ok, jnp.mod(f, D), D)  # masked writes land in the spare slot
-            c = dict(c, buf=jax.tree.map(lambda b, x: b.at[slot].set(x), c["buf"], c["fin"]),
-                     loss=c["loss"] + jnp.where(ok & last, loss * scale, 0.0))
-            return c, x_out
-
-        def backward_tick(c, t):
-            b = sch.backward_index(t, s)
-            i, v = sch.unit(b, backward=True)
-            ok = (b >= 0) & (b < N) & (i < m)
-            last = last_stage & (v == V - 1)
-            tok, tgt = micro(i)
-            p = barrier(params, tok)
-            x_b = jax.tree.map(lambda buf: buf[jnp.mod(sch.forward_slot(i, v), D)], c["buf"])
-            g_out = jax.tree.map(lambda g: jnp.where(ok & ~last, g, jnp.zeros_like(g)), c["gin"])
-            g_loss = jnp.where(ok & last, scale, 0.0).astype(loss0.dtype) + loss0
-            _, vjp = jax.vjp(lambda sl, x: self.stage_fn(p, sl, x, tok, tgt, v), slots, x_b)
-            g_slots, g_x = vjp((g_out, g_loss))
-            acc = jax.tree.map(lambda a, g: a + jnp.where(ok, g.astype(a.dtype),
-                                                          jnp.zeros_like(a)), c["acc"], g_slots)
-            return dict(c, acc=acc), g_x
-
         t0 = 0
         for n, do_f, do_b, do_send in sch.phases:
             if do_b and not backward:
                 continue
-
-            def tick(c, t, do_f=do_f, do_b=do_b, do_send=do_send):
-                if do_f:
-                    c, out_f = forward_tick(c, t)
-                if do_b:
-                    c, out_b = backward_tick(c, t)
-                if do_f and do_send:
-                    c = dict(c, fin=send(out_f, P, +1, V > 1))
-                if do_b and do_send:
-                    c = dict(c, gin=send(out_b, P, -1, V > 1))
-                return c, None
-
-            carry, _ = jax.lax.scan(tick, carry, jnp.arange(t0, t0 + n, dtype=jnp.int32))
+            carry, _ = jax.lax.scan(ticks.tick(do_f, do_b, do_send), carry,
+                                    jnp.arange(t0, t0 + n, dtype=jnp.int32))
             t0 += n
         return carry["loss"], carry.get("acc")
 
 
+@dataclass
+class _Ticks:
+    """One Pipeline.run: what its ticks read (traced values included) and the tick bodies.
+
+    The scan carry: fin / gin the activation / gradient received from the previous / next
+    stage, loss the scaled loss so far, buf the saved stage inputs (depth + 1 slots: the last
+    takes masked writes), acc (backward only) the gradient accumulator."""
+
+    pipe: Pipeline
+    sch: Schedule
+    params: Any
+    slots: Any  # gradient slots (backward) or None
+    mb: dict  # micro-batches: inputs, targets [m, rows, s]
+    barrier: Callable
+    scale: float
+    s: Any  # this device's stage (traced)
+    last_stage: Any  # s == P − 1 (traced)
+    loss0: Any  # a zero loss typed as the stage forward's
+
+    def initial_carry(self, x0) -> dict:
+        D = self.sch.depth
+        return {"fin": x0, "gin": x0, "loss": self.loss0,
+                "buf": jax.tree.map(lambda z: jnp.zeros((D + 1, *z.shape), z.dtype) + z, x0)}
+
+    def _unit(self, k, backward: bool):
+        """(micro-batch, chunk, valid?, last chunk of the last stage?, tokens, targets)."""
+        sch, m = self.sch, self.sch.micro
+        i, v = sch.unit(k, backward=backward)
+        ok = (k >= 0) & (k < sch.units) & (i < m)
+        last = self.last_stage & (v == sch.virtual - 1)
+        j = jnp.clip(i, 0, m - 1)
+        return i, v, ok, last, self.mb["inputs"][j], self.mb["targets"][j]
+
+    def forward_tick(self, c, t):
+        f = self.sch.forward_index(t, self.s)
+        i, v, ok, last, tok, tgt = self._unit(f, backward=False)
+        p = self.barrier(self.params, tok)
+        x_out, loss = self.pipe.stage_fn(p, self.slots, c["fin"], tok, tgt, v)
+        D = self.sch.depth
+        slot = jnp.where(ok, jnp.mod(f, D), D)  # masked writes land in the spare slot
+        c = dict(c, buf=jax.tree.map(lambda b, x: b.at[slot].set(x), c["buf"], c["fin"]),
+                 loss=c["loss"] + jnp.where(ok & last, loss * self.scale, 0.0))
+        return c, x_out
+
+    def backward_tick(self, c, t):
+        sch, loss0 = self.sch, self.loss0
+        b = sch.backward_index(t, self.s)
+        i, v, ok, last, tok, tgt = self._unit(b, backward=True)
+        p = self.barrier(self.params, tok)
+        x_b = jax.tree.map(lambda buf: buf[jnp.mod(sch.forward_slot(i, v), sch.depth)], c["buf"])
+        g_out = jax.tree.map(lambda g: jnp.where(ok & ~last, g, jnp.zeros_like(g)), c["gin"])
+        g_loss = jnp.where(ok & last, self.scale, 0.0).astype(loss0.dtype) + loss0
+        _, vjp = jax.vjp(lambda sl, x: self.pipe.stage_fn(p, sl, x, tok, tgt, v), self.slots, x_b)
+        g_slots, g_x = vjp((g_out, g_loss))
+        acc = jax.tree.map(lambda a, g: a + jnp.where(ok, g.astype(a.dtype),
+                                                      jnp.zeros_like(a)), c["acc"], g_slots)
+        return dict(c, acc=acc), g_x
+
+    def tick(self, do_f: bool, do_b: bool, do_send: bool):
+        """The scan body of one schedule phase: F and/or B, then the sends."""
+        P, cyclic = self.pipe.P, self.sch.virtual > 1
+
+        def body(c, t):
+            if do_f:
+                c, out_f = self.forward_tick(c, t)
+            if do_b:
+                c, out_b = self.backward_tick(c, t)
+            if do_f and do_send:
+                c = dict(c, fin=send(out_f, P, +1, cyclic))
+            if do_b and do_send:
+                c = dict(c, gin=send(out_b, P, -1, cyclic))
+            return c, None
+
+        return body
+
+
 __all__ = ["Schedule", "Pipeline", "squeeze_ends", "send"]
+
