@@ -20,14 +20,21 @@ os.environ.setdefault("BOOST_JAX_FAST_COMPILE", "1")
 os.environ.setdefault("BOOST_JAX_CPU_PEAK_FLOPS", "5e10")
 
 
+@pytest.fixture(scope="session")
+def _jax_cache_dir(tmp_path_factory):
+    """One cache folder per test process (an xdist worker runs its files one after another, so
+    no entry is read while another process writes it)."""
+    return str(tmp_path_factory.mktemp("jax_cache"))
+
+
 @pytest.fixture(scope="module")
-def jax_cache(tmp_path_factory):
+def jax_cache(_jax_cache_dir):
     """A persistent compilation cache for a module's training runs, in-process and subprocess
-    alike (pass it as JAX_COMPILATION_CACHE_DIR): the same tiny programs compile once instead of
-    once per run. Restored afterwards."""
+    alike (pass it as JAX_COMPILATION_CACHE_DIR): the same tiny programs compile once per test
+    process instead of once per run. The in-process settings are restored afterwards."""
     from jax._src import compilation_cache
 
-    path = str(tmp_path_factory.mktemp("jax_cache"))
+    path = _jax_cache_dir
     keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
             "jax_persistent_cache_min_entry_size_bytes")
     old = {k: getattr(jax.config, k) for k in keys}

@@ -182,17 +182,16 @@ def _temp_bytes(schedule, micro):
 
 
 def test_1f1b_memory_flat_gpipe_grows():
-    """Temporaries per device as micro-batches go 4 → 8 → 16 at a fixed micro-batch size.
+    """Temporaries per device as micro-batches go 4 → 8 at a fixed micro-batch size.
 
     temp(m) = C + depth(m)·A, A = one stage input (rows·s·d·4 bytes), C = one micro-batch's
     stage forward + backward: 1f1b keeps depth = min(m, 2P−1) stage inputs (flat in m), gpipe
     keeps all m (A more per micro-batch)."""
     A = 2 * 64 * 64 * 4
-    f = {m: _temp_bytes("1f1b", m) for m in (4, 8, 16)}
-    g = {m: _temp_bytes("gpipe", m) for m in (4, 8, 16)}
-    assert max(f.values()) <= 1.10 * min(f.values()), f
+    f = {m: _temp_bytes("1f1b", m) for m in (4, 8)}
+    g = {m: _temp_bytes("gpipe", m) for m in (4, 8)}
+    assert f[8] <= 1.10 * f[4], f
     assert g[8] - g[4] == pytest.approx(4 * A, rel=0.1), g
-    assert g[16] - g[8] == pytest.approx(8 * A, rel=0.1), g
 
 
 def _train(cfg, mesh, steps, batches):

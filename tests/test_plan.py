@@ -241,13 +241,14 @@ DRIFT = ["model.d_model=256", "model.n_layers=2", "model.n_heads=4", "model.d_ff
 
 
 @pytest.mark.parametrize("plan", ["ddp", "zero1", "zero3", "zeropp", "hierarchical"])
-@pytest.mark.parametrize("tp", ["none", "btp"])
-def test_analytic_bytes_per_level_match_the_compiled_step(plan, tp):
+def test_analytic_bytes_per_level_match_the_compiled_step(plan):
     """The cost model's bytes per level (what --search ranks by) against the compiled step's,
-    for every plan with and without BTP: a drift between the model and the engine fails here."""
+    for every plan under BTP (TP's activation collectives and the data-parallel list;
+    tests/test_plans_hlo.py checks that list without TP kind by kind): a drift between the
+    model and the engine fails here."""
     from boost_jax.plan.dryrun import dry_run
 
-    extra = [] if tp == "none" else ["parallel.tp_mode=btp", "parallel.tp_axes=[pair]"]
+    extra = ["parallel.tp_mode=btp", "parallel.tp_axes=[pair]"]
     cfg = load_config(None, [*DRIFT, f"parallel.plan={plan}", *extra])
     dr = dry_run(cfg, get_topology("cpu"), None, jax.device_count(), full_layers_max=4)
     analytic = dr.prediction.memory["analytic_comm_bytes"]
@@ -258,6 +259,25 @@ def test_analytic_bytes_per_level_match_the_compiled_step(plan, tp):
     got = dr.prediction.memory["analytic_node_egress"]
     want = sum(dr.prediction.node_egress.values())
     assert got == pytest.approx(want, rel=0.10, abs=2e4), (got, want)
+
+
+@pytest.mark.parametrize("plan", ["zero3", "zeropp", "hierarchical"])
+def test_the_cost_model_times_the_step_collectives_list(plan):
+    """dp_collectives groups the step's own list (sharding/step_collectives.py) for timing:
+    bytes per level are the list's, the pipeline's passes included."""
+    from boost_jax.sharding.step_collectives import Passes, bytes_by_level, step_collectives
+
+    for extra in ([], ["parallel.pp_stages=2", "parallel.pp_virtual=2", "model.n_layers=7"]):
+        cfg = load_config(None, [*DRIFT, f"parallel.plan={plan}", "train.micro_batches=4",
+                                 "train.global_batch=256", *extra])
+        sizes = C.with_stages(cfg, {"pair": 2, "node": 4, "global": 8})
+        _, pl = C.state_sizes(cfg, sizes)
+        passes = Passes.of(4, cfg.parallel.pp_stages, cfg.parallel.pp_virtual)
+        want = bytes_by_level(step_collectives(pl, passes))
+        got = N.per_level_bytes(C.dp_collectives(cfg, sizes, pl))
+        for lv in ("pair", "node", "global"):
+            assert got[lv] == pytest.approx(want[lv]), (lv, extra)
+        assert want["global"] > 0
 
 
 def test_a_ring_over_whole_nodes_leaves_each_node_once():

@@ -307,6 +307,94 @@ def stage_send_bytes(cfg, sizes, b: int) -> float:
     return DTYPE_BYTES[m.dtype] * b * cfg.data.seq_len * width
 
 
+def block_times(cfg, model: BlockModel, peak: float, hbm: float,
+                a: Assumptions) -> tuple[float, float, float]:
+    """(forward, backward, remat replay) seconds of one block or the head."""
+    fused = a.elem_kernels * a.launch_s  # the block's fused elementwise kernels
+    fwd = sum(op_time(o, peak, hbm, a) for o in model.ops) + fused
+    bwd = sum(op_time(o, peak, hbm, a, backward=True) for o in model.ops) + 2 * fused
+    remat = cfg.train.remat
+    if remat == "full" or (remat == "lowrank" and cfg.model.arch == "full"):
+        return fwd, bwd, fwd
+    if remat == "lowrank":
+        return fwd, bwd, sum(op_time(o, peak, hbm, a) for o in model.ops
+                             if not o.lowrank_saved) + fused
+    return fwd, bwd, 0.0
+
+
+def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hbm: float,
+                    a: Assumptions) -> tuple[float, float]:
+    """(compute, pipeline bubble) seconds per step: m micro-batches of L blocks + head, or the
+    pipeline's ticks (see predict)."""
+    (bf, bb, br), (hf, hb, hr) = (block_times(cfg, bm, peak, hbm, a),
+                                  block_times(cfg, hm, peak, hbm, a))
+    micro, pp, V = cfg.train.micro_batches, cfg.parallel.pp_stages, cfg.parallel.pp_virtual
+    if pp == 1:
+        return micro * (L * (bf + bb + br) + hf + hb + hr), 0.0
+    ticks = V * micro + pp - 1
+    t_f = L * bf + hf
+    t_compute = ticks * (t_f + t_f + L * (bb + br) + hb + hr)
+    return t_compute, t_compute * (pp - 1) / ticks  # the ticks a stage idles (masked)
+
+
+def tp_collectives(cfg, sizes, bm: BlockModel, hm: BlockModel, t: int) -> list[Coll]:
+    """The TP layout's activation collectives per step (roofline's per-block lists), on the
+    critical path; a remat replay re-runs the forward's."""
+    if t <= 1:
+        return []
+    tp_axes = tuple(cfg.parallel.tp_axes)
+    fwd_calls, bwd_calls = fetch_calls(cfg)
+    replays = cfg.train.remat == "full" or (cfg.train.remat == "lowrank"
+                                            and bm.replays_collectives_lowrank)
+    Lw, V = stage_layers(cfg), cfg.parallel.pp_virtual  # block layers the passes run over
+    lv, hs = level_of(tp_axes), host_split(tp_axes, sizes)
+    rows = [("tp_fwd", bm.fwd, Lw * (fwd_calls + (bwd_calls if replays else 0))),
+            ("tp_bwd", bm.bwd, Lw * bwd_calls), ("tp_head", hm.fwd, V * fwd_calls),
+            ("tp_head", hm.bwd, V * bwd_calls)]
+    return [Coll(f"{prefix}_{c.name}", c.kind, c.payload, t, lv, calls, "tp", tp_axes, *hs)
+            for prefix, colls, calls in rows for c in colls]
+
+
+def stage_sends(cfg, sizes, b: int) -> list[Coll]:
+    """The pipeline's activation sends per step (none without stages)."""
+    pp = cfg.parallel.pp_stages
+    if pp == 1:
+        return []
+    from boost_jax.train.pipeline import Schedule
+
+    sends = Schedule(cfg.parallel.pp_schedule, pp, cfg.train.micro_batches,
+                     cfg.parallel.pp_virtual).sends
+    return [Coll("stage_send", "collective-permute", stage_send_bytes(cfg, sizes, b), 2,
+                 "global", sends, "tp", (STAGE,), *host_split((STAGE,), sizes))]
+
+
+def _notes(cfg, pl, measured, L: int) -> list[str]:
+    notes = list(pl.notes)  # roles tensor parallelism took, in one line
+    notes.append("collectives: measured from the compiled step's HLO" if measured is not None
+                 else "collectives: analytic (the step's placement, not compiled)")
+    pp, V, micro = cfg.parallel.pp_stages, cfg.parallel.pp_virtual, cfg.train.micro_batches
+    if pp > 1:
+        chunks = f" x {V} virtual" if V > 1 else ""
+        notes.append(f"pipeline: {pp}{chunks} stages of {L} layers, {cfg.parallel.pp_schedule} over "
+                     f"{micro} micro-batches: bubble {(pp - 1) / (V * micro + pp - 1):.0%}, "
+                     "each B tick re-runs its stage forward")
+    return notes
+
+
+def _layout(cfg, mode: str, t: int, pl) -> dict:
+    pp = cfg.parallel.pp_stages
+    return dict(plan=cfg.parallel.plan, tp_mode=mode, tp_axes=list(cfg.parallel.tp_axes), tp=t,
+                remat=cfg.train.remat, micro_batches=cfg.train.micro_batches,
+                pipeline_stages=pp, pp_schedule=cfg.parallel.pp_schedule if pp > 1 else None,
+                pp_virtual=cfg.parallel.pp_virtual if pp > 1 else None, placement=pl.describe())
+
+
+def optimizer_seconds(st: StateSizes, param_dtype: str, hbm: float, a: Assumptions) -> float:
+    """AdamW on the opt_state shard: fp32 master/m/v/grad read and written (memory bound)."""
+    opt_bytes = st.opt * (4 + 4 + 4 + 4) * 2 + st.params * DTYPE_BYTES[param_dtype]
+    return opt_bytes / (a.eta_hbm * hbm) + 40 * a.launch_s
+
+
 def predict(cfg, topo: Topology, sizes: dict[str, int],
             assumptions: Optional[Assumptions] = None,
             measured: Optional[CommSummary] = None) -> Prediction:
@@ -321,93 +409,26 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     activation sends on the critical path.
     """
     a = resolve_attention(cfg, topo, assumptions or Assumptions())
-    m = cfg.model
+    m, s, micro = cfg.model, cfg.data.seq_len, cfg.train.micro_batches
     sizes = with_stages(cfg, sizes)
     mode, t = tp_info(cfg, sizes)
     st, pl = state_sizes(cfg, sizes)
     n_dev = int(math.prod(sizes.values()))
-    n_batch = _size(sizes, pl.batch_axes)
-    micro = cfg.train.micro_batches
-    s = cfg.data.seq_len
-    b = cfg.train.global_batch // micro // n_batch  # sequences per device per micro-batch
+    b = cfg.train.global_batch // micro // _size(sizes, pl.batch_axes)  # per device, micro-batch
     peak, hbm = topo.peak_flops, HBM_BW.get(topo.name, 1.6e12)
-    pp = cfg.parallel.pp_stages
-    V = cfg.parallel.pp_virtual
+    pp, V = cfg.parallel.pp_stages, cfg.parallel.pp_virtual
     L = layers_per_stage(m.n_layers, pp, V) if pp > 1 else m.n_layers  # per F / B
-    ticks = V * micro + pp - 1
-    bm = block_model(m, b, s, mode, t, a.attention)
-    hm = head_model(m, b, s, mode, t)
-
-    def block_times(model: BlockModel) -> tuple[float, float, float]:
-        """(forward, backward, remat replay) of one block or the head."""
-        fused = a.elem_kernels * a.launch_s  # the block's fused elementwise kernels
-        fwd = sum(op_time(o, peak, hbm, a) for o in model.ops) + fused
-        bwd = sum(op_time(o, peak, hbm, a, backward=True) for o in model.ops) + 2 * fused
-        if cfg.train.remat == "full" or (cfg.train.remat == "lowrank" and m.arch == "full"):
-            rec = fwd
-        elif cfg.train.remat == "lowrank":
-            rec = sum(op_time(o, peak, hbm, a) for o in model.ops if not o.lowrank_saved) + fused
-        else:
-            rec = 0.0
-        return fwd, bwd, rec
-
-    (bf, bb, br), (hf, hb, hr) = block_times(bm), block_times(hm)
-    if pp == 1:
-        t_compute = micro * (L * (bf + bb + br) + hf + hb + hr)
-        t_bubble = 0.0
-    else:
-        t_f = L * bf + hf
-        t_compute = ticks * (t_f + t_f + L * (bb + br) + hb + hr)
-        t_bubble = t_compute * (pp - 1) / ticks  # the ticks a stage idles (masked)
-    remat_replays = cfg.train.remat == "full" or (cfg.train.remat == "lowrank"
-                                                  and bm.replays_collectives_lowrank)
-    fwd_calls, bwd_calls = fetch_calls(cfg)
-    Lw = stage_layers(cfg)  # block layers whose weights the passes run over
-    # TP collectives (analytic; measured ones replace them below)
-    tp_axes = cfg.parallel.tp_axes
-    colls: list[Coll] = []
-    if t > 1:
-        lv, hs = level_of(tp_axes), host_split(tp_axes, sizes)
-        for c in bm.fwd:
-            colls.append(Coll(f"tp_fwd_{c.name}", c.kind, c.payload, t, lv,
-                              Lw * (fwd_calls + (bwd_calls if remat_replays else 0)), "tp",
-                              tuple(tp_axes), *hs))
-        for c in bm.bwd:
-            colls.append(Coll(f"tp_bwd_{c.name}", c.kind, c.payload, t, lv, Lw * bwd_calls, "tp",
-                              tuple(tp_axes), *hs))
-        for c in hm.fwd:
-            colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, V * fwd_calls, "tp",
-                              tuple(tp_axes), *hs))
-        for c in hm.bwd:
-            colls.append(Coll(f"tp_head_{c.name}", c.kind, c.payload, t, lv, V * bwd_calls, "tp",
-                              tuple(tp_axes), *hs))
-    if pp > 1:
-        from boost_jax.train.pipeline import Schedule
-
-        sends = Schedule(cfg.parallel.pp_schedule, pp, micro, V).sends
-        colls.append(Coll("stage_send", "collective-permute", stage_send_bytes(cfg, sizes, b),
-                          2, "global", sends, "tp", (STAGE,), *host_split((STAGE,), sizes)))
-    colls += dp_collectives(cfg, sizes, pl)
-    notes = list(pl.notes)  # roles tensor parallelism took, in one line
-    if measured is not None:
-        comm = measured
-        notes.append("collectives: measured from the compiled step's HLO")
-    else:
-        comm = CommSummary.of(colls, topo, a)
-        notes.append("collectives: analytic (the step's placement, not compiled)")
-    if pp > 1:
-        chunks = f" x {V} virtual" if V > 1 else ""
-        notes.append(f"pipeline: {pp}{chunks} stages of {L} layers, {cfg.parallel.pp_schedule} over "
-                     f"{micro} micro-batches: bubble {(pp - 1) / ticks:.0%}, each B tick re-runs "
-                     "its stage forward")
-    t_tp = comm.phase_time.get("tp", 0.0)
+    bm, hm = block_model(m, b, s, mode, t, a.attention), head_model(m, b, s, mode, t)
+    t_compute, t_bubble = compute_seconds(cfg, bm, hm, L, peak, hbm, a)
+    # collectives: analytic, or measured from the compiled step
+    colls = tp_collectives(cfg, sizes, bm, hm, t) + stage_sends(cfg, sizes, b) + \
+        dp_collectives(cfg, sizes, pl)
+    comm = measured if measured is not None else CommSummary.of(colls, topo, a)
+    t_tp, t_dp = comm.phase_time.get("tp", 0.0), comm.phase_time.get("dp", 0.0)
+    t_stepc = comm.phase_time.get("step", 0.0)
     # the (de)quantization kernels run on the GPU next to the compute: never hidden
     t_quant = quant_seconds(cfg, sizes, st, pl, hbm, a)
-    t_dp = comm.phase_time.get("dp", 0.0)
-    t_stepc = comm.phase_time.get("step", 0.0)
-    # optimizer: fp32 master/m/v/grad read+written on the opt_state shard (memory bound)
-    opt_bytes = st.opt * (4 + 4 + 4 + 4) * 2 + st.params * DTYPE_BYTES[m.param_dtype]
-    t_opt = opt_bytes / (a.eta_hbm * hbm) + 40 * a.launch_s
+    t_opt = optimizer_seconds(st, m.param_dtype, hbm, a)
     # the stage sends (part of t_tp: on the critical path), reported apart
     p2p = sum(coll_time(c, topo, a) for c in colls if c.name == "stage_send") \
         if measured is None else 0.0
@@ -415,32 +436,24 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     total = t_compute + t_quant + t_tp + exposed_dp + t_stepc + t_opt
     total_overlap = t_compute + t_quant + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt
     tokens = cfg.train.global_batch * s
-    fpt = flops_per_token(m, s)
-    model_flops = fpt["train"] * tokens / n_dev
+    model_flops = flops_per_token(m, s)["train"] * tokens / n_dev
     rec_factor = (4 / 3 if cfg.train.remat != "none" else 1.0) + (1 / 3 if pp > 1 else 0.0)
     mem = memory_estimate(cfg, sizes, st, pl, bm, hm, b)
     mem["hbm"] = topo.hbm_bytes
     mem["fits"] = mem["total"] <= a.hbm_usable * topo.hbm_bytes
-    per_level = {lv: comm.level_bytes.get(lv, 0.0) for lv in AXES}
-    lvl_time = {lv: comm.level_time.get(lv, 0.0) for lv in AXES}
     tflops = model_flops / total / 1e12
     return Prediction(
-        layout=dict(plan=cfg.parallel.plan, tp_mode=mode, tp_axes=list(tp_axes), tp=t,
-                    remat=cfg.train.remat, micro_batches=micro, pipeline_stages=pp,
-                    pp_schedule=cfg.parallel.pp_schedule if pp > 1 else None,
-                    pp_virtual=V if pp > 1 else None,
-                    placement=pl.describe()),
-        sizes=dict(sizes), devices=n_dev, tokens_per_step=tokens, micro_batch_per_device=b,
-        micro_batches=micro, flops_per_device=model_flops,
-        executed_flops_per_device=model_flops * rec_factor,
+        layout=_layout(cfg, mode, t, pl), sizes=dict(sizes), devices=n_dev,
+        tokens_per_step=tokens, micro_batch_per_device=b, micro_batches=micro,
+        flops_per_device=model_flops, executed_flops_per_device=model_flops * rec_factor,
         time=dict(compute=t_compute, bubble=t_bubble, tp=t_tp, dp=t_dp, quant=t_quant,
-                  dp_exposed=exposed_dp,
-                  step_comm=t_stepc,
-                  optimizer=t_opt, p2p=p2p, total=total, total_overlapped=total_overlap),
-        comm_bytes=per_level, comm_time=lvl_time, memory=mem, step_time=total,
-        tokens_per_s=tokens / total, tflops_per_device=tflops, mfu=tflops * 1e12 / peak,
-        assumptions=a, collectives=colls if measured is None else [], notes=notes,
-        node_egress=dict(comm.egress or {}))
+                  dp_exposed=exposed_dp, step_comm=t_stepc, optimizer=t_opt, p2p=p2p,
+                  total=total, total_overlapped=total_overlap),
+        comm_bytes={lv: comm.level_bytes.get(lv, 0.0) for lv in AXES},
+        comm_time={lv: comm.level_time.get(lv, 0.0) for lv in AXES}, memory=mem,
+        step_time=total, tokens_per_s=tokens / total, tflops_per_device=tflops,
+        mfu=tflops * 1e12 / peak, assumptions=a, collectives=colls if measured is None else [],
+        notes=_notes(cfg, pl, measured, L), node_egress=dict(comm.egress or {}))
 
 
 def resolve_attention(cfg, topo: Topology, a: Assumptions) -> Assumptions:

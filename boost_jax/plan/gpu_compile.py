@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from boost_jax.analysis import hlo as H
 from boost_jax.analysis import schedule as S
-from boost_jax.mesh import STAGE, Topology
+from boost_jax.mesh import Topology
 from boost_jax.plan import dryrun, gpu_target
 from boost_jax.plan.collectives import CommSummary, Coll, coll_time, colls_from_report
 from boost_jax.plan.costmodel import Assumptions, predict

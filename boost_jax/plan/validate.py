@@ -117,7 +117,6 @@ def boost_predictions(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
     topo = topo or get_topology(topology)
     out = {}
     for size in sizes:
-        sh = BOOST_SHAPES[size]
         out[size] = {m: predict(boost_config(size, m, remat, topology), topo, boost_sizes(size),
                                 assumptions)
                      for m, _, _ in BOOST_METHODS}

@@ -182,7 +182,7 @@ class Pipeline:
             z = jnp.zeros(sds.shape, sds.dtype)
             return to_varying(z, tuple(_varying(sds))) if self.e.typed else z
 
-        x = None
+        x = prev_out = None
         for _ in range(3):  # the carry's type: a fixed point of the stage forward
             out, loss = jax.eval_shape(lambda x: self.stage_fn(params, slots, x, tokens, targets),
                                        x)
