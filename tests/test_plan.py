@@ -261,23 +261,30 @@ def test_analytic_bytes_per_level_match_the_compiled_step(plan):
     assert got == pytest.approx(want, rel=0.10, abs=2e4), (got, want)
 
 
-@pytest.mark.parametrize("plan", ["zero3", "zeropp", "hierarchical"])
-def test_the_cost_model_times_the_step_collectives_list(plan):
-    """dp_collectives groups the step's own list (sharding/step_collectives.py) for timing:
-    bytes per level are the list's, the pipeline's passes included."""
+@pytest.mark.parametrize("plan", ["ddp", "zero1", "zero3", "zeropp", "hierarchical"])
+@pytest.mark.parametrize("tp", ["none", "megatron", "vanilla", "btp"])
+def test_formulas_and_cost_model_read_the_one_collective_list(plan, tp):
+    """The step's own list (sharding/step_collectives.py; what the engine runs, checked against
+    compiled programs in test_plans_hlo.py) is what the byte formulas count and what the cost
+    model times, for every preset plan x TP mode, with and without pipeline stages."""
+    from boost_jax.sharding.formulas import comm_per_step
     from boost_jax.sharding.step_collectives import Passes, bytes_by_level, step_collectives
 
+    arch = "full" if tp == "megatron" else "cola"
+    mode = [f"parallel.tp_mode={tp}", "parallel.tp_axes=[pair]"] if tp != "none" else []
     for extra in ([], ["parallel.pp_stages=2", "parallel.pp_virtual=2", "model.n_layers=7"]):
-        cfg = load_config(None, [*DRIFT, f"parallel.plan={plan}", "train.micro_batches=4",
-                                 "train.global_batch=256", *extra])
+        cfg = load_config(None, [*DRIFT, f"parallel.plan={plan}", f"model.arch={arch}", *mode,
+                                 "train.micro_batches=4", "train.global_batch=256", *extra])
         sizes = C.with_stages(cfg, {"pair": 2, "node": 4, "global": 8})
         _, pl = C.state_sizes(cfg, sizes)
         passes = Passes.of(4, cfg.parallel.pp_stages, cfg.parallel.pp_virtual)
         want = bytes_by_level(step_collectives(pl, passes))
         got = N.per_level_bytes(C.dp_collectives(cfg, sizes, pl))
+        counted = comm_per_step(pl, 4) if not extra else want
         for lv in ("pair", "node", "global"):
             assert got[lv] == pytest.approx(want[lv]), (lv, extra)
-        assert want["global"] > 0
+            assert counted[lv] == pytest.approx(want[lv]), (lv, extra)
+        assert sum(want.values()) > 0
 
 
 def test_a_ring_over_whole_nodes_leaves_each_node_once():
