@@ -40,7 +40,8 @@ def worker(args) -> None:
     set_cpu_devices(args.cpu_devices)
     import jax
 
-    from boost_jax.analysis.comm import analyze_compiled
+    from boost_jax.analysis.comm import analyze_compiled, host_egress
+    from boost_jax.plan.costmodel import dp_collectives
     from boost_jax.config import load_config
     from boost_jax.layers.model import fast_compile_options
     from boost_jax.mesh import mesh_from_config
@@ -69,6 +70,12 @@ def worker(args) -> None:
         rep = analyze_compiled(compiled, mesh)
         meas = {lv: row["bytes"] for lv, row in rep.per_level().items()}
         pred = comm_per_step(bundle.placement, args.micro)
+        sizes = {a: int(v) for a, v in mesh.shape.items()}
+        # bytes leaving one node per step: the compiled step's and the schedule's (TP's
+        # activation collectives stay inside the node: TP is over `pair`)
+        egress_meas = sum(host_egress(c, sizes) for c in rep.collectives)
+        egress_list = sum(c.egress_per_step(None) for c in
+                          dp_collectives(cfg, sizes, bundle.placement))
         mem = bundle.placement.memory()
         batch_bytes = 2 * args.batch * args.seq * 4 / n  # inputs + targets, int32
         rows.append({
@@ -77,6 +84,7 @@ def worker(args) -> None:
             "raw": {lv: rep.per_level(raw=True)[lv]["bytes"] for lv in ("pair", "node", "global")},
             "measured": {lv: meas[lv] for lv in ("pair", "node", "global")},
             "formula": {lv: pred[lv] for lv in ("pair", "node", "global")},
+            "node_egress": {"measured": egress_meas, "schedule": egress_list},
             "memory_pred": {k: v for k, v in mem.items() if k != "padding_by_role"},
             "memory_measured": rep.memory, "batch_bytes": batch_bytes,
             "params": bundle.n_params,
@@ -117,11 +125,12 @@ def table(rows) -> str:
                    "weights)\n")
         head = ["plan", "params / grads / opt / secondary", "pair MB", "node MB",
                 "global MB", "global MB formula", "global MB comm.py raw",
-                "global ÷ hierarchical (formula)", "state MB pred / meas", "grads MB",
+                "global ÷ hierarchical (formula)", "node egress MB meas / schedule",
+                "state MB pred / meas", "grads MB",
                 "secondary MB", "temp MB", "compile s"]
         body = []
         for r in rs:
-            m, f, raw = r["measured"], r["formula"], r["raw"]
+            m, f, raw, eg = r["measured"], r["formula"], r["raw"], r["node_egress"]
             mp, mm = r["memory_pred"], r["memory_measured"] or {}
             state_pred = mp["weights"] + mp["master"] + mp["adam"]
             state_meas = (mm.get("argument", 0) - r["batch_bytes"]) if mm else float("nan")
@@ -131,7 +140,9 @@ def table(rows) -> str:
                 hier["formula"]["global"] else float("nan")
             body.append([r["plan"], _roles(r["roles"]), m["pair"] / MB, m["node"] / MB,
                          m["global"] / MB, f["global"] / MB, raw["global"] / MB,
-                         f"{ratio:.1f}× ({fratio:.1f}×)", f"{state_pred / MB:,.0f} / {state_meas / MB:,.0f}",
+                         f"{ratio:.1f}× ({fratio:.1f}×)",
+                         f"{eg['measured'] / MB:,.0f} / {eg['schedule'] / MB:,.0f}",
+                         f"{state_pred / MB:,.0f} / {state_meas / MB:,.0f}",
                          mp["grads"] / MB, mp["secondary"] / MB,
                          (mm.get("temp", 0)) / MB, r["compile_s"]])
         out.append(markdown_table(head, body))
@@ -205,6 +216,11 @@ Reading the table:
   reductions run in fp32; reduce-scatter lowered as all-reduce + dynamic-slice), see
   boost_jax/analysis/cpu_lowering.py. `formula` is formulas.comm_per_step (ring costs, derived in
   its docstring); it matches the measured inter-node bytes of every plan.
+- `node egress` is what leaves one node per step through its NICs (a ring whose members on a
+  node are contiguous leaves it once; every group leaving the node at once shares the NICs):
+  from the compiled step's collectives (analysis/comm.py host_egress) and from the step's
+  collective list as the planner times it (plan/collectives.py); per-device `global MB`
+  overstates it for groups with several members per node.
 - hierarchical crosses nodes once per step (fp32 reduce-scatter of the node's gradient shard,
   bf16 all-gather of the updated node shard): 6Ψ(G−1)/(G·D) bytes, independent of the number
   of micro-batches; ZeRO-3 moves k·(2+2+4)Ψ(N−1)/N (gradients reduced in fp32,
@@ -212,7 +228,7 @@ Reading the table:
   inside the node, qgZ int4 gradients) moves k·(q₈(Ψ)(N−1)/N + q₄(Ψ)/D·(G−1)/G) across nodes:
   each micro-batch's gradient is reduced by two all-to-alls of int4 blocks, inside the node
   (q₄(Ψ)(D−1)/D on the node level), then across nodes (the node-reduced 1/D);
-  q₈(Ψ) = Ψ + 4·blocks, q₄(Ψ) = Ψ/2 + 4·blocks (boost_jax/sharding/formulas.py).
+  q₈(Ψ) = Ψ + 4·blocks, q₄(Ψ) = Ψ/2 + 4·blocks (boost_jax/sharding/step_collectives.py).
 - zeropp-no-qgz is zeropp with `parallel.quantize_grads=false`: the gradient is
   reduce-scattered in fp32 over all devices, k·(q₈(Ψ)+4Ψ)(N−1)/N across nodes.
 - The BTP rows use d_ff = 5462 (5461 does not divide by the TP degree 2).

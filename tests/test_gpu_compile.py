@@ -159,3 +159,52 @@ def test_json_report_when_the_gpu_compile_fails(monkeypatch, capsys):
     main(TINY)
     out = json.loads(capsys.readouterr().out)
     assert out["gpu_compile"] == {"error": "no GPU compiler here"} and out["step_time"] > 0
+
+
+SEARCH = ["--config", "configs/demo.yaml", "--topology", "perlmutter", "--nodes", "2",
+          "model.d_ff=170", "data.seq_len=64", "train.global_batch=64", "--search", "--json"]
+
+
+def test_search_without_compile_top_is_one_line_and_exit_2(capsys):
+    from boost_jax.plan.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(SEARCH + ["--gpu-compile"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--compile-top" in err
+
+
+def test_search_reranks_the_best_layouts_by_the_gpu_program(monkeypatch, capsys):
+    """--search --gpu-compile --compile-top 2: the two best layouts are compiled for the GPU
+    and re-costed from the program's exposed collectives and memory (runs without the extra:
+    the compile is replaced by one whose schedule leaves 1 s exposed in the analytically best
+    layout, which then drops below the second)."""
+    from boost_jax.plan import gpu_compile
+    from boost_jax.plan.__main__ import main
+
+    main(SEARCH)
+    before = json.loads(capsys.readouterr().out)["ranked"]
+    best, second = before[0]["key"], before[1]["key"]
+    monkeypatch.setattr(gpu_target, "plugin_installed", lambda: True)
+    seen = []
+
+    def fake(cfg, topo, sizes, a, max_devices):
+        first = not seen
+        seen.append(cfg.parallel.plan)
+        exposed = {"tp": 0.0, "dp": 1.0 if first else 0.0, "step": 0.0}
+        return gpu_compile.GpuCompile("a100_sxm_40", "NVIDIA A100-SXM4-40GB", dict(sizes), [],
+                                      {"total": 2.0**30, "argument": 0.0, "temp": 0.0}, 0.0,
+                                      0.0, {"time_s_by_phase": exposed}, {}, [])
+
+    monkeypatch.setattr(gpu_compile, "gpu_compile", fake)
+    main(SEARCH + ["--gpu-compile", "--compile-top", "2"])
+    after = json.loads(capsys.readouterr().out)
+    ranked = after["ranked"]
+    assert len(seen) == 2
+    assert ranked[0]["key"] == second and ranked[0]["gpu"] == "NVIDIA A100-SXM4-40GB"
+    demoted = next(r for r in ranked if r["key"] == best)
+    assert demoted["gpu"] and demoted["critical_path"]["exposed DP"] == pytest.approx(1.0)
+    assert demoted["memory"] == 2.0**30
+    assert [r["step_time"] for r in ranked] == sorted(r["step_time"] for r in ranked)
+    assert any("compiled for the GPU" in n for n in after["notes"])

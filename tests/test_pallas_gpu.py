@@ -12,7 +12,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.sharding import SingleDeviceSharding
 
-from boost_jax.pallas import grouped, rmsnorm
+from boost_jax.pallas import flash, grouped, rmsnorm
 from boost_jax.pallas.common import triton_params
 from boost_jax.plan import gpu_target
 
@@ -63,6 +63,10 @@ CASES = {
                    ["grouped_gemm"] * 3),
     "concat_down": (lambda x, a1, a2: grouped.concat_down(x, [a1, a2]),
                     [(T, D), (D, R), (D, 24)], ["grouped_gemm"] * 3),
+    # GQA (4 query heads on 2 key heads), 300 positions: the last tile is padded and masked
+    "flash_attention": (lambda q, k, v: flash.flash_attention(q, k, v),
+                        [(2, T, 4, 64), (2, T, 2, 64), (2, T, 2, 64)],
+                        ["flash_attention_bwd", "flash_attention_fwd"]),
 }
 
 

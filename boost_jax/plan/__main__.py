@@ -7,6 +7,7 @@
     python -m boost_jax.plan ... --search           # rank candidate layouts that fit
     python -m boost_jax.plan ... --no-compile       # analytic only (no XLA compile)
     python -m boost_jax.plan ... --gpu-compile      # compile for the topology's GPU (no GPU needed)
+    python -m boost_jax.plan ... --search --gpu-compile --compile-top 3   # rank the best by it
 
 Compiles the real training step (boost_jax.train.step) for the topology's device count on
 simulated CPU devices with abstract shapes — nothing is allocated — or, beyond --cpu-devices, on
@@ -86,7 +87,9 @@ def build_parser() -> OverrideParser:
     p.add_argument("--gpu-compile", action="store_true",
                    help="compile the step for the topology's GPU (compile-only devices, the "
                         "gpu-compile extra) instead of simulated CPUs; report its memory, "
-                        "kernels and collective overlap next to the analytic model")
+                        "kernels and collective overlap next to the analytic model; with "
+                        "--search --compile-top K the best K are compiled for the GPU and "
+                        "ranked by the GPU program's exposed collectives and memory")
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--emit-config", default=None, metavar="FILE",
                    help="write the layout (with --search: the best that fits) as a config that "
@@ -282,8 +285,11 @@ def check_args(args) -> None:
                                ("--top", args.top, 1), ("--compile-top", args.compile_top, 0)):
         if value is not None and value < least:
             raise UserError(f"{flag} {value} must be >= {least}")
-    if args.gpu_compile and (args.search or args.no_compile):
-        raise UserError("--gpu-compile compiles one layout: drop --search / --no-compile")
+    if args.gpu_compile and args.no_compile:
+        raise UserError("--gpu-compile compiles for the GPU: drop --no-compile")
+    if args.gpu_compile and args.search and not args.compile_top:
+        raise UserError("--search --gpu-compile compiles the best layouts for the GPU: add "
+                        "--compile-top K (e.g. 3)")
     if args.layers not in ("auto", "full") and not (args.layers.isdigit()
                                                     and int(args.layers) >= 1):
         raise UserError(f"--layers {args.layers!r} must be auto, full or a number >= 1")
@@ -371,8 +377,12 @@ def run_search(args, cfg, topo, full: dict, a, command: str) -> int:
     from boost_jax.errors import UserError
     from boost_jax.plan.search import print_search, search
 
+    if args.gpu_compile:
+        from boost_jax.plan.gpu_target import target_name
+
+        target_name(topo)  # a profile without a GPU target fails before the search
     res = search(cfg, topo, full, a, compile_top=args.compile_top,
-                 max_devices=args.cpu_devices or 512)
+                 max_devices=args.cpu_devices or 512, gpu=args.gpu_compile)
     if args.json:
         print(json_out.dumps(res.to_dict(), indent=1, default=str))
     else:
@@ -463,7 +473,7 @@ def run_layout(args, cfg, topo, full: dict, a, command: str) -> int:
 def run_plan(args, command: str) -> int:
     """The planner for parsed `args`; `command` is the command line --emit-config records."""
     cfg, topo, full, a = _load_plan_inputs(args)
-    if args.gpu_compile:
+    if args.gpu_compile and not args.search:
         return run_gpu_compile(args, cfg, topo, full, a)
     if args.search:
         return run_search(args, cfg, topo, full, a, command)

@@ -172,7 +172,10 @@ def compare(g: GpuCompile, pred, cfg, full, a: Assumptions) -> list:
 
 def exposed_summary(p: Program) -> dict:
     exp = [c for c in p.collectives if c["exposed"]]
-    return {"count": len(exp), "of": len(p.collectives),
+    by_phase = {"tp": 0.0, "dp": 0.0, "step": 0.0}
+    for c in p.collectives:
+        by_phase[c["phase"]] = by_phase.get(c["phase"], 0.0) + c["exposed_s_per_call"] * c["trips"]
+    return {"count": len(exp), "of": len(p.collectives), "time_s_by_phase": by_phase,
             "overlap_gemm": sum(c["overlapped_gemms"] > 0 and not c["exposed"]
                                 for c in p.collectives),
             "bytes_per_step": sum(c["bytes_per_step"] for c in exp), "time_s": p.exposed_s,
@@ -204,6 +207,26 @@ def gpu_compile(cfg, topo: Topology, full: dict, a: Assumptions, max_devices: in
         g.notes.append("pipeline: kernels per layer count every tick's passes per micro-batch")
     g.comparison = compare(g, predict(cfg, topo, full, a), cfg, full, a)
     return g
+
+
+def judged(pred, g: GpuCompile, a: Assumptions, hbm_bytes: float):
+    """The analytic prediction with what the GPU program shows in place of the model's
+    assumptions: its exposed collective time per phase (TP, per-micro-batch data-parallel,
+    once per step: read off the schedule) and its memory. Compute, (de)quantization and the
+    optimizer stay the model's (a compile-only device runs nothing)."""
+    t, ph = dict(pred.time), g.exposed["time_s_by_phase"]
+    t.update(tp=ph.get("tp", 0.0), dp_exposed=ph.get("dp", 0.0), step_comm=ph.get("step", 0.0))
+    total = t["compute"] + t["quant"] + t["tp"] + t["dp_exposed"] + t["step_comm"] + \
+        t["optimizer"]
+    t["total"] = total
+    mem = dict(pred.memory, analytic_total=pred.memory["total"], total=g.memory["total"])
+    mem["fits"] = mem["total"] <= a.hbm_usable * hbm_bytes
+    tflops = pred.flops_per_device / total / 1e12
+    return dataclasses.replace(
+        pred, time=t, memory=mem, step_time=total, tokens_per_s=pred.tokens_per_step / total,
+        tflops_per_device=tflops, mfu=pred.mfu * pred.step_time / total,
+        notes=pred.notes + [f"GPU-compiled for {g.device_kind}: exposed collectives and memory "
+                            "read off the scheduled program"])
 
 
 def _fmt(x: float, unit: str) -> str:

@@ -43,6 +43,7 @@ class Candidate:
     error: Optional[str] = None
     compiled: bool = False
     compiled_fits: Optional[bool] = None
+    gpu: Optional[str] = None  # the GPU the layout was compiled for (--gpu-compile)
 
     def key(self) -> str:
         tp = f"{self.tp_mode}x{'+'.join(self.tp_axes)}" if self.tp_axes else "none"
@@ -88,7 +89,7 @@ class SearchResult:
                              memory=p.memory["total"], comm_bytes=p.comm_bytes,
                              node_egress=sum(p.node_egress.values()),
                              critical_path=critical_path(p),
-                             compiled=c.compiled))
+                             compiled=c.compiled, gpu=c.gpu))
         tight = [dict(key=c.key(), memory=c.prediction.memory["total"],
                       analytic_memory=c.prediction.memory["analytic_total"])
                  for c in self.candidates if c.compiled and c.compiled_fits is False]
@@ -131,7 +132,11 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
 
 
 def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
-           compile_top: int = 0, max_devices: int = 512) -> SearchResult:
+           compile_top: int = 0, max_devices: int = 512, gpu: bool = False) -> SearchResult:
+    """Every candidate costed analytically; with compile_top the best that fit are compiled,
+    for simulated CPUs (the real step's collectives and memory) or, with `gpu`, for the
+    topology's GPU (plan/gpu_compile.py: the schedule's exposed collectives and the GPU
+    memory), and ranked by those figures."""
     a = a or Assumptions()
     cands = candidates(cfg, sizes)
     invalid = 0
@@ -153,7 +158,9 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
     res = SearchResult(cands, len(cands), invalid)
     res.notes.append(f"{len(cands)} candidates costed analytically; {invalid} rejected by the "
                      "plan/TP validation (divisibility)")
-    if compile_top:
+    if compile_top and gpu:
+        compile_on_gpu(res, cfg, topo, compile_top, max_devices, a)
+    elif compile_top:
         from boost_jax.plan.dryrun import StepCompileError, dry_run
 
         for c in list(res.fitting[:compile_top]):
@@ -167,6 +174,24 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
         res.notes.append(f"the best {compile_top} were compiled (real step, abstract shapes) "
                          "and re-costed from measured collectives and memory")
     return res
+
+
+def compile_on_gpu(res: SearchResult, cfg, topo: Topology, k: int, max_devices: int,
+                   a: Assumptions) -> None:
+    """The best k that fit, compiled for the GPU and re-costed from the GPU program."""
+    from boost_jax.plan.dryrun import StepCompileError
+    from boost_jax.plan.gpu_compile import gpu_compile, judged
+
+    for c in list(res.fitting[:k]):
+        try:
+            g = gpu_compile(c.config(cfg), topo, c.sizes, a, max_devices)
+        except StepCompileError as e:
+            c.error = f"compile failed: {e}"
+            continue
+        c.prediction = judged(c.prediction, g, a, topo.hbm_bytes)
+        c.compiled, c.compiled_fits, c.gpu = True, c.prediction.memory["fits"], g.device_kind
+    res.notes.append(f"the best {k} were compiled for the GPU ({topo.name}) and re-ranked by "
+                     "the GPU program's exposed collectives and memory")
 
 
 def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int = 15) -> str:
@@ -191,7 +216,7 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                      f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "
                      f"{p.comm_bytes['global'] / 1e9:.2f} | "
                      f"{sum(p.node_egress.values()) / 1e9:.2f} | "
-                     f"{'yes' if c.compiled else 'no'} |")
+                     f"{('GPU' if c.gpu else 'yes') if c.compiled else 'no'} |")
     if res.fitting:
         lines += ["", "critical path of the top layouts (ms per step: compute, exposed TP, "
                   "exposed DP, pipeline bubble, once-per-step comm + optimizer):"]
