@@ -52,10 +52,12 @@ gpu-compile-test: $(GPUC_VENV)/.installed
 	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu $(GPUC_VENV)/bin/python -m pytest \
 		tests/test_gpu_compile.py tests/test_pallas_gpu.py -p no:xdist $(ARGS)
 
-# Analytic model vs the GPU-compiled step, CoLA-1B and CoLA-7B on Perlmutter (benchmarks/README.md
-# section 11); not part of `make bench`, which runs without the extra.
+# Analytic model vs the GPU-compiled step, CoLA-1B and CoLA-7B on Perlmutter, and what the GPU
+# schedule hides per plan x TP mode (benchmarks/README.md sections 11 and 12); not part of
+# `make bench`, which runs without the extra.
 gpu-compile-bench: $(GPUC_VENV)/.installed
 	$(GPUC_VENV)/bin/python benchmarks/gpu_compile.py $(ARGS)
+	$(GPUC_VENV)/bin/python benchmarks/gpu_overlap.py
 
 # Every CPU figure of benchmarks/README.md and benchmarks/results/ (not the GPU check, gpu.sh,
 # and not `make convergence`); each script writes its results file and copies it into the README.

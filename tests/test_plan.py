@@ -460,3 +460,36 @@ def test_attention_is_costed_as_the_step_compiles_it():
     assert C.resolve_attention(cfg, get_topology("cpu"), auto).attention == "dense"
     dense = C.Assumptions(attention="dense")
     assert C.resolve_attention(cfg, get_topology("frontier"), dense).attention == "dense"
+
+
+def test_overlap_gpu_costs_the_shares_the_gpu_schedule_hides(monkeypatch):
+    """--overlap gpu: each phase's exposed time is its time less the share the GPU schedule
+    hides for the layout (plan/gpu_overlap.py); a layout the table lacks keeps the xla
+    assumption."""
+    from boost_jax.plan import gpu_overlap
+
+    cfg = C.with_overrides(_cfg7b("cola", "btp", "[pair]"), **{"train.global_batch": 192,
+                                                                "parallel.plan": "zero3"})
+    topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 48}
+    xla = C.predict(cfg, topo, sizes)
+    shares = {"tp": 0.75, "dp": 0.5, "step": 0.25}
+    monkeypatch.setattr(gpu_overlap, "hidden",
+                        lambda plan, mode, phase: shares[phase] if (plan, mode) ==
+                        ("zero3", "btp") else None)
+    monkeypatch.setattr(gpu_overlap, "kernel_ratio",
+                        lambda plan, mode: 2.0 if (plan, mode) == ("zero3", "btp") else None)
+    gpu = C.predict(cfg, topo, sizes, C.Assumptions(overlap="gpu"))
+    t, g = xla.time, gpu.time
+    assert g["tp"] == pytest.approx(t["tp"] * 0.25)
+    assert g["step_comm"] == pytest.approx(t["step_comm"] * 0.75)
+    # twice the roofline's kernels: one more launch per kernel, every block of every pass
+    bm = R.block_model(cfg.model, gpu.micro_batch_per_device, cfg.data.seq_len, "btp", 2,
+                       gpu.assumptions.attention)
+    extra = C.block_kernels(cfg, bm) * 4e-6 * cfg.model.n_layers * cfg.train.micro_batches
+    assert g["compute"] == pytest.approx(t["compute"] + extra)
+    compute = g["compute"] - g["bubble"]
+    assert g["dp_exposed"] == pytest.approx(t["dp"] * 0.5 + max(t["dp"] * 0.5 - compute, 0.0))
+    assert g["dp_exposed"] != pytest.approx(t["dp_exposed"])
+    other = C.with_overrides(cfg, **{"parallel.plan": "hierarchical"})
+    assert C.predict(other, topo, sizes, C.Assumptions(overlap="gpu")).time == \
+        C.predict(other, topo, sizes).time

@@ -81,9 +81,11 @@ def build_parser() -> OverrideParser:
     p.add_argument("--attention", choices=("auto", "dense", "flash"), default="auto",
                    help="attention kernel the cost model assumes (auto: the config's "
                         "model.attention, else flash on GPU topologies)")
-    p.add_argument("--overlap", choices=("xla", "none"), default="xla",
+    p.add_argument("--overlap", choices=("xla", "gpu", "none"), default="xla",
                    help="xla: collectives overlap as the step compiled with the launcher's XLA "
-                        "flags does; none: every collective on the critical path")
+                        "flags does; gpu: each phase hides the share the GPU schedule showed "
+                        "(benchmarks/gpu_overlap.py); none: every collective on the critical "
+                        "path")
     p.add_argument("--gpu-compile", action="store_true",
                    help="compile the step for the topology's GPU (compile-only devices, the "
                         "gpu-compile extra) instead of simulated CPUs; report its memory, "

@@ -32,6 +32,7 @@ from typing import Any, Optional
 from boost_jax.analysis.flops import flops_per_token, param_count
 from boost_jax.errors import ConfigError
 from boost_jax.mesh import AXES, STAGE, Topology, level_of
+from boost_jax.plan import gpu_overlap
 from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split
 from boost_jax.sharding.gather import qgz_stages
 from boost_jax.sharding.step_collectives import Passes, step_collectives
@@ -329,11 +330,12 @@ def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hb
     (bf, bb, br), (hf, hb, hr) = (block_times(cfg, bm, peak, hbm, a),
                                   block_times(cfg, hm, peak, hbm, a))
     micro, pp, V = cfg.train.micro_batches, cfg.parallel.pp_stages, cfg.parallel.pp_virtual
+    launches = gpu_launch_seconds(cfg, bm, L, a)
     if pp == 1:
-        return micro * (L * (bf + bb + br) + hf + hb + hr), 0.0
+        return micro * (L * (bf + bb + br) + hf + hb + hr) + launches, 0.0
     ticks = V * micro + pp - 1
     t_f = L * bf + hf
-    t_compute = ticks * (t_f + t_f + L * (bb + br) + hb + hr)
+    t_compute = ticks * (t_f + t_f + L * (bb + br) + hb + hr) + launches
     return t_compute, t_compute * (pp - 1) / ticks  # the ticks a stage idles (masked)
 
 
@@ -424,15 +426,16 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     colls = tp_collectives(cfg, sizes, bm, hm, t) + stage_sends(cfg, sizes, b) + \
         dp_collectives(cfg, sizes, pl)
     comm = measured if measured is not None else CommSummary.of(colls, topo, a)
-    t_tp, t_dp = comm.phase_time.get("tp", 0.0), comm.phase_time.get("dp", 0.0)
-    t_stepc = comm.phase_time.get("step", 0.0)
+    t_tp, t_stepc = (gpu_exposed(cfg, ph, comm.phase_time.get(ph, 0.0), a) for ph in ("tp", "step"))
+    t_dp = comm.phase_time.get("dp", 0.0)
     # the (de)quantization kernels run on the GPU next to the compute: never hidden
     t_quant = quant_seconds(cfg, sizes, st, pl, hbm, a)
     t_opt = optimizer_seconds(st, m.param_dtype, hbm, a)
     # the stage sends (part of t_tp: on the critical path), reported apart
     p2p = sum(coll_time(c, topo, a) for c in colls if c.name == "stage_send") \
         if measured is None else 0.0
-    exposed_dp = overlap_exposed(t_dp, t_compute - t_bubble, L, a)
+    exposed_dp = overlap_exposed(t_dp, t_compute - t_bubble, L, a,
+                                 gpu_overlap.hidden(cfg.parallel.plan, mode, "dp"))
     total = t_compute + t_quant + t_tp + exposed_dp + t_stepc + t_opt
     total_overlap = t_compute + t_quant + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt
     tokens = cfg.train.global_batch * s
@@ -468,17 +471,53 @@ def resolve_attention(cfg, topo: Topology, a: Assumptions) -> Assumptions:
     return dataclasses.replace(a, attention=want)
 
 
-def overlap_exposed(t_dp: float, t_compute: float, layers: int, a: Assumptions) -> float:
+def overlap_exposed(t_dp: float, t_compute: float, layers: int, a: Assumptions,
+                    hidden: Optional[float] = None) -> float:
     """Seconds of the per-micro-batch data-parallel collectives left on the critical path.
 
     With the launcher's XLA flags (mesh.GPU_XLA_SCHEDULE) the scanned layers pipeline them: a
     layer's weight gather runs behind the previous layer's compute, its gradient
     reduce-scatter behind the next backward layer. Each pass over the layers leaves one
     layer's share exposed (the first gather, the last reduce-scatter): t_dp / L over the step;
-    traffic beyond the compute it hides behind is exposed as well."""
+    traffic beyond the compute it hides behind is exposed as well. overlap="gpu" with a
+    measured `hidden` share: only that share can hide."""
     if a.overlap == "none":
         return t_dp
+    if a.overlap == "gpu" and hidden is not None:
+        return t_dp * (1.0 - hidden) + max(t_dp * hidden - t_compute, 0.0)
     return max(t_dp - t_compute, t_dp / max(layers, 1), 0.0)
+
+
+def block_kernels(cfg, bm: BlockModel) -> float:
+    """Launches of one block per micro-batch in the roofline model: forward, backward (two
+    GEMMs per GEMM), and the forward replayed under remat."""
+    ops = bm.ops
+    bwd = sum(2 if o.kind == "gemm" else 1 for o in ops)
+    remat = cfg.train.remat
+    rec = len(ops) if remat == "full" else (
+        sum(not o.lowrank_saved for o in ops) if remat == "lowrank" else 0)
+    return float(len(ops) + bwd + rec)
+
+
+def gpu_launch_seconds(cfg, bm: BlockModel, L: int, a: Assumptions) -> float:
+    """overlap="gpu": the launches the GPU program makes beyond the roofline's kernel list
+    (GPU / analytic kernels per layer, measured per plan x TP mode), at launch_s each, for the
+    L blocks of every pass; 0 when the table lacks the layout, or with other overlap modes."""
+    if a.overlap != "gpu":
+        return 0.0
+    ratio = gpu_overlap.kernel_ratio(cfg.parallel.plan, cfg.parallel.tp_mode)
+    if ratio is None:
+        return 0.0
+    return max(ratio - 1.0, 0.0) * block_kernels(cfg, bm) * a.launch_s * L * fetch_calls(cfg)[1]
+
+
+def gpu_exposed(cfg, phase: str, t: float, a: Assumptions) -> float:
+    """overlap="gpu": a phase's collective time less the share the GPU schedule hides for the
+    layout (the whole time when the table lacks the layout, or with other overlap modes)."""
+    if a.overlap != "gpu":
+        return t
+    h = gpu_overlap.hidden(cfg.parallel.plan, cfg.parallel.tp_mode, phase)
+    return t if h is None else t * (1.0 - h)
 
 
 def critical_path(p: "Prediction") -> dict:

@@ -98,19 +98,13 @@ def read_program(comp: dryrun.Compiled, cfg, sizes, full, topo, a: Assumptions) 
 
 
 def analytic_kernels_per_layer(cfg, sizes, a: Assumptions) -> float:
-    """Launches of one block per micro-batch in the roofline model: forward, backward (two
-    GEMMs per GEMM), and the forward replayed under remat."""
-    from boost_jax.plan.costmodel import state_sizes, tp_info, _size
+    """Launches of one block per micro-batch in the roofline model (costmodel.block_kernels)."""
+    from boost_jax.plan.costmodel import block_kernels, state_sizes, tp_info, _size
 
     mode, t = tp_info(cfg, sizes)
     _, pl = state_sizes(cfg, sizes)
     b = cfg.train.global_batch // cfg.train.micro_batches // _size(sizes, pl.batch_axes)
-    ops = block_model(cfg.model, b, cfg.data.seq_len, mode, t, a.attention).ops
-    bwd = sum(2 if o.kind == "gemm" else 1 for o in ops)
-    remat = cfg.train.remat
-    rec = len(ops) if remat == "full" else (
-        sum(not o.lowrank_saved for o in ops) if remat == "lowrank" else 0)
-    return float(len(ops) + bwd + rec)
+    return block_kernels(cfg, block_model(cfg.model, b, cfg.data.seq_len, mode, t, a.attention))
 
 
 def layer_points(L: int) -> tuple[int, int]:

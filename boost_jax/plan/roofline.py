@@ -37,7 +37,9 @@ class Assumptions:
     # elementwise kernels per block and pass once XLA has fused the elementwise ops (norm,
     # rope, activation, residual+norm); GEMMs and attention are a kernel each
     elem_kernels: int = 4
-    overlap: str = "xla"  # xla: as the step compiled with mesh.GPU_XLA_SCHEDULE | none
+    # xla: as the step compiled with mesh.GPU_XLA_SCHEDULE | gpu: the hidden shares the GPU
+    # schedule shows (plan/gpu_overlap.py) | none
+    overlap: str = "xla"
     attention: str = "auto"  # auto: the config's model.attention, else flash on GPUs
     hbm_usable: float = 0.9  # usable fraction of HBM (allocator, runtime, fragmentation)
 
@@ -64,6 +66,11 @@ class Assumptions:
                          "(one layer's worth per pass exposed, and whatever exceeds the compute); "
                          "once-per-step reduction, weight re-gather and optimizer exposed")
             lines += [f"  {flag}: {why}" for flag, why in GPU_XLA_SCHEDULE]
+        elif self.overlap == "gpu":
+            lines.append("overlap (as the GPU schedule shows, benchmarks/results/gpu_overlap.md):"
+                         " each phase's collective time less the share the compute scheduled "
+                         "under it hides, per plan x TP mode (per micro-batch traffic beyond "
+                         "the compute stays exposed)")
         else:
             lines.append("overlap: none (every collective on the critical path)")
         lines.append(f"memory: fits when the estimate is <= {self.hbm_usable:.0%} of device HBM")
