@@ -46,9 +46,10 @@ def test_blockwise_output_and_grads_equal_dense(b, sq, sk, H, K, hd, tile, off):
     q, k, v, w = _qkvw(b, sq, sk, H, K, hd)
     ref = lambda q, k, v: jnp.sum(dense_attention(q, k, v, off) * w)  # noqa: E731
     got = lambda q, k, v: jnp.sum(flash.flash_attention(q, k, v, off, tile) * w)  # noqa: E731
-    np.testing.assert_allclose(flash.flash_attention(q, k, v, off, tile),
+    # jitted: op by op, every small op of the blockwise loop would compile on its own
+    np.testing.assert_allclose(jax.jit(lambda *a: flash.flash_attention(*a, off, tile))(q, k, v),
                                dense_attention(q, k, v, off), rtol=1e-5, atol=1e-6)
-    g0 = jax.grad(ref, (0, 1, 2))(q, k, v)
+    g0 = jax.jit(jax.grad(ref, (0, 1, 2)))(q, k, v)
     g1 = jax.jit(jax.grad(got, (0, 1, 2)))(q, k, v)
     for a, c in zip(g0, g1):
         np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5 * float(jnp.abs(a).max()))
