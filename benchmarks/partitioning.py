@@ -212,7 +212,7 @@ Reading the table:
   inside the node, qgZ int4 gradients) moves k·(q₈(Ψ)(N−1)/N + q₄(Ψ)/D·(G−1)/G) across nodes:
   each micro-batch's gradient is reduced by two all-to-alls of int4 blocks, inside the node
   (q₄(Ψ)(D−1)/D on the node level), then across nodes (the node-reduced 1/D);
-  q₈(Ψ) = Ψ + 4·blocks, q₄(Ψ) = Ψ/2 + 4·blocks (boost_jax/sharding/formulas.py).
+  q₈(Ψ) = Ψ + 4·blocks, q₄(Ψ) = Ψ/2 + 4·blocks (boost_jax/sharding/step_collectives.py).
 - zeropp-no-qgz is zeropp with `parallel.quantize_grads=false`: the gradient is
   reduce-scattered in fp32 over all devices, k·(q₈(Ψ)+4Ψ)(N−1)/N across nodes.
 - The BTP rows use d_ff = 5462 (5461 does not divide by the TP degree 2).

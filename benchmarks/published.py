@@ -1,0 +1,428 @@
+"""Predicted vs published: the cost model against BOOST (Perlmutter) and LBP (Frontier).
+
+One set of assumptions for every row (`VALIDATION_ASSUMPTIONS`, printed with the tables); no
+constant is tuned per row. What the published papers did not state is fixed here once:
+
+BOOST (MLSys 2026), iteration seconds, seq 4096, batch 4, A100 (Perlmutter, 40 GB profile):
+    shapes       LLaMA-2 family: 7B d=4096 L=32 H=32 d_ff=11008; 13B d=5120 L=40 H=40
+                 d_ff=13824; 3B is not a LLaMA-2 size — the OpenLLaMA-3B shape d=3200 L=26 H=32
+                 d_ff=8640 is used. vocab 32000. Low-rank rows: CoLA, r = d/4 (the 7B comm
+                 figure 0.22 GB/layer BOOST reports pins r = 1024).
+    methods      full = arch full + Megatron TP; vanilla = CoLA + vanilla low-rank TP;
+                 BTP = CoLA + BTP. One TP group (TP2: one NVLink pair; TP4: one node), no DP.
+    remat        whole-block recompute for all three (the reference code's only checkpointing
+                 mode, as BOOST describes it); flash attention (the published stacks use it).
+    13B PP2      2 pipeline stages over 2 nodes, the batch as 4 micro-batches of 1, 1F1B:
+                 the engine's pipeline (parallel.pp_stages=2), costed by plan/costmodel.py.
+LBP (arXiv 2501.04266), 20B GPT on Frontier:
+    shape        GPT-NeoX-20B itself (model.family=gpt_neox, configs/gpt-neox-20b.yaml):
+                 d=6144 L=44 H=64 d_ff=24576 vocab 50432, seq 2048, 20.6B parameters.
+    run          micro-batch 1 sequence per GCD, no gradient accumulation (DeepSpeed defaults),
+                 bf16 weights + fp32 master/Adam, gradients reduced in bf16 (DeepSpeed's
+                 default communication dtype), whole-block recompute.
+    plans        ZeRO-3 = plan zero3; ZeRO++ = plan zeropp (qwZ int8 gathers + hpZ node
+                 secondary + qgZ int4 gradient all-to-alls, inside the node then across);
+                 LBP = plan hierarchical (params over the GCD pair, grads over the node,
+                 optimizer over all, int8 pair secondary).
+    scaling      weak scaling (fixed per-GCD batch): TFLOP/s per GCD at 48 nodes over that at
+                 the smallest power-of-two node count where the plan fits in HBM (the paper's
+                 single-node 20B run cannot fit: optimizer state over 8 GCDs alone is 31 GB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from boost_jax.config import load_config
+from boost_jax.mesh import Topology, get_topology
+from boost_jax.plan.costmodel import Assumptions, predict
+
+VALIDATION_ASSUMPTIONS = Assumptions(attention="flash")
+TOLERANCE = 0.25
+
+BOOST_SHAPES = {
+    "3B": dict(d=3200, L=26, H=32, d_ff=8640, tp=2, pp=1),
+    "7B": dict(d=4096, L=32, H=32, d_ff=11008, tp=4, pp=1),
+    "13B": dict(d=5120, L=40, H=40, d_ff=13824, tp=4, pp=2),
+}
+# Iteration seconds full / vanilla / BTP, BOOST's per-model measurements (arXiv 2512.12131,
+# its results on Perlmutter); its abstract's speed-up ranges are kept to check them and the
+# predictions against.
+BOOST_PUBLISHED = {"3B": (1.14, 1.41, 0.78), "7B": (1.06, 1.64, 0.72), "13B": (2.07, 2.42, 1.30)}
+BOOST_RANGES = {"btp speed-up over full rank": (1.46, 1.91),
+                "btp speed-up over vanilla TP": (1.87, 2.27)}
+BOOST_METHODS = (("full", "full", "megatron"), ("vanilla", "cola", "vanilla"),
+                 ("btp", "cola", "btp"))
+
+LBP_SHAPE = dict(d=6144, L=44, H=64, d_ff=24576, vocab=50432, seq=2048)  # GPT-NeoX-20B
+LBP_PUBLISHED = {"lbp_over_zeropp": 1.71, "scaling_efficiency": 0.94, "zeropp_over_zero3": 1.405}
+LBP_NODES = 48
+
+# Where each published figure comes from
+SOURCES = [
+    ("BOOST ranges: BTP 1.46–1.91x over full rank, 1.87–2.27x over vanilla TP (1B–40B models, "
+     "CoLA/SVD/LaX)", "BOOST (arXiv 2512.12131, MLSys 2026), abstract and section 4"),
+    ("BOOST iteration seconds per model (3B TP2, 7B TP4, 13B TP4 PP2; full / vanilla / BTP)",
+     "BOOST (arXiv 2512.12131), per-model iteration times on Perlmutter"),
+    ("LBP over ZeRO++ 1.71x TFLOP/s per GPU; 0.94 scaling efficiency to 384 GCDs (20B GPT)",
+     "Scaling LLM Training on Frontier with Low-Bandwidth Partitioning ("
+     "arXiv 2501.04266), abstract and results"),
+    ("ZeRO++ over ZeRO-3 \"up to\" +40.5% TFLOP/s per GPU (Frontier)", "arXiv 2501.04266, results"),
+    ("ZeRO++ cross-node volume 0.75M vs ZeRO-3's 3M per iteration (M = model bytes in fp16)",
+     "the ZeRO++ paper (arXiv 2306.10209), its communication-volume analysis"),
+]
+
+# Ratios the model does not bring within TOLERANCE, each with the reason (the validation table
+# prints it; tests/test_plan.py fails if one of them comes within, or another falls out)
+KNOWN_GAPS = {
+    "lbp_over_zeropp": "our hierarchical plan reduces gradients across nodes once per step, "
+                       "after the backward (train/engine.py reduce_deferred): exposed, every "
+                       "GCD's NIC share busy; ZeRO++'s per-layer traffic hides behind compute "
+                       "(XLA's pipelined collectives). LBP's DeepSpeed run reduces during the "
+                       "backward; the published ZeRO++ also runs slower than its bytes predict",
+    "zeropp_over_zero3": "with per-layer collectives overlapped, ZeRO-3's extra bytes hide behind "
+                         "compute and ZeRO++ pays its (de)quantization kernels on the critical "
+                         "path; the published gain (\"up to\" +40.5%) implies ZeRO-3's traffic "
+                         "was exposed on Frontier",
+}
+
+
+def boost_config(size: str, method: str, remat: str = "full", topology: str = "perlmutter",
+                 micro_batches: Optional[int] = None, extra: tuple = ()):
+    sh = BOOST_SHAPES[size]
+    arch, mode = {m: (a, t) for m, a, t in BOOST_METHODS}[method]
+    axes = "[pair]" if sh["tp"] == 2 else "[pair,node]"
+    micro = micro_batches or (4 if sh["pp"] > 1 else 1)
+    return load_config(None, [
+        f"model.arch={arch}", "model.vocab_size=32000", f"model.d_model={sh['d']}",
+        f"model.n_layers={sh['L']}", f"model.n_heads={sh['H']}", f"model.d_ff={sh['d_ff']}",
+        f"model.rank={sh['d'] // 4}", "model.max_seq_len=4096", "data.seq_len=4096",
+        "model.param_dtype=bfloat16", "model.dtype=bfloat16", f"parallel.tp_mode={mode}",
+        f"parallel.tp_axes={axes}", f"parallel.pp_stages={sh['pp']}",
+        "train.global_batch=4", f"train.micro_batches={micro}",
+        f"train.remat={remat}", f"mesh.topology={topology}", *extra])
+
+
+def boost_sizes(size: str) -> dict:
+    """One TP group per stage: a pair (TP2) or a node (TP4), the stages on their own nodes."""
+    sh = BOOST_SHAPES[size]
+    return {"pair": 2, "node": 1 if sh["tp"] == 2 else 2, "global": sh["pp"]}
+
+
+def boost_predictions(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
+                      topology: str = "perlmutter", sizes=("3B", "7B", "13B"),
+                      remat: str = "full", topo: Optional[Topology] = None) -> dict:
+    """`topo` replaces the named topology's profile (the sensitivity's bandwidth variants)."""
+    topo = topo or get_topology(topology)
+    out = {}
+    for size in sizes:
+        out[size] = {m: predict(boost_config(size, m, remat, topology), topo, boost_sizes(size),
+                                assumptions)
+                     for m, _, _ in BOOST_METHODS}
+    return out
+
+
+def lbp_config(plan: str, nodes: int, micro_batches: int = 1, extra: tuple = ()):
+    s = LBP_SHAPE
+    n = nodes * 8
+    return load_config(None, [
+        "model.arch=full", "model.family=gpt_neox", "model.norm_eps=1e-5",
+        f"model.vocab_size={s['vocab']}", f"model.d_model={s['d']}",
+        f"model.n_layers={s['L']}", f"model.n_heads={s['H']}", f"model.d_ff={s['d_ff']}",
+        f"model.max_seq_len={s['seq']}", f"data.seq_len={s['seq']}",
+        "model.param_dtype=bfloat16", "model.dtype=bfloat16", f"parallel.plan={plan}",
+        "parallel.grad_accum_dtype=bfloat16", f"train.global_batch={n * micro_batches}",
+        f"train.micro_batches={micro_batches}", "train.remat=full", "mesh.topology=frontier",
+        *extra])
+
+
+def lbp_predict(plan: str, nodes: int, assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
+                micro_batches: int = 1, extra: tuple = ()):
+    return predict(lbp_config(plan, nodes, micro_batches, extra), get_topology("frontier"),
+                   {"pair": 2, "node": 4, "global": nodes}, assumptions)
+
+
+def lbp_predictions(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
+                    micro_batches: int = 1, extra: tuple = ()) -> dict:
+    """`extra`: config overrides for every LBP row (the sensitivity's variants)."""
+    res = {p: lbp_predict(p, LBP_NODES, assumptions, micro_batches, extra)
+           for p in ("zero3", "zeropp", "hierarchical")}
+    base = None
+    for nodes in (1, 2, 4, 8, 16, 32):
+        p = lbp_predict("hierarchical", nodes, assumptions, micro_batches, extra)
+        if p.fits:
+            base = (nodes, p)
+            break
+    # a variant under which hierarchical never fits keeps the validated base (64 GCDs)
+    res["base"] = base or (8, lbp_predict("hierarchical", 8, assumptions, micro_batches, extra))
+    return res
+
+
+# Megatron-LM on A100 (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+# Clusters Using Megatron-LM", SC'21, Table 1): the 1T GPT — 128 layers, hidden 25600, 160
+# heads, seq 2048, vocab 51200 — on 3072 A100-80GB of Selene (DGX A100) with TP 8 (inside a
+# node), PP 64, DP 6, global batch 3072 of micro-batch 1: 163 TFLOP/s per GPU (52% of peak),
+# counted by their formula F = 96·B·s·l·h²·(1 + s/6h + V/16lh), which includes the recompute.
+# Mapped to this engine: full arch with SwiGLU d_ff = 8h/3 (the 4h MLP's parameter count),
+# Megatron TP over pair+node, 64 stages of 1F1B (each backward tick re-runs its stage forward:
+# the recompute, so remat=none inside it), DP over the rest (plan ddp), bf16 gradients.
+MEGATRON_1T = dict(d=25600, L=128, H=160, d_ff=68264, vocab=51200, seq=2048, tp=8, pp=64,
+                   gpus=3072, batch=3072, tflops=163.0)
+MEGATRON_SOURCE = ("Narayanan et al., SC'21 (arXiv 2104.04473), Table 1: 1T GPT, 3072 A100, "
+                   "TP 8, PP 64, batch 3072, 163 TFLOP/s per GPU")
+
+
+def megatron_config(extra: tuple = ()):
+    m = MEGATRON_1T
+    return load_config(None, [
+        "model.arch=full", f"model.vocab_size={m['vocab']}", f"model.d_model={m['d']}",
+        f"model.n_layers={m['L']}", f"model.n_heads={m['H']}", f"model.d_ff={m['d_ff']}",
+        f"model.max_seq_len={m['seq']}", f"data.seq_len={m['seq']}",
+        "model.param_dtype=bfloat16", "model.dtype=bfloat16", "parallel.plan=ddp",
+        "parallel.tp_mode=megatron", "parallel.tp_axes=[pair,node]",
+        f"parallel.pp_stages={m['pp']}", "parallel.pp_schedule=1f1b",
+        f"train.global_batch={m['batch']}",
+        f"train.micro_batches={m['batch'] // (m['gpus'] // m['tp'] // m['pp'])}",
+        "train.remat=none", "parallel.grad_accum_dtype=bfloat16", "mesh.topology=dgx-a100",
+        *extra])
+
+
+def megatron_flops(m: dict = MEGATRON_1T) -> float:
+    """Megatron-LM's FLOPs per iteration (recompute included), their eq. (3)."""
+    B, s, L, h, V = m["batch"], m["seq"], m["L"], m["d"], m["vocab"]
+    return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
+
+
+def megatron_prediction(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
+                        topo: Optional[Topology] = None):
+    m = MEGATRON_1T
+    nodes = m["gpus"] // 8
+    return predict(megatron_config(), topo or get_topology("dgx-a100"),
+                   {"pair": 2, "node": 4, "global": nodes}, assumptions)
+
+
+def absolute_rows(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
+                  boost: Optional[dict] = None, megatron=None) -> list[dict]:
+    """Published absolute figures on the machines they ran on: BOOST iteration seconds
+    (Perlmutter) and Megatron-LM's TFLOP/s per GPU (DGX A100)."""
+    boost = boost or boost_predictions(assumptions)
+    rows = []
+    for size, by_m in boost.items():
+        for i, meth in enumerate(("full", "vanilla", "btp")):
+            pub, pred = BOOST_PUBLISHED[size][i], by_m[meth].step_time
+            rows.append(dict(name=f"BOOST {size} {meth} iteration s (Perlmutter)",
+                             kind="absolute", published=pub, predicted=pred,
+                             error=rel_err(pred, pub), key=f"abs {size} {meth}",
+                             source="BOOST (MLSys 2026), per-model iteration seconds"))
+    p = megatron if megatron is not None else megatron_prediction(assumptions)
+    pred = megatron_flops() / MEGATRON_1T["gpus"] / p.step_time / 1e12
+    rows.append(dict(name="Megatron-LM 1T GPT TFLOP/s per GPU (3072 A100)", kind="absolute",
+                     published=MEGATRON_1T["tflops"], predicted=pred,
+                     error=rel_err(pred, MEGATRON_1T["tflops"]), key="abs megatron 1T",
+                     source=MEGATRON_SOURCE))
+    return rows
+
+
+def json_rows(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[dict]:
+    """Every row as {name, kind, published, predicted, source, error}: ratios then absolute."""
+    boost, _, ratios = ratio_rows(assumptions)
+    src = {True: "BOOST (MLSys 2026), iteration-second ratios",
+           False: "Low-Bandwidth Partitioning (arXiv 2501.04266)"}
+    out = [dict(name=r["key"], kind="ratio", published=r["published"],
+                predicted=r["predicted"], error=r["error"], source=src["model" in r])
+           for r in ratios]
+    out += [{k: r[k] for k in ("name", "kind", "published", "predicted", "error", "source")}
+            for r in absolute_rows(assumptions, boost)]
+    return out
+
+
+def bus_bandwidth(topology: str, nodes: int, payload: float = 2.0 ** 30,
+                  assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> float:
+    """The model's nccl-tests bus bandwidth (2(n-1)/n·P / t, bytes/s) of an all-reduce over
+    every device of `nodes` nodes: what rccl-tests / nccl-tests all_reduce_perf would print."""
+    from boost_jax.mesh import level_of
+    from boost_jax.plan.collectives import Coll, coll_time, host_split
+
+    topo = get_topology(topology)
+    sizes = {"pair": topo.pair, "node": topo.node, "global": nodes}
+    axes = tuple(a for a in ("pair", "node", "global") if sizes[a] > 1)
+    n = topo.devices_per_node * nodes
+    c = Coll("all_reduce_perf", "all-reduce", payload, n, level_of(axes), 1, "step", axes,
+             *host_split(axes, sizes))
+    return 2 * (n - 1) / n * payload / coll_time(c, topo, assumptions)
+
+
+def rel_err(pred: float, pub: float) -> float:
+    return pred / pub - 1.0
+
+
+def _ok(err: float, key: str = "") -> str:
+    if abs(err) <= TOLERANCE:
+        return "yes"
+    return "**no** (known gap, see below)" if key in KNOWN_GAPS else "**no**"
+
+
+def boost_tables(preds: dict) -> tuple[str, str, list]:
+    """(absolute table, ratio table, rows as dicts)."""
+    abs_lines = ["| model | TP / PP | method | published s | predicted s | error | compute s | "
+                 "TP comm s | predicted GB/device | fits 40 GB |",
+                 "|---|---|---|---|---|---|---|---|---|---|"]
+    ratio_lines = ["| model | ratio | published | predicted | rel. error | within 25% |",
+                   "|---|---|---|---|---|---|"]
+    rows = []
+    for size, by_m in preds.items():
+        sh = BOOST_SHAPES[size]
+        pub = dict(zip(("full", "vanilla", "btp"), BOOST_PUBLISHED[size]))
+        par = f"TP{sh['tp']}" + (f" PP{sh['pp']}" if sh["pp"] > 1 else "")
+        for m in ("full", "vanilla", "btp"):
+            p = by_m[m]
+            err = rel_err(p.step_time, pub[m])
+            abs_lines.append(
+                f"| {size} | {par} | {m} | {pub[m]:.2f} | {p.step_time:.2f} | {err:+.0%} | "
+                f"{p.time['compute']:.2f} | {p.time['tp']:.2f} | {p.memory['total'] / 1e9:.1f} | "
+                f"{'yes' if p.fits else 'no'} |")
+        for num, den in (("vanilla", "full"), ("btp", "full"), ("vanilla", "btp")):
+            pr = by_m[num].step_time / by_m[den].step_time
+            pu = pub[num] / pub[den]
+            err = rel_err(pr, pu)
+            rows.append(dict(model=size, ratio=f"{num}/{den}", published=pu, predicted=pr,
+                             error=err, key=f"{size} {num}/{den}"))
+            ratio_lines.append(f"| {size} | {num}/{den} | {pu:.3f} | {pr:.3f} | {err:+.1%} | "
+                               f"{_ok(err, f'{size} {num}/{den}')} |")
+    return "\n".join(abs_lines), "\n".join(ratio_lines), rows
+
+
+def lbp_table(res: dict) -> tuple[str, list]:
+    z3, zpp, hier = res["zero3"], res["zeropp"], res["hierarchical"]
+    base_nodes, base = res["base"]
+    pred = {"lbp_over_zeropp": hier.tflops_per_device / zpp.tflops_per_device,
+            "zeropp_over_zero3": zpp.tflops_per_device / z3.tflops_per_device,
+            "scaling_efficiency": hier.tflops_per_device / base.tflops_per_device}
+    names = {"lbp_over_zeropp": "TFLOP/s per GCD, hierarchical / ZeRO++ (384 GCDs)",
+             "zeropp_over_zero3": "TFLOP/s per GCD, ZeRO++ / ZeRO-3 (paper: \"up to\" +40.5%)",
+             "scaling_efficiency": f"weak-scaling efficiency of hierarchical, 384 GCDs vs "
+                                   f"{base_nodes * 8} GCDs"}
+    lines = ["| quantity | published | predicted | rel. error | within 25% |",
+             "|---|---|---|---|---|"]
+    rows = []
+    for k in ("lbp_over_zeropp", "scaling_efficiency", "zeropp_over_zero3"):
+        err = rel_err(pred[k], LBP_PUBLISHED[k])
+        rows.append(dict(quantity=k, published=LBP_PUBLISHED[k], predicted=pred[k], error=err,
+                         key=k))
+        lines.append(f"| {names[k]} | {LBP_PUBLISHED[k]:.3g} | {pred[k]:.3g} | {err:+.1%} | "
+                     f"{_ok(err, k)} |")
+    lines += ["", "| plan (48 nodes) | TFLOP/s per GCD | MFU | step s | compute s | "
+              "DP comm s (per micro-batch, exposed) | of which (de)quantization s | "
+              "once-per-step comm s | global GB/GCD/step | GB/GCD | fits 64 GB |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, p in (("zero3", z3), ("zeropp", zpp), ("hierarchical", hier)):
+        lines.append(
+            f"| {name} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | {p.step_time:.2f} | "
+            f"{p.time['compute']:.2f} | {p.time['dp_exposed']:.2f} | {p.time['quant']:.2f} | "
+            f"{p.time['step_comm']:.2f} | "
+            f"{p.comm_bytes['global'] / 1e9:.1f} | {p.memory['total'] / 1e9:.1f} | "
+            f"{'yes' if p.fits else 'no'} |")
+    return "\n".join(lines), rows
+
+
+def ratio_rows(assumptions: Assumptions = VALIDATION_ASSUMPTIONS, remat: str = "full",
+               micro_batches: int = 1, topo: Optional[Topology] = None,
+               lbp_extra: tuple = ()) -> tuple[dict, dict, list]:
+    """(BOOST predictions, LBP predictions, the 12 ratio rows) under one set of choices."""
+    boost = boost_predictions(assumptions, remat=remat, topo=topo)
+    lbp = lbp_predictions(assumptions, micro_batches, lbp_extra)
+    return boost, lbp, boost_tables(boost)[2] + lbp_table(lbp)[1]
+
+
+def within(rows: list) -> int:
+    return sum(abs(r["error"]) <= TOLERANCE for r in rows)
+
+
+def variants(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[tuple[str, dict]]:
+    """The fixed choices, one changed at a time (ratio_rows keyword arguments)."""
+    rep = dataclasses.replace
+    pm100 = rep(get_topology("perlmutter"), bw_node=100e9)
+    return [
+        ("as validated", {}),
+        ("dense attention instead of flash",
+         dict(assumptions=rep(assumptions, attention="dense"))),
+        ("Perlmutter 4-GPU node collective 100 GB/s instead of 300 (BOOST TP4 rows)",
+         dict(topo=pm100)),
+        ("gradients reduced in fp32 instead of bf16 (LBP rows)",
+         dict(lbp_extra=("parallel.grad_accum_dtype=float32",))),
+        ("ZeRO++ without qgZ (parallel.quantize_grads=false; gradients reduce-scattered in "
+         "bf16 over all GCDs)", dict(lbp_extra=("parallel.quantize_grads=false",))),
+        ("no overlap (every collective on the critical path)",
+         dict(assumptions=rep(assumptions, overlap="none"))),
+        ("eta_flops 0.5", dict(assumptions=rep(assumptions, eta_flops=0.5))),
+        ("eta_net 1.0", dict(assumptions=rep(assumptions, eta_net=1.0))),
+        ("launch 2 us per kernel instead of 4", dict(assumptions=rep(assumptions,
+                                                                    launch_s=2e-6))),
+        ("LBP with 4 micro-batches per step", dict(micro_batches=4)),
+        ("no recompute (BOOST rows)", dict(remat="none")),
+    ]
+
+
+def sensitivity(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> str:
+    """How the ratios move with the fixed choices, one changed at a time (not used to pick
+    them): the 7B BOOST row, the three LBP ratios and how many of the 12 stay within 25%."""
+    lines = ["| variant | 7B full / vanilla / btp s (GB/device) | 7B btp/full | 7B vanilla/btp "
+             "| LBP hier/ZeRO++ | ZeRO++/ZeRO-3 | LBP scaling eff. | Megatron 1T TFLOP/s | "
+             f"ratios within {TOLERANCE:.0%} | absolute within |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, kw in variants(assumptions):
+        kw = {"assumptions": assumptions, **kw}
+        boost, lbp, rows = ratio_rows(**kw)
+        absr = absolute_rows(kw["assumptions"], boost)
+        meg = absr[-1]["predicted"]
+        b = boost["7B"]
+        r = {x["key"]: x["predicted"] for x in rows}
+        secs = " / ".join(f"{b[k].step_time:.2f} ({b[k].memory['total'] / 1e9:.0f})"
+                          for k in ("full", "vanilla", "btp"))
+        if not lbp["hierarchical"].fits:
+            name += " — hierarchical does not fit 90% of 64 GB"
+        lines.append(f"| {name} | {secs} | {r['7B btp/full']:.3f} | {r['7B vanilla/btp']:.3f} | "
+                     f"{r['lbp_over_zeropp']:.3f} | {r['zeropp_over_zero3']:.3f} | "
+                     f"{r['scaling_efficiency']:.3f} | {meg:.0f} | {within(rows)} of {len(rows)} | "
+                     f"{within(absr)} of {len(absr)} |")
+    # the other rule considered: each method at its fastest remat that fits an 80 GB A100
+    topo = get_topology("perlmutter-80")
+    best = {}
+    for m, _, _ in BOOST_METHODS:
+        opts = [predict(boost_config("7B", m, r, "perlmutter-80"), topo, boost_sizes("7B"),
+                        assumptions) for r in ("none", "lowrank", "full")]
+        fit = [p for p in opts if p.fits] or opts
+        best[m] = min(fit, key=lambda p: p.step_time)
+    secs = " / ".join(f"{best[k].step_time:.2f} ({best[k].memory['total'] / 1e9:.0f}, "
+                      f"{best[k].layout['remat']})" for k in ("full", "vanilla", "btp"))
+    lines.append(f"| fastest remat that fits A100-80GB, per method (BOOST 7B only) | {secs} | "
+                 f"{best['btp'].step_time / best['full'].step_time:.3f} | "
+                 f"{best['vanilla'].step_time / best['btp'].step_time:.3f} | - | - | - | - | - "
+                 "| - |")
+    return "\n".join(lines)
+
+
+def sources_table() -> str:
+    lines = ["| published figure | source |", "|---|---|"]
+    lines += [f"| {what} | {src} |" for what, src in SOURCES]
+    return "\n".join(lines)
+
+
+def ranges_table(boost: dict) -> str:
+    """BOOST's per-model seconds and the predictions against its abstract's ranges."""
+    lines = ["| BTP speed-up | BOOST's range | published seconds 3B / 7B / 13B | "
+             "predicted 3B / 7B / 13B |", "|---|---|---|---|"]
+    for name, (lo, hi), den in (("over full rank", BOOST_RANGES["btp speed-up over full rank"],
+                                 0), ("over vanilla TP",
+                                      BOOST_RANGES["btp speed-up over vanilla TP"], 1)):
+        key = ("full", "vanilla")[den]
+        pub = [BOOST_PUBLISHED[k][den] / BOOST_PUBLISHED[k][2] for k in BOOST_SHAPES]
+        pred = [boost[k][key].step_time / boost[k]["btp"].step_time for k in BOOST_SHAPES]
+
+        def show(xs):
+            return " / ".join(f"{x:.2f}" + ("" if lo <= round(x, 2) <= hi else " (outside)")
+                              for x in xs)
+
+        lines.append(f"| {name} | {lo:.2f}–{hi:.2f} | {show(pub)} | {show(pred)} |")
+    return "\n".join(lines)
