@@ -35,7 +35,7 @@ from boost_jax.analysis.comm import analyze_compiled  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.layers.model import fast_compile_options  # noqa: E402
 from boost_jax.mesh import make_mesh  # noqa: E402
-from boost_jax.plan.validate import BOOST_PUBLISHED, boost_predictions  # noqa: E402
+from benchmarks.published import BOOST_PUBLISHED, boost_predictions  # noqa: E402
 from boost_jax.train.pipeline import Schedule  # noqa: E402
 from boost_jax.train.step import build_step  # noqa: E402
 
