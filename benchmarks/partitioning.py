@@ -42,7 +42,7 @@ def worker(args) -> None:
 
     from boost_jax.analysis.comm import analyze_compiled
     from boost_jax.config import load_config
-    from boost_jax.layers.model import fast_compile_options
+    from boost_jax.backends.cpu import fast_compile_options
     from boost_jax.mesh import mesh_from_config
     from boost_jax.sharding.formulas import comm_per_step
     from boost_jax.train.step import build_step

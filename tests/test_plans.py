@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import CheckpointConfig, load_config
 from boost_jax.errors import ConfigError
-from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding.placement import choose_layout, make_placement, resolve_roles
 from boost_jax.train.step import build_step

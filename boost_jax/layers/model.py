@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from boost_jax.compat import known_compile_options
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
 from boost_jax.layers.attention import Attention
@@ -147,17 +147,6 @@ class LlamaModel(nnx.Module):
             return forward.logits(ops, self.cfg, params, tokens, positions, ckpt)
         h = forward.hidden(ops, self.cfg, params, tokens, positions, checkpoint=ckpt)
         return apply_norm(h, params["final_norm"], self.cfg.norm_eps, self.dtype)
-
-
-def fast_compile_options() -> dict:
-    """XLA options for programs whose run time doesn't matter (init, tests). On CPU, LLVM -O0
-    and the legacy fusion codegen cut compile time 4-8x (a tiny model's init: ~11 s → ~2 s).
-    HLO passes still run, so cost_analysis() is unchanged."""
-    if jax.default_backend() != "cpu":
-        return {}
-    return known_compile_options({"xla_backend_optimization_level": 0,
-                                  "xla_llvm_disable_expensive_passes": True,
-                                  "xla_cpu_use_fusion_emitters": False})
 
 
 def jit_init(make: Callable[[], nnx.Module]) -> nnx.Module:

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import Config
 from boost_jax import json_out
 from boost_jax.errors import Interrupted, UserError
@@ -159,8 +160,6 @@ def _compiler_options(given: Optional[dict]) -> Optional[dict]:
     if given is not None:
         return given
     if os.environ.get("BOOST_JAX_FAST_COMPILE", "") not in ("", "0"):
-        from boost_jax.layers.model import fast_compile_options
-
         return fast_compile_options() or None
     return None
 
