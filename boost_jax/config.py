@@ -318,7 +318,7 @@ class CheckpointConfig:
     async_save: bool = True
     resume: bool = True  # resume from the latest checkpoint in out_dir if present
     # Keys (or whole sections, e.g. data) whose change on resume is accepted on purpose although
-    # it redefines the model or the data stream (see boost_jax/train/run_config.py)
+    # it redefines the model or the data stream (see boost_jax/checkpoints/run_config.py)
     accept_changes: list[str] = field(default_factory=list)
 
     def validate(self) -> None:

@@ -167,7 +167,7 @@ def test_kv_cache_decoder_with_flash_equals_dense(arch, scan):
 def test_resume_may_switch_attention():
     """Same math computed another way: a resumed run may change model.attention."""
     from boost_jax.errors import UserError
-    from boost_jax.train.run_config import check_resume
+    from boost_jax.checkpoints.run_config import check_resume
 
     saved = load_config(None, ["model.attention=dense"]).to_dict()
     diff = check_resume(saved, load_config(None, ["model.attention=flash"]), 3, "runs/x")

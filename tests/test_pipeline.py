@@ -24,7 +24,7 @@ from boost_jax.config import load_config
 from boost_jax.plan.costmodel import predict
 from boost_jax.plan.dryrun import dry_run
 from boost_jax.plan.search import search
-from boost_jax.train.checkpoint import Checkpointer, state_checksums
+from boost_jax.checkpoints.store import Checkpointer, state_checksums
 from boost_jax.train.pipeline import Schedule
 from boost_jax.train.step import build_step
 

@@ -65,7 +65,7 @@ def mesh():
 @pytest.fixture(scope="module")
 def runs(mesh, tmp_path_factory):
     """5 fp32 steps per plan from one shared initial state; zero3 saves a checkpoint at 3."""
-    from boost_jax.train.checkpoint import Checkpointer
+    from boost_jax.checkpoints.store import Checkpointer
 
     fast = fast_compile_options()
     ddp = build_step(_cfg(), mesh, fast)
@@ -262,7 +262,7 @@ def test_checkpoint_restores_under_another_plan_and_mesh(runs):
     the padded checkpoint restores into unpadded ddp arrays (orbax strict=False)."""
     import orbax.checkpoint as ocp
 
-    from boost_jax.train.checkpoint import Checkpointer
+    from boost_jax.checkpoints.store import Checkpointer
 
     mesh2 = make_mesh("cpu", (2, 4, 1))
     b2 = build_step(_cfg("parallel.plan=hierarchical", "parallel.secondary_dtype=bfloat16"),

@@ -9,7 +9,7 @@ left waiting in a collective.
 
 Crash safety: a run killed at any moment resumes from the last finalised checkpoint with the
 data iterator at the same position, so the losses continue exactly as an uninterrupted run's
-(metrics.jsonl rows past the restored step are dropped on resume). See checkpoint.py for
+(metrics.jsonl rows past the restored step are dropped on resume). See boost_jax/checkpoints/store.py for
 incomplete, corrupted and failed saves.
 """
 
@@ -29,13 +29,13 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from boost_jax.backends.cpu import fast_compile_options
-from boost_jax.config import Config
 from boost_jax import json_out
+from boost_jax.backends.cpu import fast_compile_options
+from boost_jax.checkpoints import run_config
+from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
+from boost_jax.config import Config
 from boost_jax.errors import Interrupted, UserError
 from boost_jax.mesh import get_topology, mesh_from_config
-from boost_jax.train import run_config
-from boost_jax.train.checkpoint import CheckpointSaveError, Checkpointer
 from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot_losses,
                                      summarize)
 from boost_jax.train.run_lock import hold_out_dir
@@ -185,7 +185,7 @@ def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False,
 
 
 def _resume_check(cfg: Config, out_dir: str, meta: dict, accepted: list):
-    """check_meta for Checkpointer.restore_latest: the saved config (run_config.py), then the
+    """check_meta for Checkpointer.restore_latest: the saved config (checkpoints/run_config.py), then the
     model shapes the checkpoint holds."""
     legacy = run_config.load_saved(os.path.join(out_dir, "config.yaml"))
 

@@ -37,7 +37,7 @@ PER_INVOCATION = ("out_dir", "checkpoint.resume", "checkpoint.accept_changes")
 SHAPE_KEYS = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
               "rank", "lax_gate", "tie_embeddings")
 HISTORY_DIR = "configs"
-# what a run writes into out_dir (run_log.py, metrics.py, checkpoint.py, data/tokenizers.py)
+# what a run writes into out_dir (train/run_log.py, train/metrics.py, store.py, data/tokenizers.py)
 OUTPUTS = ("config.yaml", HISTORY_DIR, "metrics.jsonl", "summary.json", "loss.png", "tb",
            "checkpoints", "tokenizer", "run.log")
 # what only a run of ours leaves there: its lock (run_lock.py), config history and checkpoints
