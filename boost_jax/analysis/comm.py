@@ -390,14 +390,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             set_cpu_devices(args.cpu_devices)
         from boost_jax.config import load_config
         from boost_jax.mesh import mesh_from_config
+        from boost_jax.train.step import build_step_for_analysis
 
         cfg = load_config(args.config, args.overrides)
-        try:
-            from boost_jax.train.step import build_step_for_analysis
-        except ImportError as e:
-            print(f"error: cannot import build_step_for_analysis from boost_jax.train.step "
-                  f"({e}); the step builder is missing or broken", file=sys.stderr)
-            sys.exit(2)
         mesh = mesh_from_config(cfg)
         compiled = _compile_step(build_step_for_analysis(cfg, mesh), mesh)
         report = analyze_compiled(compiled, mesh)

@@ -35,12 +35,9 @@ class Run:
 
 def quiet_libraries() -> None:
     """absl (orbax) warnings about read-only managers and the like are noise on a CLI."""
-    try:
-        from absl import logging as absl_logging
+    from absl import logging as absl_logging  # absl comes with orbax
 
-        absl_logging.set_verbosity(absl_logging.ERROR)
-    except ImportError:  # pragma: no cover - absl comes with orbax
-        pass
+    absl_logging.set_verbosity(absl_logging.ERROR)
 
 
 def _manager(ckpt_dir: str):

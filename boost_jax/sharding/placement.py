@@ -320,7 +320,7 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
         tp, None if r["secondary"] is None else ordered(r["secondary"]), r["sec_int8"], r["qwz"],
         par.quant_block, tuple(a for a in order if a in deferred),
         quantize_grads=r["qgz"], param_dtype=cfg.model.param_dtype,
-        grad_accum_dtype=getattr(par, "grad_accum_dtype", "float32"), notes=notes)
+        grad_accum_dtype=par.grad_accum_dtype, notes=notes)
     n_batch = axis_size(mesh, batch)
     micro = cfg.train.global_batch // cfg.train.micro_batches
     if micro % n_batch:
@@ -340,7 +340,7 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
     tp_specs = None
     if cfg.parallel.tp_mode != "none":
         tp_specs = tp_param_specs(cfg, abstract_params)
-    scan = bool(getattr(cfg.train, "scan_layers", True))
+    scan = cfg.train.scan_layers
 
     def one(path, x, spec=None):
         key = _path_key(path)

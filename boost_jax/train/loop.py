@@ -143,12 +143,6 @@ class _StopSignal:
             signal.signal(sig, old)
 
 
-def _eval_params(bundle, state):
-    """What eval_step takes (the bundle says, where it can)."""
-    fn = getattr(bundle, "eval_params", None)
-    return fn(state) if fn is not None else state["params"]
-
-
 def evaluate(bundle, params, val_batches) -> float:
     losses = [bundle.eval_step(params, _to_device(b, bundle.batch_sharding)) for b in val_batches]
     return float(np.mean([float(x) for x in losses]))
@@ -242,7 +236,7 @@ def _build(cfg: Config, out_dir: str, pid: int, nproc: int, compiler_options: Op
 
     copts = _compiler_options(compiler_options)
     bundle = build_step(cfg, mesh, copts) if copts else build_step(cfg, mesh)
-    for note in getattr(getattr(bundle, "placement", None), "notes", ()):  # roles TP took
+    for note in bundle.placement.notes:  # roles TP took
         say(note)
     return mesh, topo, data, bundle
 
@@ -471,7 +465,7 @@ def _maybe_log_metrics(ctx: _RunCtx, ls: _LoopState, m: dict, row: dict) -> None
 def _maybe_evaluate(ctx: _RunCtx, ls: _LoopState, row: dict) -> None:
     tcfg = ctx.cfg.train
     if ls.step % tcfg.eval_every == 0 or ls.step == tcfg.steps:
-        val = evaluate(ctx.bundle, _eval_params(ctx.bundle, ls.state), ctx.data.val_batches)
+        val = evaluate(ctx.bundle, ctx.bundle.eval_params(ls.state), ctx.data.val_batches)
         row.update(val_loss=val, val_ppl=math.exp(min(val, 50)))
         ctx.logger.line(f"step {ls.step} | val_loss {val:.4f} | "
                         f"val_ppl {math.exp(min(val, 50)):.2f}")
@@ -504,7 +498,7 @@ def _train(ctx: _RunCtx, state, start: int, summary: dict) -> int:
     """The step loop from `start`; returns the last step trained. Fills summary."""
     tcfg = ctx.cfg.train
     if start == 0:
-        val = evaluate(ctx.bundle, _eval_params(ctx.bundle, state), ctx.data.val_batches)
+        val = evaluate(ctx.bundle, ctx.bundle.eval_params(state), ctx.data.val_batches)
         ctx.logger.log(0, {"val_loss": val, "val_ppl": math.exp(min(val, 50))})
         ctx.logger.line(f"step 0 | val_loss {val:.4f}")
     ls = _LoopState(state, start, start, saved_steps=set(ctx.ckpt.all_steps()),
