@@ -47,9 +47,9 @@ from boost_jax.checkpoints import restage
 from boost_jax.checkpoints.seal import SEAL_FILE, check_seal, write_seal
 from boost_jax.config import CheckpointConfig
 from boost_jax.errors import UserError
+from boost_jax.names import UNUSABLE_DIR
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step still being written
-UNUSABLE_DIR = "checkpoints_unusable"
 
 
 class CheckpointSaveError(UserError):

@@ -19,8 +19,8 @@ from typing import Any, Optional
 from boost_jax.config import Config, config_from_dict
 from boost_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer
 from boost_jax.errors import UserError
+from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE
 
-CHECKPOINTS = "checkpoints"  # under out_dir, as train/loop.py writes them
 TOKENIZER_DIR = "tokenizer"  # out_dir/tokenizer/tokenizer.json: a run's trained BPE
 
 
@@ -54,7 +54,7 @@ def checkpoint_steps(run_dir: str) -> tuple[str, list[int]]:
     if not os.path.isdir(run_dir):
         raise UserError(f"no run at {run_dir!r} (no such directory); pass --run the out_dir of "
                         "a training run, e.g. --run runs/demo")
-    ckpt_dir = os.path.join(os.path.abspath(run_dir), CHECKPOINTS)
+    ckpt_dir = os.path.join(os.path.abspath(run_dir), CHECKPOINTS_DIR)
     steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) \
         if os.path.isdir(ckpt_dir) else []
     if not steps:
@@ -75,7 +75,7 @@ def pick_step(run_dir: str, steps: list[int], step: Optional[int]) -> int:
 def _saved_config(run_dir: str, meta: dict) -> Config:
     from boost_jax.checkpoints.run_config import load_saved
 
-    tree = meta.get("config") or load_saved(os.path.join(run_dir, "config.yaml"))
+    tree = meta.get("config") or load_saved(os.path.join(run_dir, CONFIG_FILE))
     if not tree:
         raise UserError(f"run {run_dir!r} keeps no config (neither in its checkpoint nor "
                         "config.yaml); it was not written by train.py")

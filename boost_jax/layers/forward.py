@@ -46,6 +46,7 @@ from boost_jax.layers.attention import causal_attention
 from boost_jax.layers.linear import lowrank_apply
 from boost_jax.layers.norms import apply_norm
 from boost_jax.layers.rope import apply_rotary
+from boost_jax.names import RESIDUAL_NAME
 
 QKV = ("q", "k", "v")
 GATE_UP = ("gate", "up")
@@ -60,7 +61,6 @@ def latent_keys(cfg) -> tuple:
 def with_bias(y, proj: dict):
     """y + the projection's bias (GPT families), laid out like y under every TP mode."""
     return y + proj["bias"].astype(y.dtype) if "bias" in proj else y
-RESIDUAL_NAME = "residual"  # checkpoint_name of the residual stream at each sub-layer input
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:

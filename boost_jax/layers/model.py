@@ -46,22 +46,11 @@ from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
 from boost_jax.layers.attention import Attention
-from boost_jax.layers.forward import LATENT_KEYS, RESIDUAL_NAME  # noqa: F401 (re-export)
-from boost_jax.layers.linear import LATENT_NAME
+from boost_jax.layers.forward import LATENT_KEYS  # noqa: F401 (re-export)
 from boost_jax.layers.mlp import MLP
 from boost_jax.layers.norms import LayerNorm, RMSNorm, apply_norm
-
-REMAT_MODES = ("none", "full", "lowrank")
-LOWRANK_POLICY = jax.checkpoint_policies.save_only_these_names(LATENT_NAME, RESIDUAL_NAME)
-
-
-def checkpoint_wrapper(remat: str) -> Callable:
-    """The per-layer jax.checkpoint of remat none | full | lowrank (single device)."""
-    if remat == "full":
-        return lambda f: jax.checkpoint(f)  # nothing saved but the layer inputs
-    if remat == "lowrank":
-        return lambda f: jax.checkpoint(f, policy=LOWRANK_POLICY)
-    return lambda f: f
+from boost_jax.layers.remat import remat_wrapper
+from boost_jax.names import REMAT_MODES
 
 
 class Block(nnx.Module):
@@ -142,7 +131,7 @@ class LlamaModel(nnx.Module):
         hidden [b, s, d] in cfg.dtype (project it with head_weight()). positions: [s] or [b, s]
         absolute positions for RoPE (default arange(s)); the causal mask is by index."""
         ops, params = forward.Local(self.cfg), self.params()
-        ckpt = checkpoint_wrapper(self.remat)
+        ckpt = remat_wrapper(self.remat, prevent_cse=True)
         if not return_hidden:
             return forward.logits(ops, self.cfg, params, tokens, positions, ckpt)
         h = forward.hidden(ops, self.cfg, params, tokens, positions, checkpoint=ckpt)

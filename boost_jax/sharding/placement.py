@@ -356,11 +356,11 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
     else:
         layouts = jax.tree_util.tree_map_with_path(one, abstract_params, tp_specs,
                                                    is_leaf=lambda s: isinstance(s, P))
-    P_ = cfg.parallel.pp_stages
-    if P_ == 1:
+    n_stages = cfg.parallel.pp_stages
+    if n_stages == 1:
         return layouts
     return jax.tree_util.tree_map_with_path(
-        lambda path, lay: stages.stage_layout(_path_key(path), lay, cfg.model.n_layers, P_,
+        lambda path, lay: stages.stage_layout(_path_key(path), lay, cfg.model.n_layers, n_stages,
                                               cfg.parallel.pp_virtual),
         layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
 

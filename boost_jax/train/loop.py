@@ -36,6 +36,7 @@ from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
 from boost_jax.config import Config
 from boost_jax.errors import Interrupted, UserError
 from boost_jax.mesh import get_topology, mesh_from_config
+from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE
 from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot_losses,
                                      summarize)
 from boost_jax.train.run_lock import hold_out_dir
@@ -181,7 +182,7 @@ def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False,
 def _resume_check(cfg: Config, out_dir: str, meta: dict, accepted: list):
     """check_meta for Checkpointer.restore_latest: the saved config (checkpoints/run_config.py), then the
     model shapes the checkpoint holds."""
-    legacy = run_config.load_saved(os.path.join(out_dir, "config.yaml"))
+    legacy = run_config.load_saved(os.path.join(out_dir, CONFIG_FILE))
 
     def check_meta(step: int, saved: dict) -> None:
         accepted[:] = run_config.check_resume(saved.get("config") or legacy, cfg, step, out_dir)
@@ -243,7 +244,7 @@ def _build(cfg: Config, out_dir: str, pid: int, nproc: int, compiler_options: Op
 
 def _open_checkpointer(cfg: Config, out_dir: str, warn) -> tuple[Checkpointer, list]:
     """The run's Checkpointer and the steps it holds (refused unless checkpoint.resume)."""
-    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    ckpt_dir = os.path.join(out_dir, CHECKPOINTS_DIR)
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint, warn=warn,
                         stages=(cfg.parallel.pp_stages, cfg.parallel.pp_virtual))
     existing = ckpt.all_steps()
