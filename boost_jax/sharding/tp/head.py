@@ -71,8 +71,8 @@ def head_loss(ctx: TPContext, h, norm, w, targets):
 
 
 class TPOps:
-    """The forward's ops (boost_jax.layers.forward) common to every TP layout; subclasses add
-    project_in / project_out."""
+    """The part of forward.Ops common to every TP layout; subclasses add project_in /
+    project_out."""
 
     def __init__(self, ctx: TPContext, fetch: Optional[Callable] = None):
         self.ctx = ctx
