@@ -1,5 +1,5 @@
 """What the three tensor-parallel layouts (megatron, vanilla, btp) share: the context and the TP
-collectives (the ops they inherit are head.TPOps).
+collectives (the ops they inherit are ops.TPOps).
 
 Everything here runs inside the training step's shard_map, manual over every mesh axis, with
 check_vma=True: JAX types each value as invariant (identical on all TP ranks) or varying,
