@@ -6,5 +6,7 @@
     dryrun     AOT compile of the real step on simulated CPU devices, with layer/host extrapolation
     search     rank candidate layouts (plan × TP × micro-batch × remat) that fit
 
+Predicted vs published, and the figures: benchmarks/published.py, benchmarks/plots.py.
+
 CLI: python -m boost_jax.plan --config configs/X.yaml --topology frontier --nodes 48 [--search]
 """
