@@ -64,7 +64,7 @@ gpu-compile-bench: $(GPUC_VENV)/.installed
 bench: BENCH_START := $(shell date +%s)
 bench: $(VENV)/.installed
 	$(PY) benchmarks/validation.py
-	$(PY) -m boost_jax.plan.plots --out benchmarks/results
+	$(PY) benchmarks/plots.py --out benchmarks/results
 	$(PY) benchmarks/partitioning.py
 	$(PY) benchmarks/qgz_demo.py
 	$(PY) benchmarks/tensor_parallel.py --out benchmarks/results/tensor_parallel.md

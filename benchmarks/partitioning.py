@@ -43,7 +43,7 @@ def worker(args) -> None:
     from boost_jax.analysis.comm import analyze_compiled, host_egress
     from boost_jax.plan.costmodel import dp_collectives
     from boost_jax.config import load_config
-    from boost_jax.layers.model import fast_compile_options
+    from boost_jax.backends.cpu import fast_compile_options
     from boost_jax.mesh import mesh_from_config
     from boost_jax.sharding.formulas import comm_per_step
     from boost_jax.train.step import build_step

@@ -32,10 +32,10 @@ import jax  # noqa: E402
 
 from benchmarks.common import markdown_table, write_result  # noqa: E402
 from boost_jax.analysis.comm import analyze_compiled  # noqa: E402
+from boost_jax.backends.cpu import fast_compile_options  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
-from boost_jax.layers.model import fast_compile_options  # noqa: E402
 from boost_jax.mesh import make_mesh  # noqa: E402
-from boost_jax.plan.validate import BOOST_PUBLISHED, boost_predictions  # noqa: E402
+from benchmarks.published import BOOST_PUBLISHED, boost_predictions  # noqa: E402
 from boost_jax.train.pipeline import Schedule  # noqa: E402
 from boost_jax.train.step import build_step  # noqa: E402
 

@@ -32,8 +32,8 @@ import numpy as np  # noqa: E402
 
 from boost_jax.analysis import hlo as H  # noqa: E402
 from boost_jax.analysis.comm import analyze_compiled  # noqa: E402
+from boost_jax.backends.cpu import fast_compile_options  # noqa: E402
 from boost_jax.config import Config, ModelConfig, ParallelConfig  # noqa: E402
-from boost_jax.layers.model import fast_compile_options  # noqa: E402
 from boost_jax.mesh import make_mesh  # noqa: E402
 from boost_jax.analysis.tp_layers import block_saved_residuals, layers_program  # noqa: E402
 from boost_jax.train.step import build_step  # noqa: E402

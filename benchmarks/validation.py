@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/validation.py [--out benchmarks/results/validation.md]
 
-Pure cost model (boost_jax.plan.validate): no compile, no devices; runs in seconds.
+Pure cost model (benchmarks/published.py): no compile, no devices; runs in seconds.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import sync_readme  # noqa: E402
 from boost_jax.mesh import get_topology  # noqa: E402
-from boost_jax.plan import validate as V  # noqa: E402
+from benchmarks import published as V  # noqa: E402
 from boost_jax.plan.costmodel import predict  # noqa: E402
 
 
@@ -162,10 +162,10 @@ def build() -> str:
 
 Reproduce: `.venv/bin/python benchmarks/validation.py` (cost model only, a few seconds; every
 number below, prose included, is its output). Model code: `boost_jax/plan/costmodel.py`;
-workload definitions, the published figures and their sources: `boost_jax/plan/validate.py`.
+workload definitions, the published figures and their sources: `benchmarks/published.py`.
 
 **{n_ok} of {len(all_rows)} predicted ratios are within {V.TOLERANCE:.0%} of the published
-ones.** The ones outside are known gaps, each with its reason (`validate.KNOWN_GAPS`, explained
+ones.** The ones outside are known gaps, each with its reason (`published.KNOWN_GAPS`, explained
 under "Why" below):
 
 {gaps}
@@ -246,7 +246,7 @@ Absolute seconds and where the time goes:
 
 {lbp_t}
 
-Figures (`.venv/bin/python -m boost_jax.plan.plots --out benchmarks/results`, cost model only):
+Figures (`.venv/bin/python benchmarks/plots.py --out benchmarks/results`, cost model only):
 `plan_boost_iteration.png` (the table above as bars, published as ticks),
 `plan_bytes_per_level.png` (collective bytes per device per step by plan and level, CoLA-7B on
 48 Frontier nodes), `plan_weak_scaling.png` (predicted weak-scaling efficiency vs nodes by plan,

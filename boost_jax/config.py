@@ -19,23 +19,18 @@ import yaml
 
 from boost_jax.config_yaml import read_yaml
 from boost_jax.errors import ConfigError
+from boost_jax.names import ARCHS, FAMILIES, MESH_AXES, PLANS, REMAT_MODES, TP_MODES
 from boost_jax.plain_text import control_char, lone_surrogate
 
-ARCHS = ("full", "svd", "cola", "lax")
-FAMILIES = ("llama", "gpt_neox", "gpt2")
-TP_MODES = ("none", "megatron", "vanilla", "btp")
-PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
-REMAT = ("none", "full", "lowrank")
-MESH_AXES = ("pair", "node", "global")
 
 
 @dataclass
 class ModelConfig:
-    arch: Literal["full", "svd", "cola", "lax"] = "cola"
+    arch: Literal[ARCHS] = "cola"
     # llama: RMSNorm, SwiGLU, RoPE, no biases. gpt_neox: LayerNorm, GELU MLP, parallel
     # residual, RoPE on rotary_pct of the head dim, biases. gpt2: LayerNorm, tanh-GELU MLP,
     # sequential residual, learned absolute positions, biases. (d_ff: 4·d_model for the GPTs.)
-    family: Literal["llama", "gpt_neox", "gpt2"] = "llama"
+    family: Literal[FAMILIES] = "llama"
     # fraction of each head's dims that RoPE rotates; None: the family's (gpt_neox 0.25, else 1)
     rotary_pct: Optional[float] = None
     # None: follows data.tokenizer (see resolve_vocab_size); set it to fix the embedding size
@@ -144,8 +139,8 @@ class MeshConfig:
 
 @dataclass
 class ParallelConfig:
-    plan: Literal["ddp", "zero1", "zero3", "zeropp", "hierarchical"] = "ddp"
-    tp_mode: Literal["none", "megatron", "vanilla", "btp"] = "none"
+    plan: Literal[PLANS] = "ddp"
+    tp_mode: Literal[TP_MODES] = "none"
     tp_axes: list[str] = field(default_factory=list)
     # Role overrides (None: the plan's preset). Axes named here must not be TP axes.
     batch_axes: Optional[list[str]] = None
@@ -278,7 +273,7 @@ class TrainConfig:
     steps: int = 300
     global_batch: int = 16  # sequences per optimizer step, all devices together
     micro_batches: int = 1  # gradient accumulation steps per optimizer step
-    remat: Literal["none", "full", "lowrank"] = "none"
+    remat: Literal[REMAT_MODES] = "none"
     scan_layers: bool = True
     eval_every: int = 100
     eval_batches: int = 4
@@ -318,7 +313,7 @@ class CheckpointConfig:
     async_save: bool = True
     resume: bool = True  # resume from the latest checkpoint in out_dir if present
     # Keys (or whole sections, e.g. data) whose change on resume is accepted on purpose although
-    # it redefines the model or the data stream (see boost_jax/train/run_config.py)
+    # it redefines the model or the data stream (see boost_jax/checkpoints/run_config.py)
     accept_changes: list[str] = field(default_factory=list)
 
     def validate(self) -> None:

@@ -205,7 +205,7 @@ def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) 
     if factors:
         save_file(factors, os.path.join(out, FACTORS_FILE), metadata=meta)
         files.append(FACTORS_FILE)
-    from boost_jax.train.seal import file_crc32
+    from boost_jax.checkpoints.seal import file_crc32
 
     # what init_from checks before it trusts the tensors (safetensors has no checksum)
     extra = dict(extra, files_crc32={n: file_crc32(os.path.join(out, n)) for n in files})
@@ -224,7 +224,7 @@ def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) 
 def check_files(path: str, conf: dict, key: str = "model.init_from") -> None:
     """A one-line error if a tensor file differs from the CRC-32 export recorded (a folder not
     written by export records none)."""
-    from boost_jax.train.seal import file_crc32
+    from boost_jax.checkpoints.seal import file_crc32
 
     for name, crc in sorted(((conf.get("boost_jax") or {}).get("files_crc32") or {}).items()):
         file = os.path.join(path, name)

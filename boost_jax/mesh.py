@@ -16,9 +16,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from boost_jax.errors import ConfigError, UserError
-
-AXES = ("pair", "node", "global")
-STAGE = "stage"  # pipeline stages: split off `global` (make_mesh), never a data-parallel role
+from boost_jax.names import MESH_AXES as AXES, STAGE_AXIS as STAGE
 
 
 def level_of(axes: Sequence[str]) -> str:

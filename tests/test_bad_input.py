@@ -219,8 +219,8 @@ def _save_a_checkpoint(out_dir):
     """A real checkpoint (step 3) of the TINY model, written the way the loop writes it."""
     from boost_jax.config import load_config
     from boost_jax.mesh import mesh_from_config
-    from boost_jax.train.checkpoint import Checkpointer
-    from boost_jax.train.run_config import model_signature
+    from boost_jax.checkpoints.store import Checkpointer
+    from boost_jax.checkpoints.run_config import model_signature
     from boost_jax.train.step import build_step
 
     cfg = load_config(None, TINY + [f"out_dir={out_dir}"])

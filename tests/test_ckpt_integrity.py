@@ -18,8 +18,8 @@ import pytest
 from boost_jax import evaluate, export, generate
 from boost_jax.config import load_config
 from boost_jax.errors import UserError
-from boost_jax.train import seal
-from boost_jax.train.checkpoint import TMP_MARK, UNUSABLE_DIR, CheckpointSaveError, Checkpointer
+from boost_jax.checkpoints import seal
+from boost_jax.checkpoints.store import TMP_MARK, UNUSABLE_DIR, CheckpointSaveError, Checkpointer
 from boost_jax.train.loop import run
 from train_proc import checkpoint_steps, metric_losses, TINY, TrainProcess, train_env
 
@@ -140,7 +140,7 @@ def test_a_failed_last_save_leaves_no_partial_directory(reference, monkeypatch, 
     async save fails at the end of the run, a sync one at once) or at the seal."""
     from etils import epath
 
-    from boost_jax.train import checkpoint
+    from boost_jax.checkpoints import store as checkpoint
 
     out = str(tmp_path / "run")
     last_tmp = f"{os.sep}{STEPS}{TMP_MARK}"
@@ -216,7 +216,7 @@ def test_state_checksums_are_exact_and_ignore_sharding_and_padding():
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from boost_jax.train.checkpoint import state_checksums
+    from boost_jax.checkpoints.store import state_checksums
 
     rng = np.random.default_rng(0)
     xs = {"f": rng.standard_normal((14, 22)).astype(np.float32),  # 7 x 11 per device

@@ -21,9 +21,9 @@ import pytest
 from boost_jax.config import load_config
 from boost_jax.infer.load import open_run
 from boost_jax.errors import UserError
-from boost_jax.train.checkpoint import TMP_MARK, CheckpointSaveError, UNUSABLE_DIR
+from boost_jax.checkpoints.store import TMP_MARK, CheckpointSaveError, UNUSABLE_DIR
 from boost_jax.train.loop import NonFiniteError, run
-from boost_jax.train.seal import write_seal
+from boost_jax.checkpoints.seal import write_seal
 from train_proc import checkpoint_steps, metric_losses, TrainProcess, train_env
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",

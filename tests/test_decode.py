@@ -10,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.infer.decode import Decoder, Sampling, sample
 from boost_jax.layers import forward
-from boost_jax.layers.model import build_model, fast_compile_options
+from boost_jax.layers.model import build_model
 
 FAST = fast_compile_options()
 

@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig, load_config
 from boost_jax.errors import ConfigError
 from boost_jax.infer.decode import Decoder, Sampling
 from boost_jax.layers import flash, forward
 from boost_jax.layers.attention import CPU_FLASH_FROM, attention_impl, dense_attention
-from boost_jax.layers.model import build_model, fast_compile_options
+from boost_jax.layers.model import build_model
 from boost_jax.mesh import make_mesh
 from test_tp import WIDE, _model_key, assert_same, engine_run, make_cfg, reference
 
@@ -167,7 +168,7 @@ def test_kv_cache_decoder_with_flash_equals_dense(arch, scan):
 def test_resume_may_switch_attention():
     """Same math computed another way: a resumed run may change model.attention."""
     from boost_jax.errors import UserError
-    from boost_jax.train.run_config import check_resume
+    from boost_jax.checkpoints.run_config import check_resume
 
     saved = load_config(None, ["model.attention=dense"]).to_dict()
     diff = check_resume(saved, load_config(None, ["model.attention=flash"]), 3, "runs/x")

@@ -6,8 +6,9 @@ import pytest
 from flax import nnx
 
 from boost_jax.analysis.flops import flops_per_token, param_count
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
-from boost_jax.layers.model import abstract_model, fast_compile_options
+from boost_jax.layers.model import abstract_model
 
 B, S = 2, 64
 

@@ -19,10 +19,11 @@ import pytest
 from safetensors.numpy import load_file
 
 from boost_jax import hf
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.errors import UserError
 from boost_jax.layers import forward
-from boost_jax.layers.model import build_model, fast_compile_options
+from boost_jax.layers.model import build_model
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 

@@ -6,11 +6,12 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
 from boost_jax.layers.attention import Attention, causal_attention
 from boost_jax.layers.linear import LowRankLinear, lowrank_init_std
-from boost_jax.layers.model import fast_compile_options, jit_init
+from boost_jax.layers.model import jit_init
 from boost_jax.layers.norms import RMSNorm
 from boost_jax.layers.rope import apply_rope
 

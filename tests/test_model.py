@@ -14,9 +14,10 @@ import pytest
 from flax import nnx
 
 from boost_jax.analysis.flops import param_count
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers.model import (LATENT_KEYS, LlamaModel, abstract_model, build_model,
-                                    count_params, fast_compile_options)
+                                    count_params)
 
 from weights import random_weights
 

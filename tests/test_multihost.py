@@ -40,7 +40,7 @@ def _launch(jax_cache, *args, timeout=400):
 
 def test_two_processes_train_like_one_including_save_and_restore(jax_cache, tmp_path):
     from boost_jax.mesh import mesh_from_config
-    from boost_jax.train.checkpoint import Checkpointer
+    from boost_jax.checkpoints.store import Checkpointer
     from boost_jax.train.loop import run
     from boost_jax.train.step import build_step
 
@@ -62,7 +62,7 @@ def test_two_processes_train_like_one_including_save_and_restore(jax_cache, tmp_
     assert "[rank 1] step" not in out and "[rank 1] resumed" not in out  # logs: process 0 only
     assert "[Gloo]" not in out + second.stderr
     assert "unusable" not in out + second.stderr  # both processes' shares matched the seal
-    from boost_jax.train.seal import SEAL_FILE, check_seal
+    from boost_jax.checkpoints.seal import SEAL_FILE, check_seal
 
     for step in (5, 10):  # sealed after both processes wrote, every file of both covered
         step_dir = os.path.join(two, "checkpoints", str(step))

@@ -7,9 +7,9 @@ import numpy as np
 import optax
 import pytest
 
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import load_config
 from boost_jax.layers import forward
-from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import mesh_from_config
 from boost_jax.train.step import build_step
 

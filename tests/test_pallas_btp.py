@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import load_config
-from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import make_mesh
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.tp.specs import validate_tp

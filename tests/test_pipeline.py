@@ -16,15 +16,15 @@ import pytest
 
 from boost_jax.analysis import comm
 from boost_jax.analysis.hlo import parse_module
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import Config, ModelConfig
 from boost_jax.infer.load import _manager, restore_params
-from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import get_topology, make_mesh
 from boost_jax.config import load_config
 from boost_jax.plan.costmodel import predict
 from boost_jax.plan.dryrun import dry_run
 from boost_jax.plan.search import search
-from boost_jax.train.checkpoint import Checkpointer, state_checksums
+from boost_jax.checkpoints.store import Checkpointer, state_checksums
 from boost_jax.train.pipeline import Schedule
 from boost_jax.train.step import build_step
 

@@ -196,9 +196,9 @@ def test_search_ranks_fitting_layouts_best_first():
 
 def test_validation_ratios_within_25pct_but_the_stated_gaps():
     """Under the one set of assumptions every published ratio is within 25% except the rows in
-    validate.KNOWN_GAPS (each with its reason); a gap that closes fails too, so the list
+    published.KNOWN_GAPS (each with its reason); a gap that closes fails too, so the list
     cannot go stale, and the validation document marks exactly those rows."""
-    from boost_jax.plan import validate as V
+    from benchmarks import published as V
 
     boost, lbp, rows = V.ratio_rows()
     assert len(rows) == 12
@@ -218,7 +218,7 @@ def test_validation_sensitivity_variants_change_what_they_name():
     """The sensitivity rows for Perlmutter's node bandwidth and the LBP gradient dtype reach
     the predictions: 100 GB/s slows the TP4 rows (not the TP2 one), fp32 gradients slow the
     plans that reduce gradients in the accumulator dtype."""
-    from boost_jax.plan import validate as V
+    from benchmarks import published as V
 
     var = dict(V.variants())
     base_b, base_l, _ = V.ratio_rows()
@@ -420,7 +420,7 @@ def test_validation_json_rows_and_absolute_gaps():
     """--json rows carry name/kind/published/predicted/source; the absolute rows outside 25% are
     exactly the ones the validation page explains (BOOST full-rank/vanilla 3B-7B with
     whole-block recompute); Megatron-LM's 1T row is within."""
-    from boost_jax.plan import validate as V
+    from benchmarks import published as V
 
     rows = V.json_rows()
     assert {r["kind"] for r in rows} == {"ratio", "absolute"}
@@ -441,7 +441,7 @@ def test_validation_json_rows_and_absolute_gaps():
 def test_bus_bandwidth_of_a_multi_node_all_reduce_is_the_node_link_not_the_device_share():
     """nccl-tests' bus bandwidth of a multi-node all-reduce, as modelled: bounded by a node's
     NICs (4 x 25 GB/s) or the links inside it, never by one device's NIC share (12.5 / 25)."""
-    from boost_jax.plan import validate as V
+    from benchmarks import published as V
 
     eta = V.VALIDATION_ASSUMPTIONS.eta_net
     for name, inside in (("frontier", 75e9), ("perlmutter", 300e9)):

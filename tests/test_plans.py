@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import CheckpointConfig, load_config
 from boost_jax.errors import ConfigError
-from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding.placement import choose_layout, make_placement, resolve_roles
 from boost_jax.train.step import build_step
@@ -65,7 +65,7 @@ def mesh():
 @pytest.fixture(scope="module")
 def runs(mesh, tmp_path_factory):
     """5 fp32 steps per plan from one shared initial state; zero3 saves a checkpoint at 3."""
-    from boost_jax.train.checkpoint import Checkpointer
+    from boost_jax.checkpoints.store import Checkpointer
 
     fast = fast_compile_options()
     ddp = build_step(_cfg(), mesh, fast)
@@ -262,7 +262,7 @@ def test_checkpoint_restores_under_another_plan_and_mesh(runs):
     the padded checkpoint restores into unpadded ddp arrays (orbax strict=False)."""
     import orbax.checkpoint as ocp
 
-    from boost_jax.train.checkpoint import Checkpointer
+    from boost_jax.checkpoints.store import Checkpointer
 
     mesh2 = make_mesh("cpu", (2, 4, 1))
     b2 = build_step(_cfg("parallel.plan=hierarchical", "parallel.secondary_dtype=bfloat16"),

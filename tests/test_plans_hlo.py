@@ -11,8 +11,8 @@ import pytest
 
 from boost_jax.analysis import hlo as H
 from boost_jax.analysis.comm import analyze_compiled
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import load_config
-from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding.formulas import comm_per_step
 from boost_jax.sharding.step_collectives import Passes, step_collectives

@@ -63,7 +63,7 @@ def test_refuse_inputs_is_contains_inside_and_links(tmp_path):
 def test_train_outputs_never_touch_data_source_or_init_from(tmp_path):
     from types import SimpleNamespace
 
-    from boost_jax.train.run_config import check_inputs
+    from boost_jax.checkpoints.run_config import check_inputs
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

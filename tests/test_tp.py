@@ -19,10 +19,11 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import Config, ModelConfig, ParallelConfig
 from boost_jax.errors import ConfigError
 from boost_jax.layers import forward
-from boost_jax.layers.model import LlamaModel, fast_compile_options
+from boost_jax.layers.model import LlamaModel
 from boost_jax.layers.norms import layer_norm, rms_norm
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding.layout import pad_tree, unpad_tree

@@ -14,8 +14,8 @@ import jax
 
 from boost_jax.analysis import hlo as H
 from boost_jax.analysis.comm import analyze_compiled
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import Config, ModelConfig, ParallelConfig
-from boost_jax.layers.model import fast_compile_options
 from boost_jax.mesh import make_mesh
 from boost_jax.analysis.tp_layers import block_saved_residuals, layers_program
 

@@ -81,7 +81,7 @@ def test_logical_params_equal_the_saved_state(trained):
     from boost_jax.infer.load import open_run
     from boost_jax.mesh import mesh_from_config
     from boost_jax.sharding.layout import is_layout
-    from boost_jax.train.checkpoint import Checkpointer
+    from boost_jax.checkpoints.store import Checkpointer
     from boost_jax.train.step import build_step
 
     run = open_run(trained)

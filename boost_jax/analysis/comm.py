@@ -26,9 +26,9 @@ from boost_jax import json_out
 from boost_jax.analysis import hlo as H
 from boost_jax.analysis.cpu_lowering import lowered_reduce_scatter, undo_cpu_artifacts
 from boost_jax.mesh import level_of
+from boost_jax.names import MESH_AXES
 from boost_jax.sharding.step_collectives import ring_bytes
 
-LEVELS = ("pair", "node", "global")
 KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
          "collective-broadcast")
 
@@ -105,7 +105,7 @@ def classify_group(members: Sequence[int], mesh) -> tuple[str, tuple[str, ...]]:
     if not varying:
         return "none", ()
     names = set(mesh.axis_names)
-    if not {"pair", "node", "global"} <= names:
+    if not set(MESH_AXES) <= names:
         return "+".join(varying), varying
     return level_of(varying), varying
 
@@ -254,7 +254,7 @@ class CommReport:
         """level → {bytes (per device per step), count (ops in the HLO), calls (per step)}.
 
         raw: bytes as read off the CPU program, without undoing the XLA:CPU artifacts."""
-        out = {lv: {"bytes": 0.0, "count": 0, "calls": 0} for lv in LEVELS}
+        out = {lv: {"bytes": 0.0, "count": 0, "calls": 0} for lv in MESH_AXES}
         for c in self.collectives:
             row = out.setdefault(c.level, {"bytes": 0.0, "count": 0, "calls": 0})
             row["bytes"] += c.raw_bytes_per_step if raw else c.bytes_per_step
@@ -277,7 +277,7 @@ class CommReport:
 
         topo = get_topology(topology) if isinstance(topology, str) else topology
         return {lv: row["bytes"] / topo.bandwidth(lv) + row["calls"] * topo.latency(lv)
-                for lv, row in self.per_level().items() if lv in LEVELS}
+                for lv, row in self.per_level().items() if lv in MESH_AXES}
 
     def to_dict(self) -> dict:
         return {"mesh": dict(self.mesh_shape), "per_level": self.per_level(),
@@ -390,14 +390,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             set_cpu_devices(args.cpu_devices)
         from boost_jax.config import load_config
         from boost_jax.mesh import mesh_from_config
+        from boost_jax.train.step import build_step_for_analysis
 
         cfg = load_config(args.config, args.overrides)
-        try:
-            from boost_jax.train.step import build_step_for_analysis
-        except ImportError as e:
-            print(f"error: cannot import build_step_for_analysis from boost_jax.train.step "
-                  f"({e}); the step builder is missing or broken", file=sys.stderr)
-            sys.exit(2)
         mesh = mesh_from_config(cfg)
         compiled = _compile_step(build_step_for_analysis(cfg, mesh), mesh)
         report = analyze_compiled(compiled, mesh)

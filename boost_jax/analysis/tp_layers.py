@@ -22,8 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.analysis.hlo import dtype_bytes
 from boost_jax.layers import forward
+from boost_jax.layers.remat import remat_wrapper
 from boost_jax.sharding.tp.specs import make_ops, tp_param_specs, validate_tp
-from boost_jax.train.engine import remat_wrapper
 from boost_jax.train.step import abstract_params
 
 

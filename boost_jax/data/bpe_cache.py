@@ -20,6 +20,7 @@ import tempfile
 from typing import Callable, Iterable, Optional
 
 from boost_jax.errors import UserError
+from boost_jax.names import CHECKPOINTS_DIR
 
 RECORD_FILE = "tokenizer.record.json"
 # What decides the merges besides the corpus and size: change it when train_bpe changes.
@@ -83,7 +84,7 @@ def write_record(cache_dir: str, tokenizer_path: str, want: dict) -> None:
 
 def checkpoints_use(cache_dir: str) -> bool:
     """Whether the run owning out_dir/tokenizer has checkpoints (out_dir/checkpoints/<step>)."""
-    d = os.path.join(os.path.dirname(os.path.abspath(cache_dir)), "checkpoints")
+    d = os.path.join(os.path.dirname(os.path.abspath(cache_dir)), CHECKPOINTS_DIR)
     try:
         return any(n.isdigit() for n in os.listdir(d))
     except OSError:

@@ -6,8 +6,8 @@ Only `state.params` is read (orbax partial restore: the optimizer state stays on
 into the logical (unpadded) shapes on one device: orbax reassembles the shards and
 `strict=False` drops the padding. So a checkpoint saved under any plan, TP layout, mesh or
 process count loads on whatever device is present. Every file of the step is checked against
-the CRC-32 recorded when it was written (train/seal.py) and the restored weights against the
-checksums saved with them (checkpoint.py), so any changed byte is refused, not sampled.
+the CRC-32 recorded when it was written (checkpoints/seal.py) and the restored weights against the
+checksums saved with them (checkpoints/store.py), so any changed byte is refused, not sampled.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, Optional
 from boost_jax.config import Config, config_from_dict
 from boost_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer
 from boost_jax.errors import UserError
+from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE
 
-CHECKPOINTS = "checkpoints"  # under out_dir, as train/loop.py writes them
 TOKENIZER_DIR = "tokenizer"  # out_dir/tokenizer/tokenizer.json: a run's trained BPE
 
 
@@ -35,12 +35,9 @@ class Run:
 
 def quiet_libraries() -> None:
     """absl (orbax) warnings about read-only managers and the like are noise on a CLI."""
-    try:
-        from absl import logging as absl_logging
+    from absl import logging as absl_logging  # absl comes with orbax
 
-        absl_logging.set_verbosity(absl_logging.ERROR)
-    except ImportError:  # pragma: no cover - absl comes with orbax
-        pass
+    absl_logging.set_verbosity(absl_logging.ERROR)
 
 
 def _manager(ckpt_dir: str):
@@ -57,7 +54,7 @@ def checkpoint_steps(run_dir: str) -> tuple[str, list[int]]:
     if not os.path.isdir(run_dir):
         raise UserError(f"no run at {run_dir!r} (no such directory); pass --run the out_dir of "
                         "a training run, e.g. --run runs/demo")
-    ckpt_dir = os.path.join(os.path.abspath(run_dir), CHECKPOINTS)
+    ckpt_dir = os.path.join(os.path.abspath(run_dir), CHECKPOINTS_DIR)
     steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) \
         if os.path.isdir(ckpt_dir) else []
     if not steps:
@@ -76,9 +73,9 @@ def pick_step(run_dir: str, steps: list[int], step: Optional[int]) -> int:
 
 
 def _saved_config(run_dir: str, meta: dict) -> Config:
-    from boost_jax.train.run_config import load_saved
+    from boost_jax.checkpoints.run_config import load_saved
 
-    tree = meta.get("config") or load_saved(os.path.join(run_dir, "config.yaml"))
+    tree = meta.get("config") or load_saved(os.path.join(run_dir, CONFIG_FILE))
     if not tree:
         raise UserError(f"run {run_dir!r} keeps no config (neither in its checkpoint nor "
                         "config.yaml); it was not written by train.py")
@@ -90,8 +87,8 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
     import jax
     import orbax.checkpoint as ocp
 
-    from boost_jax.train import restage
-    from boost_jax.train.checkpoint import checksum_mismatch, state_checksums
+    from boost_jax.checkpoints import restage
+    from boost_jax.checkpoints.store import checksum_mismatch, state_checksums
     from boost_jax.train.step import abstract_params
 
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
@@ -102,7 +99,7 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
     stages = (cfg.parallel.pp_stages, cfg.parallel.pp_virtual)
     try:
         item = want
-        if stages[0] > 1:  # end weights stacked over stages (boost_jax/train/restage.py)
+        if stages[0] > 1:  # end weights stacked over stages (boost_jax/checkpoints/restage.py)
             saved = restage.saved_shapes(os.path.join(str(mngr.directory), str(step)))
             item = restage.restore_target(want, saved, stages, (1, 1))
         args = jax.tree.map(lambda x: ocp.ArrayRestoreArgs(
@@ -111,10 +108,10 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
         state = mngr.restore(step, args=ocp.args.Composite(state=restore))["state"]
         state = restage.convert(state, want, stages, (1, 1))
     except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many types
-        from boost_jax.train.checkpoint import _reason
+        from boost_jax.checkpoints.store import error_reason
 
         raise UserError(f"checkpoint step {step} in {mngr.directory} cannot be read "
-                        f"({_reason(e)}); pass another --step") from None
+                        f"({error_reason(e)}); pass another --step") from None
     bad = checksum_mismatch(state_checksums(state)[0], meta or {})
     if bad:
         raise UserError(f"checkpoint step {step} in {mngr.directory} is corrupted ({bad}); pass "
@@ -123,9 +120,9 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
 
 
 def check_step_files(ckpt_dir: str, step: int, meta: dict) -> None:
-    """A one-line error if any file of the step differs from its seal (train/seal.py); a
+    """A one-line error if any file of the step differs from its seal (checkpoints/seal.py); a
     step saved before seals were written has none and is read unchecked."""
-    from boost_jax.train.seal import SEAL_FILE, check_seal
+    from boost_jax.checkpoints.seal import SEAL_FILE, check_seal
 
     step_dir = os.path.join(ckpt_dir, str(step))
     if not meta.get("seal") and not os.path.exists(os.path.join(step_dir, SEAL_FILE)):

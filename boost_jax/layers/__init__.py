@@ -1,3 +1,4 @@
 """Model layers, in model terms: one LowRankLinear family (full/svd/cola/lax), GQA attention,
-SwiGLU, RMSNorm, RoPE, and the decoder forward written once (forward.py) that LlamaModel and
-every parallel layout run."""
+SwiGLU, RMSNorm, RoPE, the decoder forward written once (forward.py, with the Ops protocol its
+layouts implement) that LlamaModel and every parallel layout run, and the per-layer remat
+policies (remat.py)."""

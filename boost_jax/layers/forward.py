@@ -11,19 +11,8 @@ every projection adds its bias after whatever collective produced its output (wi
 gpt_neox: parallel residual h += attn(Norm₁(h)) + mlp(Norm₂(h)), RoPE on rotary_pct of each
 head. gpt2: sequential residual, learned absolute positions added to the embedding, no RoPE.
 
-Whatever depends on where an array lives or which collective runs is a call on `ops`:
-
-    ops.fetch(stored, slots, path)    stored weights at `path` (("embed",), ("blocks",) for one
-                                      layer of a stack, ("blocks", i), ("final_norm",),
-                                      ("lm_head",)) → the weights to compute with
-    ops.embed(table, tokens)          → residual stream h [b, s, d] (btp: its d-slice)
-    ops.init_prev(tokens)             LaX: the latents the first block crosses with (else None)
-    ops.project_in(h, norm, projs, prevs)    the norm (params `norm`: {scale[, bias]}) + the
-                                      projections reading its output
-                                      → ([y per proj], [latent per proj])
-    ops.project_out(x, proj, prev)    one projection whose output joins the residual → (y, latent)
-    ops.head_loss(h, norm, w, targets)       final norm + LM head → mean cross-entropy
-    ops.logits(h, norm, w)            final norm + LM head → fp32 logits (single device only)
+Whatever depends on where an array lives or which collective runs is a call on `ops`, an
+`Ops` (the protocol below lists its methods).
 
 `Local` below is the single-device implementation (LlamaModel uses it; the training step gives
 it a per-layer fetch for the plans without TP); the tensor-parallel
@@ -36,7 +25,7 @@ under TP). Adding, say, QK-norm is an edit of `attention` below.
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +35,7 @@ from boost_jax.layers.attention import causal_attention
 from boost_jax.layers.linear import lowrank_apply
 from boost_jax.layers.norms import apply_norm
 from boost_jax.layers.rope import apply_rotary
+from boost_jax.names import RESIDUAL_NAME
 
 QKV = ("q", "k", "v")
 GATE_UP = ("gate", "up")
@@ -60,7 +50,6 @@ def latent_keys(cfg) -> tuple:
 def with_bias(y, proj: dict):
     """y + the projection's bias (GPT families), laid out like y under every TP mode."""
     return y + proj["bias"].astype(y.dtype) if "bias" in proj else y
-RESIDUAL_NAME = "residual"  # checkpoint_name of the residual stream at each sub-layer input
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
@@ -78,8 +67,35 @@ def first_latents(tokens, rank: int, dtype, keys=LATENT_KEYS) -> dict:
     return {k: z for k in keys}
 
 
+class Ops(Protocol):
+    """What the forward asks of where arrays live and which collectives run: `Local` (one
+    device) and the tensor-parallel layouts (boost_jax/sharding/tp/: TPOps and its subclasses)
+    implement it."""
+
+    def fetch(self, stored, slots, path):
+        """Stored weights at `path` (("embed",), ("blocks",) for one layer of a stack,
+        ("blocks", i), ("final_norm",), ("lm_head",)) → the weights to compute with."""
+
+    def embed(self, table, tokens):
+        """→ the residual stream h [b, s, d] (btp: its d-slice)."""
+
+    def init_prev(self, tokens) -> Optional[dict]:
+        """LaX: the latents the first block crosses with (else None)."""
+
+    def project_in(self, h, norm, projs, prevs) -> tuple[list, list]:
+        """The norm (params `norm`: {scale[, bias]}) + the projections reading its output
+        → ([y per proj], [latent per proj])."""
+
+    def project_out(self, x, proj, prev):
+        """One projection whose output joins the residual → (y, latent)."""
+
+    def head_loss(self, h, norm, w, targets):
+        """Final norm + LM head → mean cross-entropy."""
+
+
 class Local:
-    """Single-device ops: every weight is whole and nothing is communicated."""
+    """Single-device ops (an `Ops`): every weight is whole and nothing is communicated; also
+    logits(h, norm, w), the final norm + LM head → fp32 logits, for decoding."""
 
     def __init__(self, cfg, fetch=None):
         self._fetch = fetch
@@ -120,7 +136,7 @@ class Local:
 # --------------------------------------------------------------------------- one block
 
 
-def attention(ops, cfg, p: dict, h, positions, prev: dict, attend: Optional[Callable] = None):
+def attention(ops: Ops, cfg, p: dict, h, positions, prev: dict, attend: Optional[Callable] = None):
     """The attention sub-layer's addend to the residual, and its latents.
 
     `attend(q, k, v)` (rotated q, k and v as [b, s, heads, hd]) is, by default, causal
@@ -139,7 +155,7 @@ def attention(ops, cfg, p: dict, h, positions, prev: dict, attend: Optional[Call
     return with_bias(y, p["attn"]["o"]), dict(zip(QKV, zs)) | {"o": zo}
 
 
-def mlp(ops, cfg, p: dict, h, prev: dict):
+def mlp(ops: Ops, cfg, p: dict, h, prev: dict):
     """The MLP sub-layer's addend to the residual (SwiGLU or GELU), and its latents."""
     names = GATE_UP if cfg.swiglu else ("up",)
     projs = [p["mlp"][n] for n in names]
@@ -153,7 +169,7 @@ def mlp(ops, cfg, p: dict, h, prev: dict):
     return with_bias(y, p["mlp"]["down"]), dict(zip(names, zs)) | {"down": zd}
 
 
-def block(ops, cfg, p: dict, h, positions, prev: Optional[dict],
+def block(ops: Ops, cfg, p: dict, h, positions, prev: Optional[dict],
           attend: Optional[Callable] = None):
     """h → h + attention → + mlp (parallel residual: h + attention(h) + mlp(h)); returns
     (h, latents for the next lax block or None)."""
@@ -178,7 +194,7 @@ def is_stacked(blocks: dict) -> bool:
     return not all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in blocks)
 
 
-def run_blocks(ops, cfg, blocks: dict, slots, h, positions, prev, checkpoint: Callable,
+def run_blocks(ops: Ops, cfg, blocks: dict, slots, h, positions, prev, checkpoint: Callable,
                active=None):
     """All layers: lax.scan over stacked params (one compiled layer), else a Python loop.
 
@@ -217,7 +233,7 @@ def _part(tree, *keys):
     return tree
 
 
-def embed(ops, emb: dict, tokens, positions):
+def embed(ops: Ops, emb: dict, tokens, positions):
     """The residual stream's start: token embedding (+ learned positions, gpt2). The position
     table is laid out like the residual (btp: its d-slice), so the add needs no collective."""
     h = ops.embed(emb["embedding"], tokens)
@@ -226,7 +242,7 @@ def embed(ops, emb: dict, tokens, positions):
     return h
 
 
-def hidden(ops, cfg, params: dict, tokens, positions=None, slots=None,
+def hidden(ops: Ops, cfg, params: dict, tokens, positions=None, slots=None,
            checkpoint: Callable = lambda f: f):
     """tokens [b, s] → the residual stream after the last block (before the final norm)."""
     if positions is None:
@@ -238,7 +254,7 @@ def hidden(ops, cfg, params: dict, tokens, positions=None, slots=None,
     return h
 
 
-def head_weights(ops, cfg, params: dict, slots=None):
+def head_weights(ops: Ops, cfg, params: dict, slots=None):
     """(final norm params, [d, V] output projection) fetched for use (tied: the table's T)."""
     norm = ops.fetch(params["final_norm"], _part(slots, "final_norm"), ("final_norm",))
     if cfg.tie_embeddings:
@@ -248,14 +264,14 @@ def head_weights(ops, cfg, params: dict, slots=None):
     return norm, w
 
 
-def loss(ops, cfg, params: dict, batch: dict, slots=None, checkpoint: Callable = lambda f: f):
+def loss(ops: Ops, cfg, params: dict, batch: dict, slots=None, checkpoint: Callable = lambda f: f):
     """Mean cross-entropy of batch["targets"] given batch["inputs"] (int32 [b, s])."""
     h = hidden(ops, cfg, params, batch["inputs"], slots=slots, checkpoint=checkpoint)
     norm, w = head_weights(ops, cfg, params, slots)
     return ops.head_loss(h, norm, w, batch["targets"])
 
 
-def logits(ops, cfg, params: dict, tokens, positions=None, checkpoint: Callable = lambda f: f):
+def logits(ops: Ops, cfg, params: dict, tokens, positions=None, checkpoint: Callable = lambda f: f):
     """tokens [b, s] → fp32 logits [b, s, V] (single device)."""
     h = hidden(ops, cfg, params, tokens, positions, checkpoint=checkpoint)
     return ops.logits(h, *head_weights(ops, cfg, params))

@@ -27,9 +27,9 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.layers.norms import rms_norm
+from boost_jax.names import ARCHS, LATENT_NAME
 
-KINDS = ("full", "svd", "cola", "lax")
-LATENT_NAME = "lowrank_latent"  # checkpoint_name of every rank-r latent (remat="lowrank")
+KINDS = ARCHS  # the projection kind is the model's arch
 
 
 def lowrank_init_std(d_in: int, d_out: int, r: int) -> float:

@@ -42,26 +42,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from boost_jax.compat import known_compile_options
+from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
 from boost_jax.layers.attention import Attention
-from boost_jax.layers.forward import LATENT_KEYS, RESIDUAL_NAME  # noqa: F401 (re-export)
-from boost_jax.layers.linear import LATENT_NAME
+from boost_jax.layers.forward import LATENT_KEYS  # noqa: F401 (re-export)
 from boost_jax.layers.mlp import MLP
 from boost_jax.layers.norms import LayerNorm, RMSNorm, apply_norm
-
-REMAT_MODES = ("none", "full", "lowrank")
-LOWRANK_POLICY = jax.checkpoint_policies.save_only_these_names(LATENT_NAME, RESIDUAL_NAME)
-
-
-def checkpoint_wrapper(remat: str) -> Callable:
-    """The per-layer jax.checkpoint of remat none | full | lowrank (single device)."""
-    if remat == "full":
-        return lambda f: jax.checkpoint(f)  # nothing saved but the layer inputs
-    if remat == "lowrank":
-        return lambda f: jax.checkpoint(f, policy=LOWRANK_POLICY)
-    return lambda f: f
+from boost_jax.layers.remat import remat_wrapper
+from boost_jax.names import REMAT_MODES
 
 
 class Block(nnx.Module):
@@ -142,22 +131,11 @@ class LlamaModel(nnx.Module):
         hidden [b, s, d] in cfg.dtype (project it with head_weight()). positions: [s] or [b, s]
         absolute positions for RoPE (default arange(s)); the causal mask is by index."""
         ops, params = forward.Local(self.cfg), self.params()
-        ckpt = checkpoint_wrapper(self.remat)
+        ckpt = remat_wrapper(self.remat, prevent_cse=True)
         if not return_hidden:
             return forward.logits(ops, self.cfg, params, tokens, positions, ckpt)
         h = forward.hidden(ops, self.cfg, params, tokens, positions, checkpoint=ckpt)
         return apply_norm(h, params["final_norm"], self.cfg.norm_eps, self.dtype)
-
-
-def fast_compile_options() -> dict:
-    """XLA options for programs whose run time doesn't matter (init, tests). On CPU, LLVM -O0
-    and the legacy fusion codegen cut compile time 4-8x (a tiny model's init: ~11 s → ~2 s).
-    HLO passes still run, so cost_analysis() is unchanged."""
-    if jax.default_backend() != "cpu":
-        return {}
-    return known_compile_options({"xla_backend_optimization_level": 0,
-                                  "xla_llvm_disable_expensive_passes": True,
-                                  "xla_cpu_use_fusion_emitters": False})
 
 
 def jit_init(make: Callable[[], nnx.Module]) -> nnx.Module:

@@ -5,8 +5,8 @@
     collectives  α–β cost of ring collectives per topology level (analytic or measured)
     dryrun     AOT compile of the real step on simulated CPU devices, with layer/host extrapolation
     search     rank candidate layouts (plan × TP × micro-batch × remat) that fit
-    validate   predicted vs published (BOOST on Perlmutter, LBP on Frontier)
-    plots      PNG figures from the cost model
+
+Predicted vs published, and the figures: benchmarks/published.py, benchmarks/plots.py.
 
 CLI: python -m boost_jax.plan --config configs/X.yaml --topology frontier --nodes 48 [--search]
 """

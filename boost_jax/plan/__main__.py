@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 from boost_jax import json_out
 from boost_jax.cli import OverrideParser
 from boost_jax.data.demo_guard import refuse_demo_corpus
+from boost_jax.names import MESH_AXES
 
 
 def _gb(x: float) -> str:
@@ -226,7 +227,7 @@ def _flops_line(p, dr, compiled: bool) -> str:
 def _comm_lines(p, topo, compiled: bool) -> list:
     L = ["collective bytes per device per step (ring bytes sent) and time at "
          f"{p.assumptions.eta_net:.0%} of link bandwidth:"]
-    for lv in ("pair", "node", "global"):
+    for lv in MESH_AXES:
         L.append(f"  {lv:<7}{_bytes(p.comm_bytes[lv]):>12}  {_ms(p.comm_time[lv]):>10}  "
                  f"({topo.bandwidth(lv) / 1e9:.1f} GB/s, {topo.latency(lv) * 1e6:.0f} us)")
     eg = p.node_egress
@@ -239,7 +240,7 @@ def _comm_lines(p, topo, compiled: bool) -> list:
     if compiled and m.get("analytic_comm_bytes"):
         ab = m["analytic_comm_bytes"]
         L.append("  (analytic model of the same layout: " + ", ".join(
-            f"{lv} {_bytes(ab[lv])}" for lv in ("pair", "node", "global"))
+            f"{lv} {_bytes(ab[lv])}" for lv in MESH_AXES)
             + f"; step {_ms(m['analytic_step_time'])})")
     return L
 

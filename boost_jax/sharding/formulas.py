@@ -33,11 +33,10 @@ from __future__ import annotations
 import math
 import numpy as np
 
+from boost_jax.names import MESH_AXES
 from boost_jax.sharding.gather import LeafFetch
 from boost_jax.sharding.step_collectives import (Passes, bytes_by_level, int8_payload, leaves,
                                                  step_collectives, tp_local)
-
-LEVELS = ("pair", "node", "global")
 
 
 def _n(mesh, axes) -> int:
@@ -107,7 +106,7 @@ def comm_per_step(pl, micro_batches: int, terms: bool = False, tied: bool = Fals
     contributions."""
     colls = step_collectives(pl, Passes.of(micro_batches), tied)
     out = bytes_by_level(colls)
-    out["total"] = sum(out[lv] for lv in LEVELS)
+    out["total"] = sum(out[lv] for lv in MESH_AXES)
     if terms:
         out["terms"] = [(f"{c.leaf} {c.what}", c.kind, c.level, c.sent) for c in colls]
     return out

@@ -17,7 +17,7 @@ secondary axes):
                    secondary.
 
 The backward re-gather falls out of remat: each layer runs under jax.checkpoint with a policy
-that saves SECONDARY_NAME and never the gathered weight (engine.remat_wrapper).
+that saves SECONDARY_NAME and never the gathered weight (layers/remat.py).
 
 Gradient: `fetch_leaf(f, x, slot)` is a custom_vjp whose primal ignores `slot` (zeros shaped
 like this device's grads shard) and whose backward turns the full weight's cotangent — this
@@ -42,10 +42,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.backends.cpu import all_gather_bits
+from boost_jax.names import SECONDARY_NAME
 from boost_jax.sharding import quant
 from boost_jax.sharding.layout import LeafLayout, unpad
 
-SECONDARY_NAME = "zero_secondary"  # checkpoint_name of every saved secondary partition
 
 
 def varying_axes(x) -> frozenset:

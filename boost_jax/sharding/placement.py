@@ -320,7 +320,7 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
         tp, None if r["secondary"] is None else ordered(r["secondary"]), r["sec_int8"], r["qwz"],
         par.quant_block, tuple(a for a in order if a in deferred),
         quantize_grads=r["qgz"], param_dtype=cfg.model.param_dtype,
-        grad_accum_dtype=getattr(par, "grad_accum_dtype", "float32"), notes=notes)
+        grad_accum_dtype=par.grad_accum_dtype, notes=notes)
     n_batch = axis_size(mesh, batch)
     micro = cfg.train.global_batch // cfg.train.micro_batches
     if micro % n_batch:
@@ -340,7 +340,7 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
     tp_specs = None
     if cfg.parallel.tp_mode != "none":
         tp_specs = tp_param_specs(cfg, abstract_params)
-    scan = bool(getattr(cfg.train, "scan_layers", True))
+    scan = cfg.train.scan_layers
 
     def one(path, x, spec=None):
         key = _path_key(path)
@@ -356,11 +356,11 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
     else:
         layouts = jax.tree_util.tree_map_with_path(one, abstract_params, tp_specs,
                                                    is_leaf=lambda s: isinstance(s, P))
-    P_ = cfg.parallel.pp_stages
-    if P_ == 1:
+    n_stages = cfg.parallel.pp_stages
+    if n_stages == 1:
         return layouts
     return jax.tree_util.tree_map_with_path(
-        lambda path, lay: stages.stage_layout(_path_key(path), lay, cfg.model.n_layers, P_,
+        lambda path, lay: stages.stage_layout(_path_key(path), lay, cfg.model.n_layers, n_stages,
                                               cfg.parallel.pp_virtual),
         layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
 

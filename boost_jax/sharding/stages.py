@@ -9,7 +9,7 @@ the final norm, head and loss on the last; each of those weights is stored with 
 stage dim of size P holding the real leaf at its owner's slot and zeros elsewhere, so it lives
 only on its owner's devices and no collective outside the activation sends crosses stages.
 
-Checkpoints keep this stored form; `restage` (boost_jax/train/restage.py) turns one stored
+Checkpoints keep this stored form; `restage` (boost_jax/checkpoints/restage.py) turns one stored
 form into another, so a run saved with P stages resumes with any other P or none.
 """
 

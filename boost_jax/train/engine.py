@@ -36,37 +36,14 @@ from jax.sharding import PartitionSpec as P
 
 from boost_jax.backends import cpu as cpu_backend
 from boost_jax.layers import forward
-from boost_jax.layers.forward import RESIDUAL_NAME
-from boost_jax.layers.linear import LATENT_NAME
+from boost_jax.layers.remat import remat_wrapper
 from boost_jax.mesh import STAGE
-from boost_jax.sharding.gather import SECONDARY_NAME, LeafFetch, fetch_tree, slot_like
+from boost_jax.sharding.gather import LeafFetch, fetch_tree, slot_like
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
 from boost_jax.sharding import step_collectives
 from boost_jax.sharding.placement import Placement
-from boost_jax.sharding.tp.common import REDUCED_NAME
 from boost_jax.sharding.tp.specs import make_ops, validate_tp
 from boost_jax.train.pipeline import Pipeline
-
-
-def remat_wrapper(remat: str, gathers: bool) -> Callable:
-    """The per-layer jax.checkpoint for train.remat (none | full | lowrank).
-
-    With gathered weights the gathered copy is never saved (backward re-fetches it), so
-    remat="none" saves every matmul output plus the named values instead (weights are inputs
-    of matmuls, never outputs)."""
-    cp = jax.checkpoint_policies
-    saved = {"none": (LATENT_NAME, RESIDUAL_NAME, REDUCED_NAME), "full": (),
-             "lowrank": (LATENT_NAME, RESIDUAL_NAME)}
-    if remat not in saved:
-        raise ValueError(f"train.remat={remat!r}; expected none, full or lowrank")
-    names = saved[remat] + ((SECONDARY_NAME,) if gathers else ())
-    if remat == "none":
-        if not gathers:
-            return lambda f: f
-        policy = cp.save_from_both_policies(cp.dots_saveable, cp.save_only_these_names(*names))
-    else:
-        policy = cp.save_only_these_names(*names) if names else None
-    return lambda f: jax.checkpoint(f, policy=policy, prevent_cse=False)
 
 
 def _tp_axes(lay: LeafLayout) -> tuple[str, ...]:

@@ -9,7 +9,7 @@ left waiting in a collective.
 
 Crash safety: a run killed at any moment resumes from the last finalised checkpoint with the
 data iterator at the same position, so the losses continue exactly as an uninterrupted run's
-(metrics.jsonl rows past the restored step are dropped on resume). See checkpoint.py for
+(metrics.jsonl rows past the restored step are dropped on resume). See boost_jax/checkpoints/store.py for
 incomplete, corrupted and failed saves.
 """
 
@@ -29,12 +29,14 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from boost_jax.config import Config
 from boost_jax import json_out
+from boost_jax.backends.cpu import fast_compile_options
+from boost_jax.checkpoints import run_config
+from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
+from boost_jax.config import Config
 from boost_jax.errors import Interrupted, UserError
 from boost_jax.mesh import get_topology, mesh_from_config
-from boost_jax.train import run_config
-from boost_jax.train.checkpoint import CheckpointSaveError, Checkpointer
+from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE
 from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot_losses,
                                      summarize)
 from boost_jax.train.run_lock import hold_out_dir
@@ -142,12 +144,6 @@ class _StopSignal:
             signal.signal(sig, old)
 
 
-def _eval_params(bundle, state):
-    """What eval_step takes (the bundle says, where it can)."""
-    fn = getattr(bundle, "eval_params", None)
-    return fn(state) if fn is not None else state["params"]
-
-
 def evaluate(bundle, params, val_batches) -> float:
     losses = [bundle.eval_step(params, _to_device(b, bundle.batch_sharding)) for b in val_batches]
     return float(np.mean([float(x) for x in losses]))
@@ -159,8 +155,6 @@ def _compiler_options(given: Optional[dict]) -> Optional[dict]:
     if given is not None:
         return given
     if os.environ.get("BOOST_JAX_FAST_COMPILE", "") not in ("", "0"):
-        from boost_jax.layers.model import fast_compile_options
-
         return fast_compile_options() or None
     return None
 
@@ -186,9 +180,9 @@ def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False,
 
 
 def _resume_check(cfg: Config, out_dir: str, meta: dict, accepted: list):
-    """check_meta for Checkpointer.restore_latest: the saved config (run_config.py), then the
+    """check_meta for Checkpointer.restore_latest: the saved config (checkpoints/run_config.py), then the
     model shapes the checkpoint holds."""
-    legacy = run_config.load_saved(os.path.join(out_dir, "config.yaml"))
+    legacy = run_config.load_saved(os.path.join(out_dir, CONFIG_FILE))
 
     def check_meta(step: int, saved: dict) -> None:
         accepted[:] = run_config.check_resume(saved.get("config") or legacy, cfg, step, out_dir)
@@ -243,14 +237,14 @@ def _build(cfg: Config, out_dir: str, pid: int, nproc: int, compiler_options: Op
 
     copts = _compiler_options(compiler_options)
     bundle = build_step(cfg, mesh, copts) if copts else build_step(cfg, mesh)
-    for note in getattr(getattr(bundle, "placement", None), "notes", ()):  # roles TP took
+    for note in bundle.placement.notes:  # roles TP took
         say(note)
     return mesh, topo, data, bundle
 
 
 def _open_checkpointer(cfg: Config, out_dir: str, warn) -> tuple[Checkpointer, list]:
     """The run's Checkpointer and the steps it holds (refused unless checkpoint.resume)."""
-    ckpt_dir = os.path.join(out_dir, "checkpoints")
+    ckpt_dir = os.path.join(out_dir, CHECKPOINTS_DIR)
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint, warn=warn,
                         stages=(cfg.parallel.pp_stages, cfg.parallel.pp_virtual))
     existing = ckpt.all_steps()
@@ -472,7 +466,7 @@ def _maybe_log_metrics(ctx: _RunCtx, ls: _LoopState, m: dict, row: dict) -> None
 def _maybe_evaluate(ctx: _RunCtx, ls: _LoopState, row: dict) -> None:
     tcfg = ctx.cfg.train
     if ls.step % tcfg.eval_every == 0 or ls.step == tcfg.steps:
-        val = evaluate(ctx.bundle, _eval_params(ctx.bundle, ls.state), ctx.data.val_batches)
+        val = evaluate(ctx.bundle, ctx.bundle.eval_params(ls.state), ctx.data.val_batches)
         row.update(val_loss=val, val_ppl=math.exp(min(val, 50)))
         ctx.logger.line(f"step {ls.step} | val_loss {val:.4f} | "
                         f"val_ppl {math.exp(min(val, 50)):.2f}")
@@ -505,7 +499,7 @@ def _train(ctx: _RunCtx, state, start: int, summary: dict) -> int:
     """The step loop from `start`; returns the last step trained. Fills summary."""
     tcfg = ctx.cfg.train
     if start == 0:
-        val = evaluate(ctx.bundle, _eval_params(ctx.bundle, state), ctx.data.val_batches)
+        val = evaluate(ctx.bundle, ctx.bundle.eval_params(state), ctx.data.val_batches)
         ctx.logger.log(0, {"val_loss": val, "val_ppl": math.exp(min(val, 50))})
         ctx.logger.line(f"step 0 | val_loss {val:.4f}")
     ls = _LoopState(state, start, start, saved_steps=set(ctx.ckpt.all_steps()),

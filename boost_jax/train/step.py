@@ -33,7 +33,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from boost_jax.backends.cpu import reshard_bits
+from boost_jax.backends.cpu import fast_compile_options, reshard_bits
 from boost_jax.config import Config
 from boost_jax.sharding.layout import is_layout, pad_tree, unpad_tree
 from boost_jax.sharding.placement import Placement, make_placement
@@ -93,12 +93,6 @@ class StepBundle:
 
 def constrain_tree(tree, shardings):
     return jax.tree.map(jax.lax.with_sharding_constraint, tree, shardings)
-
-
-def _fast_compile_options() -> dict:
-    from boost_jax.layers.model import fast_compile_options
-
-    return fast_compile_options()
 
 
 def state_layout(pl: Placement, tx, pdtype):
@@ -185,12 +179,12 @@ def make_init(cfg: Config, pl: Placement, tx, state_sh) -> Callable:
         return state
 
     return lambda: jax.jit(init, out_shardings=state_sh,
-                           compiler_options=_fast_compile_options() or None)()
+                           compiler_options=fast_compile_options() or None)()
 
 
 def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepBundle:
     """The plan's StepBundle. `compiler_options` go to the train/eval jits (tests pass
-    boost_jax.layers.model.fast_compile_options() to cut CPU compile time ~4x); the one-off
+    boost_jax.backends.cpu.fast_compile_options() to cut CPU compile time ~4x); the one-off
     init program always compiles with the fast options."""
     abs_params = abstract_params(cfg)[1]
     pl = make_placement(cfg, mesh, abs_params)

@@ -1,5 +1,5 @@
 """What the three tensor-parallel layouts (megatron, vanilla, btp) share: the context and the TP
-collectives (the ops they inherit are head.TPOps).
+collectives (the ops they inherit are ops.TPOps).
 
 Everything here runs inside the training step's shard_map, manual over every mesh axis, with
 check_vma=True: JAX types each value as invariant (identical on all TP ranks) or varying,
@@ -20,14 +20,10 @@ import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.layers.forward import latent_keys
-from boost_jax.layers.linear import LATENT_NAME
-from boost_jax.backends import cpu as cpu_quirks
+from boost_jax.backends.cpu import check_vma
+from boost_jax.names import LATENT_NAME, REDUCED_NAME
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.gather import to_varying as _to_varying
-
-# checkpoint_name of TP all-reduce outputs that are not rank-r latents (kept by remat="none"
-# under a sharded plan, so no collective is replayed there either)
-REDUCED_NAME = "tp_reduced"
 
 
 @dataclass(frozen=True)
@@ -56,7 +52,7 @@ def make_context(cfg, mesh) -> TPContext:
     return TPContext(
         mode=par.tp_mode, kind=m.arch, axes=axes, t=int(np.prod([mesh.shape[a] for a in axes])),
         d=m.d_model, r=m.r, eps=m.norm_eps, dtype=jnp.dtype(m.dtype), tie=m.tie_embeddings,
-        kernels=dispatch.resolve(par.kernels), typed=cpu_quirks.check_vma(cfg),
+        kernels=dispatch.resolve(par.kernels), typed=check_vma(cfg),
         latent_keys=latent_keys(m))
 
 

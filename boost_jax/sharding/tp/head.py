@@ -1,5 +1,5 @@
-"""Embedding and LM head under tensor parallelism (vocab-parallel cross-entropy), and TPOps: the
-ops every TP layout inherits (fetch, embedding, head, LaX's first latents).
+"""Embedding and LM head under tensor parallelism (vocab-parallel cross-entropy); TPOps (ops.py)
+calls them for every TP layout.
 
 Embedding table [V, d]:
     btp (untied)   split along d — rank i looks up its own slice h_i, no collective.
@@ -21,12 +21,9 @@ of h) + AR b·s (max) + AR 2·b·s (sum-exp, gold); backward AR b·s·d (btp: RS
 
 from __future__ import annotations
 
-from typing import Callable, Optional
-
 import jax
 import jax.numpy as jnp
 
-from boost_jax.layers.forward import first_latents
 from boost_jax.layers.norms import apply_norm
 from boost_jax.sharding.tp.common import TPContext, local_slice, psum, rank_index, to_varying
 
@@ -68,27 +65,3 @@ def head_loss(ctx: TPContext, h, norm, w, targets):
         h = jax.lax.all_gather(h, ctx.axes, axis=h.ndim - 1, tiled=True)
     x = apply_norm(h, norm, ctx.eps, ctx.dtype)
     return vocab_parallel_cross_entropy(ctx, x, w, targets)
-
-
-class TPOps:
-    """The forward's ops (boost_jax.layers.forward) common to every TP layout; subclasses add
-    project_in / project_out."""
-
-    def __init__(self, ctx: TPContext, fetch: Optional[Callable] = None):
-        self.ctx = ctx
-        self._fetch = fetch
-
-    def fetch(self, stored, slots, path):
-        return stored if self._fetch is None else self._fetch(stored, slots, path)
-
-    def init_prev(self, tokens):
-        """LaX: the first block crosses with zeros (replicated, like every TP latent)."""
-        if not self.ctx.lax:
-            return None
-        return first_latents(tokens, self.ctx.r, self.ctx.dtype, self.ctx.latent_keys)
-
-    def embed(self, table, tokens):
-        return embed(self.ctx, table, tokens)
-
-    def head_loss(self, h, norm, w, targets):
-        return head_loss(self.ctx, h, norm, w, targets)

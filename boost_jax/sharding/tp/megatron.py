@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from boost_jax.layers.norms import apply_norm
 from boost_jax.sharding.tp.common import matmul, name_reduced, psum, to_varying
-from boost_jax.sharding.tp.head import TPOps
+from boost_jax.sharding.tp.ops import TPOps
 
 
 class MegatronOps(TPOps):

@@ -1,6 +1,6 @@
 """PNG figures from the cost model (analytic; no compile).
 
-    .venv/bin/python -m boost_jax.plan.plots --out benchmarks/results
+    .venv/bin/python benchmarks/plots.py --out benchmarks/results
 
 plan_bytes_per_level.png     collective bytes per device per step, by plan and topology level
                              (CoLA-7B on 48 Frontier nodes)
@@ -16,9 +16,12 @@ import argparse
 import os
 import sys
 
-from boost_jax.config import load_config
-from boost_jax.mesh import get_topology
-from boost_jax.plan.costmodel import Assumptions, predict
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import published  # noqa: E402
+from boost_jax.config import load_config  # noqa: E402
+from boost_jax.mesh import get_topology  # noqa: E402
+from boost_jax.plan.costmodel import Assumptions, predict  # noqa: E402
 
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 NODES = (1, 2, 4, 8, 16, 32, 48, 64)
@@ -61,13 +64,11 @@ def weak_scaling(out: str, a: Assumptions) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from boost_jax.plan.validate import lbp_config
-
     topo = get_topology("frontier")
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.6), dpi=100, sharey=True)
     panels = (("CoLA-7B (fp32 weights), 8 micro-batches x 1 x 256 per GCD",
                lambda p, n: _cola7b(p, n)),
-              ("20B GPT (LBP validation), 1 x 2048 per GCD", lambda p, n: lbp_config(p, n)))
+              ("20B GPT (LBP validation), 1 x 2048 per GCD", lambda p, n: published.lbp_config(p, n)))
     for ax, (title, make) in zip(axes, panels):
         for k, plan in enumerate(PLANS):
             pts = []
@@ -102,8 +103,7 @@ def boost_iteration(out: str) -> str:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from boost_jax.plan import validate as V
-
+    V = published
     preds = V.boost_predictions(V.VALIDATION_ASSUMPTIONS)
     sizes = list(preds)
     fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
@@ -127,7 +127,7 @@ def boost_iteration(out: str) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m boost_jax.plan.plots")
+    p = argparse.ArgumentParser(prog="benchmarks/plots.py")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)

@@ -2,7 +2,7 @@
 
 The seal (`SEAL_FILE` at the step's root) is written by process 0 after orbax has written and
 merged every item of every process but before it renames `<step>.orbax-checkpoint-tmp` to
-`<step>`, so a finalised step always carries one (checkpoint.py). Every reader (resume,
+`<step>`, so a finalised step always carries one (store.py). Every reader (resume,
 generate, evaluate, export) checks the step's files against it before using them: any changed,
 truncated, missing or extra file is caught, and any one changed byte with certainty (CRC-32
 detects every error burst of up to 32 bits).

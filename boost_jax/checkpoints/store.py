@@ -16,7 +16,7 @@ Crash safety:
   of the state as it is on the devices (``state_checksums``: integer sums of the bit patterns,
   the same under any sharding) in the step's metadata, and refuses to write a state with a
   non-finite value; before the step is renamed into place it is sealed with the CRC-32 of
-  every file written (train/seal.py). A restore checks the files against the seal, then the
+  every file written (seal.py). A restore checks the files against the seal, then the
   restored arrays against the checksums; a step that cannot be read or does not match is
   reported, moved to ``checkpoints_unusable/`` next to the checkpoint directory (nothing is
   deleted) and the previous step is tried. generate/evaluate/export make the same checks and
@@ -43,12 +43,13 @@ from typing import Any, Callable, Optional
 import numpy as np
 import orbax.checkpoint as ocp
 
+from boost_jax.checkpoints import restage
+from boost_jax.checkpoints.seal import SEAL_FILE, check_seal, write_seal
 from boost_jax.config import CheckpointConfig
 from boost_jax.errors import UserError
-from boost_jax.train.seal import SEAL_FILE, check_seal, write_seal
+from boost_jax.names import UNUSABLE_DIR
 
 TMP_MARK = ".orbax-checkpoint-tmp"  # orbax's suffix for a step still being written
-UNUSABLE_DIR = "checkpoints_unusable"
 
 
 class CheckpointSaveError(UserError):
@@ -59,7 +60,7 @@ class NonFiniteStateError(UserError):
     """The state holds NaN/inf: it is never written."""
 
 
-def _reason(e: BaseException) -> str:
+def error_reason(e: BaseException) -> str:
     """One line for an exception, preferring the OS error at its root (disk full, permission)."""
     seen, cur, found = set(), e, []
     while cur is not None and id(cur) not in seen:
@@ -173,7 +174,7 @@ def state_checksums(state: Any) -> tuple[dict[str, list[int]], bool]:
     changes of several elements pass only by a 2**-64 coincidence. Integer sums do not depend on
     the order of reduction, on zero padding or on where the elements sit, so the checksums are
     the same on every process and check a restore under another plan, mesh, process count or
-    stage count (boost_jax/train/restage.py) too. One pass over each array: 0.17 s/GiB on
+    stage count (boost_jax/checkpoints/restage.py) too. One pass over each array: 0.17 s/GiB on
     one core of the development VM (the float sums it replaces: 0.16 s/GiB), 2-4 ms for the
     demo's state.
     """
@@ -219,7 +220,7 @@ class Checkpointer:
         import jax
 
         self.directory = os.path.abspath(directory)
-        self.stages = stages  # (stages, virtual) of the state restored into (train/restage.py)
+        self.stages = stages  # (stages, virtual) of the state restored into (restage.py)
         self.async_save = cfg.async_save
         self._warn = warn or (lambda msg: None)
         self._pid = jax.process_index()
@@ -249,8 +250,8 @@ class Checkpointer:
             self.mngr = ocp.CheckpointManager(self.directory, options=options,
                                               item_names=("state", "data", "meta"))
         except OSError as e:
-            raise UserError(f"cannot use checkpoint directory {self.directory!r} ({_reason(e)}); "
-                            "choose a writable out_dir") from None
+            raise UserError(f"cannot use checkpoint directory {self.directory!r} "
+                            f"({error_reason(e)}); choose a writable out_dir") from None
 
     # ------------------------------------------------------------------ listing
 
@@ -341,15 +342,13 @@ class Checkpointer:
                 f"permissions) and rerun the same command to resume from step {intact[-1]}"
                 if intact else
                 "no earlier checkpoint exists; fix the cause (disk space, permissions) and rerun")
-        error = CheckpointSaveError(f"saving checkpoint {what} failed ({_reason(e)}); {keep}")
+        error = CheckpointSaveError(f"saving checkpoint {what} failed ({error_reason(e)}); {keep}")
         error.detail = e  # the full chain, for the run log
         raise error from None
 
     # ------------------------------------------------------------------ restoring
 
     def restore(self, step: int, abstract_state: Any):
-        from boost_jax.train import restage
-
         old = restage.saved_stages(self.restore_meta(step))
         target = abstract_state if old == self.stages else restage.restore_target(
             abstract_state, restage.saved_shapes(os.path.join(self.directory, str(step))), old,
@@ -395,7 +394,7 @@ class Checkpointer:
             try:
                 meta = self.restore_meta(step)
             except Exception as e:  # noqa: BLE001
-                err = f"its metadata cannot be read: {_reason(e)}"
+                err = f"its metadata cannot be read: {error_reason(e)}"
             if not self._agree(err is None):
                 bad.append((step, err or "another process could not read its metadata"))
                 continue
@@ -407,7 +406,7 @@ class Checkpointer:
                     err = checksum_mismatch(state_checksums(state)[0], meta)
             except Exception as e:  # noqa: BLE001
                 _silence_closed_loop_callbacks()
-                state, err = None, f"it cannot be read: {_reason(e)}"
+                state, err = None, f"it cannot be read: {error_reason(e)}"
             if not self._agree(err is None):
                 bad.append((step, err or "another process could not read it"))
                 del state
@@ -468,7 +467,7 @@ class Checkpointer:
                 self.mngr.wait_until_finished()
             except Exception as e:  # noqa: BLE001
                 self._warn(f"the checkpoint save of step {self._pending} failed as well "
-                           f"({_reason(e)})")
+                           f"({error_reason(e)})")
         try:
             self.mngr.close()
         except Exception:  # noqa: BLE001

@@ -28,6 +28,7 @@ import yaml
 
 from boost_jax.config import Config, config_to_yaml
 from boost_jax.errors import UserError
+from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE
 
 DEFINING = ("model", "data", "train.global_batch", "train.seed", "train.scan_layers")
 # under DEFINING but the same math computed another way: a resume may change it freely
@@ -37,11 +38,11 @@ PER_INVOCATION = ("out_dir", "checkpoint.resume", "checkpoint.accept_changes")
 SHAPE_KEYS = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
               "rank", "lax_gate", "tie_embeddings")
 HISTORY_DIR = "configs"
-# what a run writes into out_dir (run_log.py, metrics.py, checkpoint.py, data/tokenizers.py)
-OUTPUTS = ("config.yaml", HISTORY_DIR, "metrics.jsonl", "summary.json", "loss.png", "tb",
-           "checkpoints", "tokenizer", "run.log")
+# what a run writes into out_dir (train/run_log.py, train/metrics.py, store.py, data/tokenizers.py)
+OUTPUTS = (CONFIG_FILE, HISTORY_DIR, "metrics.jsonl", "summary.json", "loss.png", "tb",
+           CHECKPOINTS_DIR, "tokenizer", "run.log")
 # what only a run of ours leaves there: its lock (run_lock.py), config history and checkpoints
-MARKERS = (".lock", HISTORY_DIR, "checkpoints")
+MARKERS = (".lock", HISTORY_DIR, CHECKPOINTS_DIR)
 
 
 def model_signature(cfg: Config) -> dict:
@@ -118,7 +119,7 @@ def record(out_dir: str, cfg: Config, start: int) -> Optional[str]:
     hist = os.path.join(out_dir, HISTORY_DIR)
     os.makedirs(hist, exist_ok=True)
     entries = sorted(n for n in os.listdir(hist) if n.endswith(".yaml") and n[:3].isdigit())
-    current = os.path.join(out_dir, "config.yaml")
+    current = os.path.join(out_dir, CONFIG_FILE)
     if not entries and os.path.exists(current):
         os.replace(current, os.path.join(hist, "000-earlier.yaml"))
         entries = ["000-earlier.yaml"]
