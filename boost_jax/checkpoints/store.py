@@ -370,6 +370,13 @@ class Checkpointer:
             return None
         return check_seal(os.path.join(self.directory, str(step)), self._pid, self._nproc)
 
+    def _sealed_error(self, step: int) -> Optional[str]:
+        """What the step's seal finds wrong, when it has one (None otherwise)."""
+        step_dir = os.path.join(self.directory, str(step))
+        if not os.path.exists(os.path.join(step_dir, SEAL_FILE)):
+            return None
+        return check_seal(step_dir, self._pid, self._nproc)
+
     def _agree(self, ok: bool) -> bool:
         """True only if every process says ok (processes must take the same fallback)."""
         if self._nproc == 1:
@@ -394,7 +401,9 @@ class Checkpointer:
             try:
                 meta = self.restore_meta(step)
             except Exception as e:  # noqa: BLE001
-                err = f"its metadata cannot be read: {error_reason(e)}"
+                # a sealed step names the changed file (the metadata's own, say)
+                err = self._sealed_error(step) or \
+                    f"its metadata cannot be read: {error_reason(e)}"
             if not self._agree(err is None):
                 bad.append((step, err or "another process could not read its metadata"))
                 continue
