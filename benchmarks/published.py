@@ -355,6 +355,8 @@ def variants(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[tuple[st
          "bf16 over all GCDs)", dict(lbp_extra=("parallel.quantize_grads=false",))),
         ("no overlap (every collective on the critical path)",
          dict(assumptions=rep(assumptions, overlap="none"))),
+        ("overlap and kernel launches as the GPU schedule shows (--overlap gpu, "
+         "benchmarks/README.md section 12)", dict(assumptions=rep(assumptions, overlap="gpu"))),
         ("eta_flops 0.5", dict(assumptions=rep(assumptions, eta_flops=0.5))),
         ("eta_net 1.0", dict(assumptions=rep(assumptions, eta_net=1.0))),
         ("launch 2 us per kernel instead of 4", dict(assumptions=rep(assumptions,
