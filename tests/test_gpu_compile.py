@@ -208,3 +208,17 @@ def test_search_reranks_the_best_layouts_by_the_gpu_program(monkeypatch, capsys)
     assert demoted["memory"] == 2.0**30
     assert [r["step_time"] for r in ranked] == sorted(r["step_time"] for r in ranked)
     assert any("compiled for the GPU" in n for n in after["notes"])
+
+
+@needs_plugin
+def test_flash_attention_compiles_to_cudnn_on_nvidia(capsys):
+    """model.attention=flash on an NVIDIA target (bf16) is cuDNN's fused attention: a cuDNN
+    custom call in the GPU program, forward and backward, and no dense [s, s] scores."""
+    from boost_jax.plan.__main__ import main
+
+    flash = [a for a in TINY if a != "--json"] + ["model.attention=flash", "model.dtype=bfloat16",
+                                                 "model.param_dtype=bfloat16", "--json"]
+    assert main(flash) == 0
+    mix = json.loads(capsys.readouterr().out)["gpu_compile"]["programs"][-1]["mix"]
+    cudnn = {k: v for k, v in mix.items() if "cudnn" in k.lower() and "fmha" in k.lower()}
+    assert len(cudnn) >= 2, mix  # the forward and the backward kernels

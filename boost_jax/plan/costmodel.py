@@ -207,6 +207,18 @@ def dp_collectives(cfg, sizes, pl) -> list[Coll]:
     """The step's data-parallel / ZeRO collectives (sharding/step_collectives.py: what the
     engine runs), one Coll per kind of collective and group: calls and bytes summed over the
     weights, so the time (linear in both) is the sum of the weights' times."""
+    # a search costs each layout under every remat mode: the list does not depend on it
+    key = (repr(cfg.model), repr(cfg.parallel), cfg.train.micro_batches, cfg.train.scan_layers,
+           tuple(sorted(sizes.items())))
+    if key not in _DP_CACHE:
+        _DP_CACHE[key] = _grouped(cfg, sizes, pl)
+    return list(_DP_CACHE[key])
+
+
+_DP_CACHE: dict = {}
+
+
+def _grouped(cfg, sizes, pl) -> list[Coll]:
     groups: dict = {}
     for c in step_collectives(pl, passes(cfg), cfg.model.tie_embeddings):
         axes = tuple(a for a in c.axes if sizes.get(a, 1) > 1)

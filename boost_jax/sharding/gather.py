@@ -89,9 +89,15 @@ class LeafFetch:
                    pl.quantize_gather, pl.secondary_int8, pl.quant_block, pl.param_dtype,
                    pl.grad_accum_dtype, pl.quantize_grads)
 
+    @functools.cached_property
+    def _size(self) -> dict:  # (not a field: equality and hashing ignore it)
+        return dict(self.sizes)
+
     def n(self, axes) -> int:
-        size = dict(self.sizes)
-        return int(math.prod(size[a] for a in axes)) if axes else 1
+        if not axes:
+            return 1
+        size = self._size
+        return int(math.prod([size[a] for a in axes]))
 
     @property
     def dim(self):

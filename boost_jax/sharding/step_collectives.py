@@ -30,6 +30,7 @@ payloads Ψ/2 + 4·blocks.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -104,8 +105,13 @@ def explicit(pl, lay: LeafLayout) -> bool:
     (true for every preset: the canonical axis order nests the roles)."""
     if lay.dim is None:
         return True
-    s1 = tuple(a for a in pl.deferred_axes if a in pl.opt_state_axes)
-    return lay.spec(pl.opt_state_axes) == lay.spec(pl.grads_axes + s1)
+    return _nested(lay, tuple(pl.opt_state_axes), tuple(pl.grads_axes),
+                   tuple(pl.deferred_axes))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _nested(lay: LeafLayout, O: tuple, G: tuple, R: tuple) -> bool:
+    return lay.spec(O) == lay.spec(G + tuple(a for a in R if a in O))
 
 
 def deferred_reduction(pl, lay: LeafLayout) -> tuple[tuple[str, ...], tuple[str, ...]]:
