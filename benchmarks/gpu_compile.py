@@ -25,7 +25,7 @@ from boost_jax.plan import gpu_target  # noqa: E402
 
 gpu_target.prepare_env()  # before JAX starts
 
-from benchmarks.common import load_note, markdown_table, sync_readme  # noqa: E402
+from benchmarks.common import load_note, markdown_table, write_result  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import get_topology  # noqa: E402
 from boost_jax.plan import dryrun  # noqa: E402
@@ -109,9 +109,7 @@ def main() -> None:
         "GPU = each collective's α–β time less the compute scheduled under it (its GEMM FLOPs "
         "at 70% of peak plus 4 us per kernel), per step.",
     ]) + "\n"
-    with open(args.out, "w") as f:
-        f.write(text)
-    sync_readme(args.out)
+    write_result(args.out, text)
     print(text)
 
 

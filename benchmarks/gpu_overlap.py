@@ -27,13 +27,13 @@ from boost_jax.plan import gpu_target  # noqa: E402
 
 gpu_target.prepare_env()  # before JAX starts
 
-from benchmarks.common import load_note, markdown_table, sync_readme  # noqa: E402
+from benchmarks.common import load_note, markdown_table, write_result  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import get_topology  # noqa: E402
 from boost_jax.plan import dryrun  # noqa: E402
 from boost_jax.plan.costmodel import Assumptions  # noqa: E402
 from boost_jax.plan.gpu_compile import gpu_compile  # noqa: E402
-from boost_jax.plan.gpu_overlap import TABLE_PATH, key  # noqa: E402
+from boost_jax.plan.overlap import TABLE_PATH, key  # noqa: E402
 
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 MODES = ("none", "megatron", "vanilla", "btp")
@@ -111,9 +111,7 @@ def main() -> None:
         json.dump(table, f, indent=1)
         f.write("\n")
     text = report(table)
-    with open(args.out, "w") as f:
-        f.write(text)
-    sync_readme(args.out)
+    write_result(args.out, text)
     print(text)
 
 

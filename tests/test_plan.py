@@ -464,9 +464,9 @@ def test_attention_is_costed_as_the_step_compiles_it():
 
 def test_overlap_gpu_costs_the_shares_the_gpu_schedule_hides(monkeypatch):
     """--overlap gpu: each phase's exposed time is its time less the share the GPU schedule
-    hides for the layout (plan/gpu_overlap.py); a layout the table lacks keeps the xla
+    hides for the layout (plan/overlap.py); a layout the table lacks keeps the xla
     assumption."""
-    from boost_jax.plan import gpu_overlap
+    from boost_jax.plan import overlap as gpu_overlap
 
     cfg = C.with_overrides(_cfg7b("cola", "btp", "[pair]"), **{"train.global_batch": 192,
                                                                 "parallel.plan": "zero3"})
@@ -485,7 +485,7 @@ def test_overlap_gpu_costs_the_shares_the_gpu_schedule_hides(monkeypatch):
     # twice the roofline's kernels: one more launch per kernel, every block of every pass
     bm = R.block_model(cfg.model, gpu.micro_batch_per_device, cfg.data.seq_len, "btp", 2,
                        gpu.assumptions.attention)
-    extra = C.block_kernels(cfg, bm) * 4e-6 * cfg.model.n_layers * cfg.train.micro_batches
+    extra = R.block_kernels(cfg, bm) * 4e-6 * cfg.model.n_layers * cfg.train.micro_batches
     assert g["compute"] == pytest.approx(t["compute"] + extra)
     compute = g["compute"] - g["bubble"]
     assert g["dp_exposed"] == pytest.approx(t["dp"] * 0.5 + max(t["dp"] * 0.5 - compute, 0.0))

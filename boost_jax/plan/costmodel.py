@@ -32,13 +32,14 @@ from typing import Any, Optional
 from boost_jax.analysis.flops import flops_per_token, param_count
 from boost_jax.errors import ConfigError
 from boost_jax.mesh import AXES, STAGE, Topology, level_of
-from boost_jax.plan import gpu_overlap
 from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split
+from boost_jax.plan import overlap
+from boost_jax.plan.overlap import gpu_exposed, gpu_launch_seconds, overlap_exposed
 from boost_jax.sharding.gather import qgz_stages
 from boost_jax.sharding.step_collectives import Passes, step_collectives
 from boost_jax.sharding.stages import layers_per_stage
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
-                                     head_model, op_time)
+                                     head_model, op_time, resolve_attention)
 
 
 # --------------------------------------------------------------------------- layouts
@@ -270,7 +271,7 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
 
 
 def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockModel,
-                    b: int) -> dict:
+                    b: int, usable: float) -> dict:
     m, par = cfg.model, cfg.parallel
     pb = DTYPE_BYTES[m.param_dtype]
     mixed = m.param_dtype != "float32"
@@ -307,6 +308,7 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     mem["logits"] = sum(o.out_bytes for o in hm.ops) * 2
     mem["layer_grads"] = st.per_layer_tp_local * 4
     mem["total"] = sum(v for k, v in mem.items() if k not in ("arguments",))
+    mem["fits"] = mem["total"] <= usable  # the device's HBM less what the runtime keeps
     return mem
 
 
@@ -342,7 +344,7 @@ def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hb
     (bf, bb, br), (hf, hb, hr) = (block_times(cfg, bm, peak, hbm, a),
                                   block_times(cfg, hm, peak, hbm, a))
     micro, pp, V = cfg.train.micro_batches, cfg.parallel.pp_stages, cfg.parallel.pp_virtual
-    launches = gpu_launch_seconds(cfg, bm, L, a)
+    launches = gpu_launch_seconds(cfg, bm, L * fetch_calls(cfg)[1], a)
     if pp == 1:
         return micro * (L * (bf + bb + br) + hf + hb + hr) + launches, 0.0
     ticks = V * micro + pp - 1
@@ -447,15 +449,14 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     p2p = sum(coll_time(c, topo, a) for c in colls if c.name == "stage_send") \
         if measured is None else 0.0
     exposed_dp = overlap_exposed(t_dp, t_compute - t_bubble, L, a,
-                                 gpu_overlap.hidden(cfg.parallel.plan, mode, "dp"))
+                                 overlap.hidden(cfg.parallel.plan, mode, "dp"))
     total = t_compute + t_quant + t_tp + exposed_dp + t_stepc + t_opt
     total_overlap = t_compute + t_quant + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt
     tokens = cfg.train.global_batch * s
     model_flops = flops_per_token(m, s)["train"] * tokens / n_dev
     rec_factor = (4 / 3 if cfg.train.remat != "none" else 1.0) + (1 / 3 if pp > 1 else 0.0)
-    mem = memory_estimate(cfg, sizes, st, pl, bm, hm, b)
+    mem = memory_estimate(cfg, sizes, st, pl, bm, hm, b, topo.hbm_bytes * a.hbm_usable)
     mem["hbm"] = topo.hbm_bytes
-    mem["fits"] = mem["total"] <= a.hbm_usable * topo.hbm_bytes
     tflops = model_flops / total / 1e12
     return Prediction(
         layout=_layout(cfg, mode, t, pl), sizes=dict(sizes), devices=n_dev,
@@ -469,67 +470,6 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
         step_time=total, tokens_per_s=tokens / total, tflops_per_device=tflops,
         mfu=tflops * 1e12 / peak, assumptions=a, collectives=colls if measured is None else [],
         notes=_notes(cfg, pl, measured, L), node_egress=dict(comm.egress or {}))
-
-
-def resolve_attention(cfg, topo: Topology, a: Assumptions) -> Assumptions:
-    """The attention the step compiles: the assumption's if set, else the config's
-    model.attention (flash | dense), else (auto) flash on a GPU, dense on the CPU."""
-    if a.attention in ("flash", "dense"):
-        return a
-    want = getattr(cfg.model, "attention", "auto")
-    if want not in ("flash", "dense"):
-        gpu = topo.job is not None and topo.job.platform in ("cuda", "rocm")
-        want = "flash" if gpu else "dense"
-    return dataclasses.replace(a, attention=want)
-
-
-def overlap_exposed(t_dp: float, t_compute: float, layers: int, a: Assumptions,
-                    hidden: Optional[float] = None) -> float:
-    """Seconds of the per-micro-batch data-parallel collectives left on the critical path.
-
-    With the launcher's XLA flags (mesh.GPU_XLA_SCHEDULE) the scanned layers pipeline them: a
-    layer's weight gather runs behind the previous layer's compute, its gradient
-    reduce-scatter behind the next backward layer. Each pass over the layers leaves one
-    layer's share exposed (the first gather, the last reduce-scatter): t_dp / L over the step;
-    traffic beyond the compute it hides behind is exposed as well. overlap="gpu" with a
-    measured `hidden` share: only that share can hide."""
-    if a.overlap == "none":
-        return t_dp
-    if a.overlap == "gpu" and hidden is not None:
-        return t_dp * (1.0 - hidden) + max(t_dp * hidden - t_compute, 0.0)
-    return max(t_dp - t_compute, t_dp / max(layers, 1), 0.0)
-
-
-def block_kernels(cfg, bm: BlockModel) -> float:
-    """Launches of one block per micro-batch in the roofline model: forward, backward (two
-    GEMMs per GEMM), and the forward replayed under remat."""
-    ops = bm.ops
-    bwd = sum(2 if o.kind == "gemm" else 1 for o in ops)
-    remat = cfg.train.remat
-    rec = len(ops) if remat == "full" else (
-        sum(not o.lowrank_saved for o in ops) if remat == "lowrank" else 0)
-    return float(len(ops) + bwd + rec)
-
-
-def gpu_launch_seconds(cfg, bm: BlockModel, L: int, a: Assumptions) -> float:
-    """overlap="gpu": the launches the GPU program makes beyond the roofline's kernel list
-    (GPU / analytic kernels per layer, measured per plan x TP mode), at launch_s each, for the
-    L blocks of every pass; 0 when the table lacks the layout, or with other overlap modes."""
-    if a.overlap != "gpu":
-        return 0.0
-    ratio = gpu_overlap.kernel_ratio(cfg.parallel.plan, cfg.parallel.tp_mode)
-    if ratio is None:
-        return 0.0
-    return max(ratio - 1.0, 0.0) * block_kernels(cfg, bm) * a.launch_s * L * fetch_calls(cfg)[1]
-
-
-def gpu_exposed(cfg, phase: str, t: float, a: Assumptions) -> float:
-    """overlap="gpu": a phase's collective time less the share the GPU schedule hides for the
-    layout (the whole time when the table lacks the layout, or with other overlap modes)."""
-    if a.overlap != "gpu":
-        return t
-    h = gpu_overlap.hidden(cfg.parallel.plan, cfg.parallel.tp_mode, phase)
-    return t if h is None else t * (1.0 - h)
 
 
 def critical_path(p: "Prediction") -> dict:

@@ -24,7 +24,7 @@ from boost_jax.mesh import Topology
 from boost_jax.plan import dryrun, gpu_target
 from boost_jax.plan.collectives import CommSummary, Coll, coll_time, colls_from_report
 from boost_jax.plan.costmodel import Assumptions, predict
-from boost_jax.plan.roofline import block_model
+from boost_jax.plan.roofline import block_kernels, block_model
 
 RTOL = 0.25
 
@@ -98,8 +98,8 @@ def read_program(comp: dryrun.Compiled, cfg, sizes, full, topo, a: Assumptions) 
 
 
 def analytic_kernels_per_layer(cfg, sizes, a: Assumptions) -> float:
-    """Launches of one block per micro-batch in the roofline model (costmodel.block_kernels)."""
-    from boost_jax.plan.costmodel import block_kernels, state_sizes, tp_info, _size
+    """Launches of one block per micro-batch in the roofline model (roofline.block_kernels)."""
+    from boost_jax.plan.costmodel import state_sizes, tp_info, _size
 
     mode, t = tp_info(cfg, sizes)
     _, pl = state_sizes(cfg, sizes)

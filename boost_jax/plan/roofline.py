@@ -17,7 +17,9 @@ compute   every kernel of a block is listed with its FLOPs and HBM bytes (GEMMs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from boost_jax.mesh import Topology
 
 
 # HBM bandwidth per device (bytes/s): vendor datasheets. MI250X 3.2 TB/s per package = 1.6 per
@@ -38,7 +40,7 @@ class Assumptions:
     # rope, activation, residual+norm); GEMMs and attention are a kernel each
     elem_kernels: int = 4
     # xla: as the step compiled with mesh.GPU_XLA_SCHEDULE | gpu: the hidden shares the GPU
-    # schedule shows (plan/gpu_overlap.py) | none
+    # schedule shows (plan/overlap.py) | none
     overlap: str = "xla"
     attention: str = "auto"  # auto: the config's model.attention, else flash on GPUs
     hbm_usable: float = 0.9  # usable fraction of HBM (allocator, runtime, fragmentation)
@@ -251,6 +253,29 @@ def block_model(m, b: int, s: int, mode: str, t: int, attention: str = "dense") 
     if mode not in _BLOCK_BUILDERS:
         raise ValueError(f"unknown tp mode {mode!r}")
     return _BLOCK_BUILDERS[mode](m, b, s, t, attention, e, g)
+
+
+def resolve_attention(cfg, topo: Topology, a: Assumptions) -> Assumptions:
+    """The attention the step compiles: the assumption's if set, else the config's
+    model.attention (flash | dense), else (auto) flash on a GPU, dense on the CPU."""
+    if a.attention in ("flash", "dense"):
+        return a
+    want = getattr(cfg.model, "attention", "auto")
+    if want not in ("flash", "dense"):
+        gpu = topo.job is not None and topo.job.platform in ("cuda", "rocm")
+        want = "flash" if gpu else "dense"
+    return replace(a, attention=want)
+
+
+def block_kernels(cfg, bm: BlockModel) -> float:
+    """Launches of one block per micro-batch in the roofline model: forward, backward (two
+    GEMMs per GEMM), and the forward replayed under remat."""
+    ops = bm.ops
+    bwd = sum(2 if o.kind == "gemm" else 1 for o in ops)
+    remat = cfg.train.remat
+    rec = len(ops) if remat == "full" else (
+        sum(not o.lowrank_saved for o in ops) if remat == "lowrank" else 0)
+    return float(len(ops) + bwd + rec)
 
 
 def head_model(m, b: int, s: int, mode: str, t: int) -> BlockModel:

@@ -1,0 +1,88 @@
+"""How much of a step's collective time stays on the critical path: the assumption the
+launcher's XLA flags stand for (`overlap_exposed`), or what the GPU schedule showed.
+
+The GPU figures, per plan × TP mode (gpu_overlap.json), are measured by
+benchmarks/gpu_overlap.py from the training step compiled for A100s (compile-only devices,
+the launcher's XLA flags): for each collective, the compute XLA's latency-hiding scheduler put
+between its start and done. `overlap="gpu"` costs a phase's exposed time as its time × (1 −
+hidden share), and charges the kernels the GPU program launches beyond the roofline's list
+(their ratio per layer); layouts the table lacks fall back to the `xla` assumption.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Optional
+
+from boost_jax.plan.roofline import Assumptions, BlockModel, block_kernels
+
+TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_overlap.json")
+
+
+def key(plan: str, tp_mode: str) -> str:
+    return f"{plan}/{tp_mode}"
+
+
+@functools.lru_cache(maxsize=None)
+def table(path: str = TABLE_PATH) -> dict:
+    """The measured table ({} when it was never written)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
+def kernel_ratio(plan: str, tp_mode: str) -> Optional[float]:
+    """GPU kernels per layer over the roofline's count for the layout, None if not measured."""
+    row = table().get("layouts", {}).get(key(plan, tp_mode))
+    if row is None or not row.get("analytic_kernels_per_layer"):
+        return None
+    return row["kernels_per_layer"] / row["analytic_kernels_per_layer"]
+
+
+def hidden(plan: str, tp_mode: str, phase: str) -> Optional[float]:
+    """The hidden share of `phase` (tp | dp | step) for the layout, None if not measured."""
+    row = table().get("layouts", {}).get(key(plan, tp_mode))
+    if row is None:
+        return None
+    return row["hidden"].get(phase, 0.0)
+
+
+def overlap_exposed(t_dp: float, t_compute: float, layers: int, a: Assumptions,
+                    hidden: Optional[float] = None) -> float:
+    """Seconds of the per-micro-batch data-parallel collectives left on the critical path.
+
+    With the launcher's XLA flags (mesh.GPU_XLA_SCHEDULE) the scanned layers pipeline them: a
+    layer's weight gather runs behind the previous layer's compute, its gradient
+    reduce-scatter behind the next backward layer. Each pass over the layers leaves one
+    layer's share exposed (the first gather, the last reduce-scatter): t_dp / L over the step;
+    traffic beyond the compute it hides behind is exposed as well. overlap="gpu" with a
+    measured `hidden` share: only that share can hide."""
+    if a.overlap == "none":
+        return t_dp
+    if a.overlap == "gpu" and hidden is not None:
+        return t_dp * (1.0 - hidden) + max(t_dp * hidden - t_compute, 0.0)
+    return max(t_dp - t_compute, t_dp / max(layers, 1), 0.0)
+
+
+def gpu_launch_seconds(cfg, bm: BlockModel, blocks: float, a: Assumptions) -> float:
+    """overlap="gpu": the launches the GPU program makes beyond the roofline's kernel list
+    (GPU / analytic kernels per layer, measured per plan x TP mode), at launch_s each, for
+    `blocks` block passes; 0 when the table lacks the layout, or with other overlap modes."""
+    if a.overlap != "gpu":
+        return 0.0
+    ratio = kernel_ratio(cfg.parallel.plan, cfg.parallel.tp_mode)
+    if ratio is None:
+        return 0.0
+    return max(ratio - 1.0, 0.0) * block_kernels(cfg, bm) * a.launch_s * blocks
+
+
+def gpu_exposed(cfg, phase: str, t: float, a: Assumptions) -> float:
+    """overlap="gpu": a phase's collective time less the share the GPU schedule hides for the
+    layout (the whole time when the table lacks the layout, or with other overlap modes)."""
+    if a.overlap != "gpu":
+        return t
+    h = hidden(cfg.parallel.plan, cfg.parallel.tp_mode, phase)
+    return t if h is None else t * (1.0 - h)
