@@ -37,16 +37,15 @@ def check_vma(cfg) -> bool:
     return cfg.parallel.tp_mode != "btp" or dispatch.shard_map_check_vma(cfg.parallel.kernels)
 
 
-def untyped_tp_grads(engine, grads):
-    """The gradient of the loss from the untyped (check_vma=False) program's (1 above)."""
-    t, axes = engine.tp_size, engine.pl.tp_axes
+def untyped_tp_grads(grads, layouts, tp_axes: tuple, tp_size: int):
+    """The gradient of the loss from the untyped (check_vma=False) program's (1 above):
+    `layouts` the grads' LeafLayouts, `tp_axes` the TP mesh axes, `tp_size` their size."""
 
     def one(lay, g):
-        replicated = not any(a in axes for tp in lay.tp for a in tp)
-        return (jax.lax.psum(g, axes) if replicated and axes else g) / t
+        replicated = not any(a in tp_axes for tp in lay.tp for a in tp)
+        return (jax.lax.psum(g, tp_axes) if replicated and tp_axes else g) / tp_size
 
-    return jax.tree.map(one, engine.pl.layouts, grads,
-                        is_leaf=lambda x: hasattr(x, "padded"))
+    return jax.tree.map(one, layouts, grads, is_leaf=lambda x: hasattr(x, "padded"))
 
 
 def _is16(x) -> bool:

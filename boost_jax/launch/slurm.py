@@ -114,15 +114,14 @@ def job_sizes(cfg: Config, topo: Topology, nodes: Optional[int]) -> dict:
 
 
 def check_layout(cfg: Config, topo: Topology, sizes: dict) -> dict:
-    """The checks train.py would make on the cluster, made now: TP divisibility, the batch
-    over the data-parallel devices; returns the planner's analytic memory and step time."""
+    """The checks train.py would make on the cluster, made now: the parallel plan's (TP cut,
+    pipeline split), the batch over the data-parallel devices; returns the planner's analytic
+    memory and step time."""
     from boost_jax.plan.costmodel import SizesMesh, predict
+    from boost_jax.sharding import parallel
 
     try:
-        if cfg.parallel.tp_mode != "none":
-            from boost_jax.sharding.tp.specs import validate_tp
-
-            validate_tp(cfg, SizesMesh(sizes))
+        parallel.check(cfg, SizesMesh(sizes))  # pipeline split, TP cut
         p = predict(cfg, topo, sizes)
     except (ConfigError, ValueError) as e:
         raise UserError(str(e).splitlines()[0]) from None

@@ -143,14 +143,9 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
     for c in cands:
         try:
             cc = c.config(cfg)
-            if cc.parallel.pp_stages > 1:
-                from boost_jax.sharding.stages import validate as validate_stages
+            from boost_jax.sharding import parallel
 
-                validate_stages(cc)
-            if cc.parallel.tp_mode != "none":
-                from boost_jax.sharding.tp.specs import validate_tp
-
-                validate_tp(cc, SizesMesh(c.sizes))
+            parallel.check(cc, SizesMesh(c.sizes))  # pipeline split, TP cut
             c.prediction = predict(cc, topo, c.sizes, a)
         except (ConfigError, UserError, ValueError) as e:
             c.error = str(e).splitlines()[0]

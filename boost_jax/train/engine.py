@@ -22,13 +22,15 @@ sharding/step_collectives.py: the formulas and the planner count and time that l
 The loss each device differentiates is its rows' mean CE / (data-parallel devices × micro-
 batches), so the reductions above sum to the gradient of the global mean. GSPMD only places
 the step's inputs and outputs; the optimizer (train/step.py) runs on the opt_state shards.
+
+Engine(plan) takes the resolved ParallelPlan (sharding/parallel.py), never the Config.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -36,13 +38,11 @@ from jax.sharding import PartitionSpec as P
 
 from boost_jax.backends import cpu as cpu_backend
 from boost_jax.layers import forward
-from boost_jax.layers.remat import remat_wrapper
 from boost_jax.mesh import STAGE
 from boost_jax.sharding.gather import LeafFetch, fetch_tree, slot_like
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
 from boost_jax.sharding import step_collectives
-from boost_jax.sharding.placement import Placement
-from boost_jax.sharding.tp.specs import make_ops, validate_tp
+from boost_jax.sharding.parallel import ParallelPlan
 from boost_jax.train.pipeline import Pipeline
 
 
@@ -52,28 +52,25 @@ def _tp_axes(lay: LeafLayout) -> tuple[str, ...]:
 
 @dataclass
 class Engine:
-    cfg: Any
-    mesh: Any
-    pl: Placement
+    """The step's loss and gradient programs for one resolved plan (sharding/parallel.py)."""
+
+    plan: ParallelPlan
 
     def __post_init__(self):
-        pl, cfg = self.pl, self.cfg
+        plan, placement = self.plan, self.plan.placement
+        self.mesh, self.placement = plan.mesh, placement
         self.sizes = tuple((a, int(n)) for a, n in self.mesh.shape.items())
-        self.n_batch = math.prod(dict(self.sizes)[a] for a in pl.batch_axes)
-        self.R = pl.deferred_axes
-        self.fetches = jax.tree.map(lambda lay: LeafFetch.of(pl, lay), pl.layouts,
+        self.n_batch = math.prod(dict(self.sizes)[a] for a in placement.batch_axes)
+        self.fetches = jax.tree.map(lambda lay: LeafFetch.of(placement, lay), placement.layouts,
                                     is_leaf=is_layout)
         gathers = any(f.gathers for f in jax.tree.leaves(
             self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch)))
-        self.checkpoint = remat_wrapper(cfg.train.remat, gathers)
-        tp = cfg.parallel.tp_mode != "none"
-        if tp:
-            validate_tp(cfg, self.mesh)  # one-line ConfigError if the model can't be cut
-        self.ops = make_ops(cfg, self.mesh, self.fetch) if tp else \
-            forward.Local(cfg.model, self.fetch)
-        self.typed = cpu_backend.check_vma(cfg)
-        self.tp_size = math.prod(dict(self.sizes)[a] for a in pl.tp_axes)
-        self.pipeline = Pipeline(self) if STAGE in self.mesh.shape else None
+        self.checkpoint = plan.checkpoint(gathers)
+        self.ops = plan.ops(self.fetch)
+        self.typed = plan.typed
+        self.tp_size = math.prod(dict(self.sizes)[a] for a in placement.tp_axes)
+        self.pipeline = None if plan.pipeline is None else Pipeline(
+            plan.pipeline, plan.model, self.ops, self.checkpoint, self.slots, self.typed)
 
     # ------------------------------------------------------------------ per-device pieces
     def fetch(self, stored, slots, path):
@@ -91,18 +88,18 @@ class Engine:
     def slots(self):
         """Zero gradient slots: this device's grads shard of every leaf, typed as the gradient."""
         def one(lay, f):
-            return slot_like(f, self.local_shape(lay, self.pl.grads_axes), _tp_axes(lay),
+            return slot_like(f, self.local_shape(lay, self.placement.grads_axes), _tp_axes(lay),
                              self.typed)
 
-        return jax.tree.map(one, self.pl.layouts, self.fetches, is_leaf=is_layout)
+        return jax.tree.map(one, self.placement.layouts, self.fetches, is_leaf=is_layout)
 
     def explicit(self, lay: LeafLayout) -> bool:
-        return step_collectives.explicit(self.pl, lay)
+        return step_collectives.explicit(self.placement, lay)
 
     def reduce_deferred(self, lay: LeafLayout, acc):
-        """Once per step: the accumulator over R → the opt_state shard (else the grads shard),
-        as step_collectives.deferred_reduction lists it."""
-        ar, rs = step_collectives.deferred_reduction(self.pl, lay)
+        """Once per step: the accumulator, unreduced over the deferred axes → the opt_state
+        shard (else the grads shard), as step_collectives.deferred_reduction lists it."""
+        ar, rs = step_collectives.deferred_reduction(self.placement, lay)
         if ar:
             acc = jax.lax.psum(acc, ar)
         if rs:
@@ -110,16 +107,18 @@ class Engine:
         return acc
 
     def local_loss(self, params, batch, slots=None):
-        return forward.loss(self.ops, self.cfg.model, params, batch, slots, self.checkpoint)
+        return forward.loss(self.ops, self.plan.model, params, batch, slots, self.checkpoint)
 
     # ------------------------------------------------------------------ the two programs
     def specs(self):
-        pl = self.pl
-        params = jax.tree.map(lambda l: l.spec(pl.params_axes), pl.layouts, is_leaf=is_layout)
+        placement = self.placement
+        params = jax.tree.map(lambda l: l.spec(placement.params_axes), placement.layouts,
+                              is_leaf=is_layout)
         grads = jax.tree.map(
-            lambda l: l.spec(pl.opt_state_axes if self.explicit(l) else pl.grads_axes),
-            pl.layouts, is_leaf=is_layout)
-        rows = P(spec_entry(pl.batch_axes))
+            lambda l: l.spec(placement.opt_state_axes if self.explicit(l)
+                             else placement.grads_axes),
+            placement.layouts, is_leaf=is_layout)
+        rows = P(spec_entry(placement.batch_axes))
         return params, {"inputs": rows, "targets": rows}, grads
 
     def smap(self, body, in_specs, out_specs):
@@ -130,7 +129,7 @@ class Engine:
         """(params, batch) -> (mean loss, gradient in the opt_state sharding, accum dtype)."""
         pspec, bspec, gspec = self.specs()
         scale = 1.0 / (self.n_batch * micro)
-        acc_dtype = jnp.dtype(self.pl.grad_accum_dtype)
+        acc_dtype = jnp.dtype(self.placement.grad_accum_dtype)
 
         def body(params, batch):
             mb = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]),
@@ -147,9 +146,11 @@ class Engine:
 
                 acc, losses = jax.lax.scan(one, acc0, mb)
                 loss = jnp.sum(losses)
-            grads = jax.tree.map(self.reduce_deferred, self.pl.layouts, acc, is_leaf=is_layout)
+            grads = jax.tree.map(self.reduce_deferred, self.placement.layouts, acc,
+                                 is_leaf=is_layout)
             if not self.typed:
-                grads = cpu_backend.untyped_tp_grads(self, grads)
+                grads = cpu_backend.untyped_tp_grads(grads, self.placement.layouts,
+                                                     self.placement.tp_axes, self.tp_size)
             return self.total(loss), grads
 
         return self.smap(body, (pspec, bspec), (P(), gspec))
@@ -165,7 +166,7 @@ class Engine:
     def total(self, loss):
         """Σ of per-device scaled losses over the data-parallel devices (identical over TP;
         with pipeline stages only the last stage's is not zero)."""
-        axes = self.pl.batch_axes + ((STAGE,) if self.pipeline is not None else ())
+        axes = self.placement.batch_axes + ((STAGE,) if self.pipeline is not None else ())
         return jax.lax.psum(loss, axes) if axes else loss
 
     def loss_fn(self) -> Callable:

@@ -226,17 +226,15 @@ def _build(cfg: Config, out_dir: str, pid: int, nproc: int, compiler_options: Op
     from boost_jax.data import build_data
 
     mesh = mesh_from_config(cfg)
-    from boost_jax.sharding.tp.specs import validate_tp
-
-    validate_tp(cfg, mesh)  # tensor-parallel divisibility: fail before reading data or compiling
+    # the parallel plan's checks (TP cut, pipeline split, batch over the data-parallel
+    # devices) fail before reading data; build_step is lazy: jax.jit compiles on first call
+    copts = _compiler_options(compiler_options)
+    bundle = build_step(cfg, mesh, copts) if copts else build_step(cfg, mesh)
     topo = get_topology(cfg.mesh.topology)
     require_wandb(cfg)
 
     # build_data checks batch divisibility over processes and the tokenizer's vocab size
     data = build_data(cfg, pid, nproc, os.path.join(out_dir, "tokenizer"))
-
-    copts = _compiler_options(compiler_options)
-    bundle = build_step(cfg, mesh, copts) if copts else build_step(cfg, mesh)
     for note in bundle.placement.notes:  # roles TP took
         say(note)
     return mesh, topo, data, bundle

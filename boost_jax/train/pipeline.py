@@ -44,6 +44,7 @@ import jax.numpy as jnp
 from boost_jax.layers import forward
 from boost_jax.mesh import STAGE
 from boost_jax.sharding.gather import to_varying
+from boost_jax.sharding.parallel import PipelineSettings
 from boost_jax.sharding.stages import ENDS, layers_per_stage
 
 
@@ -136,28 +137,34 @@ def send(tree, stages: int, step: int, cyclic: bool = False):
 
 
 class Pipeline:
-    """The loss and gradient of one device's stage over a schedule (used by train/engine.py)."""
+    """The loss and gradient of one device's stage over a schedule (used by train/engine.py).
 
-    def __init__(self, engine):
-        self.e = engine
-        cfg = engine.cfg
-        self.P = int(engine.mesh.shape[STAGE])
-        self.L = cfg.model.n_layers
-        self.V = cfg.parallel.pp_virtual
-        self.k = layers_per_stage(self.L, self.P, self.V)  # per chunk
-        self.kind = cfg.parallel.pp_schedule
+    `settings` the plan's pipeline (sharding/parallel.py); the stage forward's pieces: `model`
+    the model config, `ops` the forward's ops (weights fetched), `checkpoint` the per-layer
+    remat wrapper, `slots()` zero gradient slots, `typed` whether the step's shard_map is
+    typed (check_vma)."""
+
+    def __init__(self, settings: PipelineSettings, model, ops, checkpoint: Callable,
+                 slots: Callable, typed: bool):
+        self.model, self.ops, self.checkpoint = model, ops, checkpoint
+        self.slots, self.typed = slots, typed
+        self.n_stages = settings.stages
+        self.n_layers = model.n_layers
+        self.virtual = settings.virtual
+        self.schedule = settings.schedule
+        self.chunk_layers = layers_per_stage(self.n_layers, self.n_stages, self.virtual)
 
     # ------------------------------------------------------------------ one stage
     def stage_fn(self, params, slots, x, tokens, targets, v=0):
         """x = (h, latents) from the previous stage (None: start from the embedding), v the
         chunk (virtual stage v·P + s) → ((h, latents) for the next stage, this stage's loss
         (meaningful on the last chunk of the last stage))."""
-        e, cfg = self.e, self.e.cfg.model
-        ops, s = e.ops, jax.lax.axis_index(STAGE)
+        ops, model, k = self.ops, self.model, self.chunk_layers
+        stage = jax.lax.axis_index(STAGE)
         p, sl = squeeze_ends(params), squeeze_ends(slots)
-        if self.V > 1:  # this chunk's k layers of the stage's V·k
+        if self.virtual > 1:  # this chunk's k layers of the stage's V·k
             chunk = lambda t: jax.tree.map(  # noqa: E731
-                lambda a: jax.lax.dynamic_slice_in_dim(a, v * self.k, self.k), t)
+                lambda a: jax.lax.dynamic_slice_in_dim(a, v * k, k), t)
             p = dict(p, blocks=chunk(p["blocks"]))
             sl = None if sl is None else dict(sl, blocks=chunk(sl["blocks"]))
         part = lambda key: None if sl is None else sl[key]  # noqa: E731
@@ -165,22 +172,22 @@ class Pipeline:
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         h, prev = forward.embed(ops, emb, tokens, positions), ops.init_prev(tokens)
         if x is not None:
-            first = (s == 0) & (v == 0)
+            first = (stage == 0) & (v == 0)
             h = jnp.where(first, h, x[0])
             prev = jax.tree.map(lambda a, b: jnp.where(first, a, b), prev, x[1])
-        elif e.typed:  # typing only (zeros_like_outputs): latents pass stage-varying weights
+        elif self.typed:  # typing only (zeros_like_outputs): latents pass stage-varying weights
             prev = jax.tree.map(lambda a: to_varying(a, (STAGE,)), prev)
-        active = (v * self.P + s) * self.k + jnp.arange(self.k) < self.L
-        h, prev = forward.run_blocks(ops, cfg, p["blocks"], part("blocks"), h, positions, prev,
-                                     e.checkpoint, active)
-        norm, w = forward.head_weights(ops, cfg, p, sl)
+        active = (v * self.n_stages + stage) * k + jnp.arange(k) < self.n_layers
+        h, prev = forward.run_blocks(ops, model, p["blocks"], part("blocks"), h, positions,
+                                     prev, self.checkpoint, active)
+        norm, w = forward.head_weights(ops, model, p, sl)
         return (h, prev), ops.head_loss(h, norm, w, targets)
 
     def zeros_like_outputs(self, params, slots, tokens, targets):
         """Zero (activation, latents) and loss typed as the stage forward's outputs."""
         def typed(sds):
             z = jnp.zeros(sds.shape, sds.dtype)
-            return to_varying(z, tuple(_varying(sds))) if self.e.typed else z
+            return to_varying(z, tuple(_varying(sds))) if self.typed else z
 
         x = prev_out = None
         for _ in range(3):  # the carry's type: a fixed point of the stage forward
@@ -199,12 +206,12 @@ class Pipeline:
         Returns (Σ over this device's valid last-stage forwards of loss · scale, accumulated
         gradient slots or None)."""
         m = mb["inputs"].shape[0]
-        sch = Schedule(self.kind if backward else "gpipe", self.P, m, self.V)
-        s = jax.lax.axis_index(STAGE)
-        last_stage = s == self.P - 1
-        slots = self.e.slots() if backward else None
+        sch = Schedule(self.schedule if backward else "gpipe", self.n_stages, m, self.virtual)
+        stage = jax.lax.axis_index(STAGE)
+        last_stage = stage == self.n_stages - 1
+        slots = self.slots() if backward else None
         x0, loss0 = self.zeros_like_outputs(params, slots, mb["inputs"][0], mb["targets"][0])
-        ticks = _Ticks(self, sch, params, slots, mb, barrier, scale, s, last_stage, loss0)
+        ticks = _Ticks(self, sch, params, slots, mb, barrier, scale, stage, last_stage, loss0)
         carry = ticks.initial_carry(x0)
         if backward:
             carry["acc"] = acc
@@ -222,9 +229,10 @@ class Pipeline:
 class _Ticks:
     """One Pipeline.run: what its ticks read (traced values included) and the tick bodies.
 
-    The scan carry: fin / gin the activation / gradient received from the previous / next
-    stage, loss the scaled loss so far, buf the saved stage inputs (depth + 1 slots: the last
-    takes masked writes), acc (backward only) the gradient accumulator."""
+    The scan carry: act_from_prev / grad_from_next the activation / gradient received from
+    the previous / next stage, loss the scaled loss so far, buf the saved stage inputs
+    (depth + 1 slots: the last takes masked writes), acc (backward only) the gradient
+    accumulator."""
 
     pipe: Pipeline
     sch: Schedule
@@ -233,14 +241,15 @@ class _Ticks:
     mb: dict  # micro-batches: inputs, targets [m, rows, s]
     barrier: Callable
     scale: float
-    s: Any  # this device's stage (traced)
-    last_stage: Any  # s == P − 1 (traced)
+    stage: Any  # this device's stage (traced)
+    last_stage: Any  # stage == n_stages − 1 (traced)
     loss0: Any  # a zero loss typed as the stage forward's
 
     def initial_carry(self, x0) -> dict:
-        D = self.sch.depth
-        return {"fin": x0, "gin": x0, "loss": self.loss0,
-                "buf": jax.tree.map(lambda z: jnp.zeros((D + 1, *z.shape), z.dtype) + z, x0)}
+        depth = self.sch.depth
+        return {"act_from_prev": x0, "grad_from_next": x0, "loss": self.loss0,
+                "buf": jax.tree.map(lambda z: jnp.zeros((depth + 1, *z.shape), z.dtype) + z,
+                                    x0)}
 
     def _unit(self, k, backward: bool):
         """(micro-batch, chunk, valid?, last chunk of the last stage?, tokens, targets)."""
@@ -252,23 +261,25 @@ class _Ticks:
         return i, v, ok, last, self.mb["inputs"][j], self.mb["targets"][j]
 
     def forward_tick(self, c, t):
-        f = self.sch.forward_index(t, self.s)
+        f = self.sch.forward_index(t, self.stage)
         i, v, ok, last, tok, tgt = self._unit(f, backward=False)
         p = self.barrier(self.params, tok)
-        x_out, loss = self.pipe.stage_fn(p, self.slots, c["fin"], tok, tgt, v)
-        D = self.sch.depth
-        slot = jnp.where(ok, jnp.mod(f, D), D)  # masked writes land in the spare slot
-        c = dict(c, buf=jax.tree.map(lambda b, x: b.at[slot].set(x), c["buf"], c["fin"]),
+        x_in = c["act_from_prev"]
+        x_out, loss = self.pipe.stage_fn(p, self.slots, x_in, tok, tgt, v)
+        depth = self.sch.depth
+        slot = jnp.where(ok, jnp.mod(f, depth), depth)  # masked writes land in the spare slot
+        c = dict(c, buf=jax.tree.map(lambda b, x: b.at[slot].set(x), c["buf"], x_in),
                  loss=c["loss"] + jnp.where(ok & last, loss * self.scale, 0.0))
         return c, x_out
 
     def backward_tick(self, c, t):
         sch, loss0 = self.sch, self.loss0
-        b = sch.backward_index(t, self.s)
+        b = sch.backward_index(t, self.stage)
         i, v, ok, last, tok, tgt = self._unit(b, backward=True)
         p = self.barrier(self.params, tok)
         x_b = jax.tree.map(lambda buf: buf[jnp.mod(sch.forward_slot(i, v), sch.depth)], c["buf"])
-        g_out = jax.tree.map(lambda g: jnp.where(ok & ~last, g, jnp.zeros_like(g)), c["gin"])
+        g_out = jax.tree.map(lambda g: jnp.where(ok & ~last, g, jnp.zeros_like(g)),
+                             c["grad_from_next"])
         g_loss = jnp.where(ok & last, self.scale, 0.0).astype(loss0.dtype) + loss0
         _, vjp = jax.vjp(lambda sl, x: self.pipe.stage_fn(p, sl, x, tok, tgt, v), self.slots, x_b)
         g_slots, g_x = vjp((g_out, g_loss))
@@ -278,7 +289,7 @@ class _Ticks:
 
     def tick(self, do_f: bool, do_b: bool, do_send: bool):
         """The scan body of one schedule phase: F and/or B, then the sends."""
-        P, cyclic = self.pipe.P, self.sch.virtual > 1
+        n_stages, cyclic = self.pipe.n_stages, self.sch.virtual > 1
 
         def body(c, t):
             if do_f:
@@ -286,9 +297,9 @@ class _Ticks:
             if do_b:
                 c, out_b = self.backward_tick(c, t)
             if do_f and do_send:
-                c = dict(c, fin=send(out_f, P, +1, cyclic))
+                c = dict(c, act_from_prev=send(out_f, n_stages, +1, cyclic))
             if do_b and do_send:
-                c = dict(c, gin=send(out_b, P, -1, cyclic))
+                c = dict(c, grad_from_next=send(out_b, n_stages, -1, cyclic))
             return c, None
 
         return body

@@ -36,7 +36,8 @@ from jax.sharding import NamedSharding
 from boost_jax.backends.cpu import fast_compile_options, reshard_bits
 from boost_jax.config import Config
 from boost_jax.sharding.layout import is_layout, pad_tree, unpad_tree
-from boost_jax.sharding.placement import Placement, make_placement
+from boost_jax.sharding import parallel
+from boost_jax.sharding.placement import Placement
 from boost_jax.sharding.step_collectives import update_via_grads
 from boost_jax.train.engine import Engine
 from boost_jax.train.optim import lr_schedule, make_optimizer
@@ -183,14 +184,15 @@ def make_init(cfg: Config, pl: Placement, tx, state_sh) -> Callable:
 
 
 def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepBundle:
-    """The plan's StepBundle. `compiler_options` go to the train/eval jits (tests pass
-    boost_jax.backends.cpu.fast_compile_options() to cut CPU compile time ~4x); the one-off
-    init program always compiles with the fast options."""
-    abs_params = abstract_params(cfg)[1]
-    pl = make_placement(cfg, mesh, abs_params)
+    """The plan's StepBundle, built from the ParallelPlan resolved once here (its checks fail
+    before anything is built; nothing compiles until the first call). `compiler_options` go
+    to the train/eval jits (tests pass boost_jax.backends.cpu.fast_compile_options() to cut
+    CPU compile time ~4x); the one-off init program always compiles with the fast options."""
+    plan = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])  # one-line ConfigErrors first
+    pl = plan.placement
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     abstract_state, state_sh = state_layout(pl, tx, jnp.dtype(cfg.model.param_dtype))
-    engine = Engine(cfg, mesh, pl)
+    engine = Engine(plan)
     batch_sh, rep = pl.batch_sharding(), pl.replicated()
     copts = dict(compiler_options or {}) or None
     train_step = jax.jit(make_step_fn(cfg, pl, engine, tx), in_shardings=(state_sh, batch_sh),

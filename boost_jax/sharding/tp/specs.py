@@ -1,8 +1,9 @@
 """Tensor parallelism: which layouts exist, whether a model can be cut, and how each param is split.
 
-    validate_tp(cfg, mesh)        ConfigError (one line) if the model can't be cut
+    MODES                         tp_mode → the layout's ops (layers/forward.py's Ops)
+    validate_tp(cfg, mesh)        ConfigError (one line) if the model can't be cut; called
+                                  only by sharding/parallel.check
     tp_param_specs(cfg, params)   PartitionSpec per param naming only the TP axes
-    make_ops(cfg, mesh, fetch)    the forward's ops for cfg.parallel.tp_mode (layers/forward.py)
 
 Three ways to cut a decoder block (t = TP degree, b·s tokens; derivations in megatron.py,
 vanilla.py and btp.py):
@@ -21,7 +22,7 @@ output they are added to. At 7B (d=4096, d_ff=11008, r=1024) vanilla/btp =
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
@@ -30,17 +31,11 @@ from jax.sharding import PartitionSpec as P
 from boost_jax.errors import ConfigError
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.tp.btp import BTPOps
-from boost_jax.sharding.tp.common import make_context
 from boost_jax.sharding.tp.megatron import MegatronOps
 from boost_jax.sharding.tp.vanilla import VanillaOps
 
 MODES = {"megatron": MegatronOps, "vanilla": VanillaOps, "btp": BTPOps}
 LOWRANK_ARCHS = ("svd", "cola", "lax")
-
-
-def make_ops(cfg, mesh, fetch: Optional[Callable] = None):
-    """The ops of cfg.parallel.tp_mode, with `fetch` for the weights (None: already whole)."""
-    return MODES[cfg.parallel.tp_mode](make_context(cfg, mesh), fetch)
 
 
 # --------------------------------------------------------------------------- validation

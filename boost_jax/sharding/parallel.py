@@ -1,0 +1,99 @@
+"""The parallel plan: how one run is cut over its mesh, checked once and resolved into one value.
+
+    check(cfg, mesh)                          every check a parallel layout must pass, as a
+                                              one-line ConfigError (pipeline stages, TP cut)
+    resolve(cfg, mesh, abstract_params)       check, then the ParallelPlan
+    resolve_layers(cfg, mesh)                 the same for the decoder stack alone (no placement)
+
+A ParallelPlan holds what the step's engine needs that a Config would otherwise give: the model
+config, the mesh, the Placement (roles → axes, per-leaf layouts), the TP context (None without
+TP), the remat mode, the pipeline settings (None without a `stage` mesh axis), micro-batches
+and whether the step's shard_map is typed (check_vma, backends/cpu.py). train/step.py resolves
+it once and hands it to the engine (train/engine.py), which hands the pipeline
+(train/pipeline.py) its settings and the stage-forward pieces; neither sees the Config. The
+planner (plan/search.py) and the launcher (launch/slurm.py) call `check` alone on a stand-in
+mesh; analysis/tp_layers.py takes `resolve_layers`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from boost_jax.backends.cpu import check_vma
+from boost_jax.layers import forward
+from boost_jax.layers.remat import remat_wrapper
+from boost_jax.mesh import STAGE
+from boost_jax.sharding import stages
+from boost_jax.sharding.placement import Placement, make_placement
+from boost_jax.sharding.tp.common import TPContext, make_context
+from boost_jax.sharding.tp.specs import MODES, validate_tp
+
+
+def check(cfg, mesh) -> None:
+    """Raise a one-line ConfigError if the model or the run can't take the parallel layout:
+    the pipeline split (parallel.pp_stages > 1), then the TP cut. `mesh` may be a stand-in
+    carrying only axis names and sizes (plan/costmodel.SizesMesh)."""
+    if cfg.parallel.pp_stages > 1:
+        stages.validate(cfg)
+    validate_tp(cfg, mesh)
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The pipeline's shape (sharding/stages.py, train/pipeline.py)."""
+
+    stages: int  # size of the mesh's `stage` axis
+    schedule: str  # 1f1b | gpipe
+    virtual: int = 1  # chunks per stage (interleaved schedule)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    model: Any  # ModelConfig
+    mesh: Any
+    placement: Optional[Placement]  # None: the decoder stack alone (resolve_layers)
+    tp: Optional[TPContext]  # None: tp_mode none
+    remat: str  # train.remat
+    pipeline: Optional[PipelineSettings]  # None: no `stage` mesh axis
+    micro_batches: int
+    typed: bool  # the step's shard_map check_vma (False only for interpreted kernels)
+
+    def ops(self, fetch: Optional[Callable] = None):
+        """The forward's ops (layers/forward.py): single-device, or the TP layout's; `fetch`
+        gets the weights (None: already whole)."""
+        if self.tp is None:
+            return forward.Local(self.model, fetch)
+        return MODES[self.tp.mode](self.tp, fetch)
+
+    def checkpoint(self, gathers: bool) -> Callable:
+        """The per-layer remat wrapper (layers/remat.py); `gathers`: weights are gathered."""
+        return remat_wrapper(self.remat, gathers)
+
+
+def _plan(cfg, mesh, placement: Optional[Placement]) -> ParallelPlan:
+    par = cfg.parallel
+    pipeline = (PipelineSettings(int(mesh.shape[STAGE]), par.pp_schedule, par.pp_virtual)
+                if STAGE in mesh.shape else None)
+    return ParallelPlan(
+        model=cfg.model, mesh=mesh, placement=placement,
+        tp=make_context(cfg, mesh) if par.tp_mode != "none" else None,
+        remat=cfg.train.remat, pipeline=pipeline, micro_batches=cfg.train.micro_batches,
+        typed=check_vma(cfg))
+
+
+def resolve(cfg, mesh, abstract_params=None) -> ParallelPlan:
+    """`check`, then the plan; with `abstract_params` (pure dict of shapes) its placement
+    carries the per-leaf layouts the engine needs."""
+    check(cfg, mesh)
+    return _plan(cfg, mesh, make_placement(cfg, mesh, abstract_params))
+
+
+def resolve_layers(cfg, mesh) -> ParallelPlan:
+    """`check`, then the plan of the decoder stack alone (analysis/tp_layers.py): no placement,
+    no weight gathers."""
+    check(cfg, mesh)
+    return _plan(cfg, mesh, None)
+
+
+__all__ = ["check", "resolve", "resolve_layers", "ParallelPlan", "PipelineSettings"]
