@@ -27,7 +27,7 @@ import numpy as np  # noqa: E402
 from boost_jax.analysis.flops import flops_per_token, param_count  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import get_topology, make_mesh  # noqa: E402
-from boost_jax.train.step import build_step  # noqa: E402
+from boost_jax.step.build import build_step  # noqa: E402
 
 
 def main():

@@ -46,7 +46,7 @@ def worker(args) -> None:
     from boost_jax.backends.cpu import fast_compile_options
     from boost_jax.mesh import mesh_from_config
     from boost_jax.sharding.formulas import comm_per_step
-    from boost_jax.train.step import build_step
+    from boost_jax.step.build import build_step
 
     n = args.cpu_devices
     topo = "cpu" if n <= 8 else "frontier"  # 8 → (2,2,2); 64 → (2,4,8)
@@ -234,7 +234,7 @@ Reading the table:
 - The BTP rows use d_ff = 5462 (5461 does not divide by the TP degree 2).
 - With BTP over `pair` the same formulas hold for Ψₜ (one device's TP shard) with the
   data-parallel roles on node × global: one engine runs every plan × TP layout
-  (boost_jax/train/engine.py), so hierarchical+btp also reduces across nodes once per step.
+  (boost_jax/step/engine.py), so hierarchical+btp also reduces across nodes once per step.
 - state = bf16 weights over `params` + fp32 master and m, v over `opt_state`: predicted by the
   plan, measured as the compiled program's argument bytes minus the token batch.
 - The backward of the gathered plans recomputes each layer (remat=full) and re-gathers its

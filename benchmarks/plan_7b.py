@@ -32,7 +32,7 @@ from boost_jax.plan.dryrun import dry_run  # noqa: E402
 from boost_jax.plan.search import search  # noqa: E402
 from boost_jax.sharding.formulas import comm_per_step  # noqa: E402
 from boost_jax.sharding.placement import make_placement  # noqa: E402
-from boost_jax.train.step import abstract_params  # noqa: E402
+from boost_jax.step.build import abstract_params  # noqa: E402
 
 GiB = 2 ** 30
 LAYOUT = ["parallel.plan=hierarchical", "parallel.tp_mode=btp", "parallel.tp_axes=[node]"]

@@ -77,7 +77,7 @@ SOURCES = [
 # prints it; tests/test_plan.py fails if one of them comes within, or another falls out)
 KNOWN_GAPS = {
     "lbp_over_zeropp": "our hierarchical plan reduces gradients across nodes once per step, "
-                       "after the backward (train/engine.py reduce_deferred): exposed, every "
+                       "after the backward (step/engine.py reduce_deferred): exposed, every "
                        "GCD's NIC share busy; ZeRO++'s per-layer traffic hides behind compute "
                        "(XLA's pipelined collectives). LBP's DeepSpeed run reduces during the "
                        "backward; the published ZeRO++ also runs slower than its bytes predict",

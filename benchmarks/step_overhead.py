@@ -29,9 +29,9 @@ from flax import nnx  # noqa: E402
 
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import make_mesh  # noqa: E402
-from boost_jax.train.optim import make_optimizer  # noqa: E402
+from boost_jax.step.optim import make_optimizer  # noqa: E402
 from boost_jax.layers.forward import cross_entropy  # noqa: E402
-from boost_jax.train.step import build_step, model_factory  # noqa: E402
+from boost_jax.step.build import build_step, model_factory  # noqa: E402
 
 
 def main():

@@ -36,7 +36,7 @@ from boost_jax.backends.cpu import fast_compile_options  # noqa: E402
 from boost_jax.config import Config, ModelConfig, ParallelConfig  # noqa: E402
 from boost_jax.mesh import make_mesh  # noqa: E402
 from boost_jax.analysis.tp_layers import block_saved_residuals, layers_program  # noqa: E402
-from boost_jax.train.step import build_step  # noqa: E402
+from boost_jax.step.build import build_step  # noqa: E402
 
 MODES = (("megatron", "full"), ("vanilla", "cola"), ("btp", "cola"))
 AXES = {2: ["pair"], 4: ["pair", "node"], 8: ["pair", "node", "global"]}
@@ -214,7 +214,7 @@ def main():
     lines = ["# Tensor parallelism: Megatron (full rank) vs vanilla low-rank TP vs BTP", "",
              f"Reproduce: `{cmd.strip()}` (8 simulated CPU devices; a few minutes). Code: "
              "`boost_jax/sharding/tp/` (`specs.py`, `btp.py`, `vanilla.py`, "
-             "`megatron.py`, `head.py`); the step engine `boost_jax/train/engine.py`; tests: `tests/test_tp.py`, "
+             "`megatron.py`, `head.py`); the step engine `boost_jax/step/engine.py`; tests: `tests/test_tp.py`, "
              "`tests/test_tp_hlo.py`.", ""]
     t0 = time.time()
     part1(a, lines)

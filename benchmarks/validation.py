@@ -222,7 +222,7 @@ over BTP's):
   (d=3200, L=26, H=32, d_ff=8640; 3B is not a LLaMA-2 size), 7B/13B = LLaMA-2; vocab 32000;
   CoLA rank r = d/4. The vanilla baseline is modelled as *our* vanilla TP (attention replicated
   over the TP group, as boost_jax/sharding/tp/vanilla.py does).
-- 13B TP4 PP2: the engine's pipeline (`parallel.pp_stages=2`, boost_jax/train/pipeline.py),
+- 13B TP4 PP2: the engine's pipeline (`parallel.pp_stages=2`, boost_jax/step/pipeline.py),
   1f1b over 4 micro-batches of 1 sequence: 5 ticks with a forward and 5 with a backward (which
   re-runs its stage forward), bubble 1/5, 9 activation sends over Slingshot on the critical path.
 - LBP rows: GPT-NeoX-20B itself (`model.family=gpt_neox`: d=6144, L=44, H=64, 4d GELU MLP,

@@ -161,7 +161,7 @@ class ParallelConfig:
     grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"
     kernels: Literal["auto", "pallas", "xla"] = "auto"
     # Pipeline stages, carved out of the `global` axis (boost_jax/sharding/stages.py) and the
-    # schedule over train.micro_batches (boost_jax/train/pipeline.py)
+    # schedule over train.micro_batches (boost_jax/step/pipeline.py)
     pp_stages: int = 1
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     pp_virtual: int = 1  # interleaved virtual stages per device (chunks of layers)

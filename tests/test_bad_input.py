@@ -221,7 +221,7 @@ def _save_a_checkpoint(out_dir):
     from boost_jax.mesh import mesh_from_config
     from boost_jax.checkpoints.store import Checkpointer
     from boost_jax.checkpoints.run_config import model_signature
-    from boost_jax.train.step import build_step
+    from boost_jax.step.build import build_step
 
     cfg = load_config(None, TINY + [f"out_dir={out_dir}"])
     bundle = build_step(cfg, mesh_from_config(cfg))

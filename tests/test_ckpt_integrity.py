@@ -64,7 +64,7 @@ def test_any_changed_byte_of_the_latest_checkpoint_is_caught(reference, tmp_path
     metadata, the data and meta items): generate, evaluate and export refuse it in one line
     (exit 2) and resume falls back to the previous step with a warning."""
     from boost_jax.mesh import mesh_from_config
-    from boost_jax.train.step import build_step
+    from boost_jax.step.build import build_step
 
     cfg = load_config(None, RUN + [f"out_dir={reference}"])
     abstract_state = build_step(cfg, mesh_from_config(cfg)).abstract_state

@@ -312,7 +312,7 @@ def test_cli_with_step_builder(monkeypatch, capsys):
                           out_specs=P(), check_vma=False)
         return jax.jit(f), (jax.ShapeDtypeStruct((8, 4), jnp.float32),)
 
-    monkeypatch.setitem(sys.modules, "boost_jax.train.step",
+    monkeypatch.setitem(sys.modules, "boost_jax.step.build",
                         types.SimpleNamespace(build_step_for_analysis=build))
     assert comm.main(["--json", "mesh.shape=[2,2,2]"]) == 0
     import json
@@ -384,7 +384,7 @@ def test_cli_analyzes_the_real_training_step():
 
     from boost_jax.config import load_config
     from boost_jax.mesh import mesh_from_config
-    from boost_jax.train.step import build_step
+    from boost_jax.step.build import build_step
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, JAX_PLATFORMS="cpu")

@@ -183,13 +183,13 @@ def nan_at_step(monkeypatch):
     """Make the loss of one chosen step non-finite, through the real step and loss path.
 
     The data iterator marks that step's batch (a -1 in inputs[0, 0]); each device's loss
-    (boost_jax.train.engine.Engine.local_loss, patched) is multiplied by NaN when its rows carry
+    (boost_jax.step.engine.Engine.local_loss, patched) is multiplied by NaN when its rows carry
     the mark, so the loss and every gradient are NaN exactly for that batch.
     """
     import jax.numpy as jnp
 
     import boost_jax.data as data_mod
-    from boost_jax.train.engine import Engine
+    from boost_jax.step.engine import Engine
 
     real_local_loss = Engine.local_loss
 

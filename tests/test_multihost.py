@@ -42,7 +42,7 @@ def test_two_processes_train_like_one_including_save_and_restore(jax_cache, tmp_
     from boost_jax.mesh import mesh_from_config
     from boost_jax.checkpoints.store import Checkpointer
     from boost_jax.train.loop import run
-    from boost_jax.train.step import build_step
+    from boost_jax.step.build import build_step
 
     one = str(tmp_path / "one")
     cfg_one = load_config(None, RUN + ["logging.progress=false", f"out_dir={one}"])

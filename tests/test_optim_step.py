@@ -11,7 +11,7 @@ from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import load_config
 from boost_jax.layers import forward
 from boost_jax.mesh import mesh_from_config
-from boost_jax.train.step import build_step
+from boost_jax.step.build import build_step
 
 STEPS = 3  # the schedule starts at lr 0: steps 2 and 3 move the weights
 CFG = ["model.arch=cola", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",

@@ -18,7 +18,7 @@ from boost_jax.mesh import make_mesh
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.tp.specs import validate_tp
 from boost_jax.backends.cpu import check_vma
-from boost_jax.train.step import build_step
+from boost_jax.step.build import build_step
 
 V, B, S, STEPS = 64, 8, 16, 4
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",

@@ -14,9 +14,9 @@ from boost_jax.layers import forward
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding import parallel
 from boost_jax.sharding.tp.btp import BTPOps
-from boost_jax.train.engine import Engine
-from boost_jax.train.pipeline import Pipeline
-from boost_jax.train.step import abstract_params
+from boost_jax.step.engine import Engine
+from boost_jax.step.pipeline import Pipeline
+from boost_jax.step.build import abstract_params
 
 PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "boost_jax"
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",

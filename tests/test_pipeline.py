@@ -25,8 +25,8 @@ from boost_jax.plan.costmodel import predict
 from boost_jax.plan.dryrun import dry_run
 from boost_jax.plan.search import search
 from boost_jax.checkpoints.store import Checkpointer, state_checksums
-from boost_jax.train.pipeline import Schedule
-from boost_jax.train.step import build_step
+from boost_jax.step.pipeline import Schedule
+from boost_jax.step.build import build_step
 
 from boost_jax.sharding.layout import pad_tree
 from test_tp import _model_key, _params_and_batch, assert_same, engine_run, make_cfg, reference

@@ -78,7 +78,7 @@ def hier4():
 def test_plan_reports_what_the_train_step_compiles(hier4):
     from boost_jax.analysis.comm import analyze_compiled
     from boost_jax.plan.dryrun import matmul_flops
-    from boost_jax.train.step import build_step
+    from boost_jax.step.build import build_step
 
     cfg, dr = hier4
     prog = dr.compiled[0]

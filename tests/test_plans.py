@@ -17,7 +17,7 @@ from boost_jax.config import CheckpointConfig, load_config
 from boost_jax.errors import ConfigError
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding.placement import choose_layout, make_placement, resolve_roles
-from boost_jax.train.step import build_step
+from boost_jax.step.build import build_step
 
 ODD = ["model.vocab_size=260", "model.d_model=36", "model.n_layers=2", "model.n_heads=2",
        "model.d_ff=68", "model.rank=9", "model.max_seq_len=16", "data.seq_len=16",
@@ -169,7 +169,7 @@ def test_layouts_divide_or_pad():
 
 def test_padding_is_reported_in_memory(mesh):
     pl = make_placement(_cfg("parallel.plan=zero3"), mesh,
-                        __import__("boost_jax.train.step", fromlist=["x"]).abstract_params(
+                        __import__("boost_jax.step.build", fromlist=["x"]).abstract_params(
                             _cfg())[1])
     mem = pl.memory()
     assert mem["padded_params"] > mem["params"] and mem["padding"] > 0

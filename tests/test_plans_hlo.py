@@ -16,7 +16,7 @@ from boost_jax.config import load_config
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding.formulas import comm_per_step
 from boost_jax.sharding.step_collectives import Passes, step_collectives
-from boost_jax.train.step import build_step
+from boost_jax.step.build import build_step
 
 TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.d_ff=128",
         "model.rank=16", "model.max_seq_len=16", "data.seq_len=16", "model.vocab_size=256",

@@ -1,6 +1,6 @@
 """Every plan × TP layout × arch equals the single-device model, through the one step engine.
 
-Loss and every gradient leaf of boost_jax.train.engine (one shard_map over every axis of the
+Loss and every gradient leaf of boost_jax.step.engine (one shard_map over every axis of the
 2x2x2 CPU mesh: micro-batches, per-layer gathers, TP collectives, deferred reduction) are
 compared with the plain single-device forward in fp32 (rtol 1e-5). The matrix uses shapes that
 force zero padding (d_model=36, vocab 66, rank 6 do not divide the data-parallel devices);
@@ -28,7 +28,7 @@ from boost_jax.layers.norms import layer_norm, rms_norm
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding.layout import pad_tree, unpad_tree
 from boost_jax.sharding.tp.specs import tp_param_specs, validate_tp
-from boost_jax.train.step import abstract_params, build_step
+from boost_jax.step.build import abstract_params, build_step
 
 from weights import random_weights
 

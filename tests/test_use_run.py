@@ -82,7 +82,7 @@ def test_logical_params_equal_the_saved_state(trained):
     from boost_jax.mesh import mesh_from_config
     from boost_jax.sharding.layout import is_layout
     from boost_jax.checkpoints.store import Checkpointer
-    from boost_jax.train.step import build_step
+    from boost_jax.step.build import build_step
 
     run = open_run(trained)
     bundle = build_step(run.cfg, mesh_from_config(run.cfg))

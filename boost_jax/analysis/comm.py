@@ -390,7 +390,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             set_cpu_devices(args.cpu_devices)
         from boost_jax.config import load_config
         from boost_jax.mesh import mesh_from_config
-        from boost_jax.train.step import build_step_for_analysis
+        from boost_jax.step.build import build_step_for_analysis
 
         cfg = load_config(args.config, args.overrides)
         mesh = mesh_from_config(cfg)

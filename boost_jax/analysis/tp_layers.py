@@ -25,7 +25,7 @@ from boost_jax.analysis.hlo import dtype_bytes
 from boost_jax.layers import forward
 from boost_jax.sharding import parallel
 from boost_jax.sharding.tp.specs import tp_param_specs
-from boost_jax.train.step import abstract_params
+from boost_jax.step.build import abstract_params
 
 
 def residual_spec(cfg) -> P:

@@ -89,7 +89,7 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
 
     from boost_jax.checkpoints import restage
     from boost_jax.checkpoints.store import checksum_mismatch, state_checksums
-    from boost_jax.train.step import abstract_params
+    from boost_jax.step.build import abstract_params
 
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
     _, logical = abstract_params(cfg)

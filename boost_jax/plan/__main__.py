@@ -9,7 +9,7 @@
     python -m boost_jax.plan ... --gpu-compile      # compile for the topology's GPU (no GPU needed)
     python -m boost_jax.plan ... --search --gpu-compile --compile-top 3   # rank the best by it
 
-Compiles the real training step (boost_jax.train.step) for the topology's device count on
+Compiles the real training step (boost_jax.step.build) for the topology's device count on
 simulated CPU devices with abstract shapes — nothing is allocated — or, beyond --cpu-devices, on
 a mesh with the same pair/node sizes and fewer hosts, extrapolating cross-node terms (said in
 the output). Reports per-device memory against the device's HBM, FLOPs, collective bytes per

@@ -79,7 +79,7 @@ def abstract_param_shapes(cfg):
     """Pure dict of ShapeDtypeStructs of the model's params (cached per model config)."""
     key = repr(cfg.model) + str(cfg.train.scan_layers)
     if key not in _ABSTRACT_CACHE:
-        from boost_jax.train.step import abstract_params
+        from boost_jax.step.build import abstract_params
 
         _ABSTRACT_CACHE[key] = abstract_params(cfg)[1]
     return _ABSTRACT_CACHE[key]
@@ -300,8 +300,8 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     else:
         acts = L * (bm.residual_bytes + bm.latent_bytes) + working
     mem["activations"] = acts
-    if pp > 1:  # the stage inputs a device keeps (train/pipeline.py: Schedule.depth + 1)
-        from boost_jax.train.pipeline import Schedule
+    if pp > 1:  # the stage inputs a device keeps (step/pipeline.py: Schedule.depth + 1)
+        from boost_jax.step.pipeline import Schedule
 
         depth = Schedule(par.pp_schedule, pp, cfg.train.micro_batches, par.pp_virtual).depth + 1
         mem["stage_inputs"] = depth * stage_send_bytes(cfg, sizes, b)
@@ -376,7 +376,7 @@ def stage_sends(cfg, sizes, b: int) -> list[Coll]:
     pp = cfg.parallel.pp_stages
     if pp == 1:
         return []
-    from boost_jax.train.pipeline import Schedule
+    from boost_jax.step.pipeline import Schedule
 
     sends = Schedule(cfg.parallel.pp_schedule, pp, cfg.train.micro_batches,
                      cfg.parallel.pp_virtual).sends
@@ -419,7 +419,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     `measured`: collective cost of a compiled step (CommSummary of colls_from_report, possibly
     extrapolated), used instead of the analytic collective list. With parallel.pp_stages = P
     (`sizes` global = the data-parallel host groups; the `stage` axis is added) the step is the
-    engine's pipeline (boost_jax/train/pipeline.py): N+P−1 ticks with a forward (F = one
+    engine's pipeline (boost_jax/step/pipeline.py): N+P−1 ticks with a forward (F = one
     chunk's k = ceil(L/(P·V)) layers + head) and N+P−1 with a backward (B = F re-run + its
     backward), N = V·m, so compute = (N+P−1)·(F+B) — bubble (P−1)/(N+P−1) — and 2(N+P−1)−1
     activation sends on the critical path.

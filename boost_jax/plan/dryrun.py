@@ -35,7 +35,7 @@ from boost_jax.plan.roofline import DTYPE_BYTES
 
 
 class StepCompileError(RuntimeError):
-    """boost_jax.train.step failed to build, lower or compile for the layout."""
+    """boost_jax.step.build failed to build, lower or compile for the layout."""
 
 
 def full_sizes(cfg, topo: Topology, nodes: Optional[int]) -> dict[str, int]:
@@ -118,7 +118,7 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
 
     from boost_jax.analysis.comm import analyze_compiled, compile_fn
     from boost_jax.mesh import make_mesh
-    from boost_jax.train.step import build_step_for_analysis
+    from boost_jax.step.build import build_step_for_analysis
 
     c = scaled_config(cfg, sizes, full, n_layers)
     cpu = devices is None

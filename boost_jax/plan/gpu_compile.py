@@ -1,6 +1,6 @@
 """--gpu-compile: the planned layout's training step compiled for the topology's GPU, no GPU needed.
 
-The step (boost_jax.train.step, the launcher's GPU_XLA_FLAGS as compile options, Pallas kernels
+The step (boost_jax.step.build, the launcher's GPU_XLA_FLAGS as compile options, Pallas kernels
 picked as on a GPU) is compiled for compile-only devices (boost_jax.plan.gpu_target) with the
 model's L layers and with L − 1: memory, collectives and their overlap are the L-layer
 program's as compiled (a GPU program's peak memory is not additive in layers: the scheduler's

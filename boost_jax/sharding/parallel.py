@@ -8,9 +8,9 @@
 A ParallelPlan holds what the step's engine needs that a Config would otherwise give: the model
 config, the mesh, the Placement (roles → axes, per-leaf layouts), the TP context (None without
 TP), the remat mode, the pipeline settings (None without a `stage` mesh axis), micro-batches
-and whether the step's shard_map is typed (check_vma, backends/cpu.py). train/step.py resolves
-it once and hands it to the engine (train/engine.py), which hands the pipeline
-(train/pipeline.py) its settings and the stage-forward pieces; neither sees the Config. The
+and whether the step's shard_map is typed (check_vma, backends/cpu.py). step/build.py resolves
+it once and hands it to the engine (step/engine.py), which hands the pipeline
+(step/pipeline.py) its settings and the stage-forward pieces; neither sees the Config. The
 planner (plan/search.py) and the launcher (launch/slurm.py) call `check` alone on a stand-in
 mesh; analysis/tp_layers.py takes `resolve_layers`.
 """
@@ -41,7 +41,7 @@ def check(cfg, mesh) -> None:
 
 @dataclass(frozen=True)
 class PipelineSettings:
-    """The pipeline's shape (sharding/stages.py, train/pipeline.py)."""
+    """The pipeline's shape (sharding/stages.py, step/pipeline.py)."""
 
     stages: int  # size of the mesh's `stage` axis
     schedule: str  # 1f1b | gpipe

@@ -90,7 +90,7 @@ class Passes:
 
     @classmethod
     def of(cls, micro_batches: int, stages: int = 1, virtual: int = 1) -> "Passes":
-        """One of each per micro-batch; a pipeline (train/pipeline.py) fetches a chunk's
+        """One of each per micro-batch; a pipeline (step/pipeline.py) fetches a chunk's
         weights on every tick with F and again on every tick with B (its forward re-run), a
         tick running one of the V chunks; the ends run, and reduce, on every B tick."""
         m = micro_batches
@@ -226,7 +226,7 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
 
 def step_collectives(pl, passes: Passes, tied: bool = False) -> list[Collective]:
     """Every data-parallel collective of one optimizer step of placement `pl` (TP's activation
-    collectives are sharding/tp/specs.py's; pipeline sends are train/pipeline.py's). `tied`:
+    collectives are sharding/tp/specs.py's; pipeline sends are step/pipeline.py's). `tied`:
     the embedding is also the head (fetched twice)."""
     out: list[Collective] = []
     all_leaves = leaves(pl)

@@ -42,7 +42,7 @@ from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot
 from boost_jax.train.run_lock import hold_out_dir
 from boost_jax.train.profile import StepProfiler
 from boost_jax.train.run_log import RunLog
-from boost_jax.train.step import build_step
+from boost_jax.step.build import build_step
 from boost_jax.train.wandb_sink import open_sink, require_wandb
 
 

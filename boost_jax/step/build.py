@@ -11,7 +11,7 @@ Arrays are stored in the plan's layout (boost_jax.sharding.placement): one dim s
 with zeros at its end when it does not divide — `bundle.placement.layouts` says which.
 
 One optimizer step, top to bottom in step_fn:
-    1. loss and gradient: boost_jax.train.engine (one shard_map over every mesh axis: the
+    1. loss and gradient: boost_jax.step.engine (one shard_map over every mesh axis: the
        micro-batch loop, per-layer weight gathers, TP collectives, the gradient reduce-scattered
        into the grads sharding each micro-batch in grad_accum_dtype and reduced over the
        remaining batch axes once, straight into the opt_state sharding)
@@ -39,8 +39,8 @@ from boost_jax.sharding.layout import is_layout, pad_tree, unpad_tree
 from boost_jax.sharding import parallel
 from boost_jax.sharding.placement import Placement
 from boost_jax.sharding.step_collectives import update_via_grads
-from boost_jax.train.engine import Engine
-from boost_jax.train.optim import lr_schedule, make_optimizer
+from boost_jax.step.engine import Engine
+from boost_jax.step.optim import lr_schedule, make_optimizer
 
 
 def model_factory(cfg: Config) -> Callable[[], nnx.Module]:

@@ -21,7 +21,7 @@ sharding/step_collectives.py: the formulas and the planner count and time that l
 
 The loss each device differentiates is its rows' mean CE / (data-parallel devices × micro-
 batches), so the reductions above sum to the gradient of the global mean. GSPMD only places
-the step's inputs and outputs; the optimizer (train/step.py) runs on the opt_state shards.
+the step's inputs and outputs; the optimizer (step/build.py) runs on the opt_state shards.
 
 Engine(plan) takes the resolved ParallelPlan (sharding/parallel.py), never the Config.
 """
@@ -43,7 +43,7 @@ from boost_jax.sharding.gather import LeafFetch, fetch_tree, slot_like
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
 from boost_jax.sharding import step_collectives
 from boost_jax.sharding.parallel import ParallelPlan
-from boost_jax.train.pipeline import Pipeline
+from boost_jax.step.pipeline import Pipeline
 
 
 def _tp_axes(lay: LeafLayout) -> tuple[str, ...]:
