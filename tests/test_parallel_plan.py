@@ -96,3 +96,15 @@ def test_validate_tp_is_called_from_parallel_check_only():
         if n:
             callers[path.relative_to(PACKAGE.parent).as_posix()] = n
     assert callers == {"boost_jax/sharding/parallel.py": 1}, callers
+
+
+def test_the_plan_lists_the_collectives_the_formulas_count(mesh):
+    """plan.collectives() is the list sharding/formulas.py sums: the same bytes per level."""
+    from boost_jax.sharding import formulas, step_collectives
+
+    cfg = _cfg("parallel.plan=hierarchical", "train.micro_batches=2", "train.global_batch=16")
+    plan = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])
+    got = step_collectives.bytes_by_level(plan.collectives())
+    want = formulas.comm_per_step(plan.placement, 2, tied=cfg.model.tie_embeddings)
+    assert got and all(got[k] == pytest.approx(want[k]) for k in got), (got, want)
+    assert any(c.kind == "all-gather" for c in plan.collectives())

@@ -6,8 +6,8 @@
     resolve_layers(cfg, mesh)                 the same for the decoder stack alone (no placement)
 
 A ParallelPlan holds what the step's engine needs that a Config would otherwise give: the model
-config, the mesh, the Placement (roles → axes, per-leaf layouts), the TP context (None without
-TP), the remat mode, the pipeline settings (None without a `stage` mesh axis), micro-batches
+config, the mesh, the Placement (roles → axes, per-leaf layouts) and with it the step's
+data-parallel collectives (`collectives()`), the TP context (None without TP), the remat mode, the pipeline settings (None without a `stage` mesh axis), micro-batches
 and whether the step's shard_map is typed (check_vma, backends/cpu.py). step/build.py resolves
 it once and hands it to the engine (step/engine.py), which hands the pipeline
 (step/pipeline.py) its settings and the stage-forward pieces; neither sees the Config. The
@@ -24,7 +24,7 @@ from boost_jax.backends.cpu import check_vma
 from boost_jax.layers import forward
 from boost_jax.layers.remat import remat_wrapper
 from boost_jax.mesh import STAGE
-from boost_jax.sharding import stages
+from boost_jax.sharding import stages, step_collectives
 from boost_jax.sharding.placement import Placement, make_placement
 from boost_jax.sharding.tp.common import TPContext, make_context
 from boost_jax.sharding.tp.specs import MODES, validate_tp
@@ -65,6 +65,12 @@ class ParallelPlan:
         if self.tp is None:
             return forward.Local(self.model, fetch)
         return MODES[self.tp.mode](self.tp, fetch)
+
+    def collectives(self) -> list:
+        """Every data-parallel collective of one optimizer step (sharding/step_collectives.py)."""
+        pp = self.pipeline or PipelineSettings(1, "1f1b")
+        passes = step_collectives.Passes.of(self.micro_batches, pp.stages, pp.virtual)
+        return step_collectives.step_collectives(self.placement, passes, self.model.tie_embeddings)
 
     def checkpoint(self, gathers: bool) -> Callable:
         """The per-layer remat wrapper (layers/remat.py); `gathers`: weights are gathered."""
