@@ -17,8 +17,9 @@ from boost_jax.sharding.tp.btp import BTPOps
 from boost_jax.step.engine import Engine
 from boost_jax.step.pipeline import Pipeline
 from boost_jax.step.build import abstract_params
+from train_proc import ROOT
 
-PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "boost_jax"
+PACKAGE = pathlib.Path(ROOT) / "boost_jax"
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",
         "model.rank=8", "model.vocab_size=256", "model.max_seq_len=16", "data.seq_len=16",
         "train.global_batch=8"]

@@ -24,8 +24,9 @@ from boost_jax.config import ModelConfig
 from boost_jax.errors import UserError
 from boost_jax.layers import forward
 from boost_jax.layers.model import build_model
+from train_proc import ROOT
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 
 
 def _logits(cfg, params, tokens):
@@ -153,7 +154,7 @@ def test_export_import_bitwise(kw, tmp_path):
 def test_logits_equal_transformers_live(name, tmp_path):
     import sys
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
     from hf_fixture import MODELS, TOKENS, export_model, transformers_logits
 
     export_model(name, str(tmp_path), seed=7)

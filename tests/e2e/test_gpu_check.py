@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+import train_proc
+
+ROOT = Path(train_proc.ROOT)
 TAG = "cp312-cp312-manylinux_2_28_x86_64"
 # what benchmarks/gpu_wheels.sh carries: name, version, tag, Requires-Dist
 WHEELS = [("grain", "0.2.18", TAG, ["absl-py", "array-record>=0.8.1; sys_platform != 'win32'",

@@ -6,8 +6,7 @@ import os
 import re
 
 from benchmarks.common import README, RESULTS, readme_blocks, readme_body
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from train_proc import ROOT
 
 
 def test_readme_copies_equal_the_results_files():

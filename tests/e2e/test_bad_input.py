@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from train_proc import ROOT
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
         "model.rank=8", "model.max_seq_len=32", "data.seq_len=32", "data.max_bytes=300000",
         "train.global_batch=8", "train.eval_batches=2", "train.steps=4",

@@ -22,8 +22,7 @@ import yaml
 from boost_jax.config import Config
 from boost_jax.launch.__main__ import main as launch_main
 from boost_jax.launch.script_values import heredoc
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from train_proc import ROOT
 HOSTILE = {  # id -> value; {m} is the marker file an injected command would create
     "newline": "x\ntouch {m}",
     "carriage_return": "x\rtouch {m}",
