@@ -1,10 +1,5 @@
-"""Planner: AOT dry-run on 64 simulated devices, memory formula vs compiled, plan == train step,
-layer extrapolation, cost-model invariants, search ranking and the validation targets."""
-
-import json
-import os
-import subprocess
-import sys
+"""Planner: plan == train step, layer extrapolation, cost-model invariants, search ranking and
+the validation targets (tests/e2e/test_plan_cli.py: the CLI's AOT dry-run on 64 devices)."""
 
 import jax
 import pytest
@@ -12,49 +7,7 @@ import pytest
 from boost_jax.config import load_config
 from boost_jax.mesh import get_topology, make_mesh
 from boost_jax.plan import collectives as N, costmodel as C, roofline as R
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=128",
-        "model.rank=16", "model.max_seq_len=32", "data.seq_len=32"]
-
-
-# --------------------------------------------------------------------------- CLI, 64 devices
-
-
-@pytest.fixture(scope="module")
-def plan64():
-    cmd = [sys.executable, "-m", "boost_jax.plan", "--topology", "frontier", "--nodes", "8",
-           "--cpu-devices", "64", "--json", *TINY, "train.global_batch=64",
-           "parallel.plan=hierarchical", "model.param_dtype=bfloat16"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout)
-
-
-def test_plan_cli_compiles_64_devices(plan64):
-    d = plan64
-    assert d["full_sizes"] == {"pair": 2, "node": 4, "global": 8}
-    assert d["compile_sizes"] == d["full_sizes"]  # all 64 compiled, nothing extrapolated
-    assert not d["layers_extrapolated"] and not d["global_extrapolated"]
-    p = d["prediction"]
-    assert p["devices"] == 64 and p["memory"]["fits"] is True
-    # hierarchical: traffic on every level; per micro-batch nothing crosses nodes
-    assert all(p["comm_bytes"][lv] > 0 for lv in ("pair", "node", "global"))
-    assert p["step_time"] > 0 and 0 < p["mfu"] < 1 and p["tokens_per_s"] > 0
-    assert d["flops_compiled"] > 0
-
-
-def test_argument_memory_matches_formula_within_5pct(plan64):
-    """Per-device params + fp32 master + Adam (+ the batch) from the placement formula vs
-    what XLA's memory analysis says the compiled step takes as arguments."""
-    mem = plan64["prediction"]["memory"]
-    f, c = mem["arguments_formula"], mem["arguments_compiled"]
-    assert abs(c / f - 1) < 0.05, (f, c)
-    parts = mem["weights"] + mem["master"] + mem["adam"]
-    assert parts > 0.9 * f  # the state, not the batch, dominates the comparison
-    assert mem["master"] > 0  # bf16 working weights carry an fp32 master shard
+from plan_tiny import TINY
 
 
 # --------------------------------------------------------------------------- plan == train step
@@ -244,7 +197,7 @@ DRIFT = ["model.d_model=256", "model.n_layers=2", "model.n_heads=4", "model.d_ff
 def test_analytic_bytes_per_level_match_the_compiled_step(plan):
     """The cost model's bytes per level (what --search ranks by) against the compiled step's,
     for every plan under BTP (TP's activation collectives and the data-parallel list;
-    tests/test_plans_hlo.py checks that list without TP kind by kind): a drift between the
+    tests/unit/test_plans_hlo.py checks that list without TP kind by kind): a drift between the
     model and the engine fails here."""
     from boost_jax.plan.dryrun import dry_run
 

@@ -1,6 +1,6 @@
 """benchmarks/convergence.py: the analysis, table, plot and verdict path on synthetic runs (no
 training: each run's outputs are written here as train.py would, then the script is run with
---reuse), and the wall-clock reconstruction from metrics.jsonl."""
+--reuse), and its one-line errors."""
 
 import json
 import os
@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from train_proc import ROOT
+
 sys.path.insert(0, ROOT)
 
 from benchmarks import convergence as conv  # noqa: E402
-from benchmarks import convergence_report as rep  # noqa: E402
 from boost_jax.config import config_to_yaml, load_config  # noqa: E402
 
 WIDTHS, STEPS, LRS = "32,64", "8,6", "1e-3,3e-3"
@@ -53,28 +53,6 @@ def _write_run(work, run, final, step_time=0.5):
             f.write(json.dumps(row) + "\n")
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump({"params": 1000, "final_step": run.steps}, f)
-
-
-def test_read_curve_adds_step_times_per_window(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    rows = [{"step": 0, "val_loss": 8.0},
-            {"step": 3, "loss": 7.0},  # first logged step after compile: no timing yet
-            {"step": 6, "loss": 6.5, "step_time_s": 0.5, "val_loss": 6.4},
-            {"step": 8, "loss": 6.0, "step_time_s": 2.0, "val_loss": "nan"}]
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert rep.read_curve(str(path)) == [(0, 0.0, 8.0), (6, 3.0, 6.4), (8, 7.0, float("inf"))]
-
-
-def test_lr_grid_extends_past_the_end_holding_the_best():
-    assert conv.extend_lr([1e-3, 3e-3, 1e-2], 1e-2) == 0.0333
-    assert conv.extend_lr([3e-3, 1e-3], 1e-3) == 0.000333
-    assert conv.extend_lr([1e-3, 3e-3, 1e-2], 3e-3) is None
-
-
-def test_verdict_against_the_seed_spread():
-    assert [rep.verdict(d, 0.05) for d in (0.04, -0.05, -0.06, 0.07)] == [
-        "match", "match", "better", "worse"]
-    assert rep.verdict(0.3, None) == "unknown"
 
 
 def test_report_from_synthetic_runs(tmp_path):

@@ -4,6 +4,7 @@ The reference is one uninterrupted in-process run on 8 simulated devices; interr
 train.py subprocesses on the same 8-device mesh (the same compiled programs, so the losses of a
 correctly resumed run match the reference exactly). All runs compile their step with XLA's fast
 options and share a persistent JAX compilation cache, so compiling is paid for about once.
+tests/unit/test_crash_nonfinite.py: a NaN loss stops an in-process run.
 """
 
 import errno
@@ -14,27 +15,16 @@ import shutil
 import signal
 import time
 
-import jax
 import numpy as np
 import pytest
 
 from boost_jax.config import load_config
-from boost_jax.infer.load import open_run
 from boost_jax.errors import UserError
 from boost_jax.checkpoints.store import TMP_MARK, CheckpointSaveError, UNUSABLE_DIR
-from boost_jax.train.loop import NonFiniteError, run
+from boost_jax.train.loop import run
 from boost_jax.checkpoints.seal import write_seal
+from crash_run import RUN, STEPS, nan_at_step  # noqa: F401 (a fixture)
 from train_proc import checkpoint_steps, metric_losses, TrainProcess, train_env
-
-TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
-        "model.rank=8", "model.max_seq_len=32", "data.seq_len=32", "data.max_bytes=300000",
-        "train.global_batch=8", "train.eval_batches=2", "train.log_every=1",
-        "logging.progress=false", "logging.tensorboard=false", "logging.plot=false",
-        "optim.lr=0.01", "optim.warmup_frac=0.1"]
-STEPS = 12
-RUN = TINY + [f"train.steps={STEPS}", "train.eval_every=6", "checkpoint.every=3",
-              "checkpoint.keep=3"]
-
 
 pytestmark = pytest.mark.usefixtures("jax_cache")  # conftest: shared compile cache
 
@@ -176,70 +166,6 @@ def test_no_usable_checkpoint_is_an_error_that_moves_nothing(reference, tmp_path
 
 
 # --------------------------------------------------------------------------- NaN injection
-
-
-@pytest.fixture
-def nan_at_step(monkeypatch):
-    """Make the loss of one chosen step non-finite, through the real step and loss path.
-
-    The data iterator marks that step's batch (a -1 in inputs[0, 0]); each device's loss
-    (boost_jax.step.engine.Engine.local_loss, patched) is multiplied by NaN when its rows carry
-    the mark, so the loss and every gradient are NaN exactly for that batch.
-    """
-    import jax.numpy as jnp
-
-    import boost_jax.data as data_mod
-    from boost_jax.step.engine import Engine
-
-    real_local_loss = Engine.local_loss
-
-    def poisoned_local_loss(self, params, batch, *rest, **kw):
-        mark = batch["inputs"] < 0
-        clean = {k: jnp.maximum(v, 0) for k, v in batch.items()}
-        return real_local_loss(self, params, clean, *rest, **kw) * jnp.where(
-            jnp.any(mark), jnp.nan, 1.0)
-
-    class MarkedIter:
-        def __init__(self, it, step):
-            self.it, self.step = it, step
-
-        def __next__(self):
-            batch = next(self.it)
-            if self.it.get_state()["next_index"] == self.step:
-                batch = {k: np.array(v) for k, v in batch.items()}
-                batch["inputs"][0, 0] = -1
-            return batch
-
-        def get_state(self):
-            return self.it.get_state()
-
-        def set_state(self, state):
-            self.it.set_state(state)
-
-    real_build_data = data_mod.build_data
-    chosen = {}
-
-    def build_data(*a, **k):
-        d = real_build_data(*a, **k)
-        d.train_iter = MarkedIter(d.train_iter, chosen["step"])
-        return d
-
-    monkeypatch.setattr(Engine, "local_loss", poisoned_local_loss)
-    monkeypatch.setattr(data_mod, "build_data", build_data)
-    return lambda step: chosen.update(step=step)
-
-
-def test_nan_loss_stops_the_run_naming_the_step_and_writes_no_bad_checkpoint(nan_at_step,
-                                                                             tmp_path):
-    nan_at_step(5)
-    out = str(tmp_path / "run")
-    cfg = load_config(None, RUN + [f"out_dir={out}", "train.log_every=4", "checkpoint.every=2"])
-    with pytest.raises(NonFiniteError, match=r"non-finite loss or gradient at step 5;"):
-        run(cfg)
-    # the check runs before every save: step 6's checkpoint (after the NaN) is never written
-    assert checkpoint_steps(out) == [2, 4]
-    params = jax.device_get(open_run(out, 4).params)
-    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
 
 
 def test_skip_nonfinite_skips_the_update_and_carries_on(nan_at_step, reference, tmp_path):

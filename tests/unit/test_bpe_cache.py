@@ -2,15 +2,11 @@
 
 Reused when they match; retrained when they do not and no checkpoint uses it (a run that failed
 before saving); reused as it is when the run's checkpoints use it (their ids), or refused in one
-line if it cannot serve the config. The real command: a train.py run that fails after training
-a 512-token BPE, then one with data.bpe_vocab_size=1024 in the same out_dir.
+line if it cannot serve the config (tests/e2e/test_bpe_cache_train.py: the real command).
 """
 
 import json
 import os
-import re
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -20,12 +16,6 @@ from boost_jax.data import get_tokenizer
 from boost_jax.data.bpe_cache import RECORD_FILE
 from boost_jax.errors import UserError
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# should a run not fail (a reused 512-token BPE fits model.vocab_size=600), it is short
-TINY = ["model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.d_ff=64",
-        "model.rank=8", "model.max_seq_len=32", "data.seq_len=32", "train.global_batch=8",
-        "train.steps=1", "train.eval_batches=1", "logging.progress=false",
-        "logging.tensorboard=false", "logging.plot=false"]
 LETTERS = list("abcdefghijklmnopqrstuvwxyz")
 
 
@@ -81,25 +71,3 @@ def test_kept_when_checkpoints_use_it(tmp_path):
                                         r"data\.bpe_vocab_size=600 or use a fresh out_dir"):
         get_tokenizer(DataConfig(tokenizer="bpe", bpe_vocab_size=512), lambda: _texts(2),
                       str(cache))
-
-
-def test_failed_run_cache_is_not_reused_at_another_size(tmp_path):
-    """train.py fails after training its 512-token BPE (model.vocab_size too small); the next
-    run asks for 1024 tokens: it must get a 1024-token BPE, not the failed run's."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    env.pop("XLA_FLAGS", None)
-    out = tmp_path / "run"
-
-    def train(size, vocab):
-        return subprocess.run(
-            [sys.executable, "train.py", "data.tokenizer=bpe", f"data.bpe_vocab_size={size}",
-             f"model.vocab_size={vocab}", "data.max_bytes=300000", f"out_dir={out}", *TINY], cwd=ROOT, env=env, capture_output=True, text=True,
-            timeout=300)
-
-    r = train(512, 300)
-    assert r.returncode == 2 and "smaller than the tokenizer's 512 tokens" in r.stderr, r.stderr
-    r = train(1024, 600)  # fails again, naming the tokenizer it now has
-    m = re.search(r"model\.vocab_size=600 is smaller than the tokenizer's (\d+) tokens", r.stderr)
-    assert r.returncode == 2 and m and int(m.group(1)) > 512, r.stderr
-    rec = json.loads((out / "tokenizer" / RECORD_FILE).read_text())
-    assert rec["bpe_vocab_size"] == 1024 and rec["source"] == "stdlib"

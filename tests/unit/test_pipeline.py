@@ -3,11 +3,10 @@ across stages, keep 1f1b's memory flat in the micro-batches, and restore across 
 
 8 simulated devices: 2 stages on a 2x2x2 mesh (stage x pair x node) and 4 stages on 2x1x4
 (stage x pair). Layer counts that do not divide (3 layers over 2 stages) exercise the padded,
-skipped layer.
+skipped layer. tests/e2e/test_pipeline_train.py: the same through train.py.
 """
 
 import itertools
-import json
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +16,6 @@ import pytest
 from boost_jax.analysis import comm
 from boost_jax.analysis.hlo import parse_module
 from boost_jax.backends.cpu import fast_compile_options
-from boost_jax.config import Config, ModelConfig
 from boost_jax.infer.load import _manager, restore_params
 from boost_jax.mesh import get_topology, make_mesh
 from boost_jax.config import load_config
@@ -30,7 +28,6 @@ from boost_jax.step.build import build_step
 
 from boost_jax.sharding.layout import pad_tree
 from test_tp import _model_key, _params_and_batch, assert_same, engine_run, make_cfg, reference
-from train_proc import TINY, TrainProcess, assert_same_metrics, train_env
 
 FAST = fast_compile_options()
 SHAPES = {2: [2, 2, 2], 4: [2, 1, 4]}
@@ -270,30 +267,6 @@ def test_planner_compiles_and_searches_stages():
     assert any(c.pp_stages > 1 for c in res.fitting)
     best = res.fitting[0]
     assert best.prediction.layout["pipeline_stages"] == best.pp_stages
-
-
-def test_train_py_with_stages_learns_like_without(tmp_path):
-    """train.py end to end (training, pipelined evaluation, checkpoint, summary) with 2 stages
-    logs the losses of the run without stages (the same 8 sequences per step, split over 2
-    stages x 4 data-parallel devices instead of 8), and so does vanilla TP x ZeRO-3 inside the
-    stages: that run stalled within 4 steps when XLA:CPU's thread pool had one thread per
-    simulated device (train.py sizes it itself: PJRT_NPROC is not passed on)."""
-    env = train_env(str(tmp_path / "jax_cache"))
-    env.pop("PJRT_NPROC", None)
-    base = TINY + ["model.n_layers=3", "train.steps=4", "train.eval_every=4",
-                   "logging.progress=false"]
-    runs = {"flat": TrainProcess(tmp_path / "flat", env, *base, "train.micro_batches=1"),
-            "pp": TrainProcess(tmp_path / "pp", env, *base, "train.micro_batches=2",
-                               "parallel.pp_stages=2"),
-            "tp": TrainProcess(tmp_path / "tp", env, *base, "train.micro_batches=4",
-                               "parallel.pp_stages=2", "parallel.tp_mode=vanilla",
-                               "parallel.tp_axes=[pair]", "parallel.plan=zero3")}
-    for p in runs.values():
-        assert p.wait() == 0, open(p.log).read()[-2000:]
-    rows = {k: [json.loads(x) for x in open(tmp_path / k / "metrics.jsonl")] for k in runs}
-    assert any("val_loss" in r for r in rows["pp"])
-    assert_same_metrics(rows["flat"], rows["pp"])
-    assert_same_metrics(rows["flat"], rows["tp"])
 
 
 @pytest.mark.parametrize("schedule,plan,tp,model", [

@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from strict_json import _no_constant
 from train_proc import TINY, TrainProcess, train_env
 
 pytestmark = pytest.mark.usefixtures("jax_cache")
@@ -48,10 +49,6 @@ def _rows(out_dir):
         return [json.loads(line, parse_constant=_no_constant) for line in f]
 
 
-def _no_constant(name):
-    raise AssertionError(f"bare {name} in a JSON output")
-
-
 # train.py whose validation loss is NaN from the second evaluation on (a diverged model's)
 _NAN_VAL_AFTER_STEP_0 = (
     "import runpy, sys; import boost_jax.train.loop as loop; real = loop.evaluate; calls = []\n"
@@ -78,14 +75,3 @@ def test_nonfinite_val_loss_is_recorded_as_null_with_a_flag(env, tmp_path):
     for k in ("final_val_loss", "last_val_loss"):
         assert summary[k] is None and summary[k + "_nonfinite"] is True, summary
     assert summary["last_val_step"] == 4 and summary["initial_val_loss"] == vals[0]["val_loss"]
-
-
-def test_json_out_writes_null_and_a_flag_for_every_nonfinite_number():
-    from boost_jax import json_out
-
-    text = json_out.dumps({"loss": float("nan"), "perf": {"mfu": float("inf"), "ok": 1.5},
-                           "curve": [1.0, -float("inf")], "steps": 3})
-    assert json.loads(text, parse_constant=_no_constant) == {
-        "loss": None, "loss_nonfinite": True, "perf": {"mfu": None, "mfu_nonfinite": True,
-                                                       "ok": 1.5},
-        "curve": [1.0, None], "steps": 3}
