@@ -82,8 +82,8 @@ COMMANDS = {
                      + " ".join(TINY) + '"'),
     "python scripts/launch_local.py -n 2 --cpu-devices-per-process 4 -- --config "
     "configs/demo.yaml train.steps=50 out_dir=runs/mh":
-        _c(ELSEWHERE, why="tests/test_multihost.py::test_two_processes_train_like_one_including_"
-                          "save_and_restore"),
+        _c(ELSEWHERE, why="tests/e2e/test_multihost.py::test_two_processes_train_like_one_"
+                          "including_save_and_restore"),
     "pip install -e '.[cuda]'": _c(CLUSTER, why="installs the CUDA plugin (GPU machine)"),
     "module load rocm/7.0.2 && pip install -e '.[rocm]'": _c(CLUSTER, why="a ROCm module"),
     'python -c "import jax; print(jax.default_backend(), jax.device_count(), jax.devices())"':
@@ -112,18 +112,18 @@ COMMANDS = {
     "sbatch cola-7b-f48.sbatch": _c(CLUSTER, why="48 Frontier nodes"),
     "pip install -e '.[gpu-compile]'":
         _c(ELSEWHERE, why="4.4 GB of CUDA wheels; `make gpu-compile-test` installs them into "
-                          ".venv-gpuc and runs tests/test_gpu_compile.py there"),
+                          ".venv-gpuc and runs tests/unit/test_gpu_compile.py there"),
     "python -m boost_jax.plan --config configs/cola-1b.yaml --topology perlmutter --nodes 4 "
     "parallel.tp_mode=btp parallel.tp_axes=[pair] model.d_ff=5462 --gpu-compile [--json]":
-        _c(ELSEWHERE, why="tests/test_gpu_compile.py::test_step_compiles_for_a100_with_our_"
+        _c(ELSEWHERE, why="tests/unit/test_gpu_compile.py::test_step_compiles_for_a100_with_our_"
                           "kernels"),
     "python -m boost_jax.launch slurm --config configs/demo.yaml --topology cpu --nodes 2 "
     "train.steps=50 out_dir=$PWD/runs/slurm-local --out runs/local.sbatch": _c(RUN),
     "PATH=$PWD/scripts/local_slurm:$PATH sbatch runs/local.sbatch":
-        _c(ELSEWHERE, why="tests/test_launch.py::test_local_job_trains_and_resumes_after_"
+        _c(ELSEWHERE, why="tests/e2e/test_launch.py::test_local_job_trains_and_resumes_after_"
                           "requeue_like_one_process"),
     "PATH=$PWD/scripts/local_slurm:$PATH scancel --signal=TERM JOBID":
-        _c(ELSEWHERE, why="tests/test_launch.py::test_local_job_trains_and_resumes_after_"
+        _c(ELSEWHERE, why="tests/e2e/test_launch.py::test_local_job_trains_and_resumes_after_"
                           "requeue_like_one_process"),
     "python train.py --config configs/demo.yaml --cpu-devices 8 parallel.pp_stages=2 "
     "train.micro_batches=4": _c(RUN, TINY_PP + ["out_dir=runs/pp"]),

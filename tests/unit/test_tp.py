@@ -4,7 +4,7 @@ Loss and every gradient leaf of boost_jax.step.engine (one shard_map over every 
 2x2x2 CPU mesh: micro-batches, per-layer gathers, TP collectives, deferred reduction) are
 compared with the plain single-device forward in fp32 (rtol 1e-5). The matrix uses shapes that
 force zero padding (d_model=36, vocab 66, rank 6 do not divide the data-parallel devices);
-quantized gathers are switched off there (int8 is not exact: tests/test_plans.py bounds it).
+quantized gathers are switched off there (int8 is not exact: tests/unit/test_plans.py bounds it).
 Compile time dominates: each case is one compile with the fast XLA options, and references
 are cached per model config.
 """
