@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test bench convergence clean gpu-dry-run gpu-compile-test gpu-compile-bench
+.PHONY: train test test-unit test-e2e bench convergence clean gpu-dry-run gpu-compile-test gpu-compile-bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,14 @@ train: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest tests -n 2 --dist loadfile $(ARGS)
+
+# The in-process tests alone (quick feedback), or only those that start train.py, a module's
+# CLI or a script as a process.
+test-unit: $(VENV)/.installed
+	$(PY) -m pytest tests/unit -n 2 --dist loadfile $(ARGS)
+
+test-e2e: $(VENV)/.installed
+	$(PY) -m pytest tests/e2e -n 2 --dist loadfile $(ARGS)
 
 # Learning per FLOP (benchmarks/README.md section 10); its results file says how long it took.
 convergence: $(VENV)/.installed
@@ -50,7 +58,7 @@ $(GPUC_VENV)/.installed: pyproject.toml
 
 gpu-compile-test: $(GPUC_VENV)/.installed
 	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu $(GPUC_VENV)/bin/python -m pytest \
-		tests/test_gpu_compile.py tests/test_pallas_gpu.py -p no:xdist $(ARGS)
+		tests/unit/test_gpu_compile.py tests/unit/test_pallas_gpu.py -p no:xdist $(ARGS)
 
 # Analytic model vs the GPU-compiled step, CoLA-1B and CoLA-7B on Perlmutter, and what the GPU
 # schedule hides per plan x TP mode (benchmarks/README.md sections 11 and 12); not part of

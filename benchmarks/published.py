@@ -74,7 +74,7 @@ SOURCES = [
 ]
 
 # Ratios the model does not bring within TOLERANCE, each with the reason (the validation table
-# prints it; tests/test_plan.py fails if one of them comes within, or another falls out)
+# prints it; tests/unit/test_plan.py fails if one of them comes within, or another falls out)
 KNOWN_GAPS = {
     "lbp_over_zeropp": "our hierarchical plan reduces gradients across nodes once per step, "
                        "after the backward (step/engine.py reduce_deferred): exposed, every "

@@ -5,7 +5,7 @@
 Runs `train.py --config configs/demo.yaml` twice on 8 simulated CPU devices with
 `parallel.plan=zeropp` in bf16 (weights and compute), once as the preset (qgZ on) and once with
 `parallel.quantize_grads=false` (the gradient reduce-scattered in the fp32 accumulator dtype),
-same data, same initialisation. tests/test_qgz_demo.py runs the same two commands and holds the
+same data, same initialisation. tests/e2e/test_qgz_demo.py runs the same two commands and holds the
 difference to the tolerances stated here.
 """
 
@@ -68,7 +68,7 @@ def report(r: dict) -> str:
     return f"""# qgZ (int4 gradients) against unquantized gradients, 20 steps of the demo
 
 Reproduce: `.venv/bin/python benchmarks/qgz_demo.py` (two `train.py` runs, {r['seconds']:.0f} s
-here); the same two runs are tests/test_qgz_demo.py.
+here); the same two runs are tests/e2e/test_qgz_demo.py.
 
 `train.py --config configs/demo.yaml {cmd}`, with `parallel.quantize_grads` true (the zeropp
 preset: each micro-batch's gradient reduced by int4 all-to-alls, inside the node then across)

@@ -4,8 +4,8 @@ logits.npy) and its greedy continuation of a prompt (greedy.npy): LlamaForCausal
 svd, the export's own remote code (boost_jax/hf_remote/) for cola and lax, GPTNeoXForCausalLM
 and GPT2LMHeadModel for the GPT families.
 
-tests/test_hf.py checks boost_jax's logits against these files when torch is not installed (CI),
-and against transformers directly when it is. torch and transformers are not dependencies of the
+tests/unit/test_hf.py checks boost_jax's logits against these files when torch is not installed
+(CI), and against transformers directly when it is. torch and transformers are not dependencies of the
 project; make the fixture in an environment that has them besides boost_jax's own:
 
     python3 -m venv /tmp/venv-hf

@@ -14,7 +14,7 @@ Conventions (chosen to match XLA's cost_analysis, which counts a dot as 2·M·N�
 - LM head 2·d·V; the embedding is a gather (0 FLOPs);
 - train = 3 · forward (backward = grads w.r.t. activations + grads w.r.t. weights).
 Compare with XLA on a scan_layers=False model: cost_analysis counts a scan (while-loop) body
-once, not n_layers times. Measured agreement (tests/test_flops.py): within 2% at d=256.
+once, not n_layers times. Measured agreement (tests/unit/test_flops.py): within 2% at d=256.
 """
 
 from __future__ import annotations

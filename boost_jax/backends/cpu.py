@@ -11,13 +11,13 @@ HLO as a GPU would run it) are boost_jax/analysis/cpu_lowering.py.
    replicated weight gets its own share. untyped_tp_grads undoes both (divide by t; all-reduce
    the TP-replicated leaves over TP) — exact, only with more backward all-reduces than the
    typed program. Can go when `python -c` of a pallas_call(interpret=True) under
-   jax.shard_map(check_vma=True) runs (tests/test_pallas_btp.py would keep passing).
+   jax.shard_map(check_vma=True) runs (tests/unit/test_pallas_btp.py would keep passing).
 2. all_gather_bits / reshard_bits — XLA:CPU runs bf16/f16 collectives in f32 (convert →
    collective → convert), which doubles what a gather moves there. A gather is pure data
    movement, so moving the raw 16 bits as uint16 is exact and makes the CPU program move what a
    GPU would. Harmless elsewhere (the bitcasts are free). Can go when a bf16 all-gather in a
-   CPU-compiled HLO is no longer wrapped in converts (tests/test_plans_hlo.py checks the dtypes
-   the gathers move).
+   CPU-compiled HLO is no longer wrapped in converts (tests/unit/test_plans_hlo.py checks the
+   dtypes the gathers move).
 3. fast_compile_options — XLA options for programs whose run time does not matter (init,
    tests): LLVM -O0 and the legacy fusion codegen. Can go when a tiny model's jit_init compiles
    as fast without them.

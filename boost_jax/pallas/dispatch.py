@@ -14,8 +14,8 @@ Inside jax.shard_map (what the caller must do):
     interpreter cannot carry varying-axis types through the kernel's loops, so the enclosing
     shard_map needs check_vma=False. Use `shard_map_check_vma(kind)` to pick the flag. With
     check_vma=False, collectives in reduce_fn (psum) still differentiate correctly for
-    replicated outputs (out_specs=P()) — tests/test_pallas.py checks this on 4 devices, and
-    tests/test_pallas_btp.py a whole BTP training run (the step's shard_map, manual over every
+    replicated outputs (out_specs=P()) — tests/unit/test_pallas.py checks this on 4 devices, and
+    tests/unit/test_pallas_btp.py a whole BTP training run (the step's shard_map, manual over every
     axis; boost_jax/backends/cpu.py recovers the gradient) against kernels=xla.
 """
 

@@ -15,7 +15,8 @@ and fitted to the model's contract (layers.attention.dense_attention, sq = sk):
     padded key (they come after every real position); padded query rows are dropped, so their
     zero cotangents add nothing to dK, dV;
   * shard_map: operands are pcast to one varying set (align_vma) and outputs declare it (sds).
-Interpret mode (CPU) runs the same kernels in JAX's Pallas interpreter: tests/test_pallas_flash.py.
+Interpret mode (CPU) runs the same kernels in JAX's Pallas interpreter:
+tests/unit/test_pallas_flash.py.
 """
 
 from __future__ import annotations

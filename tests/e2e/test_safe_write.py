@@ -1,0 +1,396 @@
+"""Nothing lost: every command that writes (export, data.prepare, train.py, plan --emit-config,
+launch slurm) follows boost_jax/safe_write.py. The module's rules that need a second process
+(tests/unit/test_safe_write_api.py: the others), then each command run as a subprocess on the cases that lost data: export --force onto its own run, prepare onto
+its source, training into a folder of the user's files, plan/launch onto their own --config,
+two prepares of one OUT at once, a full disk, and prepare killed with SIGKILL at random points.
+"""
+
+import contextlib
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from boost_jax import safe_write as sw
+from boost_jax.safe_write import Refused
+from file_modes import _mode, _umask
+from train_proc import ROOT, train_env
+
+PY = sys.executable
+
+
+# --------------------------------------------------------------------------- the module
+
+
+def test_refuse_inputs_is_contains_inside_and_links(tmp_path):
+    run = tmp_path / "runs" / "r"
+    (run / "checkpoints").mkdir(parents=True)
+    (tmp_path / "alias").symlink_to(run)
+    inputs = {"the run": str(run)}
+    for target, how in ((run, "is"), (tmp_path / "runs", "contains"),
+                        (run / "checkpoints" / "x", "lies inside"), (tmp_path / "alias", "is"),
+                        (tmp_path / "alias" / "y", "lies inside")):
+        with pytest.raises(Refused, match=rf"^--out {how} the run '.*'; .*: pick another$"):
+            sw.refuse_inputs(str(target), inputs, "--out", "pick another")
+    sw.refuse_inputs(str(tmp_path / "runs" / "r2"), inputs, "--out", "x")  # a sibling is fine
+    sw.refuse_inputs(str(tmp_path / "runs" / "r.bak"), inputs, "--out", "x")  # not a prefix
+    src = tmp_path / "a.json"
+    src.write_text("{}")
+    os.link(src, tmp_path / "b.json")  # a hard link is the same file
+    with pytest.raises(Refused, match="is SOURCE"):
+        sw.refuse_inputs(str(tmp_path / "b.json"), {"SOURCE": str(src)}, "OUT", "x")
+
+
+HOLD = """
+import sys, time
+from boost_jax.safe_write import exclusive
+with exclusive([sys.argv[1]], "OUT", "x"):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def test_exclusive_one_writer_and_a_killed_holder_is_taken_over(tmp_path):
+    target = str(tmp_path / "c.bin")
+    p = subprocess.Popen([PY, "-c", HOLD, target], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                         env=dict(os.environ, PYTHONPATH=ROOT))
+    try:
+        assert p.stdout.readline() == "held\n"
+        with pytest.raises(Refused, match=rf"^OUT is being written by another process \(pid "
+                                          rf"{p.pid} on host .*\); wait for it to finish, or x"):
+            with sw.exclusive([target], "OUT", "x"):
+                pass
+        open(tmp_path / ".c.bin.dead1234.tmp", "w").close()  # what a killed writer leaves
+    finally:
+        p.kill()
+        p.wait()
+    with sw.exclusive([target], "OUT", "x"):
+        assert os.listdir(tmp_path) == [".c.bin.lock"]  # stale temp removed, lock taken over
+    assert os.listdir(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- the commands
+
+
+def _cli(*argv, env=None, timeout=240):
+    return subprocess.run([PY, *argv], cwd=ROOT, env=env or dict(os.environ, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _cli_all(*argvs, env=None):
+    """Several commands at once (each imports JAX, the bulk of its time)."""
+    env = env or dict(os.environ, PYTHONPATH=ROOT)
+    procs = [subprocess.Popen([PY, *a], cwd=ROOT, env=env, text=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for a in argvs]
+    outs = [p.communicate(timeout=240) for p in procs]
+    return [subprocess.CompletedProcess(p.args, p.returncode, *o) for p, o in zip(procs, outs)]
+
+
+def _one_line(r, pattern):
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2 and len(lines) == 1, (r.returncode, r.stderr)
+    assert re.match(r"error: " + pattern, lines[0]), lines[0]
+
+
+def _tree(path):
+    """{relative path: bytes} of every file under path."""
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            full = os.path.join(d, f)
+            out[os.path.relpath(full, path)] = open(full, "rb").read()
+    return out
+
+
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
+        "model.rank=8", "model.max_seq_len=32", "data.seq_len=32", "data.max_bytes=100000",
+        "train.global_batch=4", "train.eval_batches=1", "train.steps=2", "train.eval_every=2",
+        "logging.progress=false", "logging.plot=false"]
+USER_FILES = {"config.yaml": "my: notes\n", "metrics.jsonl": "my measurements\n",
+              "summary.json": '{"mine": true}\n', "loss.png": "not a plot", "notes.txt": "hi\n"}
+
+
+@pytest.fixture(scope="module")
+def env(jax_cache):
+    return train_env(jax_cache)
+
+
+@pytest.fixture(scope="module")
+def run(env, tmp_path_factory):
+    """A folder of the user's files: train.py refuses it, then trains there with --force. The
+    run it leaves is the input of the export tests."""
+    out = tmp_path_factory.mktemp("train") / "runs" / "r"
+    out.mkdir(parents=True)
+    for name, text in USER_FILES.items():
+        (out / name).write_text(text)
+    cmd = ["train.py", "--cpu-devices", "1", *TINY, f"out_dir={out}"]
+    refused = _cli(*cmd, env=env)
+    forced = _cli(*cmd, "--force", env=env)
+    return out, refused, forced
+
+
+def test_failure_3_train_into_a_folder_of_the_users_files_is_refused_unless_forced(run):
+    out, refused, forced = run
+    _one_line(refused, rf"out_dir '{out}' holds no boost_jax run but files the run would "
+                       r"replace \(config\.yaml, loss\.png, metrics\.jsonl, summary\.json\); "
+                       r"choose another out_dir=\.\.\., or pass --force to train\.py")
+    assert forced.returncode == 0, forced.stderr
+    assert (out / "notes.txt").read_text() == "hi\n"  # --force replaces only what a run writes
+    assert "steps: 2" in (out / "config.yaml").read_text()
+    assert (out / "configs" / "000-earlier.yaml").read_text() == "my: notes\n"
+
+
+def test_failure_1_export_never_deletes_its_run_even_with_force(run, env, tmp_path):
+    out = run[0]
+    before = _tree(out.parent)
+    for target, how in ((out, "is"), (out.parent, "contains"), (out / "hf", "lies inside")):
+        for force in (["--force"], []):
+            r = _cli("-m", "boost_jax.export", "--run", str(out), "--out", str(target), *force,
+                     env=env)
+            _one_line(r, rf"--out '{target}' {how} the run '{out}'; writing it would destroy "
+                         r"what this command reads \(--force does not change that\): choose a "
+                         r"folder outside the run")
+    assert _tree(out.parent) == before
+
+
+def test_export_refuses_a_file_a_foreign_folder_and_a_read_only_parent(run, env, tmp_path):
+    out = run[0]
+    (tmp_path / "file").write_text("keep")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "thesis.tex").write_text("keep")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    with _read_only(ro):
+        rows = (("file", r"--out '.*/file' is a file or a link, not an earlier export"),
+                ("mine", r"--out '.*/mine' holds files an export does not write \(thesis\.tex\)"),
+                ("ro/x", r"cannot write --out '.*/ro/x' \((Read-only file system|Permission "
+                         r"denied)\); choose a folder in a writable place"))
+        done = _cli_all(*(["-m", "boost_jax.export", "--run", str(out), "--out",
+                           str(tmp_path / name), "--force"] for name, _ in rows), env=env)
+        for r, (_, pattern) in zip(done, rows):
+            _one_line(r, pattern)
+    assert (tmp_path / "file").read_text() == "keep"
+    assert os.listdir(tmp_path / "mine") == ["thesis.tex"]
+    with _umask(0o022):  # an export follows the umask (mkdtemp alone makes it 0700)
+        r = _cli("-m", "boost_jax.export", "--run", str(out), "--out", str(tmp_path / "hf"),
+                 env=env)
+    assert r.returncode == 0, r.stderr
+    assert _mode(tmp_path / "hf") == 0o755 and _mode(tmp_path / "hf" / "config.json") == 0o644
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp folder left
+
+
+@contextlib.contextmanager
+def _read_only(path):
+    """A read-only folder: a read-only mount for root (who ignores modes), else mode 0555."""
+    if os.geteuid() == 0 and not subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+            capture_output=True).returncode:
+        try:
+            yield
+        finally:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+        return
+    os.chmod(path, 0o555)
+    try:
+        yield
+    finally:
+        os.chmod(path, 0o755)
+
+
+def _prepare(src, out, *extra, env=None):
+    return [PY, "-m", "boost_jax.data.prepare", str(src), str(out), "--tokenizer", "byte",
+            "--workers", "1", "--no-progress", *extra]
+
+
+def test_failure_2_prepare_never_overwrites_its_source_or_unforced_metadata(tmp_path):
+    src = tmp_path / "mydata.json"
+    src.write_text('{"text": "my data"}\n')
+    for force in ([], ["--force"]):
+        r = _cli(*_prepare(src, tmp_path / "mydata.bin", *force)[1:])
+        _one_line(r, r"the metadata file '.*/mydata\.json' of OUT is SOURCE '.*/mydata\.json'; "
+                     r"writing it would destroy what this command reads")
+    assert src.read_text() == '{"text": "my data"}\n'
+    from boost_jax.data.prepare import prepare
+
+    (tmp_path / "tok.json").write_text("{}")  # OUT's metadata would be the tokenizer
+    with pytest.raises(Refused, match=r"the metadata file '.*/tok\.json' of OUT is --tokenizer"):
+        prepare(str(src), str(tmp_path / "tok.bin"), str(tmp_path / "tok.json"), force=True)
+    (tmp_path / "tok.json").unlink()
+    text = tmp_path / "t.txt"
+    text.write_text("some text\n")
+    (tmp_path / "t.json").write_text("my own t.json\n")
+    r = _cli(*_prepare(text, tmp_path / "t.bin")[1:])
+    _one_line(r, r"'.*/t\.json' already exists; pass --force to replace it, or choose another "
+                 r"OUT")
+    assert (tmp_path / "t.json").read_text() == "my own t.json\n"
+    assert not (tmp_path / "t.bin").exists()
+    with _umask(0o022):
+        r = _cli(*_prepare(text, tmp_path / "t.bin", "--force")[1:])
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "t.json").read_text())["n_tokens"] == 11
+    assert _mode(tmp_path / "t.bin") == 0o644 and _mode(tmp_path / "t.json") == 0o644
+    assert sorted(os.listdir(tmp_path)) == ["mydata.json", "t.bin", "t.json", "t.txt"]
+
+
+def test_failure_5_plan_and_launch_never_overwrite_their_config(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    text = open(os.path.join(ROOT, "configs", "demo.yaml")).read()
+    cfg.write_text(text)
+    os.chmod(cfg, 0o644)
+    plan = ["-m", "boost_jax.plan", "--config", str(cfg), "--topology", "cpu", "--nodes", "1",
+            "--no-compile", "--emit-config"]
+    launch = ["-m", "boost_jax.launch", "slurm", "--config", str(cfg), "--topology", "cpu",
+              "--nodes", "1", "--out"]
+    for name in ("plan", "job"):
+        (tmp_path / name).write_text("mine\n")
+    rows = _cli_all([*plan, str(cfg), "--force"], [*launch, str(cfg), "--force"],
+                    [*plan, str(tmp_path / "plan")], [*launch, str(tmp_path / "job")])
+    for r, opt in zip(rows, ("--emit-config", "--out")):  # not even with --force
+        _one_line(r, rf"{opt} '.*/c\.yaml' is --config '.*/c\.yaml'; writing it would destroy "
+                     r"what this command reads \(--force does not change that\)")
+    for r, (opt, name) in zip(rows[2:], (("--emit-config", "plan"), ("--out", "job"))):
+        _one_line(r, rf"{opt} '.*/{name}' already exists; pass --force to replace it")
+        assert (tmp_path / name).read_text() == "mine\n"
+    with _umask(0o022):
+        rows = _cli_all([*plan, str(tmp_path / "plan"), "--force"],
+                        [*launch, str(tmp_path / "job"), "--force"])
+    assert [r.returncode for r in rows] == [0, 0], [r.stderr for r in rows]
+    assert _mode(tmp_path / "plan") == 0o644 and _mode(tmp_path / "job") == 0o755
+    assert "mesh:" in (tmp_path / "plan").read_text()
+    assert (tmp_path / "job").read_text().startswith("#!")
+    assert cfg.read_text() == text and _mode(cfg) == 0o644
+
+
+def _corpus(path, mib):
+    line = "def f(x):\n    return x * 2  # " + "é" * 20 + "\n"
+    path.write_text(line * ((mib << 20) // len(line.encode())))
+    return path
+
+
+def _consistent(out):
+    """A published .bin has its metadata and agrees with it; returns what is published."""
+    meta_file = out.with_suffix(".json")
+    if not out.exists():
+        return None
+    assert meta_file.exists(), "a .bin without its metadata"
+    meta = json.loads(meta_file.read_text())
+    assert os.path.getsize(out) == meta["n_tokens"] * 2, meta
+    return meta
+
+
+def test_failure_6_two_prepares_of_one_out_one_wins_the_other_stops(tmp_path):
+    src = _corpus(tmp_path / "src.txt", 8)
+    outdir = tmp_path / "o"
+    outdir.mkdir()
+    out = outdir / "c.bin"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    first = subprocess.Popen(_prepare(src, out, "--force"), cwd=ROOT, env=env, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    t0 = time.monotonic()
+    while not [n for n in os.listdir(outdir) if n.endswith((".lock", ".tmp"))]:
+        assert first.poll() is None and time.monotonic() - t0 < 60, first.communicate()
+        time.sleep(0.005)  # the first has started writing
+    second = _cli(*_prepare(src, out, "--force")[1:])
+    _, err = first.communicate(timeout=120)
+    assert first.returncode == 0, err
+    _one_line(second, rf"OUT '{out}' is being written by another process \(pid {first.pid} on "
+                      r"host .*\); wait for it to finish, or choose another OUT")
+    meta = _consistent(out)
+    assert meta["n_tokens"] == len(src.read_bytes()) + 1
+    assert np.array_equal(np.fromfile(out, np.uint16)[:-1], np.frombuffer(src.read_bytes(),
+                                                                          np.uint8))
+    assert sorted(os.listdir(outdir)) == ["c.bin", "c.json"]
+
+
+ENOSPC_IN_METADATA = """
+import errno, json, runpy, sys
+real = json.dump
+def dump(obj, f, **k):
+    if "n_tokens" in obj:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return real(obj, f, **k)
+json.dump = dump
+sys.argv = ["prepare"] + sys.argv[1:]
+runpy.run_module("boost_jax.data.prepare", run_name="__main__")
+"""
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs where the system lets us mount one (root), else None."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
+                                            str(mnt)], capture_output=True).returncode:
+        yield None
+        return
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_failure_7_a_full_disk_publishes_nothing_and_leaves_no_temp(small_disk, tmp_path):
+    """A real full disk at every size around the data's (root: a tmpfs resized page by page, so
+    the disk fills in the data, in the metadata or not at all), else ENOSPC raised while the
+    metadata is written."""
+    src = tmp_path / "src.txt"
+    src.write_text("x" * 12000)  # 12001 uint16 ids: 6 pages of 4 KiB
+    if small_disk is None:
+        r = _cli("-c", ENOSPC_IN_METADATA, *_prepare(src, tmp_path / "o" / "c.bin")[2:])
+        _one_line(r, r"writing '.*/c\.bin' failed \(No space left on device\); nothing was "
+                     r"published and no temp file is left; free space or choose another OUT")
+        assert os.listdir(tmp_path / "o") == []
+        return
+    failed = 0
+    for pages in range(5, 10):
+        subprocess.run(["mount", "-o", f"remount,size={pages * 4}k", str(small_disk)],
+                       check=True)
+        r = _cli(*_prepare(src, small_disk / "c.bin")[1:])
+        if r.returncode:
+            failed += 1
+            _one_line(r, r"writing '.*/c\.bin' failed \(No space left on device\); nothing was "
+                         r"published and no temp file is left; free space or choose another "
+                         r"OUT")
+            assert os.listdir(small_disk) == [], pages
+        else:
+            assert _consistent(small_disk / "c.bin")["n_tokens"] == 12001
+            assert sorted(os.listdir(small_disk)) == ["c.bin", "c.json"]
+            for name in ("c.bin", "c.json"):
+                os.remove(small_disk / name)
+    assert 0 < failed < 5  # the sizes cover both outcomes
+
+
+def test_kill_9_during_prepare_never_leaves_a_bin_without_metadata_or_a_temp(tmp_path):
+    """Ten prepares --force of one OUT, each killed with SIGKILL after a random delay across a
+    whole run (start, tokenizing, publishing); after each: a published .bin has its metadata and
+    agrees with it, and nothing else is there but the lock file a killed run leaves (unlocked:
+    the next run takes it over)."""
+    src = _corpus(tmp_path / "src.txt", 1)
+    outdir = tmp_path / "o"
+    outdir.mkdir()
+    out = outdir / "c.bin"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    t0 = time.monotonic()
+    assert _cli(*_prepare(src, out)[1:]).returncode == 0
+    whole = time.monotonic() - t0
+    rng = random.Random(24)
+    for i in range(10):
+        p = subprocess.Popen(_prepare(src, out, "--force"), cwd=ROOT, env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        time.sleep(rng.uniform(0.2, 1.0) * whole)
+        os.killpg(p.pid, 9)  # the workers too
+        p.wait()
+        left = set(os.listdir(outdir))
+        assert left <= {"c.bin", "c.json", ".c.bin.lock"}, (i, left)
+        _consistent(out)
+    with sw.exclusive([str(out)], "OUT", "x"):  # no killed run still holds it
+        pass
+    assert _cli(*_prepare(src, out, "--force")[1:]).returncode == 0
+    assert _consistent(out)["n_tokens"] == len(src.read_bytes()) + 1
+    assert sorted(os.listdir(outdir)) == ["c.bin", "c.json"]

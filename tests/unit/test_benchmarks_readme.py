@@ -1,0 +1,39 @@
+"""benchmarks/README.md shows every results file exactly as its script wrote it, and `make bench`
+runs every script that writes one."""
+
+import glob
+import os
+import re
+
+from benchmarks.common import README, RESULTS, readme_blocks, readme_body
+from train_proc import ROOT
+
+
+def test_readme_copies_equal_the_results_files():
+    blocks = readme_blocks(open(README).read())
+    files = {"results/" + os.path.basename(p) for p in glob.glob(os.path.join(RESULTS, "*.md"))}
+    assert set(blocks) == files, "a results file is not embedded, or a block has no file"
+    for name, body in blocks.items():
+        want = readme_body(os.path.join(os.path.dirname(RESULTS), name))
+        assert body == want, f"{name} differs from its copy in benchmarks/README.md: re-run " \
+                             f"its script (it calls benchmarks.common.sync_readme)"
+
+
+def test_make_bench_runs_every_script_that_writes_a_results_file():
+    """`make bench` regenerates every CPU figure but learning per FLOP, which has its own
+    target (`make convergence`: an hour of training on its own), and the GPU-compiled step
+    (`make gpu-compile-bench`: it needs the gpu-compile extra's 4.4 GB venv)."""
+    make = open(os.path.join(ROOT, "Makefile")).read()
+    recipe = make.split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    apart = make.split("\nconvergence:", 1)[1].split("\n\n", 1)[0]
+    gpuc = make.split("\ngpu-compile-bench:", 1)[1].split("\n\n", 1)[0]
+    for path in glob.glob(os.path.join(RESULTS, "*.md")):
+        m = re.search(r"benchmarks/(\w+)\.py", open(path).read())
+        assert m, f"{path} does not name the script that wrote it"
+        if os.path.basename(path) == "convergence.md":
+            assert m.group(0) in apart, "make convergence does not run benchmarks/convergence.py"
+            continue
+        if os.path.basename(path) in ("gpu_compile.md", "gpu_overlap.md"):
+            assert m.group(0) in gpuc, f"make gpu-compile-bench does not run {m.group(0)}"
+            continue
+        assert f"benchmarks/{m.group(1)}.py" in recipe, f"make bench does not run {m.group(0)}"

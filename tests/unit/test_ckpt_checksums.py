@@ -1,0 +1,48 @@
+"""Checkpoint integrity's checksums: exact sums of the state, whatever its sharding or padding,
+that any one flipped bit changes (tests/e2e/test_ckpt_integrity.py: every read path, failed
+saves and SIGKILL)."""
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.usefixtures("jax_cache")  # conftest: shared compile cache
+
+
+# --------------------------------------------------------------------------- checksums
+
+
+def _numpy_checksum(x):
+    """The same sums in numpy, straight from the definition."""
+    x = np.asarray(x)
+    b = x.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[x.dtype.itemsize]).astype(np.uint32)
+    m = b.ravel() * np.uint32(0x9E3779B1)
+    m ^= m >> 15
+    return [int(b.sum(dtype=np.uint32)), int((m * np.uint32(0x85EBCA77)).sum(dtype=np.uint32))]
+
+
+def test_state_checksums_are_exact_and_ignore_sharding_and_padding():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from boost_jax.checkpoints.store import state_checksums
+
+    rng = np.random.default_rng(0)
+    xs = {"f": rng.standard_normal((14, 22)).astype(np.float32),  # 7 x 11 per device
+          "h": rng.standard_normal((6, 5)).astype(jnp.bfloat16),
+          "i": np.arange(7, dtype=np.int32), "s": np.float32(3.5)}
+    sums, finite = state_checksums(jax.tree.map(jnp.asarray, xs))
+    assert finite and sums == {f"['{k}']": _numpy_checksum(v) for k, v in xs.items()}
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    f = jax.device_put(xs["f"], NamedSharding(mesh, P("a", None)))
+    padded = jnp.pad(xs["f"], ((0, 2), (0, 3)))  # what another plan's layout stores
+    assert state_checksums([f])[0] == state_checksums([padded])[0] == state_checksums(
+        [xs["f"]])[0]
+    for k, v in xs.items():  # any one flipped bit of any element changes both sums
+        flat = np.array(v).reshape(-1)
+        words = flat.view({2: np.uint16, 4: np.uint32}[flat.dtype.itemsize])
+        i, bit = rng.integers(flat.size), rng.integers(8 * flat.dtype.itemsize)
+        words[i] ^= words.dtype.type(1 << int(bit))
+        got = state_checksums([flat.reshape(np.shape(v))])[0]["[0]"]
+        assert all(g != w for g, w in zip(got, _numpy_checksum(v))), k
+    assert state_checksums([jnp.asarray(xs["f"]).at[3, 4].set(jnp.nan)])[1] is False

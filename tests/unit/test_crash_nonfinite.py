@@ -1,0 +1,30 @@
+"""Crash safety, in-process: a NaN loss stops the run naming the step, before any checkpoint
+holds it (tests/e2e/test_crash.py: SIGKILL, SIGTERM, corrupted checkpoints, failed saves)."""
+
+import jax
+import numpy as np
+import pytest
+
+from boost_jax.config import load_config
+from boost_jax.infer.load import open_run
+from boost_jax.train.loop import NonFiniteError, run
+from crash_run import RUN, nan_at_step  # noqa: F401 (a fixture)
+from train_proc import checkpoint_steps
+
+pytestmark = pytest.mark.usefixtures("jax_cache")  # conftest: shared compile cache
+
+
+# --------------------------------------------------------------------------- NaN injection
+
+
+def test_nan_loss_stops_the_run_naming_the_step_and_writes_no_bad_checkpoint(nan_at_step,
+                                                                             tmp_path):
+    nan_at_step(5)
+    out = str(tmp_path / "run")
+    cfg = load_config(None, RUN + [f"out_dir={out}", "train.log_every=4", "checkpoint.every=2"])
+    with pytest.raises(NonFiniteError, match=r"non-finite loss or gradient at step 5;"):
+        run(cfg)
+    # the check runs before every save: step 6's checkpoint (after the NaN) is never written
+    assert checkpoint_steps(out) == [2, 4]
+    params = jax.device_get(open_run(out, 4).params)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))

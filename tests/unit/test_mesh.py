@@ -1,0 +1,75 @@
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from boost_jax.errors import UserError
+from boost_jax.mesh import AXES, TOPOLOGIES, get_topology, make_mesh, mesh_shape
+
+
+def test_cpu_mesh_is_2x2x2_with_adjacent_pairs():
+    mesh = make_mesh("cpu")
+    assert mesh.axis_names == AXES
+    assert dict(mesh.shape) == {"pair": 2, "node": 2, "global": 2}
+    ids = np.vectorize(lambda d: d.id)(mesh.devices)
+    # members of a pair are adjacent ids; a node is a contiguous run of 4 ids
+    assert all(abs(ids[0, n, g] - ids[1, n, g]) == 1 for n in range(2) for g in range(2))
+    for g in range(2):
+        assert sorted(ids[:, :, g].ravel()) == list(range(4 * g, 4 * g + 4))
+    assert all(t == jax.sharding.AxisType.Auto for t in mesh.axis_types)
+
+
+def test_explicit_shape_and_too_large_mesh():
+    assert dict(make_mesh("cpu", shape=[2, 1, 4]).shape) == {"pair": 2, "node": 1, "global": 4}
+    with pytest.raises(UserError, match="needs 16 devices but only 8 are present; use --cpu-devices 16"):
+        make_mesh("cpu", shape=[2, 2, 4])
+
+
+def test_topology_profiles():
+    assert {"cpu", "frontier", "perlmutter", "dgx-h100"} <= set(TOPOLOGIES)
+    fr = get_topology("frontier")
+    assert fr.devices_per_node == 8 and fr.bw_pair > fr.bw_node > fr.bw_global
+    assert mesh_shape(fr, 384) == (2, 4, 48)
+    with pytest.raises(UserError):
+        mesh_shape(fr, 8, nodes=48)
+    with pytest.raises(Exception, match="unknown topology"):
+        get_topology("summit")
+
+
+def test_small_device_counts_degrade_gracefully():
+    topo = get_topology("cpu")
+    assert mesh_shape(topo, 1) == (1, 1, 1)
+    assert mesh_shape(topo, 2) == (2, 1, 1)
+    assert mesh_shape(topo, 6) == (2, 1, 3)
+
+
+def test_cpu_peak_is_measured_lazily_and_cached_per_machine(monkeypatch, tmp_path):
+    from boost_jax.backends import cpu_peak
+
+    monkeypatch.delenv(cpu_peak.ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(cpu_peak, "_memo", {})
+    calls = []
+    monkeypatch.setattr(cpu_peak, "measure_gemm_flops", lambda: calls.append(1) or 8e11)
+    topo = get_topology("cpu")
+    make_mesh("cpu")
+    assert calls == []  # looking the profile up does not probe
+    assert topo.peak_flops == pytest.approx(8e11 / jax.local_device_count())
+    assert calls == [1]
+    saved = json.loads((tmp_path / "boost_jax" / "cpu_peak.json").read_text())
+    assert saved == {cpu_peak.machine_key(): 8e11}
+    monkeypatch.setattr(cpu_peak, "_memo", {})  # a new process: reads the cache, no probe
+    assert topo.peak_flops == pytest.approx(8e11 / jax.local_device_count()) and calls == [1]
+    monkeypatch.setenv(cpu_peak.ENV, "3e10")
+    assert topo.peak_flops == 3e10
+    monkeypatch.setenv(cpu_peak.ENV, "fast")
+    with pytest.raises(UserError, match="BOOST_JAX_CPU_PEAK_FLOPS='fast' is not a positive"):
+        topo.peak_flops
+    assert get_topology("frontier").peak_flops == 191.5e12
+
+
+def test_cpu_gemm_probe_measures_a_positive_rate():
+    from boost_jax.backends import cpu_peak
+
+    assert cpu_peak.measure_gemm_flops(n=64, rounds=2) > 0

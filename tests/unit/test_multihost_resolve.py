@@ -1,0 +1,61 @@
+"""Multi-process training: who starts JAX, from the config and the launcher's environment
+(no JAX needed; tests/e2e/test_multihost.py: 2 processes x 4 CPU devices train like 1 x 8)."""
+
+import pytest
+
+from boost_jax.config import load_config
+from boost_jax.errors import UserError
+from boost_jax.train.distributed import Launch, resolve
+
+
+# --------------------------------------------------------------------------- who starts JAX
+
+
+def _cfg(*overrides):
+    return load_config(None, list(overrides))
+
+
+def test_resolve_single_process_by_default():
+    assert resolve(_cfg(), {}) is None
+    assert resolve(_cfg(), {"SLURM_NTASKS": "1", "OMPI_COMM_WORLD_SIZE": "1"}) is None
+    assert resolve(_cfg("distributed.mode='off'"), {"SLURM_NTASKS": "8"}) is None
+
+
+def test_resolve_launcher_environment():
+    env = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:1234", "JAX_NUM_PROCESSES": "2",
+           "JAX_PROCESS_ID": "1"}
+    assert resolve(_cfg(), env) == Launch("127.0.0.1:1234", 2, 1, "env")
+    with pytest.raises(UserError, match="not all of JAX_COORDINATOR_ADDRESS"):
+        resolve(_cfg(), {"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"})
+    with pytest.raises(UserError, match=r"process_id=2 \(env\) must be in 0..1"):
+        resolve(_cfg(), dict(env, JAX_PROCESS_ID="2"))
+    # a coordinator alone: JAX's own cluster detection fills in the rest
+    assert resolve(_cfg(), {"JAX_COORDINATOR_ADDRESS": "h:1"}) == Launch(None, None, None, "env")
+
+
+def test_resolve_slurm_and_openmpi():
+    assert resolve(_cfg(), {"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_ID": "7"}) == \
+        Launch(None, None, None, "slurm")  # JAX's SLURM detection finds the coordinator
+    assert resolve(_cfg("distributed.coordinator=node0:999"),
+                   {"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}) == Launch("node0:999", 4, 2, "slurm")
+    assert resolve(_cfg(), {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
+                            "JAX_COORDINATOR_ADDRESS": "h:5"}) == Launch("h:5", 2, 1, "openmpi")
+    assert resolve(_cfg(), {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_MCA_orte_hnp_uri": "x"}) == \
+        Launch(None, None, None, "openmpi")
+    with pytest.raises(UserError, match="Open MPI started 2 processes but no coordinator"):
+        resolve(_cfg(), {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"})
+
+
+def test_resolve_explicit_config():
+    cfg = _cfg("distributed.mode=explicit", "distributed.coordinator=10.0.0.1:1234",
+               "distributed.num_processes=4", "distributed.process_id=3")
+    assert resolve(cfg, {}) == Launch("10.0.0.1:1234", 4, 3, "config")
+    with pytest.raises(UserError, match="needs distributed.coordinator, distributed.process_id"):
+        resolve(_cfg("distributed.mode=explicit", "distributed.num_processes=2"), {})
+    with pytest.raises(UserError, match="must look like HOST:PORT"):
+        resolve(_cfg("distributed.mode=explicit", "distributed.coordinator=nohost",
+                     "distributed.num_processes=2", "distributed.process_id=0"), {})
+    # the rank may come from the launcher's environment
+    cfg = _cfg("distributed.mode=explicit", "distributed.coordinator=h:1",
+               "distributed.num_processes=2")
+    assert resolve(cfg, {"JAX_PROCESS_ID": "1"}) == Launch("h:1", 2, 1, "config")

@@ -1,0 +1,111 @@
+"""The parallel plan (boost_jax/sharding/parallel.py): checked once, resolved into one value that
+the engine and the pipeline take instead of the Config."""
+
+import ast
+import inspect
+import pathlib
+
+import pytest
+
+from boost_jax.backends import cpu as cpu_backend
+from boost_jax.config import load_config
+from boost_jax.errors import ConfigError
+from boost_jax.layers import forward
+from boost_jax.mesh import make_mesh
+from boost_jax.sharding import parallel
+from boost_jax.sharding.tp.btp import BTPOps
+from boost_jax.step.engine import Engine
+from boost_jax.step.pipeline import Pipeline
+from boost_jax.step.build import abstract_params
+from train_proc import ROOT
+
+PACKAGE = pathlib.Path(ROOT) / "boost_jax"
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.d_ff=64",
+        "model.rank=8", "model.vocab_size=256", "model.max_seq_len=16", "data.seq_len=16",
+        "train.global_batch=8"]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh("cpu", shape=[2, 2, 2])
+
+
+def _cfg(*extra):
+    return load_config(None, TINY + list(extra))
+
+
+def _one_line_error(cfg, mesh) -> str:
+    with pytest.raises(ConfigError) as e:
+        parallel.resolve(cfg, mesh)
+    assert "\n" not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+def test_resolve_rejects_a_bad_tp_cut(mesh):
+    cfg = _cfg("parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.n_heads=3",
+               "model.d_model=48")
+    msg = _one_line_error(cfg, mesh)
+    assert msg.startswith("model.n_heads=3 is not divisible by the tensor-parallel degree 2")
+    with pytest.raises(ConfigError, match="not divisible by the tensor-parallel degree 2"):
+        parallel.check(cfg, mesh)
+
+
+def test_resolve_rejects_a_bad_pipeline_split(mesh):
+    cfg = _cfg()
+    cfg.parallel.pp_stages = 3  # past Config.validate: resolve must catch it on its own
+    msg = _one_line_error(cfg, mesh)
+    assert msg.startswith("parallel.pp_stages=3 is more stages than the model's 2 layers"), msg
+
+
+def test_resolve_holds_what_the_engine_needs(mesh):
+    cfg = _cfg("parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.arch=cola",
+               "train.micro_batches=2", "train.remat=lowrank")
+    plan = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])
+    assert plan.model is cfg.model and plan.mesh is mesh
+    assert plan.placement.layouts is not None and plan.placement.tp_axes == ("pair",)
+    assert plan.tp.mode == "btp" and plan.tp.t == 2 and isinstance(plan.ops(), BTPOps)
+    assert (plan.remat, plan.micro_batches, plan.pipeline) == ("lowrank", 2, None)
+    assert plan.typed == cpu_backend.check_vma(cfg)
+    local = parallel.resolve(_cfg(), mesh)
+    assert local.tp is None and isinstance(local.ops(), forward.Local)
+    assert parallel.resolve_layers(cfg, mesh).placement is None
+
+
+def test_engine_and_pipeline_take_no_config():
+    def params(f):
+        return inspect.signature(f).parameters
+
+    assert list(params(Engine)) == ["plan"]
+    for name, p in {**params(Engine), **params(Pipeline),
+                    **params(cpu_backend.untyped_tp_grads)}.items():
+        assert name not in ("cfg", "config", "engine"), name
+        assert "Config" not in str(p.annotation), (name, p.annotation)
+
+
+def _calls(tree: ast.AST, name: str) -> int:
+    def called(f):
+        return (isinstance(f, ast.Name) and f.id == name) or (
+            isinstance(f, ast.Attribute) and f.attr == name)
+
+    return sum(isinstance(n, ast.Call) and called(n.func) for n in ast.walk(tree))
+
+
+def test_validate_tp_is_called_from_parallel_check_only():
+    callers = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        n = _calls(ast.parse(path.read_text(encoding="utf-8")), "validate_tp")
+        if n:
+            callers[path.relative_to(PACKAGE.parent).as_posix()] = n
+    assert callers == {"boost_jax/sharding/parallel.py": 1}, callers
+
+
+def test_the_plan_lists_the_collectives_the_formulas_count(mesh):
+    """plan.collectives() is the list sharding/formulas.py sums: the same bytes per level."""
+    from boost_jax.sharding import formulas, step_collectives
+
+    cfg = _cfg("parallel.plan=hierarchical", "train.micro_batches=2", "train.global_batch=16")
+    plan = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])
+    got = step_collectives.bytes_by_level(plan.collectives())
+    want = formulas.comm_per_step(plan.placement, 2, tied=cfg.model.tie_embeddings)
+    assert got and all(got[k] == pytest.approx(want[k]) for k in got), (got, want)
+    assert any(c.kind == "all-gather" for c in plan.collectives())

@@ -1,0 +1,111 @@
+"""Nothing lost: boost_jax/safe_write.py's rules one by one, in-process. The rules that need a
+second process, and every command that writes run as a subprocess on the cases that lost data:
+tests/e2e/test_safe_write.py."""
+
+import os
+
+import pytest
+
+from boost_jax import safe_write as sw
+from boost_jax.safe_write import Refused
+from file_modes import _mode, _umask
+
+
+# --------------------------------------------------------------------------- the module
+
+
+def test_train_outputs_never_touch_data_source_or_init_from(tmp_path):
+    from types import SimpleNamespace
+
+    from boost_jax.checkpoints.run_config import check_inputs
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+
+    def cfg(source, init_from=None):
+        return SimpleNamespace(data=SimpleNamespace(source=str(source), sources=None),
+                               model=SimpleNamespace(init_from=init_from))
+
+    with pytest.raises(Refused, match=r"^the run's config\.yaml '.*/corpus/run/config\.yaml' "
+                                      r"lies inside data\.source '.*/corpus'; .*: choose another "
+                                      r"out_dir=\.\.\.$"):
+        check_inputs(cfg(corpus), str(corpus / "run"))  # its metrics.jsonl would be read back
+    with pytest.raises(Refused, match=r"^the run's metrics\.jsonl .* is data\.source"):
+        check_inputs(cfg(tmp_path / "r" / "metrics.jsonl"), str(tmp_path / "r"))
+    with pytest.raises(Refused, match=r"^the run's checkpoints .* contains model\.init_from"):
+        check_inputs(cfg("stdlib", str(tmp_path / "r" / "checkpoints" / "hf")), str(tmp_path / "r"))
+    check_inputs(cfg(corpus / "a.txt"), str(tmp_path / "run"))  # beside the data: fine
+    check_inputs(cfg("stdlib"), str(tmp_path / "run"))
+
+
+def test_refuse_existing_names_every_file_unless_forced(tmp_path):
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    open(a, "w").close()
+    open(b, "w").close()
+    with pytest.raises(Refused, match=r"^'.*/a' and '.*/b' already exist; pass --force to "
+                                      r"replace them, or fix it$"):
+        sw.refuse_existing([a, b, c], False, "fix it")
+    sw.refuse_existing([a, b, c], True, "fix it")
+    sw.refuse_existing([c], False, "fix it")
+
+
+@pytest.mark.parametrize("anonymous", [True, False], ids=["o_tmpfile", "named_temp"])
+def test_write_text_publishes_whole_with_the_umask_and_never_replaces_unforced(
+        tmp_path, monkeypatch, anonymous):
+    if not anonymous:
+        monkeypatch.setattr(sw, "_anonymous", lambda d: None)
+    target = str(tmp_path / "job.sbatch")
+    with _umask(0o027):
+        sw.write_text(target, "#!/bin/bash\n", force=False, executable=True)
+        assert _mode(target) == 0o750
+        sw.write_text(str(tmp_path / "c.yaml"), "a: 1\n", force=False)
+        assert _mode(tmp_path / "c.yaml") == 0o640
+    with pytest.raises(Refused, match="appeared while this command was writing it"):
+        sw.write_text(target, "other\n", force=False)
+    assert open(target).read() == "#!/bin/bash\n"
+    sw.write_text(target, "new\n", force=True)
+    assert open(target).read() == "new\n"
+    assert sorted(os.listdir(tmp_path)) == ["c.yaml", "job.sbatch"]  # no temp file left
+
+
+def test_a_failed_write_leaves_no_temp_file(tmp_path, monkeypatch):
+    for anonymous in (True, False):
+        if not anonymous:
+            monkeypatch.setattr(sw, "_anonymous", lambda d: None)
+        with pytest.raises(ZeroDivisionError):
+            with sw.Staged(str(tmp_path / "x.bin")) as s:
+                s.file.write(b"half")
+                1 / 0
+        assert os.listdir(tmp_path) == []
+
+
+def test_publish_pair_metadata_first_and_takes_back_a_half_pair(tmp_path):
+    meta, data = str(tmp_path / "c.json"), str(tmp_path / "c.bin")
+    open(data, "wb").write(b"someone else's")
+    m, d = sw.Staged(meta, text=True), sw.Staged(data)
+    m.file.write("{}")
+    d.file.write(b"ids")
+    with pytest.raises(Refused):  # the data target exists: the metadata is taken back
+        sw.publish([m, d], replace=False)
+    assert sorted(os.listdir(tmp_path)) == ["c.bin"]
+    assert open(data, "rb").read() == b"someone else's"
+    m, d = sw.Staged(meta, text=True), sw.Staged(data)
+    m.file.write("{}")
+    d.file.write(b"ids")
+    sw.publish([m, d], replace=True)
+    assert open(data, "rb").read() == b"ids" and open(meta).read() == "{}"
+
+
+def test_folders_follow_the_umask_and_replace_only_when_asked(tmp_path):
+    target = str(tmp_path / "export")
+    with _umask(0o022):
+        tmp = sw.staged_dir(target)
+        assert _mode(tmp) == 0o755  # mkdtemp alone makes 0700
+    open(os.path.join(tmp, "a"), "w").close()
+    sw.publish_dir(tmp, target, replace=False)
+    tmp = sw.staged_dir(target)
+    open(os.path.join(tmp, "b"), "w").close()
+    with pytest.raises(Refused, match="appeared while"):
+        sw.publish_dir(tmp, target, replace=False)
+    sw.publish_dir(tmp, target, replace=True)
+    assert os.listdir(target) == ["b"] and sorted(os.listdir(tmp_path)) == ["export"]

@@ -1,0 +1,25 @@
+"""The lm-evaluation-harness adapter's rolling windows (boost_jax/infer/score.py): every token
+predicted once, as lm_eval's own windows where it is installed (tests/e2e/test_score.py: the
+scorer against a tiny trained run)."""
+
+import pytest
+
+
+def test_rolling_windows_predict_every_token_once():
+    from boost_jax.infer.score import rolling_windows
+
+    assert rolling_windows(list(range(10)), -1, 4) == [
+        ([-1, 0, 1, 2, 3], 4), ([3, 4, 5, 6, 7], 4), ([5, 6, 7, 8, 9], 2)]
+    assert rolling_windows([7], -1, 4) == [([-1, 7], 1)] and rolling_windows([], -1, 4) == []
+
+
+def test_rolling_windows_are_lm_evals():
+    from boost_jax.infer.score import rolling_windows
+
+    lm_utils = pytest.importorskip("lm_eval.utils")
+    for n, m in [(10, 4), (7, 7), (23, 5), (1, 3)]:
+        ids = list(range(100, 100 + n))
+        theirs = [lm_utils.make_disjoint_window(w)
+                  for w in lm_utils.get_rolling_token_windows(ids, -1, m, 1)]
+        ours = rolling_windows(ids, -1, m)
+        assert [(c + t, len(t)) for c, t in theirs] == ours
