@@ -7,20 +7,16 @@ closest valid spelling), so `train.py` can print one line and exit 2.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import math
 import os
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from typing import Literal, Optional
 
 import yaml
 
+from boost_jax.config_typed import all_keys, build, parse_overrides, set_dotted, unknown_key
 from boost_jax.config_yaml import read_yaml
 from boost_jax.errors import ConfigError
 from boost_jax.names import ARCHS, FAMILIES, MESH_AXES, PLANS, REMAT_MODES, TP_MODES
-from boost_jax.plain_text import control_char, lone_surrogate
 
 
 
@@ -321,8 +317,8 @@ class CheckpointConfig:
         _positive("checkpoint.keep", self.keep)
         sections = {f.name for f in dataclasses.fields(Config)}
         for key in self.accept_changes:
-            if key not in sections and key not in _all_keys(Config):
-                raise _unknown(key, "checkpoint.accept_changes names an ")
+            if key not in sections and key not in all_keys(Config):
+                raise unknown_key(Config, key, "checkpoint.accept_changes names an ")
 
 
 @dataclass
@@ -407,7 +403,6 @@ class Config:
 # --------------------------------------------------------------------------- loading
 
 
-INT64 = 2**63  # every integer value fits numpy's int64
 STEP_MAX = 2**31 - 1  # the step counter of the training state is int32
 VOCAB_MULTIPLE = 128  # an automatic vocabulary is padded to this (TP degrees, aligned matmuls)
 
@@ -432,216 +427,19 @@ def _positive(key: str, value) -> None:
         raise ConfigError(f"{key}={value} must be > 0")
 
 
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in args) + " or null"
-    if origin is list:
-        (arg,) = typing.get_args(tp)
-        return f"a list of {_type_name(arg)}"
-    if dataclasses.is_dataclass(tp):
-        return "{" + ", ".join(f"{f.name}: ..." for f in dataclasses.fields(tp)) + "}"
-    return getattr(tp, "__name__", str(tp))
-
-
-class _WrongType(ConfigError):
-    pass
-
-
-def _coerce_literal(key: str, value: Any, tp) -> Any:
-    if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans
-        value = "on" if value else "off"
-    if value not in typing.get_args(tp):
-        raise ConfigError(f"{key}={value!r} is not valid: expected {_type_name(tp)}")
-    return value
-
-
-def _coerce_union(key: str, value: Any, tp, bad: _WrongType) -> Any:
-    """The first member that takes `value` (None only where the union allows it)."""
-    args = typing.get_args(tp)
-    if value is None and type(None) in args:
-        return None
-    for a in args:
-        if a is type(None):
-            continue
-        try:
-            return _coerce(key, value, a)
-        except _WrongType:  # another member may take it; a value out of range is final
-            pass
-    raise bad
-
-
-def _coerce_list(key: str, value: Any, tp, bad: _WrongType) -> list:
-    (arg,) = typing.get_args(tp)
-    if isinstance(value, str):  # `tp_axes=pair` on the command line
-        value = [v for v in value.split(",") if v]
-    if not isinstance(value, (list, tuple)):
-        raise bad
-    return [_coerce(f"{key}[{i}]", v, arg) for i, v in enumerate(value)]
-
-
-def _coerce_int(key: str, value: Any, bad: _WrongType) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise bad
-    if not -INT64 <= value < INT64:
-        raise ConfigError(f"{key}={value} is out of range; use a value of at most {INT64 - 1}")
-    return value
-
-
-def _coerce_float(key: str, value: Any, bad: _WrongType) -> float:
-    if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
-        try:
-            value = float(value)
-        except ValueError:
-            raise bad from None
-        if not math.isfinite(value):  # `nan`, `inf` typed as strings
-            raise ConfigError(f"{key}={value!r} must be a finite number")
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise bad
-    if not math.isfinite(value):
-        raise ConfigError(f"{key}={value!r} must be a finite number")
-    return float(value)
-
-
-def _coerce_str(key: str, value: Any, bad: _WrongType) -> str:
-    if not isinstance(value, str):
-        raise bad
-    c = control_char(value)
-    if c is not None:  # a newline in a name or path would become a line of a script
-        raise ConfigError(f"{key}={value!r} contains a control character ({c}); remove it")
-    if lone_surrogate(value) is not None:  # bytes of the command line that are not UTF-8
-        raise ConfigError(f"{key}={value!r} is not UTF-8 text; write it in UTF-8")
-    return value
-
-
-def _coerce(key: str, value: Any, tp) -> Any:
-    """Check `value` against annotation `tp`; int→float is the only implicit conversion."""
-    origin = typing.get_origin(tp)
-    bad = _WrongType(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
-    if origin is Literal:
-        return _coerce_literal(key, value, tp)
-    if origin in (Union, types.UnionType):
-        return _coerce_union(key, value, tp, bad)
-    if dataclasses.is_dataclass(tp):  # an entry of a list of records (data.sources)
-        return _record(key, value, tp)
-    if origin is list:
-        return _coerce_list(key, value, tp, bad)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise bad
-        return value
-    if tp is int:
-        return _coerce_int(key, value, bad)
-    if tp is float:
-        return _coerce_float(key, value, bad)
-    if tp is str:
-        return _coerce_str(key, value, bad)
-    raise bad
-
-
-def _record(key: str, value: Any, tp):
-    """A {field: value} mapping as dataclass `tp`, each field coerced; one line per mistake."""
-    fields = [f.name for f in dataclasses.fields(tp)]
-    shape = "{" + ", ".join(f"{f}: ..." for f in fields) + "}"
-    if not isinstance(value, dict):
-        raise ConfigError(f"{key}={value!r} has the wrong type: expected a mapping {shape}")
-    for k in value:
-        if k not in fields:
-            raise ConfigError(f"{key} has unknown key {k!r}; each entry is {shape}")
-    required = [f.name for f in dataclasses.fields(tp) if f.default is dataclasses.MISSING]
-    for k in required:
-        if k not in value:
-            raise ConfigError(f"{key} has no {k!r}; each entry is {shape}")
-    hints = typing.get_type_hints(tp)
-    return tp(**{k: _coerce(f"{key}.{k}", v, hints[k]) for k, v in value.items()})
-
-
-def _all_keys(cls, prefix="") -> list[str]:
-    keys = []
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
-            keys += _all_keys(tp, prefix + f.name + ".")
-        else:
-            keys.append(prefix + f.name)
-    return keys
-
-
-def _unknown(key: str, lead: str = "") -> ConfigError:
-    valid = _all_keys(Config)
-    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
-    if not close:  # match on the last component: `stesp` → `train.steps`
-        leaf = key.split(".")[-1]
-        close = [k for k in valid if k.split(".")[-1] in
-                 difflib.get_close_matches(leaf, [v.split(".")[-1] for v in valid], n=1, cutoff=0.6)]
-    hint = f"; did you mean {close[0]!r}?" if close else "; see boost_jax/config.py for valid keys"
-    return ConfigError(f"{lead}unknown config key {key!r}{hint}")
-
-
-def _build(cls, data: dict, prefix: str = ""):
-    if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs = {}
-    for key, value in data.items():
-        if key not in names:
-            full = prefix + str(key)
-            while isinstance(value, dict) and value:  # report the whole dotted key
-                key, value = next(iter(value.items()))
-                full += f".{key}"
-            raise _unknown(full)
-        tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = _build(tp, value or {}, prefix + key + ".")
-        else:
-            kwargs[key] = _coerce(prefix + key, value, tp)
-    return cls(**kwargs)
-
-
-def _set_dotted(tree: dict, key: str, value: Any) -> None:
-    parts = key.split(".")
-    node = tree
-    for p in parts[:-1]:
-        nxt = node.setdefault(p, {})
-        if not isinstance(nxt, dict):
-            raise _unknown(key)
-        node = nxt
-    node[parts[-1]] = value
-
-
-def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    out = []
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=50")
-        key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        out.append((key.strip(), value))
-    return out
-
-
 def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = None,
                 validate: bool = True) -> Config:
     """Load YAML at `path` (None: all defaults), apply `key=value` overrides, validate."""
     tree = read_yaml(path) if path is not None else {}
     for key, value in parse_overrides(overrides or []):
-        _set_dotted(tree, key, value)
-    cfg = _build(Config, tree)
+        set_dotted(Config, tree, key, value)
+    cfg = build(Config, tree)
     return cfg.validate() if validate else cfg
 
 
 def config_from_dict(tree: dict, validate: bool = True) -> Config:
     """A Config from its to_dict() form (e.g. the copy a checkpoint keeps of its config)."""
-    cfg = _build(Config, tree)
+    cfg = build(Config, tree)
     return cfg.validate() if validate else cfg
 
 

@@ -61,7 +61,7 @@ class JobProfile:
         return "{account}" in self.scratch
 
 
-# HPE Slingshot settings for NCCL/RCCL over libfabric (HPE shs-ccl-docs ccl_env.sh): the cxi
+# HPE Slingshot settings for NCCL/RCCL over libfabric (HPE Slingshot CCL documentation, shs-ccl-docs): the cxi
 # provider's memory-registration cache and queue sizes (hangs and failures without them), GPUDirect
 # RDMA up to the PCIe host bridge, rings over all four NICs (hsn0-3).
 SLINGSHOT_CCL_ENV = (
