@@ -9,8 +9,8 @@ left waiting in a collective.
 
 Crash safety: a run killed at any moment resumes from the last finalised checkpoint with the
 data iterator at the same position, so the losses continue exactly as an uninterrupted run's
-(metrics.jsonl rows past the restored step are dropped on resume). See boost_jax/checkpoints/store.py for
-incomplete, corrupted and failed saves.
+(metrics.jsonl rows past the restored step are dropped on resume). See
+boost_jax/checkpoints/store.py for incomplete, corrupted and failed saves.
 """
 
 from __future__ import annotations
