@@ -193,8 +193,8 @@ def section_40b(lines: list[str]) -> None:
               f"{best['memory'] / GiB:.1f} GiB per GPU, {best['step_time']:.2f} s per step. "
               + (f"The best layout with pipeline stages ranks {staged[0][0]} "
                  f"({staged[0][1]['key']}, {staged[0][1]['step_time']:.2f} s analytic): with "
-                 "8 nodes ZeRO++ shards the state far enough, and stages pay a bubble and a "
-                 "re-run forward per backward tick." if staged else
+                 f"8 nodes {best['key'].split('/')[0]} shards the state far enough, and stages "
+                 "pay a bubble and a re-run forward per backward tick." if staged else
                  "No layout with pipeline stages fits."), ""]
 
 
