@@ -20,7 +20,6 @@ import errno
 import json
 import math
 import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.checkpoints import run_config
 from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
 from boost_jax.config import Config
-from boost_jax.errors import Interrupted, UserError
+from boost_jax.errors import UserError
 from boost_jax.mesh import get_topology, mesh_from_config
 from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE
 from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot_losses,
@@ -42,6 +41,7 @@ from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot
 from boost_jax.train.run_lock import hold_out_dir
 from boost_jax.train.profile import StepProfiler
 from boost_jax.train.run_log import RunLog
+from boost_jax.train.stop_signal import StopSignal, agree_stop
 from boost_jax.step.build import build_step
 from boost_jax.train.wandb_sink import open_sink, require_wandb
 
@@ -104,44 +104,9 @@ def _trim_metrics(path: str, last_step: int) -> int:
     return dropped
 
 
-def _agree_stop(received: Optional[int], nproc: int) -> Optional[int]:
-    """The signal any process received, on every process (all stop at the same step)."""
-    if nproc == 1:
-        return received
-    from jax.experimental import multihost_utils
-
-    flags = multihost_utils.process_allgather(np.array([received or 0], np.int32))
-    return int(np.max(flags)) or None
-
-
 def _to_device(batch: dict, sharding) -> dict:
     return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v, np.int32))
             for k, v in batch.items()}
-
-
-class _StopSignal:
-    """SIGTERM/SIGINT ask the loop to save and exit instead of dying mid-step."""
-
-    def __init__(self):
-        self.received: Optional[int] = None
-        self._old = {}
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._old[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread
-                pass
-        return self
-
-    def _handle(self, signum, frame):
-        if self.received is not None:  # second signal: give up at once, exit 128 + it
-            raise Interrupted(signum)
-        self.received = signum
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
 
 
 def evaluate(bundle, params, val_batches) -> float:
@@ -476,14 +441,14 @@ def _maybe_save(ctx: _RunCtx, ls: _LoopState) -> None:
         _save(ctx, ls)
 
 
-def _should_stop(ctx: _RunCtx, ls: _LoopState, stop: _StopSignal, summary: dict) -> bool:
+def _should_stop(ctx: _RunCtx, ls: _LoopState, stop: StopSignal, summary: dict) -> bool:
     """train.stop_after reached, or a signal on any process: save and stop (all together)."""
     tcfg, step = ctx.cfg.train, ls.step
     if tcfg.stop_after is not None and step - ls.start >= tcfg.stop_after and step < tcfg.steps:
         _save(ctx, ls, force=True)
         ctx.say(f"stop_after={tcfg.stop_after}: saved step {step}, exiting")
         return True
-    signum = _agree_stop(stop.received, ctx.nproc)
+    signum = agree_stop(stop.received, ctx.nproc)
     if signum is not None:
         _save(ctx, ls, force=True)
         ctx.say(f"signal {signum}: saved step {step}, exiting; rerun the same command "
@@ -503,7 +468,7 @@ def _train(ctx: _RunCtx, state, start: int, summary: dict) -> int:
     ls = _LoopState(state, start, start, saved_steps=set(ctx.ckpt.all_steps()),
                     t_start=time.perf_counter())
     prof = StepProfiler(os.path.abspath(ctx.cfg.out_dir), tcfg.profile_steps)
-    with _StopSignal() as stop, _closing(prof):
+    with StopSignal() as stop, _closing(prof):
         while ls.step < tcfg.steps:
             m = _take_step(ctx, ls, prof, summary)
             row: dict = {}  # this step's metrics.jsonl row, if any
