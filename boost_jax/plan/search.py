@@ -19,6 +19,7 @@ from boost_jax.errors import ConfigError, UserError
 from boost_jax.mesh import AXES, Topology
 from boost_jax.plan.costmodel import (Assumptions, Prediction, SizesMesh, critical_path,
                                      predict)
+from boost_jax.sharding import parallel
 
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 TP_AXES = ((), ("pair",), ("node",), ("pair", "node"))
@@ -143,8 +144,6 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
     for c in cands:
         try:
             cc = c.config(cfg)
-            from boost_jax.sharding import parallel
-
             parallel.check(cc, SizesMesh(c.sizes))  # pipeline split, TP cut
             c.prediction = predict(cc, topo, c.sizes, a)
         except (ConfigError, UserError, ValueError) as e:
