@@ -132,6 +132,17 @@ def absolute_table(rows: list) -> str:
     return "\n".join(lines)
 
 
+def dash_table() -> str:
+    lines = ["| GPT | layers / d / heads | TP × PP on nodes | micro-batch / global batch | "
+             "micro-batches per replica | 1F1B cap | published MFU |",
+             "|---|---|---|---|---|---|---|"]
+    for size, c in V.dash_script_caps().items():
+        lines.append(f"| {size} | {c['L']} / {c['d']} / {c['H']} | {c['tp']} × {c['pp']} on "
+                     f"{c['nodes']} | {c['micro']} / {c['batch']} | {c['micro_batches']} | "
+                     f"{c['cap']:.1%} | {c['published']:.2%} |")
+    return "\n".join(lines)
+
+
 def build() -> str:
     a = V.VALIDATION_ASSUMPTIONS
     boost = V.boost_predictions(a)
@@ -176,10 +187,22 @@ under "Why" below):
 {absolute_table(abs_rows)}
 
 The absolute rows outside are BOOST's full-rank and vanilla 3B/7B: the model runs them
-with whole-block recompute (see "Why" below). Dash et al.'s Frontier GPT runs (arXiv
-2312.12705: 38.38% / 36.14% / 31.96% for 22B / 175B / 1T) are not rows yet: their TP / PP /
-DP / micro-batch layouts could not be taken from a source we could read, and a row with
-guessed layouts would not validate anything.
+with whole-block recompute (see "Why" below).
+
+Dash et al.'s Frontier GPT runs (arXiv 2312.12705: 38.38% / 36.14% / 31.96% of peak for
+22B / 175B / 1T) are not rows: no source we could read gives the layouts and batches of the
+measured runs. The authors' group publishes launch scripts for the same three sizes in a
+training series ({V.DASH_SCRIPTS_SOURCE}); as laid out there, they cannot be the measured
+runs, or cannot run here:
+
+{dash_table()}
+
+The cap is the 1F1B busy fraction m / (m + p − 1) of m micro-batches through p stages: the
+step's MFU cannot exceed it with every kernel at peak. The 175B and 1T scripts' batches cap
+them below what the paper measured, so the measured runs used larger batches, which no source
+we could read gives. The 22B script's layout could be the
+measured one, but it puts its 8 stages two to a node on 4 nodes, and this engine places
+pipeline stages on whole hosts, so the cost model cannot run it as laid out.
 
 ## The network model's all-reduce bus bandwidth
 

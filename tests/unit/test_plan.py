@@ -391,6 +391,20 @@ def test_validation_json_rows_and_absolute_gaps():
         1 + 2048 / (6 * 25600) + 51200 / (16 * 128 * 25600)))
 
 
+def test_dash_launch_scripts_are_capped_by_their_pipeline_bubble():
+    """The published launch scripts' layouts fill their nodes; with their batches the 175B and
+    1T runs cannot reach the paper's MFU (the reason they are not validation rows), the 22B
+    could."""
+    from benchmarks import published as V
+
+    caps = V.dash_script_caps()
+    for c in caps.values():
+        assert c["replicas"] * c["tp"] * c["pp"] == c["nodes"] * 8
+        m, p = c["micro_batches"], c["pp"]
+        assert c["cap"] == pytest.approx(m / (m + p - 1))
+    assert [c["cap"] < c["published"] for c in caps.values()] == [False, True, True]
+
+
 def test_bus_bandwidth_of_a_multi_node_all_reduce_is_the_node_link_not_the_device_share():
     """nccl-tests' bus bandwidth of a multi-node all-reduce, as modelled: bounded by a node's
     NICs (4 x 25 GB/s) or the links inside it, never by one device's NIC share (12.5 / 25)."""
