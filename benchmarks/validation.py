@@ -192,17 +192,18 @@ with whole-block recompute (see "Why" below).
 Dash et al.'s Frontier GPT runs (arXiv 2312.12705: 38.38% / 36.14% / 31.96% of peak for
 22B / 175B / 1T) are not rows: no source we could read gives the layouts and batches of the
 measured runs. The authors' group publishes launch scripts for the same three sizes in a
-training series ({V.DASH_SCRIPTS_SOURCE}); as laid out there, they cannot be the measured
-runs, or cannot run here:
+training series:
+{V.DASH_SCRIPTS_SOURCE}.
+As laid out there, they cannot be the measured runs, or cannot run here:
 
 {dash_table()}
 
 The cap is the 1F1B busy fraction m / (m + p − 1) of m micro-batches through p stages: the
 step's MFU cannot exceed it with every kernel at peak. The 175B and 1T scripts' batches cap
 them below what the paper measured, so the measured runs used larger batches, which no source
-we could read gives. The 22B script's layout could be the
-measured one, but it puts its 8 stages two to a node on 4 nodes, and this engine places
-pipeline stages on whole hosts, so the cost model cannot run it as laid out.
+we could read gives. The 22B script's layout could be the measured one, but it puts its 8
+stages two to a node on 4 nodes, and this engine places pipeline stages on whole hosts, so the
+cost model cannot run it as laid out.
 
 ## The network model's all-reduce bus bandwidth
 
