@@ -16,6 +16,7 @@ import subprocess
 
 import pytest
 
+from tmpfs import small_tmpfs
 from train_proc import ROOT, TrainProcess, train_env
 
 TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.d_ff=64",
@@ -184,14 +185,8 @@ def _fill(directory, leave):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 16 MiB tmpfs where the system lets us mount one (root), else None."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs",
-                                            str(mnt)], capture_output=True).returncode:
-        yield None
-        return
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path, "16m") as mnt:
+        yield mnt
 
 
 def test_disk_full_is_reported_in_at_most_three_lines_with_details_in_the_run_log(

@@ -20,6 +20,7 @@ import pytest
 from boost_jax import safe_write as sw
 from boost_jax.safe_write import Refused
 from file_modes import _mode, _umask
+from tmpfs import small_tmpfs
 from train_proc import ROOT, train_env
 
 PY = sys.executable
@@ -324,14 +325,8 @@ runpy.run_module("boost_jax.data.prepare", run_name="__main__")
 @pytest.fixture
 def small_disk(tmp_path):
     """A tmpfs where the system lets us mount one (root), else None."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs",
-                                            str(mnt)], capture_output=True).returncode:
-        yield None
-        return
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with small_tmpfs(tmp_path, "64k") as mnt:
+        yield mnt
 
 
 def test_failure_7_a_full_disk_publishes_nothing_and_leaves_no_temp(small_disk, tmp_path):
