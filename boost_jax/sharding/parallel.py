@@ -7,8 +7,9 @@
 
 A ParallelPlan holds what the step's engine needs that a Config would otherwise give: the model
 config, the mesh, the Placement (roles → axes, per-leaf layouts) and with it the step's
-data-parallel collectives (`collectives()`), the TP context (None without TP), the remat mode, the pipeline settings (None without a `stage` mesh axis), micro-batches
-and whether the step's shard_map is typed (check_vma, backends/cpu.py). step/build.py resolves
+data-parallel collectives (`collectives()`), the TP context (None without TP), the remat mode,
+the pipeline settings (None without a `stage` mesh axis), micro-batches and whether the step's
+shard_map is typed (check_vma, backends/cpu.py). step/build.py resolves
 it once and hands it to the engine (step/engine.py), which hands the pipeline
 (step/pipeline.py) its settings and the stage-forward pieces; neither sees the Config. The
 planner (plan/search.py) and the launcher (launch/slurm.py) call `check` alone on a stand-in
