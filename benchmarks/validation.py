@@ -28,11 +28,12 @@ WHY = """## Why the remaining gaps
   sends {z3_e:.0f} GB out of the node, ZeRO++ {zpp_e:.0f} GB, hierarchical {hier_e:.0f} GB. With
   XLA's pipelined collectives (the launcher's flags) ZeRO-3's and ZeRO++'s per-layer traffic
   hides behind compute (exposed {z3_x:.2f} s and {zpp_x:.2f} s of {z3_d:.2f} s and {zpp_d:.2f} s),
-  ZeRO++ pays its (de)quantization kernels on the compute stream ({quant:.2f} s), and our
-  hierarchical plan reduces its gradients across nodes once per step after the backward
-  ({hier_s:.2f} s exposed, each GCD's NIC share busy: its reduction groups have one member
-  per node). LBP's DeepSpeed run reduces during the backward, and the published ZeRO++ is
-  slower than its bytes predict. Without overlap (sensitivity table) ZeRO-3 loses to ZeRO++
+  ZeRO++ pays its (de)quantization kernels on the compute stream ({quant:.2f} s). With one
+  micro-batch our hierarchical plan reduce-scatters each layer's gradient across nodes in the
+  backward, behind the next layers' compute (exposed {hier_x:.2f} s of {hier_d:.2f} s), but
+  gathers the updated weights across nodes once per step after the optimizer ({hier_s:.2f} s
+  exposed, each GCD's NIC share busy: its groups have one member per node). The published
+  ZeRO++ is slower than its bytes predict. Without overlap (sensitivity table) ZeRO-3 loses to ZeRO++
   by {noov_zz:.2f}x; without qgZ, ZeRO++/ZeRO-3 is {noq_zz:.2f}x.
 - **BTP is predicted a little too fast relative to full-rank (btp/full {btp_lo:+.0%}..{btp_hi:+.0%}).**
   The roofline charges BTP's small-K GEMMs (K = r = d/4 or N = d/t) and its extra elementwise
@@ -109,7 +110,8 @@ def _lbp_fill(a, lbp: dict, lbp_rows: list) -> dict:
                 pub_zz_gain=V.LBP_PUBLISHED["zeropp_over_zero3"] - 1,
                 z3_e=egress(z3), zpp_e=egress(zpp), hier_e=egress(hier),
                 z3_x=z3.time["dp_exposed"], zpp_x=zpp.time["dp_exposed"], z3_d=z3.time["dp"],
-                zpp_d=zpp.time["dp"], hier_s=hier.time["step_comm"], quant=zpp.time["quant"],
+                zpp_d=zpp.time["dp"], hier_s=hier.time["step_comm"],
+                hier_x=hier.time["dp_exposed"], hier_d=hier.time["dp"], quant=zpp.time["quant"],
                 noov_zz=noov["zeropp"].tflops_per_device / noov["zero3"].tflops_per_device,
                 noq_zz=noq["zeropp"].tflops_per_device / noq["zero3"].tflops_per_device)
 

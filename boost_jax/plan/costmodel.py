@@ -125,7 +125,7 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
             return local / _size(sizes, axes) if lay.dim is not None else local
 
         acc["params"] += role(pl.params_axes)
-        acc["grads"] += role(pl.grads_axes)
+        acc["grads"] += role(pl.accum_axes(lay))
         acc["opt"] += role(pl.opt_state_axes)
         if pl.secondary_axes is not None:
             acc["sec"] += role(pl.secondary_axes)

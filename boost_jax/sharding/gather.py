@@ -80,14 +80,16 @@ class LeafFetch:
     dtype: str  # working-weight dtype: what the gathers move (before int8)
     grad_dtype: str  # what the gradient is reduced and accumulated in
     quantize_grads: bool = False  # qgZ: int4 all-to-all reduce-scatter of the gradient
+    late: tuple = ((), ())  # (AR, RS) axes of R reduced in the backward (reduce_in_backward)
 
     @classmethod
     def of(cls, pl, lay: LeafLayout) -> "LeafFetch":
         """The fetch of one leaf of a placement (per-layer layout of a stacked leaf)."""
+        late = pl.deferred_reduction(lay) if pl.reduce_in_backward else ((), ())
         return cls(lay.sliced(), tuple((a, int(n)) for a, n in pl.mesh.shape.items()),
                    pl.batch_axes, pl.params_axes, pl.grads_axes, pl.secondary_axes,
                    pl.quantize_gather, pl.secondary_int8, pl.quant_block, pl.param_dtype,
-                   pl.grad_accum_dtype, pl.quantize_grads)
+                   pl.grad_accum_dtype, pl.quantize_grads, late)
 
     @functools.cached_property
     def _size(self) -> dict:  # (not a field: equality and hashing ignore it)
@@ -188,19 +190,19 @@ class LeafFetch:
 
     # ---------------------------------------------------------------- backward
     def slot_axes(self) -> tuple[str, ...]:
-        """Batch axes the gradient slot varies over (a replicated leaf is all-reduced over G)."""
-        if self.dim is None:
-            return tuple(a for a in self.batch_axes if a not in self.grads_axes)
-        return self.batch_axes
+        """Batch axes the gradient slot varies over (what is all-reduced is invariant)."""
+        summed = set(self.late[0]) | (set(self.grads_axes) if self.dim is None else set())
+        return tuple(a for a in self.batch_axes if a not in summed)
 
     def reduce(self, ct):
-        """Cotangent of the full weight (this device's rows) → its grads shard, reduced over G."""
+        """Cotangent of the full weight (this device's rows) → its grads shard, reduced over G
+        (and over R into the opt_state shard with reduce_in_backward)."""
         ct = ct.astype(self.grad_dtype)
         if self.layout.pad:
             widths = [(0, 0)] * ct.ndim
             widths[self.dim] = (0, self.layout.pad)
             ct = jnp.pad(ct, widths)
-        for kind, axes in self.grad_steps():
+        for kind, axes in self.grad_steps() + self.late_steps():
             if kind == "all-to-all":
                 ct = self.int4_reduce_scatter(ct, axes)
             elif kind == "reduce-scatter":
@@ -221,6 +223,12 @@ class LeafFetch:
         if self.quantize_grads:
             return [("all-to-all", axes) for axes in qgz_stages(G)]
         return [("reduce-scatter", G)]
+
+    def late_steps(self) -> list[tuple[str, tuple[str, ...]]]:
+        """(kind, axes) of the reduction over R that runs in the backward (reduce_in_backward):
+        AR over R − O, then RS over R ∩ O, as the once-per-step reduction would."""
+        ar, rs = self.late
+        return ([("all-reduce", ar)] if ar else []) + ([("reduce-scatter", rs)] if rs else [])
 
     def int4_reduce_scatter(self, ct, axes):
         """ZeRO++'s qgZ step over `axes`: split the sharded dim into one chunk per device,

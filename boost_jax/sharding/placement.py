@@ -27,6 +27,10 @@ State layout (what `build_step` keeps; "stored" arrays may be padded, see below)
                axes and *unreduced* over the batch axes that grads do not cover (the "deferred"
                axes R = batch − grads): the per-micro-batch reduction stays inside grads axes,
                and R is reduced once per optimizer step (straight into the opt_state sharding).
+               With one micro-batch and no pipeline there is nothing to accumulate:
+               each layer's gradient is then reduced over R in the backward, right after its
+               reduction over grads (`reduce_in_backward`), so the cross-node part runs behind
+               the next layers' backward instead of after the last one.
 
 Layout of one array (`LeafLayout`): all roles shard the *same* dimension, with the axes in one
 canonical order (axes shared by more roles first) so a finer role's shard is a sub-block of a
@@ -43,6 +47,7 @@ zeros at the end of each dim).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Sequence
 
@@ -108,6 +113,7 @@ class Placement:
     grad_accum_dtype: str = "float32"
     notes: list[str] = field(default_factory=list)
     quantize_grads: bool = False  # qgZ: int4 all-to-all gradient reduce-scatter
+    reduce_in_backward: bool = False  # R reduced per layer in the backward (one micro-batch)
 
     # ------------------------------------------------------------------ shardings by role
     def named(self, spec: P) -> NamedSharding:
@@ -149,6 +155,31 @@ class Placement:
 
         return jax.tree_util.tree_map_with_path(one, opt_state)
 
+    # ------------------------------------------------------------------ the gradient's path
+    def explicit(self, lay: LeafLayout) -> bool:
+        """Whether the opt_state shard of `lay` is a reduce-scatter over R ∩ O of its grads
+        shard (true for every preset: the canonical axis order nests the roles)."""
+        if lay.dim is None:
+            return True
+        return _nested(lay, tuple(self.opt_state_axes), tuple(self.grads_axes),
+                       tuple(self.deferred_axes))
+
+    def deferred_reduction(self, lay: LeafLayout) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """(all-reduce axes, reduce-scatter axes) of the reduction of one leaf's gradient over
+        the deferred axes R: once per step, or per layer with `reduce_in_backward`."""
+        R = self.deferred_axes
+        if lay.dim is None or not self.explicit(lay):
+            return R, ()
+        rs = tuple(a for a in R if a in self.opt_state_axes)
+        return tuple(a for a in R if a not in rs), rs
+
+    def accum_axes(self, lay: LeafLayout) -> tuple[str, ...]:
+        """Axes the gradient accumulator of `lay` is sharded over: the grads axes, and with
+        `reduce_in_backward` also the reduce-scatter part of R (the opt_state shard)."""
+        if not self.reduce_in_backward:
+            return tuple(self.grads_axes)
+        return tuple(self.grads_axes) + self.deferred_reduction(lay)[1]
+
     # ------------------------------------------------------------------ reporting
     def describe(self) -> dict:
         return {"plan": self.plan, "batch": list(self.batch_axes),
@@ -157,7 +188,8 @@ class Placement:
                 "secondary": None if self.secondary_axes is None else list(self.secondary_axes),
                 "secondary_int8": self.secondary_int8, "quantize_gather": self.quantize_gather,
                 "quantize_grads": self.quantize_grads,
-                "deferred_grad_axes": list(self.deferred_axes)}
+                "deferred_grad_axes": list(self.deferred_axes),
+                "reduce_in_backward": self.reduce_in_backward}
 
     def memory(self) -> dict:
         """Predicted persistent bytes per device by role, with the padding overhead.
@@ -165,7 +197,7 @@ class Placement:
         weights  Σ padded/|params|·bytes(param_dtype)
         master   Σ padded/|opt|·4            (only with bf16 params)
         adam     Σ padded/|opt|·8            (m and v, fp32)
-        grads    Σ padded/|grads|·bytes(grad_accum_dtype)   (accumulator, one per device)
+        grads    Σ padded/|accum_axes|·bytes(grad_accum_dtype)   (accumulator, one per device)
         secondary Σ padded/|secondary|·(1 + 4/block) int8, or param bytes, when kept
         padding  the part of all the above that is zero padding
         replicated_overhead  bytes a leaf that could not be sharded costs above its share
@@ -173,6 +205,11 @@ class Placement:
         from boost_jax.sharding.formulas import memory_per_device  # noqa: PLC0415
 
         return memory_per_device(self)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _nested(lay: LeafLayout, O: tuple, G: tuple, R: tuple) -> bool:
+    return lay.spec(O) == lay.spec(G + tuple(a for a in R if a in O))
 
 
 def dp_axes_of(tp_axes: Sequence[str]) -> tuple[str, ...]:
@@ -320,7 +357,9 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
         tp, None if r["secondary"] is None else ordered(r["secondary"]), r["sec_int8"], r["qwz"],
         par.quant_block, tuple(a for a in order if a in deferred),
         quantize_grads=r["qgz"], param_dtype=cfg.model.param_dtype,
-        grad_accum_dtype=par.grad_accum_dtype, notes=notes)
+        grad_accum_dtype=par.grad_accum_dtype, notes=notes,
+        reduce_in_backward=bool(deferred) and cfg.train.micro_batches == 1
+        and par.pp_stages == 1)
     n_batch = axis_size(mesh, batch)
     micro = cfg.train.global_batch // cfg.train.micro_batches
     if micro % n_batch:

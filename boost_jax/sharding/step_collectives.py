@@ -20,7 +20,9 @@ weight that is gathered (A ≠ ∅), as sharding/gather.py's LeafFetch runs it:
     grad          RS_G(Ψa) into the grads sharding (AR_G for a leaf that is not sharded);
                   qgZ: an int4 all-to-all per stage, inside the node then across
 Once per step, on the whole leaf (engine.reduce_deferred, step.make_step_fn):
-    reduce        AR over R − O, then RS over R ∩ O, of the grads shard
+    reduce        AR over R − O, then RS over R ∩ O, of the grads shard — with one
+                  micro-batch and no pipeline (Placement.reduce_in_backward) per layer and
+                  pass instead, right after `grad`, inside the layer loop
     update        AG of the new weights opt_state → grads → params sharding (P ⊆ G ⊆ O: the
                   cross-node part moves only the node's shard), else opt_state → params
     grad norm     one fp32 partial sum per leaf, all-reduced over every axis
@@ -30,7 +32,6 @@ payloads Ψ/2 + 4·blocks.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -98,30 +99,6 @@ class Passes:
             return cls(m, m, m, m)
         ticks = virtual * m + stages - 1
         return cls(2 * ticks / virtual, ticks / virtual, 2 * ticks / virtual, ticks)
-
-
-def explicit(pl, lay: LeafLayout) -> bool:
-    """Whether the opt_state shard of `lay` is a reduce-scatter over R ∩ O of its grads shard
-    (true for every preset: the canonical axis order nests the roles)."""
-    if lay.dim is None:
-        return True
-    return _nested(lay, tuple(pl.opt_state_axes), tuple(pl.grads_axes),
-                   tuple(pl.deferred_axes))
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _nested(lay: LeafLayout, O: tuple, G: tuple, R: tuple) -> bool:
-    return lay.spec(O) == lay.spec(G + tuple(a for a in R if a in O))
-
-
-def deferred_reduction(pl, lay: LeafLayout) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(all-reduce axes, reduce-scatter axes) of the once-per-step reduction of one leaf's
-    accumulator over the deferred axes R."""
-    R = pl.deferred_axes
-    if lay.dim is None or not explicit(pl, lay):
-        return R, ()
-    rs = tuple(a for a in R if a in pl.opt_state_axes)
-    return tuple(a for a in R if a not in rs), rs
 
 
 def update_via_grads(pl) -> bool:
@@ -209,10 +186,12 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
             add("grad(int4)", kind, axes, int4[axes], grads)
         else:
             add("grad", kind, axes, psi * a, grads)
-    leaf_a = psi * layers * a / (f.n(pl.grads_axes) if lay.dim is not None else 1)
-    ar, rs = deferred_reduction(pl, lay)
-    add("reduce", "all-reduce", ar, leaf_a, 1, "step")
-    add("reduce", "reduce-scatter", rs, leaf_a, 1, "step")
+    # the reduction over R: per layer in the backward, or once per step on the whole leaf
+    ar, rs = pl.deferred_reduction(lay)
+    per_layer, calls, phase = (1, grads, "dp") if pl.reduce_in_backward else (layers, 1, "step")
+    payload = psi * per_layer * a / (f.n(pl.grads_axes) if lay.dim is not None else 1)
+    add("reduce", "all-reduce", ar, payload, calls, phase)
+    add("reduce", "reduce-scatter", rs, payload, calls, phase)
     if lay.dim is not None:
         O, G = pl.opt_state_axes, pl.grads_axes
         leaf_w = psi * layers * w
@@ -250,6 +229,6 @@ def bytes_by_level(colls: Sequence[Collective]) -> dict[str, float]:
     return out
 
 
-__all__ = ["Collective", "Passes", "step_collectives", "leaf_collectives", "deferred_reduction",
-           "update_via_grads", "explicit", "ring_bytes", "int8_payload", "qgz_payloads",
+__all__ = ["Collective", "Passes", "step_collectives", "leaf_collectives", "update_via_grads",
+           "ring_bytes", "int8_payload", "qgz_payloads",
            "bytes_by_level", "leaves", "tp_local", "device_layers"]

@@ -15,6 +15,8 @@ and every collective in it is written in one place:
     once per step: the accumulator, unreduced over the batch
         axes R that grads do not cover, is reduced straight
         into the opt_state sharding (AR over R − opt, RS over R ∩ opt)      reduce_deferred
+        — with one micro-batch and no pipeline each layer's backward
+        does it right after the reduction over grads        Placement.reduce_in_backward
 
 Every data-parallel collective above is listed, with its bytes and calls, by
 sharding/step_collectives.py: the formulas and the planner count and time that list.
@@ -41,7 +43,6 @@ from boost_jax.layers import forward
 from boost_jax.mesh import STAGE
 from boost_jax.sharding.gather import LeafFetch, fetch_tree, slot_like
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
-from boost_jax.sharding import step_collectives
 from boost_jax.sharding.parallel import ParallelPlan
 from boost_jax.step.pipeline import Pipeline
 
@@ -88,18 +89,18 @@ class Engine:
     def slots(self):
         """Zero gradient slots: this device's grads shard of every leaf, typed as the gradient."""
         def one(lay, f):
-            return slot_like(f, self.local_shape(lay, self.placement.grads_axes), _tp_axes(lay),
-                             self.typed)
+            return slot_like(f, self.local_shape(lay, self.placement.accum_axes(lay)),
+                             _tp_axes(lay), self.typed)
 
         return jax.tree.map(one, self.placement.layouts, self.fetches, is_leaf=is_layout)
 
-    def explicit(self, lay: LeafLayout) -> bool:
-        return step_collectives.explicit(self.placement, lay)
-
     def reduce_deferred(self, lay: LeafLayout, acc):
         """Once per step: the accumulator, unreduced over the deferred axes → the opt_state
-        shard (else the grads shard), as step_collectives.deferred_reduction lists it."""
-        ar, rs = step_collectives.deferred_reduction(self.placement, lay)
+        shard (else the grads shard), as Placement.deferred_reduction lists it; nothing left
+        to do when the backward reduced it (reduce_in_backward)."""
+        if self.placement.reduce_in_backward:
+            return acc
+        ar, rs = self.placement.deferred_reduction(lay)
         if ar:
             acc = jax.lax.psum(acc, ar)
         if rs:
@@ -115,7 +116,7 @@ class Engine:
         params = jax.tree.map(lambda l: l.spec(placement.params_axes), placement.layouts,
                               is_leaf=is_layout)
         grads = jax.tree.map(
-            lambda l: l.spec(placement.opt_state_axes if self.explicit(l)
+            lambda l: l.spec(placement.opt_state_axes if placement.explicit(l)
                              else placement.grads_axes),
             placement.layouts, is_leaf=is_layout)
         rows = P(spec_entry(placement.batch_axes))

@@ -116,16 +116,21 @@ def test_hierarchical_keeps_micro_batch_traffic_inside_the_node():
 
 
 def test_state_memory_formula_of_the_design():
-    """hierarchical, N devices: bf16 weights 2Ψ/2, fp32 master + Adam 12Ψ/N (no padding)."""
-    cfg = load_config(None, [*TINY, "model.vocab_size=512", "model.param_dtype=bfloat16",
-                             "parallel.plan=hierarchical", "train.global_batch=64"])
+    """hierarchical, N devices: bf16 weights 2Ψ/2, fp32 master + Adam 12Ψ/N (no padding), the
+    gradient accumulated over the node (Ψ/8); with one micro-batch it is reduced in the
+    backward straight into the optimizer's shard (Ψ/N)."""
+    over = [*TINY, "model.vocab_size=512", "model.param_dtype=bfloat16",
+            "parallel.plan=hierarchical", "train.global_batch=64"]
     sizes = {"pair": 2, "node": 4, "global": 8}
-    st, _ = C.state_sizes(cfg, sizes)
-    psi = C.params_total(cfg)
+    st, _ = C.state_sizes(load_config(None, over + ["train.micro_batches=2",
+                                                    "train.global_batch=128"]), sizes)
+    psi = C.params_total(load_config(None, over))
     assert st.tp_local == psi
     assert st.params * 2 == pytest.approx(2 * psi / 2)
     assert (st.opt * 12) == pytest.approx(12 * psi / 64)
     assert st.grads == pytest.approx(psi / 8)
+    one, _ = C.state_sizes(load_config(None, over), sizes)
+    assert one.grads == pytest.approx(psi / 64)
 
 
 def test_collective_time_is_alpha_beta():
@@ -219,24 +224,33 @@ def test_analytic_bytes_per_level_match_the_compiled_step(plan):
 def test_formulas_and_cost_model_read_the_one_collective_list(plan, tp):
     """The step's own list (sharding/step_collectives.py; what the engine runs, checked against
     compiled programs in test_plans_hlo.py) is what the byte formulas count and what the cost
-    model times, for every preset plan x TP mode, with and without pipeline stages."""
+    model times, for every preset plan x TP mode, with and without pipeline stages, with four
+    micro-batches and with one (whose reduction over the deferred axes runs in the backward):
+    the same bytes per level and per phase."""
     from boost_jax.sharding.formulas import comm_per_step
     from boost_jax.sharding.step_collectives import Passes, bytes_by_level, step_collectives
 
     arch = "full" if tp == "megatron" else "cola"
     mode = [f"parallel.tp_mode={tp}", "parallel.tp_axes=[pair]"] if tp != "none" else []
-    for extra in ([], ["parallel.pp_stages=2", "parallel.pp_virtual=2", "model.n_layers=7"]):
+    pp = ["parallel.pp_stages=2", "parallel.pp_virtual=2", "model.n_layers=7"]
+    for extra, micro in (([], 4), (pp, 4), ([], 1)):
         cfg = load_config(None, [*DRIFT, f"parallel.plan={plan}", f"model.arch={arch}", *mode,
-                                 "train.micro_batches=4", "train.global_batch=256", *extra])
+                                 f"train.micro_batches={micro}", "train.global_batch=256",
+                                 *extra])
         sizes = C.with_stages(cfg, {"pair": 2, "node": 4, "global": 8})
         _, pl = C.state_sizes(cfg, sizes)
-        passes = Passes.of(4, cfg.parallel.pp_stages, cfg.parallel.pp_virtual)
-        want = bytes_by_level(step_collectives(pl, passes))
-        got = N.per_level_bytes(C.dp_collectives(cfg, sizes, pl))
-        counted = comm_per_step(pl, 4) if not extra else want
+        passes = Passes.of(micro, cfg.parallel.pp_stages, cfg.parallel.pp_virtual)
+        listed = step_collectives(pl, passes)
+        want = bytes_by_level(listed)
+        timed = C.dp_collectives(cfg, sizes, pl)
+        got = N.per_level_bytes(timed)
+        counted = comm_per_step(pl, micro) if not extra else want
         for lv in ("pair", "node", "global"):
-            assert got[lv] == pytest.approx(want[lv]), (lv, extra)
-            assert counted[lv] == pytest.approx(want[lv]), (lv, extra)
+            assert got[lv] == pytest.approx(want[lv]), (lv, extra, micro)
+            assert counted[lv] == pytest.approx(want[lv]), (lv, extra, micro)
+        for ph in ("dp", "step"):
+            assert sum(c.bytes_per_step for c in timed if c.phase == ph) == pytest.approx(
+                sum(c.sent for c in listed if c.phase == ph)), (ph, extra, micro)
         assert sum(want.values()) > 0
 
 
@@ -264,13 +278,19 @@ def test_a_ring_over_whole_nodes_leaves_each_node_once():
 
 def test_node_egress_is_reported_and_hierarchical_keeps_micro_batches_inside():
     """The planner reports bytes leaving a node per step; hierarchical's per-micro-batch
-    traffic stays inside the node, ZeRO-3's leaves it."""
-    cfg = C.with_overrides(_cfg7b("cola", "btp", "[pair]"), **{"train.global_batch": 192})
+    traffic stays inside the node, ZeRO-3's leaves it. With one micro-batch hierarchical's
+    cross-node reduction runs in the backward (dp), the same bytes."""
+    cfg = C.with_overrides(_cfg7b("cola", "btp", "[pair]"),
+                           **{"train.global_batch": 384, "train.micro_batches": 2})
     topo = get_topology("frontier")
     sizes = {"pair": 2, "node": 4, "global": 48}
     z3 = C.predict(C.with_overrides(cfg, **{"parallel.plan": "zero3"}), topo, sizes)
     hi = C.predict(C.with_overrides(cfg, **{"parallel.plan": "hierarchical"}), topo, sizes)
     assert hi.node_egress["dp"] == 0 and z3.node_egress["dp"] > 0
+    one = C.predict(C.with_overrides(cfg, **{"parallel.plan": "hierarchical",
+                                             "train.micro_batches": 1}), topo, sizes)
+    assert one.node_egress["dp"] > 0
+    assert sum(one.node_egress.values()) == pytest.approx(sum(hi.node_egress.values()))
     # per device ZeRO-3 sends more across nodes than what leaves the node per GCD: the ring
     # leaves each node once, so egress per node < 8 x the per-device global bytes
     assert sum(z3.node_egress.values()) < 8 * z3.comm_bytes["global"] / 1.5

@@ -176,18 +176,32 @@ def test_qgz_reduces_gradients_by_int4_all_to_all_inside_the_node_then_across(co
     assert r.per_level()["global"]["bytes"] < 0.5 * plain.per_level()["global"]["bytes"]
 
 
-@pytest.mark.parametrize("plan,tp", [("hierarchical", ()), ("zero3", ()), ("zeropp", ()),
-                                     ("zero1", ()), ("hierarchical", ("pair",)),
-                                     ("zeropp", ("pair",))])
-def test_compiled_collectives_are_the_step_collectives_list(compiled, plan, tp):
+def test_one_micro_batch_reduces_across_nodes_inside_the_layer_loop(compiled):
+    """With one micro-batch there is nothing to accumulate: hierarchical reduce-scatters each
+    layer's gradient across nodes in the backward, inside the layer loop (with four the
+    cross-node collectives all stay out of the loop, test above)."""
+    b, r = compiled("hierarchical", 1)
+    assert b.placement.reduce_in_backward
+    inside = [c for c in r.filter(level="global", in_loop=True) if c.kind == "reduce-scatter"]
+    assert inside, r.table()
+    listed = [c for c in step_collectives(b.placement, Passes.of(1))
+              if c.what == "reduce" and c.level == "global"]
+    assert listed and all(c.phase == "dp" for c in listed)
+
+
+@pytest.mark.parametrize("plan,tp,micro", [
+    ("hierarchical", (), 4), ("zero3", (), 4), ("zeropp", (), 4), ("zero1", (), 4),
+    ("hierarchical", ("pair",), 4), ("zeropp", ("pair",), 4), ("hierarchical", (), 1),
+    ("zero1", (), 1)])
+def test_compiled_collectives_are_the_step_collectives_list(compiled, plan, tp, micro):
     """The one list of the step's collectives (sharding/step_collectives.py) against the
     compiled program, kind by kind and level by level: the same kinds cross the same links
     with the same bytes (within 10%: the compiled program also sums the loss). Under BTP the
     collectives inside the TP group are the layout's own (tp/specs.py) and are left out."""
     extra = (f"parallel.tp_axes=[{','.join(tp)}]", "parallel.tp_mode=btp") if tp else ()
-    b, r = compiled(plan, 4, *extra)
+    b, r = compiled(plan, micro, *extra)
     listed = {}
-    for c in step_collectives(b.placement, Passes.of(4)):
+    for c in step_collectives(b.placement, Passes.of(micro)):
         listed[(c.kind, c.level)] = listed.get((c.kind, c.level), 0.0) + c.sent
     measured = {}
     for c in r.collectives:

@@ -171,6 +171,28 @@ def test_gpt_families_equal_single_device(mesh, plan, mode, arch, tp, remat, ext
     assert_same(reference(_model_key(cfg)), (loss, grads))
 
 
+# one micro-batch, no pipeline: the plans with deferred axes (ddp, zero1, hierarchical) reduce
+# each layer's gradient over them in the backward (Placement.reduce_in_backward)
+ONE_MICRO = [
+    ("ddp", "none", "full", (), "none"),
+    ("zero1", "btp", "cola", ("pair",), "lowrank"),
+    ("hierarchical", "none", "lax", (), "full"),
+    ("hierarchical", "btp", "svd", ("pair",), "lowrank"),
+    ("hierarchical", "megatron", "full", ("node",), "none"),
+]
+
+
+@pytest.mark.parametrize("plan,mode,arch,tp,remat", ONE_MICRO,
+                         ids=[f"{p}-{m}-{a}-{r}" for p, m, a, t, r in ONE_MICRO])
+def test_one_micro_batch_reduces_in_the_backward_and_equals_single_device(
+        mesh, plan, mode, arch, tp, remat):
+    cfg = make_cfg(mode, arch, tp, plan, remat)
+    cfg.train.micro_batches = 1
+    assert build_step(cfg, mesh, FAST).placement.reduce_in_backward
+    loss, grads, _ = engine_run(cfg, mesh)
+    assert_same(reference(_model_key(cfg)), (loss, grads))
+
+
 def test_btp_head_is_vocab_parallel(mesh):
     """BTP (TP over pair+node, data parallel over global): no TP collective carries logits
     ([b,s,V] or its 1/t); outside the layers the TP traffic is the h all-gather (b·s·d)
