@@ -144,7 +144,7 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False) -
 def _layout_line(p, cfg) -> str:
     lay = p.layout
     pl = lay["placement"]
-    late = (f", reduced over {pl['deferred_grad_axes']} in the backward"
+    late = (f", the layers' reduced over {pl['deferred_grad_axes']} in the backward"
             if pl.get("reduce_in_backward") else "")
     return (f"layout: plan {lay['plan']} (params {pl['params'] or '-'}, grads {pl['grads'] or '-'}"
             f"{late}"

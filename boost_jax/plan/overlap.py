@@ -43,11 +43,13 @@ def kernel_ratio(plan: str, tp_mode: str) -> Optional[float]:
 
 
 def hidden(plan: str, tp_mode: str, phase: str) -> Optional[float]:
-    """The hidden share of `phase` (tp | dp | step) for the layout, None if not measured."""
+    """The hidden share of `phase` (tp | dp | step) for the layout, None if not measured (the
+    layout is not in the table, or its measured step had no collective of that phase: ddp's
+    per-layer all-reduce at one micro-batch, measured at two)."""
     row = table().get("layouts", {}).get(key(plan, tp_mode))
     if row is None:
         return None
-    return row["hidden"].get(phase, 0.0)
+    return row["hidden"].get(phase)
 
 
 def overlap_exposed(t_dp: float, t_compute: float, layers: int, a: Assumptions,

@@ -10,7 +10,8 @@ ignored):
                   global: k·(q₈(Ψ)·(N−1)/N + q₄(Ψ)/D·(G−1)/G) ≈ k·(1.01 + 0.5/D)Ψ
                   node: 2k·q₈(Ψ)·(D−1)/D + k·q₄(Ψ)·(D−1)/D
     hierarchical  global: 4Ψ/D·(G−1)/G + 2Ψ/D·(G−1)/G = 6Ψ(G−1)/(G·D), once per step
-                  (k = 1: the 4Ψ/D reduce-scatter runs per layer in the backward instead)
+                  (k = 1, no pipeline: the layers' 4Ψ/D reduce-scatter runs per layer in
+                  the backward instead)
                   pair: k·2·(Ψw or q(Ψ))·(|pair|−1)/|pair| ; node: k·4Ψ·(D−1)/D + AG node
     ddp           global: 2(N−1)/N·4Ψ once per step (fp32 all-reduce of the accumulator)
     zero1         global: (N−1)/N·(4Ψ + 2Ψ) once per step
@@ -20,7 +21,8 @@ node+global vs hierarchical's once-per-step reduction across `global`).
 
 Memory per device (stored state + the accumulator + saved secondaries):
     weights Ψw/|params|   master 4Ψ/|opt| (bf16 weights only)   adam 8Ψ/|opt|
-    grads   Ψa/|grads|    (k = 1: Ψa/|grads ∪ (R ∩ opt)|, Placement.accum_axes)
+    grads   Ψa/|grads|    (k = 1, no pipeline, the layer stack: Ψa/|grads ∪ (R ∩ opt)|,
+                          Placement.accum_axes)
     secondary Ψw/|S| or q(Ψ)/|S| (kept from forward to backward)
 Padding (a dim padded to a multiple of the role devices) adds its zeros to every role; the
 report lists it separately. A leaf that could not be sharded counts at full size.

@@ -20,14 +20,15 @@ The backward re-gather falls out of remat: each layer runs under jax.checkpoint 
 that saves SECONDARY_NAME and never the gathered weight (layers/remat.py).
 
 Gradient: `fetch_leaf(f, x, slot)` is a custom_vjp whose primal ignores `slot` (zeros shaped
-like this device's grads shard) and whose backward turns the full weight's cotangent — this
-device's rows only — into the slot's cotangent: cast to grad_accum_dtype, zero-pad, then
-reduce-scatter over the grads axes G on `layout.dim` (an all-reduce over G for a leaf that
-is not sharded). The step differentiates with respect to the slots, so each micro-batch's
-gradient lands in the grads sharding, reduced in grad_accum_dtype, with one collective per
-weight written here. The full weight is marked varying over the batch axes so that JAX does
-not insert its own reduction of the cotangent over them: what G leaves out (the deferred axes
-R) stays unreduced until the end of the step.
+like this device's accumulator shard, Placement.accum_axes) and whose backward turns the full
+weight's cotangent — this device's rows only — into the slot's cotangent: cast to
+grad_accum_dtype, zero-pad, then reduce-scatter over the grads axes G on `layout.dim` (an
+all-reduce over G for a leaf that is not sharded). The step differentiates with respect to the
+slots, so each micro-batch's gradient lands in the grads sharding, reduced in grad_accum_dtype,
+with one collective per weight written here. The full weight is marked varying over the batch
+axes so that JAX does not insert its own reduction of the cotangent over them: what G leaves
+out (the deferred axes R) stays unreduced until the end of the step — or, for the layer stack
+with one micro-batch (Placement.in_backward), is reduced right here after G (`late_steps`).
 """
 
 from __future__ import annotations
@@ -80,12 +81,12 @@ class LeafFetch:
     dtype: str  # working-weight dtype: what the gathers move (before int8)
     grad_dtype: str  # what the gradient is reduced and accumulated in
     quantize_grads: bool = False  # qgZ: int4 all-to-all reduce-scatter of the gradient
-    late: tuple = ((), ())  # (AR, RS) axes of R reduced in the backward (reduce_in_backward)
+    late: tuple = ((), ())  # (AR, RS) axes of R reduced in the backward (Placement.in_backward)
 
     @classmethod
     def of(cls, pl, lay: LeafLayout) -> "LeafFetch":
         """The fetch of one leaf of a placement (per-layer layout of a stacked leaf)."""
-        late = pl.deferred_reduction(lay) if pl.reduce_in_backward else ((), ())
+        late = pl.deferred_reduction(lay) if pl.in_backward(lay) else ((), ())
         return cls(lay.sliced(), tuple((a, int(n)) for a, n in pl.mesh.shape.items()),
                    pl.batch_axes, pl.params_axes, pl.grads_axes, pl.secondary_axes,
                    pl.quantize_gather, pl.secondary_int8, pl.quant_block, pl.param_dtype,
@@ -225,7 +226,7 @@ class LeafFetch:
         return [("reduce-scatter", G)]
 
     def late_steps(self) -> list[tuple[str, tuple[str, ...]]]:
-        """(kind, axes) of the reduction over R that runs in the backward (reduce_in_backward):
+        """(kind, axes) of the reduction over R that runs in the backward (Placement.in_backward):
         AR over R − O, then RS over R ∩ O, as the once-per-step reduction would."""
         ar, rs = self.late
         return ([("all-reduce", ar)] if ar else []) + ([("reduce-scatter", rs)] if rs else [])

@@ -28,9 +28,11 @@ State layout (what `build_step` keeps; "stored" arrays may be padded, see below)
                axes R = batch − grads): the per-micro-batch reduction stays inside grads axes,
                and R is reduced once per optimizer step (straight into the opt_state sharding).
                With one micro-batch and no pipeline there is nothing to accumulate:
-               each layer's gradient is then reduced over R in the backward, right after its
-               reduction over grads (`reduce_in_backward`), so the cross-node part runs behind
-               the next layers' backward instead of after the last one.
+               each scanned layer's gradient is then reduced over R in the backward, right
+               after its reduction over grads (`reduce_in_backward`), so the cross-node part
+               runs behind the next layers' backward instead of after the last one. The
+               embedding, head and final norm (outside the layer loop; the embedding fetched
+               twice when tied) keep the once-per-step reduction.
 
 Layout of one array (`LeafLayout`): all roles shard the *same* dimension, with the axes in one
 canonical order (axes shared by more roles first) so a finer role's shard is a sub-block of a
@@ -173,10 +175,16 @@ class Placement:
         rs = tuple(a for a in R if a in self.opt_state_axes)
         return tuple(a for a in R if a not in rs), rs
 
+    def in_backward(self, lay: LeafLayout) -> bool:
+        """Whether the reduction over R of `lay` runs per layer in the backward: with
+        `reduce_in_backward`, for the scanned layer stack (used once per pass, inside the
+        layer loop)."""
+        return self.reduce_in_backward and lay.layer_axis
+
     def accum_axes(self, lay: LeafLayout) -> tuple[str, ...]:
-        """Axes the gradient accumulator of `lay` is sharded over: the grads axes, and with
-        `reduce_in_backward` also the reduce-scatter part of R (the opt_state shard)."""
-        if not self.reduce_in_backward:
+        """Axes the gradient accumulator of `lay` is sharded over: the grads axes, and when
+        reduced in the backward also the reduce-scatter part of R (the opt_state shard)."""
+        if not self.in_backward(lay):
             return tuple(self.grads_axes)
         return tuple(self.grads_axes) + self.deferred_reduction(lay)[1]
 

@@ -21,8 +21,9 @@ weight that is gathered (A ≠ ∅), as sharding/gather.py's LeafFetch runs it:
                   qgZ: an int4 all-to-all per stage, inside the node then across
 Once per step, on the whole leaf (engine.reduce_deferred, step.make_step_fn):
     reduce        AR over R − O, then RS over R ∩ O, of the grads shard — with one
-                  micro-batch and no pipeline (Placement.reduce_in_backward) per layer and
-                  pass instead, right after `grad`, inside the layer loop
+                  micro-batch and no pipeline, for the scanned layer stack
+                  (Placement.in_backward), per layer and pass instead, right after `grad`,
+                  inside the layer loop
     update        AG of the new weights opt_state → grads → params sharding (P ⊆ G ⊆ O: the
                   cross-node part moves only the node's shard), else opt_state → params
     grad norm     one fp32 partial sum per leaf, all-reduced over every axis
@@ -188,7 +189,7 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
             add("grad", kind, axes, psi * a, grads)
     # the reduction over R: per layer in the backward, or once per step on the whole leaf
     ar, rs = pl.deferred_reduction(lay)
-    per_layer, calls, phase = (1, grads, "dp") if pl.reduce_in_backward else (layers, 1, "step")
+    per_layer, calls, phase = (1, grads, "dp") if pl.in_backward(lay) else (layers, 1, "step")
     payload = psi * per_layer * a / (f.n(pl.grads_axes) if lay.dim is not None else 1)
     add("reduce", "all-reduce", ar, payload, calls, phase)
     add("reduce", "reduce-scatter", rs, payload, calls, phase)

@@ -15,8 +15,8 @@ and every collective in it is written in one place:
     once per step: the accumulator, unreduced over the batch
         axes R that grads do not cover, is reduced straight
         into the opt_state sharding (AR over R − opt, RS over R ∩ opt)      reduce_deferred
-        — with one micro-batch and no pipeline each layer's backward
-        does it right after the reduction over grads        Placement.reduce_in_backward
+        — with one micro-batch and no pipeline each scanned layer's
+        backward does it right after the reduction over grads      Placement.in_backward
 
 Every data-parallel collective above is listed, with its bytes and calls, by
 sharding/step_collectives.py: the formulas and the planner count and time that list.
@@ -87,7 +87,8 @@ class Engine:
                      for i, (s, tp) in enumerate(zip(lay.padded, lay.tp)))
 
     def slots(self):
-        """Zero gradient slots: this device's grads shard of every leaf, typed as the gradient."""
+        """Zero gradient slots: this device's accumulator shard of every leaf (the grads
+        shard, or the opt_state shard when reduced in the backward), typed as the gradient."""
         def one(lay, f):
             return slot_like(f, self.local_shape(lay, self.placement.accum_axes(lay)),
                              _tp_axes(lay), self.typed)
@@ -97,8 +98,8 @@ class Engine:
     def reduce_deferred(self, lay: LeafLayout, acc):
         """Once per step: the accumulator, unreduced over the deferred axes → the opt_state
         shard (else the grads shard), as Placement.deferred_reduction lists it; nothing left
-        to do when the backward reduced it (reduce_in_backward)."""
-        if self.placement.reduce_in_backward:
+        to do when the backward reduced it (Placement.in_backward)."""
+        if self.placement.in_backward(lay):
             return acc
         ar, rs = self.placement.deferred_reduction(lay)
         if ar:
@@ -128,6 +129,9 @@ class Engine:
 
     def grads_fn(self, micro: int) -> Callable:
         """(params, batch) -> (mean loss, gradient in the opt_state sharding, accum dtype)."""
+        if micro != self.plan.micro_batches:  # the placement's gradient path depends on it
+            raise ValueError(f"grads_fn({micro}) on a plan resolved for "
+                             f"train.micro_batches={self.plan.micro_batches}")
         pspec, bspec, gspec = self.specs()
         scale = 1.0 / (self.n_batch * micro)
         acc_dtype = jnp.dtype(self.placement.grad_accum_dtype)

@@ -7,6 +7,7 @@ import pytest
 from boost_jax.config import load_config
 from boost_jax.mesh import get_topology, make_mesh
 from boost_jax.plan import collectives as N, costmodel as C, roofline as R
+from boost_jax.sharding.step_collectives import leaves
 from plan_tiny import TINY
 
 
@@ -117,8 +118,8 @@ def test_hierarchical_keeps_micro_batch_traffic_inside_the_node():
 
 def test_state_memory_formula_of_the_design():
     """hierarchical, N devices: bf16 weights 2Ψ/2, fp32 master + Adam 12Ψ/N (no padding), the
-    gradient accumulated over the node (Ψ/8); with one micro-batch it is reduced in the
-    backward straight into the optimizer's shard (Ψ/N)."""
+    gradient accumulated over the node (Ψ/8); with one micro-batch the layer stack's is
+    reduced in the backward straight into the optimizer's shard (/N)."""
     over = [*TINY, "model.vocab_size=512", "model.param_dtype=bfloat16",
             "parallel.plan=hierarchical", "train.global_batch=64"]
     sizes = {"pair": 2, "node": 4, "global": 8}
@@ -129,8 +130,10 @@ def test_state_memory_formula_of_the_design():
     assert st.params * 2 == pytest.approx(2 * psi / 2)
     assert (st.opt * 12) == pytest.approx(12 * psi / 64)
     assert st.grads == pytest.approx(psi / 8)
-    one, _ = C.state_sizes(load_config(None, over), sizes)
-    assert one.grads == pytest.approx(psi / 64)
+    one, pl = C.state_sizes(load_config(None, over), sizes)
+    stack = sum(lay.padded_numel for _, lay in leaves(pl) if lay.layer_axis)
+    assert 0 < stack < psi
+    assert one.grads == pytest.approx(stack / 64 + (psi - stack) / 8)
 
 
 def test_collective_time_is_alpha_beta():
@@ -252,6 +255,29 @@ def test_formulas_and_cost_model_read_the_one_collective_list(plan, tp):
             assert sum(c.bytes_per_step for c in timed if c.phase == ph) == pytest.approx(
                 sum(c.sent for c in listed if c.phase == ph)), (ph, extra, micro)
         assert sum(want.values()) > 0
+
+
+@pytest.mark.parametrize("plan", ["ddp", "zero1", "hierarchical"])
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_reduction_over_the_deferred_axes_moves_the_same_bytes_at_one_micro_batch(plan, tied):
+    """With one micro-batch the layer stack's reduction over R runs in the backward (phase
+    dp), the ends' stays once per step (the embedding, fetched twice when tied, is reduced
+    once): the same bytes as with two micro-batches."""
+    from boost_jax.sharding.step_collectives import Passes, step_collectives
+
+    sent = {}
+    for micro in (1, 2):
+        cfg = load_config(None, [*DRIFT, f"parallel.plan={plan}", f"train.micro_batches={micro}",
+                                 f"model.tie_embeddings={str(tied).lower()}",
+                                 "train.global_batch=256"])
+        sizes = {"pair": 2, "node": 4, "global": 8}
+        _, pl = C.state_sizes(cfg, sizes)
+        reduce = [c for c in step_collectives(pl, Passes.of(micro), tied) if c.what == "reduce"]
+        sent[micro] = sum(c.sent for c in reduce)
+        if micro == 1:
+            assert {c.phase for c in reduce if c.leaf.startswith("blocks/")} == {"dp"}
+            assert {c.phase for c in reduce if not c.leaf.startswith("blocks/")} == {"step"}
+    assert sent[1] == pytest.approx(sent[2]) and sent[1] > 0
 
 
 def test_a_ring_over_whole_nodes_leaves_each_node_once():
