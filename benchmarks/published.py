@@ -156,7 +156,7 @@ def lbp_predictions(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
         if p.fits:
             base = (nodes, p)
             break
-    # a variant under which hierarchical never fits keeps the validated base (64 GCDs)
+    # a variant under which hierarchical never fits: 8 nodes (64 GCDs)
     res["base"] = base or (8, lbp_predict("hierarchical", 8, assumptions, micro_batches, extra))
     return res
 

@@ -197,7 +197,7 @@ class LeafFetch:
 
     def reduce(self, ct):
         """Cotangent of the full weight (this device's rows) → its grads shard, reduced over G
-        (and over R into the opt_state shard with reduce_in_backward)."""
+        (and over R into the opt_state shard when reduced in the backward)."""
         ct = ct.astype(self.grad_dtype)
         if self.layout.pad:
             widths = [(0, 0)] * ct.ndim
