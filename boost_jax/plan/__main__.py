@@ -144,10 +144,9 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False) -
 def _layout_line(p, cfg) -> str:
     lay = p.layout
     pl = lay["placement"]
-    late = (f", the layers' reduced over {pl['deferred_grad_axes']} in the backward"
-            if pl.get("reduce_in_backward") else "")
+    late = f", the layers' reduced over {pl['deferred_grad_axes']} in the backward"
     return (f"layout: plan {lay['plan']} (params {pl['params'] or '-'}, grads {pl['grads'] or '-'}"
-            f"{late}"
+            f"{late if pl.get('reduce_in_backward') else ''}"
             f", opt_state {pl['opt_state'] or '-'}, secondary {pl['secondary'] or '-'}"
             f"{' int8' if pl['secondary_int8'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''})"
             f"; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; "
