@@ -143,7 +143,8 @@ class ParallelConfig:
     params_axes: Optional[list[str]] = None
     grads_axes: Optional[list[str]] = None
     opt_state_axes: Optional[list[str]] = None
-    secondary_axes: Optional[list[str]] = None  # backward (hpZ) partition; None: the preset
+    # backward (hpZ) partition; None: the preset; []: keep the forward's gather whole
+    secondary_axes: Optional[list[str]] = None
     # Secondary partition dtype: bfloat16 = unquantized (the working-weight dtype), int8 = int8
     # blocks + fp32 scales. None: the preset (int8 for hierarchical, bfloat16 otherwise).
     secondary_dtype: Optional[Literal["bfloat16", "int8"]] = None

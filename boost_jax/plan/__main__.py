@@ -145,9 +145,10 @@ def _layout_line(p, cfg) -> str:
     lay = p.layout
     pl = lay["placement"]
     late = f", the layers' reduced over {pl['deferred_grad_axes']} in the backward"
+    sec = "the forward's gather kept" if pl["secondary"] == [] else pl["secondary"] or "-"
     return (f"layout: plan {lay['plan']} (params {pl['params'] or '-'}, grads {pl['grads'] or '-'}"
             f"{late if pl.get('reduce_in_backward') else ''}"
-            f", opt_state {pl['opt_state'] or '-'}, secondary {pl['secondary'] or '-'}"
+            f", opt_state {pl['opt_state'] or '-'}, secondary {sec}"
             f"{' int8' if pl['secondary_int8'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''})"
             f"; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; "
             + (f"{lay['pipeline_stages']} pipeline stages ({lay['pp_schedule']}"

@@ -138,6 +138,8 @@ class LeafFetch:
         if not isinstance(x, tuple):
             return all_gather(x, axes, self.dim)
         qa, dtype, d = self.quant_axis(src_axes), jnp.dtype(self.dtype), self.dim
+        if not axes:  # an int8 copy kept whole (secondary over no axes): dequantize only
+            return quant.dequantize(*x, self.local_shape(src_axes), dtype, axis=qa)
         if qa == d:  # blocks within each shard: stack the shards, dequantize, merge
             q, s = (jax.lax.all_gather(v, tuple(axes), axis=0) for v in x)
             src = self.local_shape(src_axes)

@@ -15,7 +15,10 @@ role; every role below is taken from the remaining (data-parallel) axes, `all` =
 bf16 secondary over exactly the params axes is the primary itself and is dropped.)
 
 Every role is overridable (`parallel.params_axes=[pair,node]`, `parallel.secondary_axes=[pair,
-node]`, `parallel.secondary_dtype=bfloat16`, `parallel.quantize_gather=true`, ...).
+node]`, `parallel.secondary_dtype=bfloat16`, `parallel.quantize_gather=true`, ...). A secondary
+over no axes (`parallel.secondary_axes=[]`) keeps each layer's forward gather whole for the
+backward, as FSDP's reshard_after_forward=False: no backward re-gather, at the price of the
+whole (TP-local) working weights held through the step, bf16 or int8.
 
 State layout (what `build_step` keeps; "stored" arrays may be padded, see below):
     params     working weights in model.param_dtype, sharded over params axes (the forward
@@ -259,8 +262,6 @@ def _secondary_roles(par, preset: dict, params: tuple, tp: tuple, dp: tuple):
             raise ConfigError(f"parallel.quantize_gather=true needs sharded weights, but plan "
                               f"{par.plan!r} keeps them replicated (nothing is gathered)")
         sec, qwz = None, False
-    if sec is not None and not sec and sec_dtype != "int8":
-        sec = None  # a replicated bf16 secondary is just "keep the gathered weights"
     if sec is not None and tuple(sorted(sec)) == tuple(sorted(params)) \
             and sec_dtype != "int8" and not qwz:
         sec = None  # identical to the primary partition: re-gather from it

@@ -31,10 +31,12 @@ EXACT = {
     "zeropp": ["parallel.quantize_gather=false", "parallel.quantize_grads=false",
                "train.remat=full"],  # flat gather + hpZ
     "hierarchical": ["parallel.secondary_dtype=bfloat16"],  # re-gather from the pair shard
+    "zero3-keep": ["parallel.secondary_axes=[]"],  # the forward's gather kept for backward
     "hierarchical-node": ["parallel.plan=hierarchical", "parallel.secondary_axes=[pair,node]",
                           "parallel.secondary_dtype=bfloat16", "train.remat=lowrank"],
 }
-INT8 = {"zeropp": ["parallel.quantize_grads=false"], "hierarchical": []}  # qwZ / int8 secondary
+INT8 = {"zeropp": ["parallel.quantize_grads=false"], "hierarchical": [],  # qwZ / int8 secondary
+        "keep-hierarchical": ["parallel.secondary_axes=[]"]}  # an int8 copy kept whole
 QGZ = ["parallel.quantize_gather=false", "parallel.quantize_grads=true"]  # int4 gradients
 
 

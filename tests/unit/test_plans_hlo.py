@@ -103,6 +103,24 @@ def test_zeropp_backward_gathers_stay_inside_the_node(compiled):
     assert g < 0.8 * g3
 
 
+def test_an_empty_secondary_keeps_the_forward_gather_for_the_backward(compiled):
+    """parallel.secondary_axes=[] (FSDP's reshard_after_forward=False): the forward gathers
+    each layer's weights across nodes once and the backward uses that copy, so no all-gather
+    runs in the backward: the gathers move zero3's bytes less its backward re-gathers."""
+    b, r = compiled("zero3", 4, "parallel.secondary_axes=[]")
+    assert b.placement.secondary_axes == ()
+    module = H.parse_module(r.hlo_text)
+    gathers = r.filter(kind="all-gather", in_loop=True)
+    assert gathers and not [c for c in gathers if _is_backward(module, c)], r.table()
+    b3, r3 = compiled("zero3")
+    ag = lambda rep: sum(c.bytes_per_step for c in rep.collectives  # noqa: E731
+                         if c.kind == "all-gather")
+    regather = sum(c.sent for c in step_collectives(b3.placement, Passes.of(4))
+                   if c.what == "regather")
+    assert regather > 0.3 * ag(r3)
+    assert ag(r) == pytest.approx(ag(r3) - regather, rel=0.10), (r.table(), r3.table())
+
+
 def test_int8_gathers_move_about_half_the_bytes(compiled):
     _, r8 = compiled("hierarchical")  # preset: int8 secondary over pair
     _, r16 = compiled("hierarchical", 4, "parallel.secondary_dtype=bfloat16")
@@ -189,16 +207,18 @@ def test_one_micro_batch_reduces_across_nodes_inside_the_layer_loop(compiled):
     assert listed and all(c.phase == "dp" for c in listed)
 
 
-@pytest.mark.parametrize("plan,tp,micro", [
-    ("hierarchical", (), 4), ("zero3", (), 4), ("zeropp", (), 4), ("zero1", (), 4),
-    ("hierarchical", ("pair",), 4), ("zeropp", ("pair",), 4), ("hierarchical", (), 1),
-    ("zero1", (), 1)])
-def test_compiled_collectives_are_the_step_collectives_list(compiled, plan, tp, micro):
+@pytest.mark.parametrize("plan,tp,micro,extra", [
+    ("hierarchical", (), 4, ()), ("zero3", (), 4, ()), ("zeropp", (), 4, ()),
+    ("zero1", (), 4, ()), ("hierarchical", ("pair",), 4, ()), ("zeropp", ("pair",), 4, ()),
+    ("hierarchical", (), 1, ()), ("zero1", (), 1, ()),
+    ("zero3", (), 4, ("parallel.secondary_axes=[]",))])
+def test_compiled_collectives_are_the_step_collectives_list(compiled, plan, tp, micro, extra):
     """The one list of the step's collectives (sharding/step_collectives.py) against the
     compiled program, kind by kind and level by level: the same kinds cross the same links
     with the same bytes (within 10%: the compiled program also sums the loss). Under BTP the
     collectives inside the TP group are the layout's own (tp/specs.py) and are left out."""
-    extra = (f"parallel.tp_axes=[{','.join(tp)}]", "parallel.tp_mode=btp") if tp else ()
+    if tp:
+        extra += (f"parallel.tp_axes=[{','.join(tp)}]", "parallel.tp_mode=btp")
     b, r = compiled(plan, micro, *extra)
     listed = {}
     for c in step_collectives(b.placement, Passes.of(micro)):
