@@ -145,7 +145,7 @@ def section_search(topo, lines, top: int):
                   "yes" if dr.memory["fits"] else "no", f"{secs:.0f}"]
         rows.append(cells)
     lines += [
-        f"## 3. The best layouts `--search` finds at ≥ 4 sequences per GCD (global batch 1536)",
+        "## 3. The best layouts `--search` finds at ≥ 4 sequences per GCD (global batch 1536)",
         "",
         f"{len(res.fitting)} layouts fit of {res.n_evaluated - res.n_invalid} valid; the best "
         f"{len(cands)} with at least 4 sequences per GCD per micro-batch, each compiled. Bytes "
@@ -160,18 +160,21 @@ def section_search(topo, lines, top: int):
 def section_batches(topo, lines, top: int = 3):
     """The analytic search at 768, 1536 and 3072 sequences: the best layouts' MFU and where
     their step goes (critical path)."""
-    from boost_jax.plan.costmodel import critical_path
+    from boost_jax.plan.critical_path import critical_path, floor
 
-    rows = []
+    rows, ceilings = [], []
     for batch in (768, 1536, 3072):
         cfg = config(f"train.global_batch={batch}")
         res = search(cfg, topo, {"pair": 2, "node": 4, "global": 48}, compile_top=0)
         for i, c in enumerate(res.fitting[:top], 1):
             p = c.prediction
-            cp = critical_path(p)
+            cp, f = critical_path(p), floor(p)
             rows.append([batch, i, c.key(), f"{p.mfu:.1%}", f"{p.step_time * 1e3:.0f}",
                          *[f"{v * 1e3:.0f}" for v in cp.values()],
-                         f"{sum(p.node_egress.values()) / 1e9:.2f}"])
+                         f"{sum(p.node_egress.values()) / 1e9:.2f}",
+                         f"{f['by']} {f[f['by']] * 1e3:.0f}", f"{f['mfu_ceiling']:.1%}"])
+        ceil = res.ceiling
+        ceilings.append([batch, ceil["key"], f"{ceil['mfu']:.1%}", ceil["by"]])
     lines += [
         "## 4. Where the best layouts' step goes, by global batch (cost model)", "",
         "`python -m boost_jax.plan --config configs/cola-7b.yaml --topology frontier --nodes 48 "
@@ -180,9 +183,17 @@ def section_batches(topo, lines, top: int = 3):
         "exposed tensor-parallel collectives and pipeline sends, exposed data-parallel "
         "traffic, pipeline bubble, once-per-step collectives + optimizer. The data-parallel "
         "bytes that leave each node per step do not shrink with the batch, the compute does: at "
-        "768 sequences they bound the step.", "",
+        "768 sequences they bound the step. Floor: what no overlap of data-parallel traffic "
+        "takes the step below, the larger of compute + TP (the critical path's compute, "
+        "(de)quantization, bubble, TP collectives and pipeline sends) and node egress (the "
+        "node's bytes through its NICs at the model's efficiency); MFU ceiling: the MFU of a "
+        "step that takes only its floor.", "",
         markdown_table(["sequences", "#", "layout", "MFU", "step ms", "compute", "exposed TP",
-                        "exposed DP", "bubble", "once-per-step", "node egress GB"], rows), ""]
+                        "exposed DP", "bubble", "once-per-step", "node egress GB", "floor ms",
+                        "MFU ceiling"], rows), "",
+        "The fitting layout with the highest MFU ceiling at each batch (every collective "
+        "hidden):", "",
+        markdown_table(["sequences", "layout", "MFU ceiling", "floor"], ceilings), ""]
 
 
 def main() -> int:

@@ -17,7 +17,8 @@ from typing import Optional
 
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.mesh import AXES, Topology
-from boost_jax.plan.costmodel import (Assumptions, Prediction, SizesMesh, critical_path,
+from boost_jax.plan.critical_path import critical_path, floor, floor_text
+from boost_jax.plan.costmodel import (Assumptions, Prediction, SizesMesh,
                                      predict)
 from boost_jax.sharding import parallel
 
@@ -78,6 +79,15 @@ class SearchResult:
               (c.compiled_fits if c.compiled else c.prediction.fits)]
         return sorted(ok, key=lambda c: c.prediction.step_time)
 
+    @property
+    def ceiling(self) -> Optional[dict]:
+        """The fitting layout whose floor allows the highest MFU (every collective hidden)."""
+        if not self.fitting:
+            return None
+        best = max(self.fitting, key=lambda c: floor(c.prediction)["mfu_ceiling"])
+        f = floor(best.prediction)
+        return dict(key=best.key(), mfu=f["mfu_ceiling"], by=f["by"])
+
     def to_dict(self) -> dict:
         rows = []
         for c in self.fitting:
@@ -89,13 +99,14 @@ class SearchResult:
                              tflops_per_device=p.tflops_per_device, mfu=p.mfu,
                              memory=p.memory["total"], comm_bytes=p.comm_bytes,
                              node_egress=sum(p.node_egress.values()),
-                             critical_path=critical_path(p),
+                             critical_path=critical_path(p), floor=floor(p),
                              compiled=c.compiled, gpu=c.gpu))
         tight = [dict(key=c.key(), memory=c.prediction.memory["total"],
                       analytic_memory=c.prediction.memory["analytic_total"])
                  for c in self.candidates if c.compiled and c.compiled_fits is False]
         return {"ranked": rows, "n_evaluated": self.n_evaluated, "n_invalid": self.n_invalid,
-                "n_fitting": len(rows), "compiled_not_fitting": tight, "notes": self.notes}
+                "n_fitting": len(rows), "compiled_not_fitting": tight,
+                "mfu_ceiling": self.ceiling, "notes": self.notes}
 
 
 def candidates(cfg, sizes: dict) -> list[Candidate]:
@@ -211,13 +222,17 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                      f"{p.comm_bytes['global'] / 1e9:.2f} | "
                      f"{sum(p.node_egress.values()) / 1e9:.2f} | "
                      f"{('GPU' if c.gpu else 'yes') if c.compiled else 'no'} |")
+    ceil = res.ceiling
+    if ceil:
+        lines += ["", f"highest MFU any fitting layout allows with every collective hidden: "
+                  f"{ceil['mfu']:.1%} ({ceil['key']}, floor: {ceil['by']})"]
     if res.fitting:
         lines += ["", "critical path of the top layouts (ms per step: compute, exposed TP, "
                   "exposed DP, pipeline bubble, once-per-step comm + optimizer):"]
         for i, c in enumerate(res.fitting[:min(top, 5)], 1):
             cp = critical_path(c.prediction)
             lines.append(f"  {i}. {c.key()}: " + ", ".join(
-                f"{k} {v * 1e3:.1f}" for k, v in cp.items()))
+                f"{k} {v * 1e3:.1f}" for k, v in cp.items()) + f"; {floor_text(c.prediction)}")
     tight = [c for c in res.candidates if c.compiled and c.compiled_fits is False]
     if tight:
         lines.append("")
