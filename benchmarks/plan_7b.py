@@ -135,7 +135,8 @@ def section_search(topo, lines, top: int):
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
         pp = (f"{c.pp_stages}" + (f" x{c.pp_virtual} virtual" if c.pp_virtual > 1 else "")
               if c.pp_stages > 1 else "-")
-        cells = [c.plan, tp, pp, c.micro_size, c.micro_batches, c.remat]
+        cells = [c.plan + (" keep" if c.keep else ""), tp, pp, c.micro_size, c.micro_batches,
+                 c.remat]
         for lv in ("pair", "node", "global"):
             m, a = p.comm_bytes[lv], ana[lv]
             cells.append(f"{m / GiB:.2f} / {a / GiB:.2f} ({(a / m - 1) if m else 0:+.0%})")
@@ -179,7 +180,8 @@ def section_batches(topo, lines, top: int = 3):
         "## 4. Where the best layouts' step goes, by global batch (cost model)", "",
         "`python -m boost_jax.plan --config configs/cola-7b.yaml --topology frontier --nodes 48 "
         "train.global_batch=B --search` (analytic; `/bf16` = bf16 working weights and gradient "
-        "reduction). Critical path in ms per step: compute (with (de)quantization kernels), "
+        "reduction; `/keep` = the backward uses the forward's gathered weights, "
+        "`parallel.secondary_axes=[]`). Critical path in ms per step: compute (with (de)quantization kernels), "
         "exposed tensor-parallel collectives and pipeline sends, exposed data-parallel "
         "traffic, pipeline bubble, once-per-step collectives + optimizer. The data-parallel "
         "bytes that leave each node per step do not shrink with the batch, the compute does: at "

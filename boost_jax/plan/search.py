@@ -1,5 +1,6 @@
 """Layout search: plan × TP mode × TP axes × pipeline stages × micro-batch size × remat ×
-working-weight/gradient dtype, ranked by the cost model.
+working-weight/gradient dtype × keeping the forward's gathered weights for the backward
+(`/keep`: parallel.secondary_axes=[], for zero3), ranked by the cost model.
 
 Every candidate is costed analytically (boost_jax.plan.costmodel: compiling hundreds of layouts
 is too slow); those whose predicted memory fits are ranked by predicted step time (the global
@@ -21,12 +22,16 @@ from boost_jax.plan.critical_path import critical_path, floor, floor_text
 from boost_jax.plan.costmodel import (Assumptions, Prediction, SizesMesh,
                                      predict)
 from boost_jax.sharding import parallel
+from boost_jax.sharding.placement import ALL, PRESETS
 
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 TP_AXES = ((), ("pair",), ("node",), ("pair", "node"))
 MICRO_SIZES = (1, 2, 4, 8, 16, 32)
 PP_STAGES = (1, 2, 4, 8)  # pipeline stages (1F1B) tried where they divide the hosts
 PP_VIRTUAL = (1, 2)  # interleaved chunks per stage, where the micro-batches come in groups of P
+# /keep where it saves the backward's re-gather over the params axes; hierarchical and zeropp
+# already re-gather from a cheap (pair, int8 or in-node) secondary
+KEEP = {"zero3": (False, True)}
 
 
 @dataclass
@@ -41,6 +46,7 @@ class Candidate:
     pp_virtual: int = 1
     sizes: dict = field(default_factory=dict)  # the mesh: global = hosts / pp_stages
     low_precision: bool = False  # bf16 working weights and bf16 gradient reduction
+    keep: bool = False  # the backward uses the forward's gathered weights (no re-gather)
     prediction: Optional[Prediction] = None
     error: Optional[str] = None
     compiled: bool = False
@@ -52,7 +58,8 @@ class Candidate:
         pp = f"/pp{self.pp_stages}" if self.pp_stages > 1 else ""
         pp += f"v{self.pp_virtual}" if self.pp_virtual > 1 else ""
         bf = "/bf16" if self.low_precision else ""
-        return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}{bf}"
+        keep = "/keep" if self.keep else ""
+        return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}{bf}{keep}"
 
     def config(self, cfg):
         par = dataclasses.replace(cfg.parallel, plan=self.plan, tp_mode=self.tp_mode,
@@ -60,6 +67,8 @@ class Candidate:
                                   pp_schedule="1f1b", pp_virtual=self.pp_virtual)
         tr = dataclasses.replace(cfg.train, micro_batches=self.micro_batches, remat=self.remat)
         model = cfg.model
+        if self.keep:
+            par = dataclasses.replace(par, secondary_axes=[])
         if self.low_precision:
             par = dataclasses.replace(par, grad_accum_dtype="bfloat16")
             model = dataclasses.replace(model, param_dtype="bfloat16")
@@ -95,7 +104,8 @@ class SearchResult:
             rows.append(dict(key=c.key(), plan=c.plan, tp_mode=c.tp_mode, tp_axes=list(c.tp_axes),
                              micro_size=c.micro_size, micro_batches=c.micro_batches,
                              pp_stages=c.pp_stages, pp_virtual=c.pp_virtual,
-                             remat=c.remat, low_precision=c.low_precision, step_time=p.step_time, tokens_per_s=p.tokens_per_s,
+                             remat=c.remat, low_precision=c.low_precision, keep=c.keep,
+                             step_time=p.step_time, tokens_per_s=p.tokens_per_s,
                              tflops_per_device=p.tflops_per_device, mfu=p.mfu,
                              memory=p.memory["total"], comm_bytes=p.comm_bytes,
                              node_egress=sum(p.node_egress.values()),
@@ -107,6 +117,15 @@ class SearchResult:
         return {"ranked": rows, "n_evaluated": self.n_evaluated, "n_invalid": self.n_invalid,
                 "n_fitting": len(rows), "compiled_not_fitting": tight,
                 "mfu_ceiling": self.ceiling, "notes": self.notes}
+
+
+def keeps(plan: str, tp_axes: tuple, sz: dict) -> tuple:
+    """Whether to try /keep: where the plan's weights are gathered over some axis, without
+    pipeline stages (their backward tick re-runs the forward, gathers included)."""
+    params = PRESETS[plan]["params"]
+    params = AXES if params == ALL else params
+    gathers = any(a not in tp_axes and sz[a] > 1 for a in params)
+    return KEEP.get(plan, (False,)) if gathers and "stage" not in sz else (False,)
 
 
 def candidates(cfg, sizes: dict) -> list[Candidate]:
@@ -137,9 +156,10 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
                     continue  # 1F1B needs at least as many micro-batches as stages
                 for v in PP_VIRTUAL if pp > 1 else (1,):
                     if v == 1 or (m % pp == 0 and pp * v <= cfg.model.n_layers):
-                        for low in precisions:
+                        for low, keep in itertools.product(precisions,
+                                                           keeps(plan, axes, sz)):
                             out.append(Candidate(plan, mode, tuple(axes), b, m, remat, pp, v,
-                                                 sz, low))
+                                                 sz, low, keep=keep))
     return out
 
 
@@ -215,7 +235,7 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
         p = c.prediction
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
         pp = f"{c.pp_stages}" + (f" x{c.pp_virtual}" if c.pp_virtual > 1 else "")
-        lines.append(f"| {i} | {c.plan} | {tp} | {pp} | {c.micro_size} | "
+        lines.append(f"| {i} | {c.plan}{' keep' if c.keep else ''} | {tp} | {pp} | {c.micro_size} | "
                      f"{c.micro_batches} | {c.remat} | "
                      f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
                      f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "

@@ -51,12 +51,17 @@ def mesh_of(stages):
 @pytest.mark.parametrize("plan,mode,arch,schedule", [
     ("zeropp", "btp", "svd", "1f1b"), ("zero1", "none", "full", "1f1b"),
     ("zero3", "btp", "lax", "1f1b"), ("zero3", "vanilla", "cola", "1f1b"),
-    ("hierarchical", "megatron", "full", "gpipe"), ("zeropp", "vanilla", "svd", "gpipe")])
+    ("hierarchical", "megatron", "full", "gpipe"), ("zeropp", "vanilla", "svd", "gpipe"),
+    ("zero3-keep", "btp", "cola", "1f1b")])
 def test_pipeline_composes_with_plans_and_tp(plan, mode, arch, schedule):
     """Every TP mode inside a stage. vanilla/zero3/1f1b stalled XLA:CPU's default thread pool
-    (devices blocked in collectives starved their peers) before mesh.set_cpu_devices sized it."""
-    cfg = make_cfg(mode, arch, ("pair",) if mode != "none" else (), plan=plan, n_layers=3)
+    (devices blocked in collectives starved their peers) before mesh.set_cpu_devices sized it.
+    `-keep`: the backward uses the forward's gathered weights (parallel.secondary_axes=[])."""
+    cfg = make_cfg(mode, arch, ("pair",) if mode != "none" else (), plan=plan.split("-")[0],
+                   n_layers=3)
     cfg.parallel.pp_stages, cfg.parallel.pp_schedule, cfg.train.micro_batches = 2, schedule, 2
+    if plan.endswith("-keep"):
+        cfg.parallel.secondary_axes = []
     cfg = cfg.validate()
     assert_same(reference(_model_key(cfg)), engine_run(cfg, mesh_of(2))[:2])
 

@@ -154,6 +154,15 @@ def test_search_ranks_fitting_layouts_best_first():
     assert len(fit) > 10
     assert {c.plan for c in fit} >= {"ddp", "zero3", "hierarchical"}
     assert any(c.tp_mode == "btp" for c in fit) and all(c.prediction.fits for c in fit)
+    # /keep: the same layout without the backward's re-gather, holding the gathered weights
+    by_key = {c.key(): c.prediction for c in fit}
+    kept = [(by_key[c.key()[:-len("/keep")]], c.prediction) for c in fit
+            if c.keep and c.key()[:-len("/keep")] in by_key]
+    assert kept and {c.plan for c in fit if c.keep} == {"zero3"}
+    for base, keep in kept:
+        assert keep.layout["placement"]["secondary"] == []
+        assert sum(keep.comm_bytes.values()) < sum(base.comm_bytes.values())
+        assert keep.memory["secondary"] > base.memory.get("secondary", 0.0)
 
 
 def test_the_floor_bounds_every_layout_and_names_what_binds():
