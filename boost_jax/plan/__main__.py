@@ -177,8 +177,7 @@ def _header_lines(p, cfg, topo) -> list:
 def _compile_lines(dr, compiled: bool) -> list:
     if not compiled:
         return ["not compiled: analytic model only (--no-compile)"]
-    progs = dr.compiled
-    cs = dr.compile_sizes
+    progs, cs = dr.compiled, dr.compile_sizes
     L = [f"compiled: {len(progs)} program(s) on {math.prod(cs.values())} simulated CPU "
          f"devices ({_mesh_text(cs)}), "
          f"layers {[c.n_layers for c in progs]}, "

@@ -130,6 +130,10 @@ class CommSummary:
     def node_egress(self) -> float:
         return sum((self.egress or {}).values())
 
+    def nic_seconds(self, topo: Topology, a: "Assumptions") -> float:
+        """What a node's NICs need for its egress: no overlap takes a step below it."""
+        return self.node_egress / (topo.nic_node * a.eta_net) if topo.nic_node else 0.0
+
     def combine(self, other: "CommSummary", w_self: float, w_other: float) -> "CommSummary":
         def mix(a, b):
             a, b = a or {}, b or {}

@@ -458,15 +458,13 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     mem = memory_estimate(cfg, sizes, st, pl, bm, hm, b, topo.hbm_bytes * a.hbm_usable)
     mem["hbm"] = topo.hbm_bytes
     tflops = model_flops / total / 1e12
-    # the NICs' share: no overlap takes a step below the time its node egress needs
-    t_nic = (comm.node_egress / (topo.nic_node * a.eta_net)) if topo.nic_node else 0.0
     return Prediction(
         layout=_layout(cfg, mode, t, pl), sizes=dict(sizes), devices=n_dev,
         tokens_per_step=tokens, micro_batch_per_device=b, micro_batches=micro,
         flops_per_device=model_flops, executed_flops_per_device=model_flops * rec_factor,
         time=dict(compute=t_compute, bubble=t_bubble, tp=t_tp, dp=t_dp, quant=t_quant,
                   dp_exposed=exposed_dp, step_comm=t_stepc, optimizer=t_opt, p2p=p2p,
-                  nic=t_nic, total=total, total_overlapped=total_overlap),
+                  nic=comm.nic_seconds(topo, a), total=total, total_overlapped=total_overlap),
         comm_bytes={lv: comm.level_bytes.get(lv, 0.0) for lv in AXES},
         comm_time={lv: comm.level_time.get(lv, 0.0) for lv in AXES}, memory=mem,
         step_time=total, tokens_per_s=tokens / total, tflops_per_device=tflops,
