@@ -12,9 +12,9 @@ secondary axes):
         block of the next, placement.order_axes); otherwise (ZeRO++'s hpZ, S ⊂ P) a slice of
         the forward's flat gather AG_P(x), as DeepSpeed takes it.
     int8           each shard is quantized locally (blocks along a dim other than the sharded
-                   one, so no block straddles a shard), q and scales are gathered, then
-                   dequantized: every gather under qwZ (quantize_gather), AG_S of an int8
-                   secondary.
+                   one, so no block straddles a shard), q and its scales packed into one
+                   buffer and gathered in one call, then dequantized: every gather under qwZ
+                   (quantize_gather), AG_S of an int8 secondary.
 
 The backward re-gather falls out of remat: each layer runs under jax.checkpoint with a policy
 that saves SECONDARY_NAME and never the gathered weight (layers/remat.py).
@@ -140,13 +140,14 @@ class LeafFetch:
         qa, dtype, d = self.quant_axis(src_axes), jnp.dtype(self.dtype), self.dim
         if not axes:  # an int8 copy kept whole (secondary over no axes): dequantize only
             return quant.dequantize(*x, self.local_shape(src_axes), dtype, axis=qa)
+        buf = quant.pack(*x)  # q and scales in one gather (blocks and scales: the last dims)
         if qa == d:  # blocks within each shard: stack the shards, dequantize, merge
-            q, s = (jax.lax.all_gather(v, tuple(axes), axis=0) for v in x)
+            q, s = quant.unpack(jax.lax.all_gather(buf, tuple(axes), axis=0))
             src = self.local_shape(src_axes)
             y = jnp.moveaxis(quant.dequantize(q, s, (q.shape[0], *src), dtype, axis=d + 1), 0, d)
             return y.reshape(*src[:d], q.shape[0] * src[d], *src[d + 1:])
         at = self.dim if self.dim < qa else self.dim - 1  # where dim sits once qa moved last
-        q, s = (all_gather(v, axes, at) for v in x)
+        q, s = quant.unpack(all_gather(buf, axes, at))
         shape = self.local_shape(())
         shape[self.dim] = q.shape[at]
         return quant.dequantize(q, s, shape, dtype, axis=qa)
@@ -243,9 +244,8 @@ class LeafFetch:
         x = x.reshape(n, -1)
         m = x.shape[1]
         block = self.qblock(m) + self.qblock(m) % 2  # int4 packs two values a byte
-        q, s = quant.quantize_int4(x, block)
-        q = jax.lax.all_to_all(q, axes, 0, 0, tiled=True)
-        s = jax.lax.all_to_all(s, axes, 0, 0, tiled=True)
+        buf = quant.pack(*quant.quantize_int4(x, block))  # packed int4 and scales: one call
+        q, s = quant.unpack(jax.lax.all_to_all(buf, axes, 0, 0, tiled=True), jnp.uint8)
         y = jnp.sum(quant.dequantize_int4(q, s, m), axis=0)
         return jnp.moveaxis(y.reshape(shard), 0, d).astype(ct.dtype)
 

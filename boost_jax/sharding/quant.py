@@ -75,6 +75,22 @@ def payload_bytes(shape: Sequence[int], block: int = DEFAULT_BLOCK, axis: int = 
     return rest * nb * (block + 4)
 
 
+def pack(q: jax.Array, scale: jax.Array) -> jax.Array:
+    """(q [..., nb, k] int8 or uint8, scale fp32 [..., nb]) → one uint8 buffer [..., nb, k + 4]
+    with each block's scale bytes after it: one collective moves both (one launch and one
+    latency per weight, as the step's schedule counts it)."""
+    qb = q if q.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(q, jnp.uint8)
+    return jnp.concatenate([qb, jax.lax.bitcast_convert_type(scale, jnp.uint8)], axis=-1)
+
+
+def unpack(buf: jax.Array, q_dtype=jnp.int8) -> tuple[jax.Array, jax.Array]:
+    """Inverse of pack: (q in q_dtype, scale fp32)."""
+    q = buf[..., :-4]
+    if jnp.dtype(q_dtype) != jnp.uint8:
+        q = jax.lax.bitcast_convert_type(q, q_dtype)
+    return q, jax.lax.bitcast_convert_type(buf[..., -4:], jnp.float32)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def fake_quant(x: jax.Array, block: int = DEFAULT_BLOCK, axis: int = -1) -> jax.Array:
     """Quantize-dequantize round trip with a straight-through (identity) gradient."""
@@ -97,8 +113,8 @@ def quantized_all_gather(x: jax.Array, axis_name, *, axis: int = 0, block: int =
                          quant_axis: int = -1, dtype=None) -> jax.Array:
     """Inside shard_map: tiled all-gather of `x` along `axis` that moves int8 + scales.
 
-    Each shard is quantized locally (blocks along `quant_axis`), q and scales are gathered
-    stacked (so per-shard padding never interleaves), then dequantized. The gradient is the
+    Each shard is quantized locally (blocks along `quant_axis`), q and scales are packed and
+    gathered stacked (so per-shard padding never interleaves), then dequantized. The gradient is the
     exact transpose of a tiled all-gather (psum_scatter), straight-through the quantization."""
     y = _qag(x, axis_name, axis, block, quant_axis)
     return y if dtype is None else y.astype(dtype)
@@ -106,9 +122,8 @@ def quantized_all_gather(x: jax.Array, axis_name, *, axis: int = 0, block: int =
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _qag(x, axis_name, axis, block, quant_axis):
-    q, s = quantize(x, block, quant_axis)
-    qg = jax.lax.all_gather(q, axis_name, axis=0, tiled=False)
-    sg = jax.lax.all_gather(s, axis_name, axis=0, tiled=False)
+    qg, sg = unpack(jax.lax.all_gather(pack(*quantize(x, block, quant_axis)), axis_name,
+                                       axis=0, tiled=False))
     n = qg.shape[0]
     qa = quant_axis % max(x.ndim, 1)
     y = dequantize(qg, sg, (n,) + (x.shape or (1,)), x.dtype, axis=qa + 1)
@@ -138,7 +153,7 @@ def max_error_bound(x: jax.Array, block: int = DEFAULT_BLOCK, axis: int = -1) ->
 
 
 __all__ = ["quantize", "dequantize", "fake_quant", "quantized_all_gather", "payload_bytes",
-           "max_error_bound", "DEFAULT_BLOCK"]
+           "max_error_bound", "pack", "unpack", "DEFAULT_BLOCK"]
 
 
 # --------------------------------------------------------------------------- int4 (qgZ)
