@@ -273,7 +273,9 @@ def _throughput(cfg: Config, mesh, topo, bundle, data, logger: MetricsLogger) ->
     thr = Throughput(tokens_per_step, fpt * tokens_per_step, mesh.size, topo.peak_flops)
     logger.line(f"{cfg.name}: {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
                 f"params={bundle.n_params / 1e6:.2f}M | mesh {dict(mesh.shape)} "
-                f"plan={cfg.parallel.plan} tp={cfg.parallel.tp_mode} attention={attn} | "
+                f"plan={cfg.parallel.plan}"
+                f"{' (gathered weights kept)' if bundle.placement.secondary_axes == () else ''}"
+                f" tp={cfg.parallel.tp_mode} attention={attn} | "
                 f"{data.n_train_tokens / 1e6:.2f}M train tokens | "
                 f"{tokens_per_step} tokens/step")
     return thr
