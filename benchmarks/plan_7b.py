@@ -193,8 +193,8 @@ def section_batches(topo, lines, top: int = 3):
         markdown_table(["sequences", "#", "layout", "MFU", "step ms", "compute", "exposed TP",
                         "exposed DP", "bubble", "once-per-step", "node egress GB", "floor ms",
                         "MFU ceiling"], rows), "",
-        "The fitting layout with the highest MFU ceiling at each batch (every collective "
-        "hidden):", "",
+        "The fitting layout with the highest MFU ceiling at each batch (every data-parallel "
+        "collective hidden):", "",
         markdown_table(["sequences", "layout", "MFU ceiling", "floor"], ceilings), ""]
 
 

@@ -235,8 +235,9 @@ def layout_text(cfg: Config, layout: Optional[dict]) -> str:
     text = f"plan {par.plan}"
     pl = (layout or {}).get("placement")
     if pl:
-        roles = ", ".join(f"{k} {pl.get(k) or '-'}" for k in ("params", "grads", "opt_state",
-                                                               "secondary"))
+        roles = ", ".join(f"{k} {pl.get(k) or '-'}" for k in ("params", "grads", "opt_state"))
+        sec = pl.get("secondary")
+        roles += ", secondary " + ("the forward's gather kept" if sec == [] else str(sec or "-"))
         text += f" ({roles})"
     text += f"; TP {par.tp_mode} over {par.tp_axes or '-'}"
     if par.pp_stages > 1:

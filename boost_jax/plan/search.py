@@ -90,7 +90,8 @@ class SearchResult:
 
     @property
     def ceiling(self) -> Optional[dict]:
-        """The fitting layout whose floor allows the highest MFU (every collective hidden)."""
+        """The fitting layout whose floor allows the highest MFU (every data-parallel
+        collective hidden)."""
         if not self.fitting:
             return None
         best = max(self.fitting, key=lambda c: floor(c.prediction)["mfu_ceiling"])
@@ -120,12 +121,12 @@ class SearchResult:
 
 
 def keeps(plan: str, tp_axes: tuple, sz: dict) -> tuple:
-    """Whether to try /keep: where the plan's weights are gathered over some axis, without
-    pipeline stages (their backward tick re-runs the forward, gathers included)."""
+    """Whether to try /keep: where the plan's weights are gathered over some axis (with
+    pipeline stages too: a backward tick's re-run forward keeps its gather for the backward)."""
     params = PRESETS[plan]["params"]
     params = AXES if params == ALL else params
     gathers = any(a not in tp_axes and sz[a] > 1 for a in params)
-    return KEEP.get(plan, (False,)) if gathers and "stage" not in sz else (False,)
+    return KEEP.get(plan, (False,)) if gathers else (False,)
 
 
 def candidates(cfg, sizes: dict) -> list[Candidate]:
@@ -235,7 +236,8 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
         p = c.prediction
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
         pp = f"{c.pp_stages}" + (f" x{c.pp_virtual}" if c.pp_virtual > 1 else "")
-        lines.append(f"| {i} | {c.plan}{' keep' if c.keep else ''} | {tp} | {pp} | {c.micro_size} | "
+        plan = c.plan + (" keep" if c.keep else "")
+        lines.append(f"| {i} | {plan} | {tp} | {pp} | {c.micro_size} | "
                      f"{c.micro_batches} | {c.remat} | "
                      f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
                      f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "
@@ -244,7 +246,8 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                      f"{('GPU' if c.gpu else 'yes') if c.compiled else 'no'} |")
     ceil = res.ceiling
     if ceil:
-        lines += ["", f"highest MFU any fitting layout allows with every collective hidden: "
+        lines += ["", f"highest MFU any fitting layout allows with its data-parallel traffic "
+                  f"hidden: "
                   f"{ceil['mfu']:.1%} ({ceil['key']}, floor: {ceil['by']})"]
     if res.fitting:
         lines += ["", "critical path of the top layouts (ms per step: compute, exposed TP, "

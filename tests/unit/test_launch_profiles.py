@@ -9,3 +9,16 @@ def test_every_profile_runs_whole_nodes():
         assert t.job is not None, name
         assert t.devices_per_node % t.job.processes_per_node == 0, name
         assert t.job.gpus_per_node in (0, t.devices_per_node), name
+
+
+def test_job_header_says_when_the_forward_gather_is_kept():
+    """A layout with parallel.secondary_axes=[] keeps the forward's gathered weights: the job's
+    header says so instead of "secondary -" (no secondary, which re-gathers)."""
+    from boost_jax.config import load_config
+    from boost_jax.launch.slurm import layout_text
+
+    cfg = load_config(None, ["parallel.plan=zero3", "parallel.secondary_axes=[]"])
+    roles = {"params": ["global"], "grads": ["global"], "opt_state": ["global"]}
+    kept = layout_text(cfg, {"placement": dict(roles, secondary=[])})
+    none = layout_text(cfg, {"placement": dict(roles, secondary=None)})
+    assert "secondary the forward's gather kept" in kept and "secondary -" in none
