@@ -235,8 +235,8 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
     """HBM time of the (de)quantization kernels ZeRO++ and the int8 secondaries run, per step.
 
     Memory bound, as DeepSpeed's fused kernels run them: qwZ / an int8 secondary dequantizes
-    every gathered weight (read q, write the working dtype; quantizing a shard is 1/|A| of it);
-    qgZ quantizes the gradient (read a, write q₄), then per stage dequantizes, sums and
+    every gathered weight (read q, write the working dtype; quantizing a shard is 1/|A| of it,
+    an int8 copy kept whole quantizes the whole weight once more); qgZ quantizes the gradient (read a, write q₄), then per stage dequantizes, sums and
     requantizes what arrives in one pass (read q₄ of the stage's input, write fp32 of its
     output), the last stage's output read once more into the accumulator's dtype.
     """
@@ -257,6 +257,8 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
             gathers += [1, 1]
         nbytes += k * len(gathers) * W * (q8 + pb + (pb + q8) / _size(sizes, A))
         kernels += 2 * len(gathers)
+        if S == () and (pl.secondary_int8 or pl.quantize_gather):
+            nbytes, kernels = nbytes + k * W * (pb + q8), kernels + 1
     if pl.quantize_grads:
         w_in = W
         nbytes += k * W * (gb + q4)
