@@ -10,6 +10,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -297,7 +298,11 @@ def test_failure_6_two_prepares_of_one_out_one_wins_the_other_stops(tmp_path):
     while not [n for n in os.listdir(outdir) if n.endswith((".lock", ".tmp"))]:
         assert first.poll() is None and time.monotonic() - t0 < 60, first.communicate()
         time.sleep(0.005)  # the first has started writing
-    second = _cli(*_prepare(src, out, "--force")[1:])
+    os.kill(first.pid, signal.SIGSTOP)  # held mid-write, however fast this machine is
+    try:
+        second = _cli(*_prepare(src, out, "--force")[1:])
+    finally:
+        os.kill(first.pid, signal.SIGCONT)
     _, err = first.communicate(timeout=120)
     assert first.returncode == 0, err
     _one_line(second, rf"OUT '{out}' is being written by another process \(pid {first.pid} on "
