@@ -127,7 +127,7 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
         acc["params"] += role(pl.params_axes)
         acc["grads"] += role(pl.accum_axes(lay))
         acc["opt"] += role(pl.opt_state_axes)
-        if pl.secondary_axes is not None:
+        if pl.secondary_axes is not None and path[0].key == "blocks":  # see formulas.py
             acc["sec"] += role(pl.secondary_axes)
         if lay.dim is None:
             acc["rep"] += local

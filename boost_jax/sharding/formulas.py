@@ -23,7 +23,7 @@ Memory per device (stored state + the accumulator + saved secondaries):
     weights Ψw/|params|   master 4Ψ/|opt| (bf16 weights only)   adam 8Ψ/|opt|
     grads   Ψa/|grads|    (k = 1, no pipeline, the layer stack: Ψa/|grads ∪ (R ∩ opt)|,
                           Placement.accum_axes)
-    secondary Ψw/|S| or q(Ψ)/|S| (kept from forward to backward)
+    secondary Ψw/|S| or q(Ψ)/|S| of the layer stack (kept from forward to backward)
 Padding (a dim padded to a multiple of the role devices) adds its zeros to every role; the
 report lists it separately. A leaf that could not be sharded counts at full size.
 
@@ -86,7 +86,9 @@ def memory_per_device(pl) -> dict:
             pad[k] += share(axes, lay.padded_numel - lay.numel) * b * frac
         S = pl.secondary_axes
         int8s = f.secondary_int8 or f.quantize_gather
-        if S is not None and f.gathers:  # kept from forward to backward, every layer
+        # kept from forward to backward by every layer; the embedding's and head's is dead once
+        # their forward gather ran (their gathered weight is what stays)
+        if S is not None and f.gathers and path[0] == "blocks":
             if int8s:
                 out["secondary"] += layers * int8_payload(f, S) / _n(mesh, S)
             elif tuple(S) != tuple(pl.params_axes):
