@@ -20,6 +20,8 @@ RESIDUAL_NAME = "residual"  # the residual stream at each sub-layer input
 # so no collective is replayed there either)
 REDUCED_NAME = "tp_reduced"
 SECONDARY_NAME = "zero_secondary"  # every saved secondary (hpZ) partition
+# how reports name parallel.secondary_axes=[] (planner, job header, run line)
+KEPT_SECONDARY = "the forward's gather kept"
 
 # what a run writes under out_dir
 CHECKPOINTS_DIR = "checkpoints"

@@ -37,6 +37,7 @@ from boost_jax.config import Config, config_to_yaml
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.launch import script_values as sv
 from boost_jax.mesh import AXES, JobProfile, Topology
+from boost_jax.names import KEPT_SECONDARY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_PY = os.path.join(ROOT, "train.py")
@@ -237,7 +238,7 @@ def layout_text(cfg: Config, layout: Optional[dict]) -> str:
     if pl:
         roles = ", ".join(f"{k} {pl.get(k) or '-'}" for k in ("params", "grads", "opt_state"))
         sec = pl.get("secondary")
-        roles += ", secondary " + ("the forward's gather kept" if sec == [] else str(sec or "-"))
+        roles += ", secondary " + (KEPT_SECONDARY if sec == [] else str(sec or "-"))
         text += f" ({roles})"
     text += f"; TP {par.tp_mode} over {par.tp_axes or '-'}"
     if par.pp_stages > 1:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 from boost_jax import json_out
 from boost_jax.cli import OverrideParser
 from boost_jax.data.demo_guard import refuse_demo_corpus
-from boost_jax.names import MESH_AXES
+from boost_jax.names import KEPT_SECONDARY, MESH_AXES
 from boost_jax.plan.critical_path import critical_path, floor_text
 
 
@@ -145,11 +145,11 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False) -
 def _layout_line(p, cfg) -> str:
     lay = p.layout
     pl = lay["placement"]
-    late = f", the layers' reduced over {pl['deferred_grad_axes']} in the backward"
-    sec = "the forward's gather kept" if pl["secondary"] == [] else pl["secondary"] or "-"
+    late = (f", the layers' reduced over {pl['deferred_grad_axes']} in the backward"
+            if pl.get("reduce_in_backward") else "")
+    sec = KEPT_SECONDARY if pl["secondary"] == [] else pl["secondary"] or "-"
     return (f"layout: plan {lay['plan']} (params {pl['params'] or '-'}, grads {pl['grads'] or '-'}"
-            f"{late if pl.get('reduce_in_backward') else ''}"
-            f", opt_state {pl['opt_state'] or '-'}, secondary {sec}"
+            f"{late}, opt_state {pl['opt_state'] or '-'}, secondary {sec}"
             f"{' int8' if pl['secondary_int8'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''})"
             f"; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; "
             + (f"{lay['pipeline_stages']} pipeline stages ({lay['pp_schedule']}"

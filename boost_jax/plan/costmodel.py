@@ -236,9 +236,10 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
 
     Memory bound, as DeepSpeed's fused kernels run them: qwZ / an int8 secondary dequantizes
     every gathered weight (read q, write the working dtype; quantizing a shard is 1/|A| of it,
-    an int8 copy kept whole quantizes the whole weight once more); qgZ quantizes the gradient (read a, write q₄), then per stage dequantizes, sums and
-    requantizes what arrives in one pass (read q₄ of the stage's input, write fp32 of its
-    output), the last stage's output read once more into the accumulator's dtype.
+    an int8 copy kept whole quantizes the whole weight once more); qgZ quantizes the gradient
+    (read a, write q₄), then per stage dequantizes, sums and requantizes what arrives in one
+    pass (read q₄ of the stage's input, write fp32 of its output), the last stage's output
+    read once more into the accumulator's dtype.
     """
     m, par = cfg.model, cfg.parallel
     pb, gb = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[par.grad_accum_dtype]

@@ -16,6 +16,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
+from boost_jax import names
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.mesh import AXES, Topology
 from boost_jax.plan.critical_path import critical_path, floor, floor_text
@@ -24,7 +25,7 @@ from boost_jax.plan.costmodel import (Assumptions, Prediction, SizesMesh,
 from boost_jax.sharding import parallel
 from boost_jax.sharding.placement import ALL, PRESETS
 
-PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
+PLANS = names.PLANS
 TP_AXES = ((), ("pair",), ("node",), ("pair", "node"))
 MICRO_SIZES = (1, 2, 4, 8, 16, 32)
 PP_STAGES = (1, 2, 4, 8)  # pipeline stages (1F1B) tried where they divide the hosts
@@ -94,8 +95,8 @@ class SearchResult:
         collective hidden)."""
         if not self.fitting:
             return None
-        best = max(self.fitting, key=lambda c: floor(c.prediction)["mfu_ceiling"])
-        f = floor(best.prediction)
+        f, best = max(((floor(c.prediction), c) for c in self.fitting),
+                      key=lambda fc: fc[0]["mfu_ceiling"])
         return dict(key=best.key(), mfu=f["mfu_ceiling"], by=f["by"])
 
     def to_dict(self) -> dict:

@@ -114,8 +114,9 @@ def quantized_all_gather(x: jax.Array, axis_name, *, axis: int = 0, block: int =
     """Inside shard_map: tiled all-gather of `x` along `axis` that moves int8 + scales.
 
     Each shard is quantized locally (blocks along `quant_axis`), q and scales are packed and
-    gathered stacked (so per-shard padding never interleaves), then dequantized. The gradient is the
-    exact transpose of a tiled all-gather (psum_scatter), straight-through the quantization."""
+    gathered stacked (so per-shard padding never interleaves), then dequantized. The gradient
+    is the exact transpose of a tiled all-gather (psum_scatter), straight-through the
+    quantization."""
     y = _qag(x, axis_name, axis, block, quant_axis)
     return y if dtype is None else y.astype(dtype)
 

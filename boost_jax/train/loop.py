@@ -35,7 +35,7 @@ from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
 from boost_jax.config import Config
 from boost_jax.errors import UserError
 from boost_jax.mesh import get_topology, mesh_from_config
-from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE
+from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, KEPT_SECONDARY
 from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot_losses,
                                      summarize)
 from boost_jax.train.run_lock import hold_out_dir
@@ -274,7 +274,7 @@ def _throughput(cfg: Config, mesh, topo, bundle, data, logger: MetricsLogger) ->
     logger.line(f"{cfg.name}: {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
                 f"params={bundle.n_params / 1e6:.2f}M | mesh {dict(mesh.shape)} "
                 f"plan={cfg.parallel.plan}"
-                f"{' (gathered weights kept)' if bundle.placement.secondary_axes == () else ''}"
+                f"{f' ({KEPT_SECONDARY})' if bundle.placement.secondary_axes == () else ''}"
                 f" tp={cfg.parallel.tp_mode} attention={attn} | "
                 f"{data.n_train_tokens / 1e6:.2f}M train tokens | "
                 f"{tokens_per_step} tokens/step")
