@@ -38,6 +38,7 @@ import errno
 import os
 import shutil
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -463,6 +464,11 @@ class Checkpointer:
         """After abandon(): remove the failed step's partial directory now (process 0) instead of
         at the next start, so a full disk gets its space back at once. Finalised steps are never
         touched."""
+        if self._failed:
+            # the failed save's writes that never ran are collected at exit, each with a
+            # "coroutine ... was never awaited" warning: noise after the run's one-line error
+            warnings.filterwarnings("ignore", message="coroutine .* was never awaited",
+                                    category=RuntimeWarning)
         if not self._failed or not self._primary:
             return
         for step, name in self._interrupted_saves():
