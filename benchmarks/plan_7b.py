@@ -175,7 +175,10 @@ def section_batches(topo, lines, top: int = 3):
                          f"{sum(p.node_egress.values()) / 1e9:.2f}",
                          f"{f['by']} {f[f['by']] * 1e3:.0f}", f"{f['mfu_ceiling']:.1%}"])
         ceil = res.ceiling
-        ceilings.append([batch, ceil["key"], f"{ceil['mfu']:.1%}", ceil["by"]])
+        t = next(c for c in res.fitting if c.key() == ceil["key"]).prediction.time
+        ceilings.append([batch, ceil["key"], f"{ceil['mfu']:.1%}", ceil["by"],
+                         f"{ceil['mfu_now']:.1%}", f"{t['dp'] * 1e3:.0f}",
+                         f"{t['dp_latency'] * 1e3:.0f}", f"{t['dp_exposed'] * 1e3:.0f}"])
     lines += [
         "## 4. Where the best layouts' step goes, by global batch (cost model)", "",
         "`python -m boost_jax.plan --config configs/cola-7b.yaml --topology frontier --nodes 48 "
@@ -194,8 +197,11 @@ def section_batches(topo, lines, top: int = 3):
                         "exposed DP", "bubble", "once-per-step", "node egress GB", "floor ms",
                         "MFU ceiling"], rows), "",
         "The fitting layout with the highest MFU ceiling at each batch (every data-parallel "
-        "collective hidden):", "",
-        markdown_table(["sequences", "layout", "MFU ceiling", "floor"], ceilings), ""]
+        "collective hidden), its predicted MFU, and its data-parallel collectives in ms per "
+        "step: all of them, their per-call latency (α per call: one call per weight and pass), "
+        "and what is exposed:", "",
+        markdown_table(["sequences", "layout", "MFU ceiling", "floor", "MFU", "DP ms",
+                        "of it latency", "exposed"], ceilings), ""]
 
 
 def main() -> int:

@@ -27,7 +27,7 @@ from boost_jax import json_out
 from boost_jax.cli import OverrideParser
 from boost_jax.data.demo_guard import refuse_demo_corpus
 from boost_jax.names import KEPT_SECONDARY, MESH_AXES
-from boost_jax.plan.critical_path import critical_path, floor_text
+from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor_text
 
 
 def _gb(x: float) -> str:
@@ -257,7 +257,7 @@ def _time_lines(p, topo) -> list:
          f"collectives {_ms(t['step_comm'])} + optimizer {_ms(t['optimizer'])}"
          + (f" (pipeline p2p {_ms(t['p2p'])} within TP)" if t.get("p2p") else ""),
          "  critical path: " + critical_path_line(p),
-         "  " + floor_text(p),
+         "  " + floor_text(p) + "\n  " + dp_latency_text(p),
          f"  = {_ms(t['total'])} per step  (DP collectives fully overlapped: "
          f"{_ms(t['total_overlapped'])})",
          f"  {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "

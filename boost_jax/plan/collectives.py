@@ -80,12 +80,19 @@ def _intra_level(c: Coll) -> str:
     return "node" if "node" in c.axes else "pair"
 
 
-def coll_time(c: Coll, topo: Topology, a: Assumptions) -> float:
+def coll_latency(c: Coll, topo: Topology) -> float:
+    """The per-call latency part of coll_time: α per step of the algorithm, every call."""
     if c.n <= 1 or c.level not in AXES:
         return 0.0
     # an all-to-all (qgZ) sends one message to each of the n−1 peers; the rings' steps pipeline
     hops = c.n - 1 if c.kind == "all-to-all" else math.ceil(math.log2(c.n))
-    lat = c.calls * topo.latency(c.level) * hops
+    return c.calls * topo.latency(c.level) * hops
+
+
+def coll_time(c: Coll, topo: Topology, a: Assumptions) -> float:
+    if c.n <= 1 or c.level not in AXES:
+        return 0.0
+    lat = coll_latency(c, topo)
     if c.level != "global":
         return c.bytes_per_step / (topo.bandwidth(c.level) * a.eta_net) + lat
     t_nic = c.egress_per_step(topo) / (topo.nic_node * a.eta_net)
@@ -112,19 +119,21 @@ class CommSummary:
     level_bytes: dict  # pair | node | global → bytes per device per step
     level_time: dict  # pair | node | global → seconds per step
     egress: dict = None  # tp | dp | step → bytes leaving one host through its NICs per step
+    latency: dict = None  # tp | dp | step → of phase_time, the per-call latency (α) part
 
     @classmethod
     def of(cls, colls: Sequence[Coll], topo: Topology, a: "Assumptions") -> "CommSummary":
         ph = {p: 0.0 for p in ("tp", "dp", "step")}
-        eg = dict(ph)
+        eg, lat = dict(ph), dict(ph)
         lt = {lv: 0.0 for lv in AXES}
         for c in colls:
             t = coll_time(c, topo, a)
             ph[c.phase] = ph.get(c.phase, 0.0) + t
             eg[c.phase] = eg.get(c.phase, 0.0) + c.egress_per_step(topo)
+            lat[c.phase] = lat.get(c.phase, 0.0) + coll_latency(c, topo)
             if c.level in lt:
                 lt[c.level] += t
-        return cls(ph, per_level_bytes(colls), lt, eg)
+        return cls(ph, per_level_bytes(colls), lt, eg, lat)
 
     @property
     def node_egress(self) -> float:
@@ -141,7 +150,8 @@ class CommSummary:
 
         return CommSummary(mix(self.phase_time, other.phase_time),
                            mix(self.level_bytes, other.level_bytes),
-                           mix(self.level_time, other.level_time), mix(self.egress, other.egress))
+                           mix(self.level_time, other.level_time), mix(self.egress, other.egress),
+                           mix(self.latency, other.latency))
 
 
 def colls_from_report(report, tp_axes: Sequence[str], micro_batches: int) -> list[Coll]:

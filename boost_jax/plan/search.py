@@ -19,7 +19,7 @@ from typing import Optional
 from boost_jax import names
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.mesh import AXES, Topology
-from boost_jax.plan.critical_path import critical_path, floor, floor_text
+from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor, floor_text
 from boost_jax.plan.costmodel import (Assumptions, Prediction, SizesMesh,
                                      predict)
 from boost_jax.sharding import parallel
@@ -97,7 +97,8 @@ class SearchResult:
             return None
         f, best = max(((floor(c.prediction), c) for c in self.fitting),
                       key=lambda fc: fc[0]["mfu_ceiling"])
-        return dict(key=best.key(), mfu=f["mfu_ceiling"], by=f["by"])
+        return dict(key=best.key(), mfu=f["mfu_ceiling"], by=f["by"], mfu_now=best.prediction.mfu,
+                    why=dp_latency_text(best.prediction))
 
     def to_dict(self) -> dict:
         rows = []
@@ -249,7 +250,8 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
     if ceil:
         lines += ["", f"highest MFU any fitting layout allows with its data-parallel traffic "
                   f"hidden: "
-                  f"{ceil['mfu']:.1%} ({ceil['key']}, floor: {ceil['by']})"]
+                  f"{ceil['mfu']:.1%} ({ceil['key']}, floor: {ceil['by']}; predicted "
+                  f"{ceil['mfu_now']:.1%}: {ceil['why']})"]
     if res.fitting:
         lines += ["", "critical path of the top layouts (ms per step: compute, exposed TP, "
                   "exposed DP, pipeline bubble, once-per-step comm + optimizer):"]

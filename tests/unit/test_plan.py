@@ -1,6 +1,9 @@
 """Planner: plan == train step, layer extrapolation, cost-model invariants, search ranking and
 the validation targets (tests/e2e/test_plan_cli.py: the CLI's AOT dry-run on 64 devices)."""
 
+import dataclasses
+import math
+
 import jax
 import pytest
 
@@ -191,6 +194,32 @@ def test_the_floor_bounds_every_layout_and_names_what_binds():
     assert floor(few)["by"] == "node egress" and floor(many)["by"] == "compute + TP"
     assert floor(few)["node egress"] == pytest.approx(
         egress / (topo.nic_node * few.assumptions.eta_net), rel=0.05)
+
+
+def test_per_call_latency_is_reported_apart_from_the_bytes():
+    """ZeRO++ of CoLA-7B on 48 Frontier nodes runs a cross-node int4 all-to-all per weight and
+    pass: its data-parallel time is mostly α·(n−1) per call, which the report says apart."""
+    from boost_jax.plan.critical_path import dp_latency_text
+
+    topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 48}
+    cfg = C.with_overrides(_cfg7b("cola", "btp", "[pair]"), **{
+        "data.seq_len": 256, "parallel.plan": "zeropp", "train.micro_batches": 1,
+        "train.global_batch": 768, "parallel.grad_accum_dtype": "bfloat16"})
+    p = C.predict(cfg, topo, sizes)
+    want = 0.0
+    for c in p.collectives:
+        if c.phase == "dp" and c.n > 1:
+            hops = c.n - 1 if c.kind == "all-to-all" else math.ceil(math.log2(c.n))
+            want += c.calls * topo.latency(c.level) * hops
+    assert p.time["dp_latency"] == pytest.approx(want)
+    a2a = [c for c in p.collectives if c.kind == "all-to-all" and c.level == "global"]
+    assert a2a and p.time["dp_latency"] > 0.5 * p.time["dp"]
+    assert f"{want * 1e3:.1f} ms of it per-call latency" in dp_latency_text(p)
+    # with α = 0 the same collectives cost only their bytes
+    free = C.predict(cfg, dataclasses.replace(topo, lat_pair=0.0, lat_node=0.0, lat_global=0.0),
+                     sizes)
+    assert free.time["dp_latency"] == 0.0
+    assert free.time["dp"] == pytest.approx(p.time["dp"] - want)
 
 
 def test_an_int8_copy_kept_whole_pays_one_more_quantization():
