@@ -175,7 +175,7 @@ def section_batches(topo, lines, top: int = 3):
                          f"{sum(p.node_egress.values()) / 1e9:.2f}",
                          f"{f['by']} {f[f['by']] * 1e3:.0f}", f"{f['mfu_ceiling']:.1%}"])
         ceil = res.ceiling
-        t = next(c for c in res.fitting if c.key() == ceil["key"]).prediction.time
+        t = res.ceiling_layout.prediction.time
         ceilings.append([batch, ceil["key"], f"{ceil['mfu']:.1%}", ceil["by"],
                          f"{ceil['mfu_now']:.1%}", f"{t['dp'] * 1e3:.0f}",
                          f"{t['dp_latency'] * 1e3:.0f}", f"{t['dp_exposed'] * 1e3:.0f}"])

@@ -136,6 +136,10 @@ class CommSummary:
         return cls(ph, per_level_bytes(colls), lt, eg, lat)
 
     @property
+    def dp_latency(self) -> float:
+        return (self.latency or {}).get("dp", 0.0)
+
+    @property
     def node_egress(self) -> float:
         return sum((self.egress or {}).values())
 

@@ -414,6 +414,13 @@ def optimizer_seconds(st: StateSizes, param_dtype: str, hbm: float, a: Assumptio
     return opt_bytes / (a.eta_hbm * hbm) + 40 * a.launch_s
 
 
+def recompute_factor(cfg) -> float:
+    """Executed FLOPs per model FLOP: remat re-runs the forward (+1/3 of forward + backward),
+    and so does a pipeline's backward tick (step/pipeline.py)."""
+    return (4 / 3 if cfg.train.remat != "none" else 1.0) + \
+        (1 / 3 if cfg.parallel.pp_stages > 1 else 0.0)
+
+
 def predict(cfg, topo: Topology, sizes: dict[str, int],
             assumptions: Optional[Assumptions] = None,
             measured: Optional[CommSummary] = None) -> Prediction:
@@ -457,18 +464,17 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     total_overlap = t_compute + t_quant + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt
     tokens = cfg.train.global_batch * s
     model_flops = flops_per_token(m, s)["train"] * tokens / n_dev
-    rec_factor = (4 / 3 if cfg.train.remat != "none" else 1.0) + (1 / 3 if pp > 1 else 0.0)
     mem = memory_estimate(cfg, sizes, st, pl, bm, hm, b, topo.hbm_bytes * a.hbm_usable)
     mem["hbm"] = topo.hbm_bytes
     tflops = model_flops / total / 1e12
     return Prediction(
         layout=_layout(cfg, mode, t, pl), sizes=dict(sizes), devices=n_dev,
         tokens_per_step=tokens, micro_batch_per_device=b, micro_batches=micro,
-        flops_per_device=model_flops, executed_flops_per_device=model_flops * rec_factor,
-        time=dict(compute=t_compute, bubble=t_bubble, tp=t_tp, dp=t_dp, quant=t_quant,
-                  dp_exposed=exposed_dp, step_comm=t_stepc, optimizer=t_opt, p2p=p2p,
-                  nic=comm.nic_seconds(topo, a), dp_latency=(comm.latency or {}).get("dp", 0.0),
-                  total=total, total_overlapped=total_overlap),
+        flops_per_device=model_flops, executed_flops_per_device=model_flops * recompute_factor(cfg),
+        time=dict(compute=t_compute, bubble=t_bubble, tp=t_tp, dp=t_dp, quant=t_quant, p2p=p2p,
+                  dp_exposed=exposed_dp, dp_latency=comm.dp_latency, step_comm=t_stepc,
+                  optimizer=t_opt, nic=comm.nic_seconds(topo, a), total=total,
+                  total_overlapped=total_overlap),
         comm_bytes={lv: comm.level_bytes.get(lv, 0.0) for lv in AXES},
         comm_time={lv: comm.level_time.get(lv, 0.0) for lv in AXES}, memory=mem,
         step_time=total, tokens_per_s=tokens / total, tflops_per_device=tflops,

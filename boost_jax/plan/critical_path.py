@@ -37,9 +37,8 @@ def dp_latency_text(p) -> str:
     every call: the step's schedule runs one collective per weight and pass), the part that
     more bytes per call would not add to."""
     t = p.time
-    dp, lat = t.get("dp", 0.0), t.get("dp_latency", 0.0)
-    return (f"data-parallel collectives {dp * 1e3:.1f} ms, {lat * 1e3:.1f} ms of it per-call "
-            f"latency, {t['dp_exposed'] * 1e3:.1f} ms exposed")
+    return (f"data-parallel collectives {t['dp'] * 1e3:.1f} ms, {t['dp_latency'] * 1e3:.1f} ms "
+            f"of it per-call latency, {t['dp_exposed'] * 1e3:.1f} ms exposed")
 
 
 __all__ = ["critical_path", "floor", "floor_text", "dp_latency_text"]

@@ -90,13 +90,20 @@ class SearchResult:
         return sorted(ok, key=lambda c: c.prediction.step_time)
 
     @property
-    def ceiling(self) -> Optional[dict]:
-        """The fitting layout whose floor allows the highest MFU (every data-parallel
-        collective hidden)."""
+    def ceiling_layout(self):
+        """The fitting candidate whose floor allows the highest MFU (every data-parallel
+        collective hidden); None when nothing fits."""
         if not self.fitting:
             return None
-        f, best = max(((floor(c.prediction), c) for c in self.fitting),
-                      key=lambda fc: fc[0]["mfu_ceiling"])
+        return max(self.fitting, key=lambda c: floor(c.prediction)["mfu_ceiling"])
+
+    @property
+    def ceiling(self) -> Optional[dict]:
+        """ceiling_layout's key, MFU ceiling and what binds it, its predicted MFU and why."""
+        best = self.ceiling_layout
+        if best is None:
+            return None
+        f = floor(best.prediction)
         return dict(key=best.key(), mfu=f["mfu_ceiling"], by=f["by"], mfu_now=best.prediction.mfu,
                     why=dp_latency_text(best.prediction))
 

@@ -1,18 +1,16 @@
 """Planner: plan == train step, layer extrapolation, cost-model invariants, search ranking and
-the validation targets (tests/e2e/test_plan_cli.py: the CLI's AOT dry-run on 64 devices)."""
-
-import dataclasses
-import math
+the validation targets (tests/e2e/test_plan_cli.py: the CLI's AOT dry-run on 64 devices;
+test_network_model.py: the links' α–β model)."""
 
 import jax
 import pytest
 
 from boost_jax.config import load_config
 from boost_jax.mesh import get_topology, make_mesh
-from boost_jax.plan import collectives as N, costmodel as C, roofline as R
+from boost_jax.plan import costmodel as C, roofline as R
 from boost_jax.plan.critical_path import critical_path, floor
 from boost_jax.sharding.step_collectives import leaves
-from plan_tiny import TINY
+from plan_tiny import TINY, cfg7b
 
 
 # --------------------------------------------------------------------------- plan == train step
@@ -81,19 +79,10 @@ def test_layer_extrapolation_matches_a_full_compile(hier4):
 # --------------------------------------------------------------------------- cost model
 
 
-def _cfg7b(arch, mode, axes="[pair,node]"):
-    return load_config(None, [
-        f"model.arch={arch}", "model.vocab_size=32000", "model.d_model=4096",
-        "model.n_layers=32", "model.n_heads=32", "model.d_ff=11008", "model.rank=1024",
-        "model.max_seq_len=4096", "data.seq_len=4096", "model.dtype=bfloat16",
-        "model.param_dtype=bfloat16", f"parallel.tp_mode={mode}", f"parallel.tp_axes={axes}",
-        "train.global_batch=4"])
-
-
 def test_tp_bytes_per_layer_match_the_design():
     """BOOST (arXiv 2512.12131), 7B b=4 s=4096 bf16 forward payload: 0.25 / 1.3 / 0.22 GiB; BTP ≈ 5.9x less
     than vanilla and 0.875x of Megatron."""
-    m = {k: R.block_model(_cfg7b(a, k).model, 4, 4096, k, 4) for a, k in
+    m = {k: R.block_model(cfg7b(a, k).model, 4, 4096, k, 4) for a, k in
          (("full", "megatron"), ("cola", "vanilla"), ("cola", "btp"))}
     fwd = {k: sum(c.payload for c in b.fwd) for k, b in m.items()}
     assert fwd["megatron"] / 2**30 == pytest.approx(0.25, rel=0.01)
@@ -140,14 +129,6 @@ def test_state_memory_formula_of_the_design():
     assert one.grads == pytest.approx(stack / 64 + (psi - stack) / 8)
 
 
-def test_collective_time_is_alpha_beta():
-    topo = get_topology("frontier")
-    a = C.Assumptions(eta_net=1.0)
-    c = N.Coll("x", "all-reduce", 1e9, 8, "node", 2, "tp")
-    t = N.coll_time(c, topo, a)
-    assert t == pytest.approx(2 * (2 * 7 / 8 * 1e9 / topo.bw_node + 3 * topo.lat_node))
-
-
 def test_search_ranks_fitting_layouts_best_first():
     from boost_jax.plan.search import search
 
@@ -182,7 +163,7 @@ def test_the_floor_bounds_every_layout_and_names_what_binds():
         assert f["mfu_ceiling"] >= p.mfu
     assert res.ceiling["mfu"] == max(floor(c.prediction)["mfu_ceiling"] for c in res.fitting)
     topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 48}
-    base = C.with_overrides(_cfg7b("cola", "btp", "[pair]"), **{
+    base = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{
         "data.seq_len": 256, "parallel.plan": "zero1", "train.micro_batches": 1,
         "train.global_batch": 1536, "parallel.grad_accum_dtype": "bfloat16"})
     few, many = (C.predict(C.with_overrides(base, **{"train.global_batch": b}), topo, sizes)
@@ -196,37 +177,11 @@ def test_the_floor_bounds_every_layout_and_names_what_binds():
         egress / (topo.nic_node * few.assumptions.eta_net), rel=0.05)
 
 
-def test_per_call_latency_is_reported_apart_from_the_bytes():
-    """ZeRO++ of CoLA-7B on 48 Frontier nodes runs a cross-node int4 all-to-all per weight and
-    pass: its data-parallel time is mostly α·(n−1) per call, which the report says apart."""
-    from boost_jax.plan.critical_path import dp_latency_text
-
-    topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 48}
-    cfg = C.with_overrides(_cfg7b("cola", "btp", "[pair]"), **{
-        "data.seq_len": 256, "parallel.plan": "zeropp", "train.micro_batches": 1,
-        "train.global_batch": 768, "parallel.grad_accum_dtype": "bfloat16"})
-    p = C.predict(cfg, topo, sizes)
-    want = 0.0
-    for c in p.collectives:
-        if c.phase == "dp" and c.n > 1:
-            hops = c.n - 1 if c.kind == "all-to-all" else math.ceil(math.log2(c.n))
-            want += c.calls * topo.latency(c.level) * hops
-    assert p.time["dp_latency"] == pytest.approx(want)
-    a2a = [c for c in p.collectives if c.kind == "all-to-all" and c.level == "global"]
-    assert a2a and p.time["dp_latency"] > 0.5 * p.time["dp"]
-    assert f"{want * 1e3:.1f} ms of it per-call latency" in dp_latency_text(p)
-    # with α = 0 the same collectives cost only their bytes
-    free = C.predict(cfg, dataclasses.replace(topo, lat_pair=0.0, lat_node=0.0, lat_global=0.0),
-                     sizes)
-    assert free.time["dp_latency"] == 0.0
-    assert free.time["dp"] == pytest.approx(p.time["dp"] - want)
-
-
 def test_an_int8_copy_kept_whole_pays_one_more_quantization():
     """hierarchical's int8 secondary over the pair quantizes each device's pair shard; kept
     whole (parallel.secondary_axes=[]) it quantizes the whole gathered weight: one more pass
     over the weights, less than the two dequantizing passes both make."""
-    cfg = C.with_overrides(_cfg7b("cola", "btp", "[node]"), **{"parallel.plan": "hierarchical",
+    cfg = C.with_overrides(cfg7b("cola", "btp", "[node]"), **{"parallel.plan": "hierarchical",
                                                               "train.global_batch": 32})
     topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 4}
     pair = C.predict(cfg, topo, sizes).time["quant"]
@@ -274,33 +229,11 @@ def test_validation_sensitivity_variants_change_what_they_name():
 
 # --------------------------------------------------------------------------- links and overlap
 
-def test_a_ring_over_whole_nodes_leaves_each_node_once():
-    """ZeRO-1 over 48 Frontier nodes: the ring's 8 GCDs on a node are contiguous, so the node's
-    four NICs carry one GCD's ring bytes (2(n-1)/n·P), not eight GCDs' worth."""
-    topo, a = get_topology("frontier"), C.Assumptions(eta_net=1.0)
-    sizes = {"pair": 2, "node": 4, "global": 48}
-    axes = ("pair", "node", "global")
-    k, groups = N.host_split(axes, sizes)
-    assert (k, groups) == (8, 1)
-    P = 11.5e9
-    c = N.Coll("ar", "all-reduce", P, 384, "global", 1, "step", axes, k, groups)
-    ring = 2 * 383 / 384 * P
-    assert c.egress_per_step(topo) == pytest.approx(ring)
-    # 100 GB/s of NICs per node (4 x 25 GB/s Slingshot-11), not 12.5 GB/s per GCD for all
-    # bytes; inside the node the ring runs over the package links (75 GB/s per GCD)
-    assert N.coll_time(c, topo, a) == pytest.approx(max(ring / 100e9, ring / 75e9) + 1e-5 * 9)
-    # the same bytes over a group with one member per node: every GCD's share of the NICs
-    one = N.Coll("ar", "all-reduce", P, 48, "global", 1, "step", ("global",),
-                 *N.host_split(("global",), sizes))
-    assert one.egress_per_step(topo) == pytest.approx(8 * 2 * 47 / 48 * P)
-    assert N.coll_time(one, topo, a) == pytest.approx(8 * 2 * 47 / 48 * P / 100e9 + 6e-5)
-
-
 def test_node_egress_is_reported_and_hierarchical_keeps_micro_batches_inside():
     """The planner reports bytes leaving a node per step; hierarchical's per-micro-batch
     traffic stays inside the node, ZeRO-3's leaves it. With one micro-batch hierarchical's
     cross-node reduction runs in the backward (dp), the same bytes."""
-    cfg = C.with_overrides(_cfg7b("cola", "btp", "[pair]"),
+    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"),
                            **{"train.global_batch": 384, "train.micro_batches": 2})
     topo = get_topology("frontier")
     sizes = {"pair": 2, "node": 4, "global": 48}
@@ -334,7 +267,7 @@ def test_layer_collectives_hide_behind_compute_but_one_layer_per_pass():
     assert C.overlap_exposed(0.1, 1.0, 32, a) == pytest.approx(0.1 / 32)
     assert C.overlap_exposed(1.5, 1.0, 32, a) == pytest.approx(0.5)
     assert C.overlap_exposed(0.1, 1.0, 32, C.Assumptions(overlap="none")) == 0.1
-    cfg = C.with_overrides(_cfg7b("cola", "btp", "[pair]"), **{"train.global_batch": 192,
+    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{"train.global_batch": 192,
                                                                "parallel.plan": "zero3"})
     sizes = {"pair": 2, "node": 4, "global": 48}
     topo = get_topology("frontier")
@@ -445,19 +378,6 @@ def test_dash_launch_scripts_are_capped_by_their_pipeline_bubble():
     assert [c["cap"] < c["published"] for c in caps.values()] == [False, True, True]
 
 
-def test_bus_bandwidth_of_a_multi_node_all_reduce_is_the_node_link_not_the_device_share():
-    """nccl-tests' bus bandwidth of a multi-node all-reduce, as modelled: bounded by a node's
-    NICs (4 x 25 GB/s) or the links inside it, never by one device's NIC share (12.5 / 25)."""
-    from benchmarks import published as V
-
-    eta = V.VALIDATION_ASSUMPTIONS.eta_net
-    for name, inside in (("frontier", 75e9), ("perlmutter", 300e9)):
-        topo = get_topology(name)
-        bw = V.bus_bandwidth(name, 48)
-        assert bw == pytest.approx(eta * min(topo.nic_node, inside), rel=0.01)
-        assert bw > 2 * eta * topo.bw_global
-
-
 def test_attention_is_costed_as_the_step_compiles_it():
     """auto: flash on GPU topologies, dense on the CPU; an explicit assumption wins."""
     cfg = load_config(None, TINY)
@@ -475,7 +395,7 @@ def test_overlap_gpu_costs_the_shares_the_gpu_schedule_hides(monkeypatch):
     assumption."""
     from boost_jax.plan import overlap as gpu_overlap
 
-    cfg = C.with_overrides(_cfg7b("cola", "btp", "[pair]"), **{"train.global_batch": 192,
+    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{"train.global_batch": 192,
                                                                 "parallel.plan": "zero3"})
     topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 48}
     xla = C.predict(cfg, topo, sizes)

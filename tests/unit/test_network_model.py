@@ -1,0 +1,81 @@
+"""The network model (plan/collectives.py): α–β time of a collective on the links it crosses,
+a ring leaving each node once, the NICs' bus bandwidth, and the per-call latency reported apart
+from the bytes."""
+
+import dataclasses
+import math
+
+import pytest
+
+from boost_jax.mesh import get_topology
+from boost_jax.plan import collectives as N, costmodel as C
+from plan_tiny import cfg7b
+
+
+def test_collective_time_is_alpha_beta():
+    topo = get_topology("frontier")
+    a = C.Assumptions(eta_net=1.0)
+    c = N.Coll("x", "all-reduce", 1e9, 8, "node", 2, "tp")
+    t = N.coll_time(c, topo, a)
+    assert t == pytest.approx(2 * (2 * 7 / 8 * 1e9 / topo.bw_node + 3 * topo.lat_node))
+
+
+def test_a_ring_over_whole_nodes_leaves_each_node_once():
+    """ZeRO-1 over 48 Frontier nodes: the ring's 8 GCDs on a node are contiguous, so the node's
+    four NICs carry one GCD's ring bytes (2(n-1)/n·P), not eight GCDs' worth."""
+    topo, a = get_topology("frontier"), C.Assumptions(eta_net=1.0)
+    sizes = {"pair": 2, "node": 4, "global": 48}
+    axes = ("pair", "node", "global")
+    k, groups = N.host_split(axes, sizes)
+    assert (k, groups) == (8, 1)
+    P = 11.5e9
+    c = N.Coll("ar", "all-reduce", P, 384, "global", 1, "step", axes, k, groups)
+    ring = 2 * 383 / 384 * P
+    assert c.egress_per_step(topo) == pytest.approx(ring)
+    # 100 GB/s of NICs per node (4 x 25 GB/s Slingshot-11), not 12.5 GB/s per GCD for all
+    # bytes; inside the node the ring runs over the package links (75 GB/s per GCD)
+    assert N.coll_time(c, topo, a) == pytest.approx(max(ring / 100e9, ring / 75e9) + 1e-5 * 9)
+    # the same bytes over a group with one member per node: every GCD's share of the NICs
+    one = N.Coll("ar", "all-reduce", P, 48, "global", 1, "step", ("global",),
+                 *N.host_split(("global",), sizes))
+    assert one.egress_per_step(topo) == pytest.approx(8 * 2 * 47 / 48 * P)
+    assert N.coll_time(one, topo, a) == pytest.approx(8 * 2 * 47 / 48 * P / 100e9 + 6e-5)
+
+
+def test_per_call_latency_is_reported_apart_from_the_bytes():
+    """ZeRO++ of CoLA-7B on 48 Frontier nodes runs a cross-node int4 all-to-all per weight and
+    pass: its data-parallel time is mostly α·(n−1) per call, which the report says apart."""
+    from boost_jax.plan.critical_path import dp_latency_text
+
+    topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 48}
+    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{
+        "data.seq_len": 256, "parallel.plan": "zeropp", "train.micro_batches": 1,
+        "train.global_batch": 768, "parallel.grad_accum_dtype": "bfloat16"})
+    p = C.predict(cfg, topo, sizes)
+    want = 0.0
+    for c in p.collectives:
+        if c.phase == "dp" and c.n > 1:
+            hops = c.n - 1 if c.kind == "all-to-all" else math.ceil(math.log2(c.n))
+            want += c.calls * topo.latency(c.level) * hops
+    assert p.time["dp_latency"] == pytest.approx(want)
+    a2a = [c for c in p.collectives if c.kind == "all-to-all" and c.level == "global"]
+    assert a2a and p.time["dp_latency"] > 0.5 * p.time["dp"]
+    assert f"{want * 1e3:.1f} ms of it per-call latency" in dp_latency_text(p)
+    # with α = 0 the same collectives cost only their bytes
+    free = C.predict(cfg, dataclasses.replace(topo, lat_pair=0.0, lat_node=0.0, lat_global=0.0),
+                     sizes)
+    assert free.time["dp_latency"] == 0.0
+    assert free.time["dp"] == pytest.approx(p.time["dp"] - want)
+
+
+def test_bus_bandwidth_of_a_multi_node_all_reduce_is_the_node_link_not_the_device_share():
+    """nccl-tests' bus bandwidth of a multi-node all-reduce, as modelled: bounded by a node's
+    NICs (4 x 25 GB/s) or the links inside it, never by one device's NIC share (12.5 / 25)."""
+    from benchmarks import published as V
+
+    eta = V.VALIDATION_ASSUMPTIONS.eta_net
+    for name, inside in (("frontier", 75e9), ("perlmutter", 300e9)):
+        topo = get_topology(name)
+        bw = V.bus_bandwidth(name, 48)
+        assert bw == pytest.approx(eta * min(topo.nic_node, inside), rel=0.01)
+        assert bw > 2 * eta * topo.bw_global
