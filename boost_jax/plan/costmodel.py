@@ -290,8 +290,9 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     mem["micro_grads"] = st.grads * gb
     mem["embed_head"] = st.outside_tp_local * (pb + gb)
     q8 = 1.0 + 4.0 / par.quant_block
-    # one layer's gathered weights in use and the next one's arriving, with or without TP
-    mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
+    # one layer's gathered weights in use and the next one's arriving: its bucket as it came
+    # (sharding/bucket.py) and the weights split out of it, with or without TP
+    mem["gathered_weights"] = 3 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
     if pl.secondary_axes is not None:
         mem["secondary"] = st.secondary * (q8 if pl.secondary_int8 or pl.quantize_gather else pb)
     working = sum(o.out_bytes for o in bm.ops)

@@ -16,19 +16,24 @@ secondary axes):
                    buffer and gathered in one call, then dequantized: every gather under qwZ
                    (quantize_gather), AG_S of an int8 secondary.
 
+Every collective here is described as a bucket.Send and issued by bucket.run for the whole
+fetch unit (fetch_tree: a layer, the embedding, the final norm, the head): the unit's weights
+with the same kind, axes and TP axes move in one call (sharding/bucket.py), and the gradient's
+steps run round by round across the unit's weights.
+
 The backward re-gather falls out of remat: each layer runs under jax.checkpoint with a policy
 that saves SECONDARY_NAME and never the gathered weight (layers/remat.py).
 
-Gradient: `fetch_leaf(f, x, slot)` is a custom_vjp whose primal ignores `slot` (zeros shaped
-like this device's accumulator shard, Placement.accum_axes) and whose backward turns the full
-weight's cotangent — this device's rows only — into the slot's cotangent: cast to
-grad_accum_dtype, zero-pad, then reduce-scatter over the grads axes G on `layout.dim` (an
-all-reduce over G for a leaf that is not sharded). The step differentiates with respect to the
-slots, so each micro-batch's gradient lands in the grads sharding, reduced in grad_accum_dtype,
-with one collective per weight written here. The full weight is marked varying over the batch
-axes so that JAX does not insert its own reduction of the cotangent over them: what G leaves
-out (the deferred axes R) stays unreduced until the end of the step — or, for the layer stack
-with one micro-batch (Placement.in_backward), is reduced right here after G (`late_steps`).
+Gradient: the fetch is a custom_vjp whose primal ignores the slots (zeros shaped like this
+device's accumulator shard, Placement.accum_axes) and whose backward turns each full weight's
+cotangent — this device's rows only — into its slot's cotangent: cast to grad_accum_dtype,
+zero-pad, then reduce-scatter over the grads axes G on `layout.dim` (an all-reduce over G for
+a leaf that is not sharded). The step differentiates with respect to the slots, so each
+micro-batch's gradient lands in the grads sharding, reduced in grad_accum_dtype. The full
+weight is marked varying over the batch axes so that JAX does not insert its own reduction of
+the cotangent over them: what G leaves out (the deferred axes R) stays unreduced until the
+end of the step — or, for the layer stack with one micro-batch (Placement.in_backward), is
+reduced right here after G (`late_steps`).
 """
 
 from __future__ import annotations
@@ -42,9 +47,9 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from boost_jax.backends.cpu import all_gather_bits
 from boost_jax.names import SECONDARY_NAME
-from boost_jax.sharding import quant
+from boost_jax.sharding import bucket, quant
+from boost_jax.sharding.bucket import Send, merge_stacked
 from boost_jax.sharding.layout import LeafLayout, unpad
 
 
@@ -59,10 +64,6 @@ def to_varying(x, axes):
     """Type x as varying over `axes` (identity forward; JAX transposes it to a psum)."""
     missing = tuple(a for a in axes if a not in varying_axes(x))
     return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-
-def all_gather(x, axes, dim: int):
-    return all_gather_bits(x, tuple(axes), dim) if axes else x
 
 
 @dataclass(frozen=True)
@@ -132,25 +133,38 @@ class LeafFetch:
         qa = self.quant_axis(src_axes)
         return quant.quantize(x, self.qblock(x.shape[qa]), axis=qa)
 
+    @property
+    def group(self) -> tuple:
+        """What keeps this weight's buffers apart from others' in a bucket (bucket.py): the
+        TP axes its shard varies over."""
+        return tuple(sorted({a for tp in self.layout.tp for a in tp}))
+
     def gather(self, x, axes, src_axes):
-        """AG over `axes` on the sharded dim of an array, or of a (q, scale) pair; x is this
-        device's shard over `src_axes`."""
+        """AG over `axes` on the sharded dim of an array, or of a (q, scale) pair (x: this
+        device's shard over `src_axes`), as a bucket.Send (a value when nothing moves)."""
+        d = self.dim
         if not isinstance(x, tuple):
-            return all_gather(x, axes, self.dim)
-        qa, dtype, d = self.quant_axis(src_axes), jnp.dtype(self.dtype), self.dim
+            if not axes:
+                return x
+            return Send("all-gather", tuple(axes), x, lambda s: merge_stacked(s, d), self.group)
+        qa, dtype = self.quant_axis(src_axes), jnp.dtype(self.dtype)
         if not axes:  # an int8 copy kept whole (secondary over no axes): dequantize only
             return quant.dequantize(*x, self.local_shape(src_axes), dtype, axis=qa)
-        buf = quant.pack(*x)  # q and scales in one gather (blocks and scales: the last dims)
-        if qa == d:  # blocks within each shard: stack the shards, dequantize, merge
-            q, s = quant.unpack(jax.lax.all_gather(buf, tuple(axes), axis=0))
-            src = self.local_shape(src_axes)
-            y = jnp.moveaxis(quant.dequantize(q, s, (q.shape[0], *src), dtype, axis=d + 1), 0, d)
-            return y.reshape(*src[:d], q.shape[0] * src[d], *src[d + 1:])
-        at = self.dim if self.dim < qa else self.dim - 1  # where dim sits once qa moved last
-        q, s = quant.unpack(all_gather(buf, axes, at))
-        shape = self.local_shape(())
-        shape[self.dim] = q.shape[at]
-        return quant.dequantize(q, s, shape, dtype, axis=qa)
+        src = self.local_shape(src_axes)
+
+        def finish(stacked):  # [n, *packed shard]
+            if qa == d:  # blocks within each shard: dequantize the stack, then merge
+                q, s = quant.unpack(stacked)
+                return merge_stacked(quant.dequantize(q, s, (q.shape[0], *src), dtype,
+                                                      axis=d + 1), d)
+            at = d if d < qa else d - 1  # where dim sits once qa moved last
+            q, s = quant.unpack(merge_stacked(stacked, at))
+            shape = list(src)
+            shape[d] = q.shape[at]
+            return quant.dequantize(q, s, shape, dtype, axis=qa)
+
+        # q and its scales in one buffer (blocks and scales: the last dims)
+        return Send("all-gather", tuple(axes), quant.pack(*x), finish, self.group)
 
     def maybe_quantize(self, x, int8: bool, src_axes):
         return self.quantize(x, src_axes) if int8 else x
@@ -166,29 +180,36 @@ class LeafFetch:
     def int8_secondary(self) -> bool:
         return self.secondary_int8 or self.quantize_gather
 
-    def to_secondary(self, x):
-        """Stored shard → this device's block of the secondary partition (int8: (q, scale))."""
+    def secondary_source(self, x):
+        """What the secondary is cut from: the stored shard (S ⊇ P, P-major), or (ZeRO++'s
+        hpZ, S ⊂ P) the forward's flat gather over P, as DeepSpeed takes it."""
+        if not self.secondary_from_flat:
+            return x
+        P = self.params_axes
+        return self.gather(self.maybe_quantize(x, self.quantize_gather, P), P, P)
+
+    def to_secondary(self, source):
+        """secondary_source's result → this device's block of the secondary (int8: (q, s))."""
         P, S = self.params_axes, self.secondary_axes
-        if not self.secondary_from_flat:  # S ⊇ P, P-major: a local slice
-            extra = S[len(P):]
-            if extra:
-                k = x.shape[self.dim] // self.n(extra)
-                x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(extra) * k, k, self.dim)
-        else:  # S ⊂ P (ZeRO++): from the forward's flat gather over P, as DeepSpeed does
-            full = self.gather(self.maybe_quantize(x, self.quantize_gather, P), P, P)
-            k = full.shape[self.dim] // self.n(S)
-            x = jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(S) * k, k, self.dim)
+        extra = S if self.secondary_from_flat else S[len(P):]
+        x = source
+        if extra:
+            k = x.shape[self.dim] // self.n(extra)
+            x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(extra) * k, k, self.dim)
         return self.maybe_quantize(x.astype(self.dtype), self.int8_secondary, S)
 
     def expand(self, src):
-        """The saved source (stored shard or secondary) → the full, unpadded working weight."""
+        """The saved source (stored shard or secondary) → the gather of the full weight (a
+        bucket.Send, or the value when nothing moves); `finish_expand` completes it."""
         if not self.gathers:
-            full = src
-        elif self.secondary_axes is None:
-            full = self.gather(self.maybe_quantize(src, self.quantize_gather, self.params_axes),
-                               self.params_axes, self.params_axes)
-        else:
-            full = self.gather(src, self.secondary_axes, self.secondary_axes)
+            return src
+        if self.secondary_axes is None:
+            P = self.params_axes
+            return self.gather(self.maybe_quantize(src, self.quantize_gather, P), P, P)
+        return self.gather(src, self.secondary_axes, self.secondary_axes)
+
+    def finish_expand(self, full):
+        """The gathered weight → the full, unpadded working weight, typed as the batch's."""
         full = unpad(self.layout, full.astype(self.dtype))
         return to_varying(full, self.batch_axes)
 
@@ -201,19 +222,35 @@ class LeafFetch:
     def reduce(self, ct):
         """Cotangent of the full weight (this device's rows) → its grads shard, reduced over G
         (and over R into the opt_state shard when reduced in the backward)."""
+        return reduce_all([self], [ct])[0]
+
+    def reduce_start(self, ct):
+        """The cotangent in grad_dtype, zero-padded to the stored (padded) length."""
         ct = ct.astype(self.grad_dtype)
         if self.layout.pad:
             widths = [(0, 0)] * ct.ndim
             widths[self.dim] = (0, self.layout.pad)
             ct = jnp.pad(ct, widths)
-        for kind, axes in self.grad_steps() + self.late_steps():
-            if kind == "all-to-all":
-                ct = self.int4_reduce_scatter(ct, axes)
-            elif kind == "reduce-scatter":
-                ct = jax.lax.psum_scatter(ct, axes, scatter_dimension=self.dim, tiled=True)
-            else:
-                ct = jax.lax.psum(ct, axes)
+        return ct
+
+    def reduce_step(self, ct, kind: str, axes) -> Send:
+        """One step of `steps()` as a bucket.Send."""
+        axes = tuple(axes)
+        if kind == "all-to-all":
+            return self.int4_reduce_scatter(ct, axes)
+        if kind == "all-reduce":
+            return Send(kind, axes, ct, group=self.group)
+        n, d = self.n(axes), self.dim  # chunk i: rows i·L/n … (i+1)·L/n of dim
+        x = jnp.moveaxis(ct, d, 0)
+        x = x.reshape(n, x.shape[0] // n, *x.shape[1:])
+        return Send(kind, axes, x, lambda y: jnp.moveaxis(y, 0, d), self.group)
+
+    def reduce_end(self, ct):
         return to_varying(ct, self.slot_axes())
+
+    def steps(self) -> list[tuple[str, tuple[str, ...]]]:
+        """Every collective of a micro-batch's gradient, in order."""
+        return self.grad_steps() + self.late_steps()
 
     def grad_steps(self) -> list[tuple[str, tuple[str, ...]]]:
         """(kind, axes) of each collective that reduces a micro-batch's gradient over G: qgZ's
@@ -234,7 +271,7 @@ class LeafFetch:
         ar, rs = self.late
         return ([("all-reduce", ar)] if ar else []) + ([("reduce-scatter", rs)] if rs else [])
 
-    def int4_reduce_scatter(self, ct, axes):
+    def int4_reduce_scatter(self, ct, axes) -> Send:
         """ZeRO++'s qgZ step over `axes`: split the sharded dim into one chunk per device,
         quantize each chunk to int4 blocks, all-to-all, dequantize and sum what arrives (fp32):
         the reduce-scatter of psum_scatter(tiled) at a quarter of fp32's bytes."""
@@ -244,10 +281,15 @@ class LeafFetch:
         x = x.reshape(n, -1)
         m = x.shape[1]
         block = self.qblock(m) + self.qblock(m) % 2  # int4 packs two values a byte
-        buf = quant.pack(*quant.quantize_int4(x, block))  # packed int4 and scales: one call
-        q, s = quant.unpack(jax.lax.all_to_all(buf, axes, 0, 0, tiled=True), jnp.uint8)
-        y = jnp.sum(quant.dequantize_int4(q, s, m), axis=0)
-        return jnp.moveaxis(y.reshape(shard), 0, d).astype(ct.dtype)
+
+        def finish(arrived):
+            q, s = quant.unpack(arrived, jnp.uint8)
+            y = jnp.sum(quant.dequantize_int4(q, s, m), axis=0)
+            return jnp.moveaxis(y.reshape(shard), 0, d).astype(ct.dtype)
+
+        # packed int4 and scales: one buffer
+        buf = quant.pack(*quant.quantize_int4(x, block))
+        return Send("all-to-all", axes, buf, finish, self.group)
 
 
 def qgz_stages(G: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -259,40 +301,64 @@ def qgz_stages(G: tuple[str, ...]) -> list[tuple[str, ...]]:
     return [G]
 
 
+def expand_all(fs, srcs) -> list:
+    """Each weight's saved source → its full working weight: one gather per bucket."""
+    return [f.finish_expand(v) for f, v in zip(fs, bucket.run(
+        [f.expand(src) for f, src in zip(fs, srcs)]))]
+
+
+def reduce_all(fs, cts) -> list:
+    """Each weight's cotangent → its slot's: the weights' r-th reduction steps run together,
+    one collective per bucket."""
+    cts = [f.reduce_start(ct) for f, ct in zip(fs, cts)]
+    steps = [f.steps() for f in fs]
+    for r in range(max(map(len, steps), default=0)):
+        cts = bucket.run([f.reduce_step(ct, *st[r]) if r < len(st) else ct
+                          for f, ct, st in zip(fs, cts, steps)])
+    return [f.reduce_end(ct) for f, ct in zip(fs, cts)]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fetch(f: LeafFetch, src, slot):
-    del slot
-    return f.expand(src)
+def _fetch(fs: tuple, srcs: tuple, slots: tuple):
+    del slots
+    return tuple(expand_all(fs, srcs))
 
 
-def _fetch_fwd(f, src, slot):
-    return _fetch(f, src, slot), None
+def _fetch_fwd(fs, srcs, slots):
+    return _fetch(fs, srcs, slots), None
 
 
-def _fetch_bwd(f, _, ct):
-    return None, f.reduce(ct)
+def _fetch_bwd(fs, _, cts):
+    return tuple(None for _ in fs), tuple(reduce_all(fs, cts))
 
 
 _fetch.defvjp(_fetch_fwd, _fetch_bwd)
 
 
-def fetch_leaf(f: LeafFetch, x, slot=None):
-    """The full working weight of one stored shard x; with a gradient slot, its gradient lands
-    (reduced over the grads axes) in the slot's cotangent (see the module docstring)."""
-    src = x
-    if f.gathers and f.secondary_axes is not None:
-        src = checkpoint_name(f.to_secondary(jax.lax.stop_gradient(x)), SECONDARY_NAME)
-    if slot is None:
-        return f.expand(src)
-    return _fetch(f, src, slot)
+def secondaries(fs, xs) -> list:
+    """The saved source of each weight: its stored shard, or its secondary block (cut from
+    one bucketed flat gather under hpZ), named for remat to keep."""
+    want = [f.gathers and f.secondary_axes is not None for f in fs]
+    sources = bucket.run([f.secondary_source(jax.lax.stop_gradient(x)) if w else x
+                          for f, x, w in zip(fs, xs, want)])
+    return [checkpoint_name(f.to_secondary(v), SECONDARY_NAME) if w else v
+            for f, v, w in zip(fs, sources, want)]
 
 
 def fetch_tree(fetches, stored, slots=None):
-    """fetch_leaf over matching trees (slots None: forward only)."""
-    is_f = lambda v: isinstance(v, LeafFetch)  # noqa: E731
+    """The full working weights of one fetch unit (a layer, the embedding, the head): one
+    collective per bucket; with gradient slots, the gradients land (reduced over the grads
+    axes) in the slots' cotangents (see the module docstring). slots None: forward only."""
+    fs, tree = jax.tree.flatten(fetches, is_leaf=lambda v: isinstance(v, LeafFetch))
+    srcs = secondaries(fs, tree.flatten_up_to(stored))
     if slots is None:
-        return jax.tree.map(lambda f, x: fetch_leaf(f, x), fetches, stored, is_leaf=is_f)
-    return jax.tree.map(fetch_leaf, fetches, stored, slots, is_leaf=is_f)
+        return tree.unflatten(expand_all(fs, srcs))
+    return tree.unflatten(_fetch(tuple(fs), tuple(srcs), tuple(tree.flatten_up_to(slots))))
+
+
+def fetch_leaf(f: LeafFetch, x, slot=None):
+    """fetch_tree of one weight."""
+    return fetch_tree(f, x, slot)
 
 
 def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...], typed: bool = True):
@@ -303,4 +369,4 @@ def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...], typed: bool =
 
 
 __all__ = ["LeafFetch", "fetch_leaf", "fetch_tree", "slot_like", "to_varying", "varying_axes",
-           "all_gather", "SECONDARY_NAME"]
+           "expand_all", "reduce_all", "SECONDARY_NAME"]

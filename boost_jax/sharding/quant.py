@@ -77,8 +77,8 @@ def payload_bytes(shape: Sequence[int], block: int = DEFAULT_BLOCK, axis: int = 
 
 def pack(q: jax.Array, scale: jax.Array) -> jax.Array:
     """(q [..., nb, k] int8 or uint8, scale fp32 [..., nb]) → one uint8 buffer [..., nb, k + 4]
-    with each block's scale bytes after it: one collective moves both (one launch and one
-    latency per weight, as the step's schedule counts it)."""
+    with each block's scale bytes after it: one collective moves both (a layer's packed
+    buffers then travel in one call, sharding/bucket.py)."""
     qb = q if q.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(q, jnp.uint8)
     return jnp.concatenate([qb, jax.lax.bitcast_convert_type(scale, jnp.uint8)], axis=-1)
 

@@ -12,7 +12,9 @@ deferred axes). Ring costs, bytes *sent by one device* per call (`ring_bytes`):
     all-to-all over n devices of a buffer of P bytes      (n−1)/n · P
 
 Per pass over the weights (`Passes`: once per micro-batch; more with pipeline ticks), every
-weight that is gathered (A ≠ ∅), as sharding/gather.py's LeafFetch runs it:
+weight that is gathered (A ≠ ∅), as sharding/gather.py's LeafFetch runs it — and each line
+is one call per fetch unit (a layer, the embedding, the final norm, the head) whose payload
+sums its weights' (sharding/bucket.py; a weight's TP axes split a unit's bucket):
     gather        no secondary: AG_A(Ψw, or int8 q(Ψ) under qwZ)
                   secondary S:  [AG_A(Ψw or q) when S ⊂ A: hpZ slices it] + AG_S(Ψw or q)
     regather      the layers re-fetch in backward (remat never saves a gathered weight):
@@ -33,6 +35,7 @@ payloads Ψ/2 + 4·blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -69,6 +72,7 @@ class Collective:
     payload: float  # bytes of one call's un-sharded buffer (the ring formulas' P)
     calls: float  # per optimizer step
     phase: str  # dp: per pass, inside the layer loop | step: once per step
+    bucket: tuple = ()  # what it shares one call with (sharding/bucket.py); () its own call
 
     @property
     def level(self) -> str:
@@ -163,11 +167,14 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     grads = layers * uses * (passes.backward if block else passes.ends_grads)
     out: list[Collective] = []
 
-    def add(what, kind, axes, payload, calls, phase="dp"):
+    unit = path[:2] if block and not lay.layer_axis else path[:1]  # one fetch_tree call
+
+    def add(what, kind, axes, payload, calls, phase="dp", step=None):
         axes = tuple(axes)
         n = f.n(axes)
+        key = (unit, f.group, what, step) if phase == "dp" else ()
         if n > 1 and calls > 0 and payload > 0:
-            out.append(Collective(name, what, kind, axes, n, float(payload), calls, phase))
+            out.append(Collective(name, what, kind, axes, n, float(payload), calls, phase, key))
 
     A, S = pl.params_axes, pl.secondary_axes
     if f.gathers:
@@ -182,17 +189,18 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
             add("gather(S)", "all-gather", S, sec, fwd)
             add("regather(S)", "all-gather", S, sec, bwd)
     int4 = dict(qgz_payloads(f)) if f.quantize_grads and f.dim is not None else {}
-    for kind, axes in f.grad_steps():
+    for i, (kind, axes) in enumerate(f.grad_steps()):
         if kind == "all-to-all":
-            add("grad(int4)", kind, axes, int4[axes], grads)
+            add("grad(int4)", kind, axes, int4[axes], grads, step=i)
         else:
-            add("grad", kind, axes, psi * a, grads)
+            add("grad", kind, axes, psi * a, grads, step=i)
     # the reduction over R: per layer in the backward, or once per step on the whole leaf
     ar, rs = pl.deferred_reduction(lay)
     per_layer, calls, phase = (1, grads, "dp") if pl.in_backward(lay) else (layers, 1, "step")
     payload = psi * per_layer * a / (f.n(pl.grads_axes) if lay.dim is not None else 1)
-    add("reduce", "all-reduce", ar, payload, calls, phase)
-    add("reduce", "reduce-scatter", rs, payload, calls, phase)
+    i = len(f.grad_steps())  # reduce_all's round of each step (the late ones follow G's)
+    add("reduce", "all-reduce", ar, payload, calls, phase, i)
+    add("reduce", "reduce-scatter", rs, payload, calls, phase, i + bool(ar))
     if lay.dim is not None:
         O, G = pl.opt_state_axes, pl.grads_axes
         leaf_w = psi * layers * w
@@ -213,11 +221,30 @@ def step_collectives(pl, passes: Passes, tied: bool = False) -> list[Collective]
     for path, lay in all_leaves:
         uses = 2 if (tied and path[:1] == ("embed",)) else 1
         out += leaf_collectives(pl, path, lay, passes, uses)
+    out = bucketed(out)
     every = tuple(a for a, n in pl.mesh.shape.items() if int(n) > 1)
     n_all = int(math.prod(int(pl.mesh.shape[a]) for a in every))
     if n_all > 1:  # the clip's global norm: one fp32 partial sum per leaf
         out.append(Collective("*", "grad norm", "all-reduce", every, n_all,
                               4.0 * len(all_leaves), 1, "step"))
+    return out
+
+
+def bucketed(colls: Sequence[Collective]) -> list[Collective]:
+    """Collectives that run as one call (sharding/bucket.py: a fetch unit's weights with the
+    same kind, axes, TP group and step) merged into one, its payload the sum."""
+    out: list[Collective] = []
+    at: dict[tuple, int] = {}
+    for c in colls:
+        key = (c.bucket, c.kind, c.axes, c.calls, c.phase) if c.bucket else None
+        if key is None or key not in at:
+            if key is not None:
+                at[key] = len(out)
+                c = dataclasses.replace(c, leaf="/".join(map(str, c.bucket[0])))
+            out.append(c)
+        else:
+            i = at[key]
+            out[i] = dataclasses.replace(out[i], payload=out[i].payload + c.payload)
     return out
 
 
@@ -232,4 +259,4 @@ def bytes_by_level(colls: Sequence[Collective]) -> dict[str, float]:
 
 __all__ = ["Collective", "Passes", "step_collectives", "leaf_collectives", "update_via_grads",
            "ring_bytes", "int8_payload", "qgz_payloads",
-           "bytes_by_level", "leaves", "tp_local", "device_layers"]
+           "bytes_by_level", "bucketed", "leaves", "tp_local", "device_layers"]

@@ -43,8 +43,9 @@ def test_a_ring_over_whole_nodes_leaves_each_node_once():
 
 
 def test_per_call_latency_is_reported_apart_from_the_bytes():
-    """ZeRO++ of CoLA-7B on 48 Frontier nodes runs a cross-node int4 all-to-all per weight and
-    pass: its data-parallel time is mostly α·(n−1) per call, which the report says apart."""
+    """ZeRO++ of CoLA-7B on 48 Frontier nodes runs a cross-node int4 all-to-all per layer (and
+    TP group) and pass, each costing α·(n−1) whatever its size: the report says that part
+    apart, and it is exactly what α = 0 removes."""
     from boost_jax.plan.critical_path import dp_latency_text
 
     topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 48}
@@ -59,7 +60,9 @@ def test_per_call_latency_is_reported_apart_from_the_bytes():
             want += c.calls * topo.latency(c.level) * hops
     assert p.time["dp_latency"] == pytest.approx(want)
     a2a = [c for c in p.collectives if c.kind == "all-to-all" and c.level == "global"]
-    assert a2a and p.time["dp_latency"] > 0.5 * p.time["dp"]
+    # one call per fetch unit and pass (sharding/bucket.py), not one per weight (14 a layer)
+    assert a2a and all("/" not in c.name.split()[0] for c in a2a)
+    assert sum(c.calls for c in a2a) <= 2 * cfg.model.n_layers + 3
     assert f"{want * 1e3:.1f} ms of it per-call latency" in dp_latency_text(p)
     # with α = 0 the same collectives cost only their bytes
     free = C.predict(cfg, dataclasses.replace(topo, lat_pair=0.0, lat_node=0.0, lat_global=0.0),

@@ -1,0 +1,102 @@
+"""One collective per layer and kind: a layer's weights travel in one buffer.
+
+Every data-parallel collective of a fetch (sharding/gather.py) is first described as a `Send`:
+the buffer this device contributes and what to do with what arrives. `run` groups a layer's
+sends by (kind, axes, dtype, group), concatenates each group's buffers, issues one collective
+per group and splits the result. A cross-node call costs a latency of tens of microseconds
+whatever its size, so a 7B layer's fourteen weights moved in one call instead of fourteen save
+thirteen latencies per layer and pass — what DeepSpeed's and FSDP's flat buffers are for. The
+split is exact: every element lands where the weight's own collective would put it.
+
+Buffer conventions (n devices over the axes):
+    all-gather      any shape; arrives stacked [n, *shape] (shard i from the i-th device)
+    reduce-scatter  [n, *rest], chunk i for device i; arrives as this device's summed [*rest]
+    all-reduce      any shape; arrives summed, same shape
+    all-to-all      [n, *rest], chunk i for device i; arrives [n, *rest], chunk i from device i
+`group` keeps apart buffers that JAX types differently (a weight's TP axes): one device's
+concatenation must not mix what varies over the TP group with what does not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from boost_jax.backends.cpu import all_gather_bits
+
+
+@dataclass(frozen=True)
+class Send:
+    """One weight's part of a collective: its buffer and what turns the arrival into a result."""
+
+    kind: str  # all-gather | reduce-scatter | all-reduce | all-to-all
+    axes: tuple[str, ...]
+    buf: Any
+    finish: Callable = field(default=lambda a: a)
+    group: tuple = ()
+
+
+def merge_stacked(stacked, dim: int):
+    """[n, *shape] stacked shards → the tiled gather: shards concatenated along `dim`."""
+    n, shape = stacked.shape[0], stacked.shape[1:]
+    y = jnp.moveaxis(stacked, 0, dim)
+    return y.reshape(*shape[:dim], n * shape[dim], *shape[dim + 1:])
+
+
+def _split(flat, bufs, lead: int, axis: int):
+    """flat's `axis` cut into each buffer's element count after its first `lead` dims."""
+    sizes = [math.prod(b.shape[lead:]) for b in bufs]
+    cuts = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
+    return jnp.split(flat, cuts, axis=axis) if cuts else [flat]
+
+
+def _flat(bufs, lead: int):
+    """Buffers flattened after their first `lead` dims and concatenated there."""
+    rows = [b.reshape(*b.shape[:lead], -1) for b in bufs]
+    return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=lead)
+
+
+def _all_gather(bufs, axes):
+    g = all_gather_bits(_flat(bufs, 0)[None], axes, 0)  # [n, Σ]
+    return [p.reshape(g.shape[0], *b.shape) for p, b in zip(_split(g, bufs, 0, 1), bufs)]
+
+
+def _reduce_scatter(bufs, axes):
+    y = jax.lax.psum_scatter(_flat(bufs, 1), axes, scatter_dimension=0, tiled=True)[0]
+    return [p.reshape(b.shape[1:]) for p, b in zip(_split(y, bufs, 1, 0), bufs)]
+
+
+def _all_reduce(bufs, axes):
+    y = jax.lax.psum(_flat(bufs, 0), axes)
+    return [p.reshape(b.shape) for p, b in zip(_split(y, bufs, 0, 0), bufs)]
+
+
+def _all_to_all(bufs, axes):
+    y = jax.lax.all_to_all(_flat(bufs, 1), axes, 0, 0, tiled=True)
+    return [p.reshape(b.shape) for p, b in zip(_split(y, bufs, 1, 1), bufs)]
+
+
+_COLLECTIVE = {"all-gather": _all_gather, "reduce-scatter": _reduce_scatter,
+               "all-reduce": _all_reduce, "all-to-all": _all_to_all}
+
+
+def run(requests: list) -> list:
+    """Each request a Send or a ready value (passed through) → its result, one collective per
+    (kind, axes, dtype, group) among the Sends."""
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(requests):
+        if isinstance(r, Send):
+            groups.setdefault((r.kind, r.axes, jnp.dtype(r.buf.dtype), r.group), []).append(i)
+    out = list(requests)
+    for (kind, axes, _, _), idx in groups.items():
+        arrived = _COLLECTIVE[kind]([requests[i].buf for i in idx], axes)
+        for i, a in zip(idx, arrived):
+            out[i] = requests[i].finish(a)
+    return out
+
+
+__all__ = ["Send", "run", "merge_stacked"]
