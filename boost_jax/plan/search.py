@@ -1,6 +1,6 @@
 """Layout search: plan × TP mode × TP axes × pipeline stages × micro-batch size × remat ×
 working-weight/gradient dtype × keeping the forward's gathered weights for the backward
-(`/keep`: parallel.secondary_axes=[], for zero3), ranked by the cost model.
+(`/keep`: parallel.secondary_axes=[], for zero3 and zeropp), ranked by the cost model.
 
 Every candidate is costed analytically (boost_jax.plan.costmodel: compiling hundreds of layouts
 is too slow); those whose predicted memory fits are ranked by predicted step time (the global
@@ -30,9 +30,10 @@ TP_AXES = ((), ("pair",), ("node",), ("pair", "node"))
 MICRO_SIZES = (1, 2, 4, 8, 16, 32)
 PP_STAGES = (1, 2, 4, 8)  # pipeline stages (1F1B) tried where they divide the hosts
 PP_VIRTUAL = (1, 2)  # interleaved chunks per stage, where the micro-batches come in groups of P
-# /keep where it saves the backward's re-gather over the params axes; hierarchical and zeropp
-# already re-gather from a cheap (pair, int8 or in-node) secondary
-KEEP = {"zero3": (False, True)}
+# /keep where it saves the backward's re-gather over the params axes: zero3 keeps the forward's
+# gather, zeropp an int8 copy of it (its hpZ re-gather inside the node is not free where TP
+# took the pair); hierarchical already re-gathers from an int8 secondary over the pair
+KEEP = {"zero3": (False, True), "zeropp": (False, True)}
 
 
 @dataclass
@@ -135,7 +136,9 @@ def keeps(plan: str, tp_axes: tuple, sz: dict) -> tuple:
     params = PRESETS[plan]["params"]
     params = AXES if params == ALL else params
     gathers = any(a not in tp_axes and sz[a] > 1 for a in params)
-    return KEEP.get(plan, (False,)) if gathers else (False,)
+    sec = PRESETS[plan]["secondary"]  # a secondary TP took whole is already /keep
+    kept = sec is not None and not any(a not in tp_axes and sz[a] > 1 for a in sec)
+    return KEEP.get(plan, (False,)) if gathers and not kept else (False,)
 
 
 def candidates(cfg, sizes: dict) -> list[Candidate]:

@@ -36,7 +36,8 @@ EXACT = {
                           "parallel.secondary_dtype=bfloat16", "train.remat=lowrank"],
 }
 INT8 = {"zeropp": ["parallel.quantize_grads=false"], "hierarchical": [],  # qwZ / int8 secondary
-        "keep-hierarchical": ["parallel.secondary_axes=[]"]}  # an int8 copy kept whole
+        "keep-hierarchical": ["parallel.secondary_axes=[]"],  # an int8 copy kept whole
+        "keep-zeropp": ["parallel.secondary_axes=[]", "parallel.quantize_grads=false"]}
 QGZ = ["parallel.quantize_gather=false", "parallel.quantize_grads=true"]  # int4 gradients
 
 

@@ -215,7 +215,8 @@ def test_one_micro_batch_reduces_across_nodes_inside_the_layer_loop(compiled):
     ("hierarchical", (), 4, ()), ("zero3", (), 4, ()), ("zeropp", (), 4, ()),
     ("zero1", (), 4, ()), ("hierarchical", ("pair",), 4, ()), ("zeropp", ("pair",), 4, ()),
     ("hierarchical", (), 1, ()), ("zero1", (), 1, ()),
-    ("zero3", (), 4, ("parallel.secondary_axes=[]",))])
+    ("zero3", (), 4, ("parallel.secondary_axes=[]",)),
+    ("zeropp", ("pair",), 1, ("parallel.secondary_axes=[]",))])
 def test_compiled_collectives_are_the_step_collectives_list(compiled, plan, tp, micro, extra):
     """The one list of the step's collectives (sharding/step_collectives.py) against the
     compiled program, kind by kind and level by level: the same kinds cross the same links
