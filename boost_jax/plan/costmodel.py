@@ -235,8 +235,9 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
     """HBM time of the (de)quantization kernels ZeRO++ and the int8 secondaries run, per step.
 
     Memory bound, as DeepSpeed's fused kernels run them: qwZ / an int8 secondary dequantizes
-    every gathered weight (read q, write the working dtype; quantizing a shard is 1/|A| of it,
-    an int8 copy kept whole quantizes the whole weight once more); qgZ quantizes the gradient
+    every gathered weight (read q, write the working dtype; quantizing a shard is 1/|A| of it;
+    an int8 copy kept whole quantizes the whole weight once more, unless it is qwZ's gather
+    itself, kept as it arrived); qgZ quantizes the gradient
     (read a, write q₄), then per stage dequantizes, sums and requantizes what arrives in one
     pass (read q₄ of the stage's input, write fp32 of its output), the last stage's output
     read once more into the accumulator's dtype.
@@ -249,7 +250,9 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
     nbytes, kernels = 0.0, 0
     if A:
         gathers = []  # int8 gathers of the whole model per micro-batch
-        if S is not None:
+        if S == () and pl.quantize_gather:  # the int8 gather kept: dequantized at each use
+            gathers += [1, 1]
+        elif S is not None:
             if not set(A) <= set(S) and pl.quantize_gather:
                 gathers.append(1)
             if pl.secondary_int8 or pl.quantize_gather:
@@ -258,7 +261,7 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
             gathers += [1, 1]
         nbytes += k * len(gathers) * W * (q8 + pb + (pb + q8) / _size(sizes, A))
         kernels += 2 * len(gathers)
-        if S == () and (pl.secondary_int8 or pl.quantize_gather):
+        if S == () and pl.secondary_int8 and not pl.quantize_gather:  # quantize it whole
             nbytes, kernels = nbytes + k * W * (pb + q8), kernels + 1
     if pl.quantize_grads:
         w_in = W

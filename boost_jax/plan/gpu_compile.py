@@ -207,11 +207,14 @@ def judged(pred, g: GpuCompile, a: Assumptions, hbm_bytes: float):
     """The analytic prediction with what the GPU program shows in place of the model's
     assumptions: its exposed collective time per phase (TP, per-micro-batch data-parallel,
     once per step: read off the schedule) and its memory. Compute, (de)quantization and the
-    optimizer stay the model's (a compile-only device runs nothing)."""
+    optimizer stay the model's (a compile-only device runs nothing). However much the schedule
+    hides, the step is no shorter than the node's NICs need for the bytes that leave it: what
+    falls short of that floor is exposed data-parallel time."""
     t, ph = dict(pred.time), g.exposed["time_s_by_phase"]
     t.update(tp=ph.get("tp", 0.0), dp_exposed=ph.get("dp", 0.0), step_comm=ph.get("step", 0.0))
-    total = t["compute"] + t["quant"] + t["tp"] + t["dp_exposed"] + t["step_comm"] + \
-        t["optimizer"]
+    rest = t["compute"] + t["quant"] + t["tp"] + t["step_comm"] + t["optimizer"]
+    t["dp_exposed"] = max(t["dp_exposed"], t.get("nic", 0.0) - rest)
+    total = rest + t["dp_exposed"]
     t["total"] = total
     mem = dict(pred.memory, analytic_total=pred.memory["total"], total=g.memory["total"])
     mem["fits"] = mem["total"] <= a.hbm_usable * hbm_bytes

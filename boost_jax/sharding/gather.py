@@ -10,7 +10,8 @@ secondary axes):
                    full = AG_S(sec)
         to_S(x): S ⊇ P: a local slice of x (the axes' canonical order makes one role's shard a
         block of the next, placement.order_axes); otherwise (ZeRO++'s hpZ, S ⊂ P) a slice of
-        the forward's flat gather AG_P(x), as DeepSpeed takes it.
+        the forward's flat gather AG_P(x), as DeepSpeed takes it; S = ∅ under qwZ keeps that
+        int8 gather as it arrived and dequantizes it at each use (keeps_int8_gather).
     int8           each shard is quantized locally (blocks along a dim other than the sharded
                    one, so no block straddles a shard), q and its scales packed into one
                    buffer and gathered in one call, then dequantized: every gather under qwZ
@@ -38,6 +39,7 @@ reduced right here after G (`late_steps`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -147,12 +149,21 @@ class LeafFetch:
             if not axes:
                 return x
             return Send("all-gather", tuple(axes), x, lambda s: merge_stacked(s, d), self.group)
-        qa, dtype = self.quant_axis(src_axes), jnp.dtype(self.dtype)
         if not axes:  # an int8 copy kept whole (secondary over no axes): dequantize only
-            return quant.dequantize(*x, self.local_shape(src_axes), dtype, axis=qa)
+            qa = self.quant_axis(src_axes)
+            return quant.dequantize(*x, self.local_shape(src_axes), jnp.dtype(self.dtype),
+                                    axis=qa)
+        # q and its scales in one buffer (blocks and scales: the last dims)
+        return Send("all-gather", tuple(axes), quant.pack(*x), self.int8_finish(src_axes),
+                    self.group)
+
+    def int8_finish(self, src_axes):
+        """What an int8 gather of shards over `src_axes` does with the stacked packed shards
+        [n, *packed shard] that arrive: dequantize and merge them into the weight."""
+        d, qa, dtype = self.dim, self.quant_axis(src_axes), jnp.dtype(self.dtype)
         src = self.local_shape(src_axes)
 
-        def finish(stacked):  # [n, *packed shard]
+        def finish(stacked):
             if qa == d:  # blocks within each shard: dequantize the stack, then merge
                 q, s = quant.unpack(stacked)
                 return merge_stacked(quant.dequantize(q, s, (q.shape[0], *src), dtype,
@@ -163,8 +174,7 @@ class LeafFetch:
             shape[d] = q.shape[at]
             return quant.dequantize(q, s, shape, dtype, axis=qa)
 
-        # q and its scales in one buffer (blocks and scales: the last dims)
-        return Send("all-gather", tuple(axes), quant.pack(*x), finish, self.group)
+        return finish
 
     def maybe_quantize(self, x, int8: bool, src_axes):
         return self.quantize(x, src_axes) if int8 else x
@@ -180,16 +190,26 @@ class LeafFetch:
     def int8_secondary(self) -> bool:
         return self.secondary_int8 or self.quantize_gather
 
+    @property
+    def keeps_int8_gather(self) -> bool:
+        """An int8 gather kept whole (qwZ, S = ∅): the packed shards as they arrived are the
+        secondary, dequantized at each use — never dequantized and quantized again."""
+        return self.secondary_axes == () and self.quantize_gather
+
     def secondary_source(self, x):
         """What the secondary is cut from: the stored shard (S ⊇ P, P-major), or (ZeRO++'s
         hpZ, S ⊂ P) the forward's flat gather over P, as DeepSpeed takes it."""
         if not self.secondary_from_flat:
             return x
         P = self.params_axes
-        return self.gather(self.maybe_quantize(x, self.quantize_gather, P), P, P)
+        send = self.gather(self.maybe_quantize(x, self.quantize_gather, P), P, P)
+        return dataclasses.replace(send, finish=lambda a: a) if self.keeps_int8_gather else send
 
     def to_secondary(self, source):
-        """secondary_source's result → this device's block of the secondary (int8: (q, s))."""
+        """secondary_source's result → this device's block of the secondary (int8: (q, s),
+        or the stacked packed shards of a kept int8 gather)."""
+        if self.keeps_int8_gather:
+            return source
         P, S = self.params_axes, self.secondary_axes
         extra = S if self.secondary_from_flat else S[len(P):]
         x = source
@@ -203,6 +223,8 @@ class LeafFetch:
         bucket.Send, or the value when nothing moves); `finish_expand` completes it."""
         if not self.gathers:
             return src
+        if self.keeps_int8_gather:
+            return self.int8_finish(self.params_axes)(src)
         if self.secondary_axes is None:
             P = self.params_axes
             return self.gather(self.maybe_quantize(src, self.quantize_gather, P), P, P)

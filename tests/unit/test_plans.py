@@ -257,6 +257,33 @@ def test_fetch_of_a_padded_leaf_is_exact_and_reduce_scatters_its_gradient(mesh):
     np.testing.assert_array_equal(np.asarray(grad)[:, 6:], 0)
 
 
+def test_a_kept_int8_gather_is_the_weight_the_plain_int8_gather_gives(mesh):
+    """ZeRO++ /keep (qwZ, secondary over no axes) keeps the int8 shards as they arrived: the
+    weight it uses is bit for bit the one a plain int8 gather gives (never dequantized and
+    quantized again), in the forward and in the backward's re-use of the saved copy."""
+    from boost_jax.sharding.gather import LeafFetch, fetch_tree
+    from boost_jax.sharding.layout import spec_entry
+
+    pl = make_placement(_cfg("parallel.plan=zero3"), mesh, {"w": jax.ShapeDtypeStruct(
+        (6, 40), jnp.float32)})
+    lay = pl.layouts["w"]
+    x = jax.random.normal(jax.random.key(0), lay.padded, jnp.float32)
+    xp = jax.device_put(x, NamedSharding(mesh, lay.spec(pl.params_axes)))
+
+    def weight(secondary):
+        f = LeafFetch(lay, tuple(mesh.shape.items()), pl.batch_axes, pl.params_axes,
+                      pl.grads_axes, secondary, True, False, 16, "float32", "float32")
+        fn = jax.shard_map(lambda v: fetch_tree(f, v)[None], mesh=mesh,
+                           in_specs=lay.spec(pl.params_axes),
+                           out_specs=P(spec_entry(pl.batch_axes)), check_vma=False)
+        return np.asarray(jax.jit(fn)(xp))
+
+    plain, kept = weight(None), weight(())
+    assert f"{plain.shape}" == f"{(8, *lay.padded)}"
+    np.testing.assert_array_equal(kept, plain)
+    assert not np.array_equal(plain[0], np.asarray(x))  # it did quantize
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 
