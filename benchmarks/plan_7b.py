@@ -56,7 +56,7 @@ def run(cfg, topo):
 
 
 TEMP_PARTS = {"grads": "gradient accumulator", "micro_grads": "this micro-batch's gradient",
-              "gathered_weights": "three layers' gathered weights",
+              "gathered_weights": "two layers' gathered weights",
               "activations": "saved activations", "layer_grads": "one layer's gradient",
               "embed_head": "embedding and head, fetched whole, with their gradients",
               "logits": "logits"}
@@ -64,7 +64,7 @@ TEMP_PARTS = {"grads": "gradient accumulator", "micro_grads": "this micro-batch'
 
 def temp_formula(p) -> tuple[float, dict]:
     """Temporaries of the step by the cost model (costmodel.memory_estimate): the step's own
-    gradient buffers, three layers' gathered weights, activations, embedding/head, logits."""
+    gradient buffers, two layers' gathered weights, activations, embedding/head, logits."""
     parts = {k: p.memory[k] for k in TEMP_PARTS}
     return sum(parts.values()), parts
 
@@ -109,8 +109,7 @@ def section_layout(topo, mesh, lines):
         "Memory per GCD (compiled): arguments "
         f"{dr.memory['arguments_compiled'] / GiB:.2f} GiB, temporaries {tc / GiB:.2f} GiB "
         f"against the formula's {tf / GiB:.2f} GiB ({tc / tf - 1:+.0%}). Weights are gathered "
-        "per layer under TP too, so the gathered weights in the temporaries are three layers' "
-        "(one in use, the next one's bucket as it arrived and its weights split out of it), "
+        "per layer under TP too, so the gathered weights in the temporaries are two layers', "
         f"{parts['gathered_weights'] / GiB:.2f} GiB, not the whole TP-local model "
         f"({dr.memory['weights'] * 2 / GiB:.2f} GiB in the working dtype); the temporaries "
         "are dominated by the step's two gradient buffers:", "",

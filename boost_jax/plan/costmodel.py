@@ -36,7 +36,7 @@ from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split
 from boost_jax.plan import overlap
 from boost_jax.plan.overlap import gpu_exposed, gpu_launch_seconds, overlap_exposed
 from boost_jax.sharding.gather import qgz_stages
-from boost_jax.sharding.step_collectives import Passes, step_collectives
+from boost_jax.sharding.step_collectives import Passes, bucketed, step_collectives
 from boost_jax.sharding.stages import layers_per_stage
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
                                      head_model, op_time, resolve_attention)
@@ -206,8 +206,9 @@ def fetch_calls(cfg) -> tuple[float, float]:
 
 def dp_collectives(cfg, sizes, pl) -> list[Coll]:
     """The step's data-parallel / ZeRO collectives (sharding/step_collectives.py: what the
-    engine runs), one Coll per kind of collective and group: calls and bytes summed over the
-    weights, so the time (linear in both) is the sum of the weights' times."""
+    engine runs, its calls as XLA's combiners merge them), one Coll per kind of collective and
+    group: calls and bytes summed over the weights, so the time (linear in both) is the sum of
+    the weights' times."""
     # a search costs each layout under every remat mode: the list does not depend on it
     key = (repr(cfg.model), repr(cfg.parallel), cfg.train.micro_batches, cfg.train.scan_layers,
            tuple(sorted(sizes.items())))
@@ -219,9 +220,18 @@ def dp_collectives(cfg, sizes, pl) -> list[Coll]:
 _DP_CACHE: dict = {}
 
 
+# XLA's GPU combiners merge a layer's independent all-gathers, reduce-scatters and all-reduces
+# into calls of up to 30 MiB each (kDefault*CombineThreshold, xla/service/collective_utils.h;
+# the launcher leaves the thresholds at their defaults): the calls, and so the latencies, the
+# GPU program runs. The engine itself bundles the all-to-alls (sharding/bucket.py).
+XLA_COMBINED = ("all-gather", "reduce-scatter", "all-reduce")
+XLA_COMBINE_BYTES = 30 * 2**20
+
+
 def _grouped(cfg, sizes, pl) -> list[Coll]:
     groups: dict = {}
-    for c in step_collectives(pl, passes(cfg), cfg.model.tie_embeddings):
+    listed = step_collectives(pl, passes(cfg), cfg.model.tie_embeddings)
+    for c in bucketed(listed, XLA_COMBINED, XLA_COMBINE_BYTES):
         axes = tuple(a for a in c.axes if sizes.get(a, 1) > 1)
         key = (c.what, c.kind, axes, c.phase)
         calls, total = groups.get(key, (0.0, 0.0))
@@ -293,9 +303,8 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     mem["micro_grads"] = st.grads * gb
     mem["embed_head"] = st.outside_tp_local * (pb + gb)
     q8 = 1.0 + 4.0 / par.quant_block
-    # one layer's gathered weights in use and the next one's arriving: its bucket as it came
-    # (sharding/bucket.py) and the weights split out of it, with or without TP
-    mem["gathered_weights"] = 3 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
+    # one layer's gathered weights in use and the next one's arriving, with or without TP
+    mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
     if pl.secondary_axes is not None:
         mem["secondary"] = st.secondary * (q8 if pl.secondary_int8 or pl.quantize_gather else pb)
     working = sum(o.out_bytes for o in bm.ops)

@@ -1,12 +1,18 @@
-"""One collective per layer and kind: a layer's weights travel in one buffer.
+"""One collective per layer for what XLA will not combine: the int4 all-to-alls of qgZ.
 
 Every data-parallel collective of a fetch (sharding/gather.py) is first described as a `Send`:
-the buffer this device contributes and what to do with what arrives. `run` groups a layer's
-sends by (kind, axes, dtype, group), concatenates each group's buffers, issues one collective
-per group and splits the result. A cross-node call costs a latency of tens of microseconds
-whatever its size, so a 7B layer's fourteen weights moved in one call instead of fourteen save
-thirteen latencies per layer and pass — what DeepSpeed's and FSDP's flat buffers are for. The
-split is exact: every element lands where the weight's own collective would put it.
+the buffer this device contributes and what to do with what arrives. `run` issues them; the
+kinds in BUCKETED are grouped per fetch unit by (kind, axes, dtype, group), concatenated, sent
+in one call and split exactly (every element lands where the weight's own collective would
+put it). A cross-node all-to-all costs a latency per peer whatever its size, so a 7B layer's
+fourteen weights in one call instead of fourteen save thirteen of them per layer and pass.
+
+All-gathers, reduce-scatters and all-reduces stay one per weight: XLA's GPU combiners merge a
+layer's independent ones into calls of up to 30 MiB (xla/service/collective_utils.h) and keep
+them pipelinable across the layer loop. Concatenating them here measured worse in the step
+compiled for the A100 (benchmarks/README.md section 11: the GPU schedule left 69 ms exposed
+instead of 63 for CoLA-1B `hierarchical`); the planner counts their calls as the combiners
+issue them (plan/costmodel.py).
 
 Buffer conventions (n devices over the axes):
     all-gather      any shape; arrives stacked [n, *shape] (shard i from the i-th device)
@@ -27,6 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from boost_jax.backends.cpu import all_gather_bits
+
+
+BUCKETED = frozenset({"all-to-all"})  # kinds run as one call per fetch unit
 
 
 @dataclass(frozen=True)
@@ -85,18 +94,20 @@ _COLLECTIVE = {"all-gather": _all_gather, "reduce-scatter": _reduce_scatter,
 
 
 def run(requests: list) -> list:
-    """Each request a Send or a ready value (passed through) → its result, one collective per
-    (kind, axes, dtype, group) among the Sends."""
+    """Each request a Send or a ready value (passed through) → its result: one collective per
+    (kind, axes, dtype, group) among the Sends of a kind in BUCKETED, one per Send otherwise."""
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(requests):
         if isinstance(r, Send):
-            groups.setdefault((r.kind, r.axes, jnp.dtype(r.buf.dtype), r.group), []).append(i)
+            own = None if r.kind in BUCKETED else i
+            groups.setdefault((r.kind, r.axes, jnp.dtype(r.buf.dtype), r.group, own),
+                              []).append(i)
     out = list(requests)
-    for (kind, axes, _, _), idx in groups.items():
+    for (kind, axes, *_), idx in groups.items():
         arrived = _COLLECTIVE[kind]([requests[i].buf for i in idx], axes)
         for i, a in zip(idx, arrived):
             out[i] = requests[i].finish(a)
     return out
 
 
-__all__ = ["Send", "run", "merge_stacked"]
+__all__ = ["BUCKETED", "Send", "run", "merge_stacked"]

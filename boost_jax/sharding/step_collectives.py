@@ -12,9 +12,9 @@ deferred axes). Ring costs, bytes *sent by one device* per call (`ring_bytes`):
     all-to-all over n devices of a buffer of P bytes      (n−1)/n · P
 
 Per pass over the weights (`Passes`: once per micro-batch; more with pipeline ticks), every
-weight that is gathered (A ≠ ∅), as sharding/gather.py's LeafFetch runs it — and each line
-is one call per fetch unit (a layer, the embedding, the final norm, the head) whose payload
-sums its weights' (sharding/bucket.py; a weight's TP axes split a unit's bucket):
+weight that is gathered (A ≠ ∅), as sharding/gather.py's LeafFetch runs it (the int4
+all-to-alls: one call per fetch unit — a layer, the embedding, the final norm, the head —
+whose payload sums its weights', sharding/bucket.py; a weight's TP axes split a unit):
     gather        no secondary: AG_A(Ψw, or int8 q(Ψ) under qwZ)
                   secondary S:  [AG_A(Ψw or q) when S ⊂ A: hpZ slices it] + AG_S(Ψw or q)
     regather      the layers re-fetch in backward (remat never saves a gathered weight):
@@ -45,6 +45,7 @@ import numpy as np
 
 from boost_jax.mesh import level_of
 from boost_jax.sharding import quant
+from boost_jax.sharding.bucket import BUCKETED
 from boost_jax.sharding.gather import LeafFetch, qgz_stages
 from boost_jax.sharding.layout import LeafLayout, is_layout
 
@@ -230,13 +231,17 @@ def step_collectives(pl, passes: Passes, tied: bool = False) -> list[Collective]
     return out
 
 
-def bucketed(colls: Sequence[Collective]) -> list[Collective]:
-    """Collectives that run as one call (sharding/bucket.py: a fetch unit's weights with the
-    same kind, axes, TP group and step) merged into one, its payload the sum."""
+def bucketed(colls: Sequence[Collective], kinds=BUCKETED,
+             limit: float = math.inf) -> list[Collective]:
+    """Collectives of `kinds` that run as one call (a fetch unit's weights with the same kind,
+    axes, TP group and step: sharding/bucket.py for the engine's, XLA's combiners for the
+    others) merged, the payload the sum; a merged call holds at most `limit` bytes, so a
+    bucket over it is several calls."""
     out: list[Collective] = []
     at: dict[tuple, int] = {}
     for c in colls:
-        key = (c.bucket, c.kind, c.axes, c.calls, c.phase) if c.bucket else None
+        key = (c.bucket, c.kind, c.axes, c.calls, c.phase) if c.bucket and \
+            c.kind in kinds else None
         if key is None or key not in at:
             if key is not None:
                 at[key] = len(out)
@@ -245,6 +250,11 @@ def bucketed(colls: Sequence[Collective]) -> list[Collective]:
         else:
             i = at[key]
             out[i] = dataclasses.replace(out[i], payload=out[i].payload + c.payload)
+    for key, i in at.items():
+        k = math.ceil(out[i].payload / limit)
+        if k > 1:
+            out[i] = dataclasses.replace(out[i], payload=out[i].payload / k,
+                                         calls=out[i].calls * k)
     return out
 
 

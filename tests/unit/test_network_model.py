@@ -103,3 +103,30 @@ def test_a_gpu_judged_step_is_no_shorter_than_its_node_egress():
     assert j.step_time == pytest.approx(p.time["nic"])
     assert j.time["dp_exposed"] == pytest.approx(p.time["nic"] - rest)
     assert j.mfu == pytest.approx(p.mfu * p.step_time / p.time["nic"])
+
+
+def test_gathers_are_counted_as_xla_combines_them():
+    """The engine issues a layer's all-gathers one per weight; XLA's GPU combiners merge them
+    into calls of at most 30 MiB: the cost model times those calls, with the engine's bytes."""
+    from boost_jax.sharding.step_collectives import bucketed, step_collectives
+
+    sizes = {"pair": 2, "node": 4, "global": 48}
+    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{
+        "data.seq_len": 256, "parallel.plan": "zero3", "train.micro_batches": 1,
+        "train.global_batch": 768})
+    _, pl = C.state_sizes(cfg, sizes)
+    listed = step_collectives(pl, C.passes(cfg))
+    layer = [c for c in listed if c.what == "gather" and c.leaf.startswith("blocks/")]
+    assert len(layer) > 10 and len({c.calls for c in layer}) == 1
+    merged = [c for c in bucketed(listed, C.XLA_COMBINED, C.XLA_COMBINE_BYTES)
+              if c.what == "gather" and c.leaf == "blocks"]
+    total = sum(c.payload for c in layer)
+    k = math.ceil(total / C.XLA_COMBINE_BYTES)
+    assert k > 1 and len(merged) == 1
+    assert merged[0].calls == layer[0].calls * k
+    assert merged[0].payload == pytest.approx(total / k) and merged[0].payload <= 30 * 2**20
+    timed = [c for c in C.dp_collectives(cfg, sizes, pl) if c.kind == "all-gather"]
+    gathers = [c for c in listed if c.kind == "all-gather" and c.phase == "dp"]
+    assert sum(c.calls for c in timed if c.phase == "dp") < sum(c.calls for c in gathers) / 3
+    assert sum(c.calls * c.payload for c in timed if c.phase == "dp") == pytest.approx(
+        sum(c.calls * c.payload for c in gathers))
