@@ -18,9 +18,9 @@ secondary axes):
                    (quantize_gather), AG_S of an int8 secondary.
 
 Every collective here is described as a bucket.Send and issued by bucket.run for the whole
-fetch unit (fetch_tree: a layer, the embedding, the final norm, the head): the unit's weights
-with the same kind, axes and TP axes move in one call (sharding/bucket.py), and the gradient's
-steps run round by round across the unit's weights.
+fetch unit (fetch_tree: a layer, the embedding, the final norm, the head), the gradient's
+steps round by round across the unit's weights: the unit's int4 all-to-alls of one step move
+in one call, the rest one per weight for XLA's combiners to merge (sharding/bucket.py).
 
 The backward re-gather falls out of remat: each layer runs under jax.checkpoint with a policy
 that saves SECONDARY_NAME and never the gathered weight (layers/remat.py).
@@ -324,14 +324,14 @@ def qgz_stages(G: tuple[str, ...]) -> list[tuple[str, ...]]:
 
 
 def expand_all(fs, srcs) -> list:
-    """Each weight's saved source → its full working weight: one gather per bucket."""
+    """Each weight's saved source → its full working weight (bucket.run issues the gathers)."""
     return [f.finish_expand(v) for f, v in zip(fs, bucket.run(
         [f.expand(src) for f, src in zip(fs, srcs)]))]
 
 
 def reduce_all(fs, cts) -> list:
-    """Each weight's cotangent → its slot's: the weights' r-th reduction steps run together,
-    one collective per bucket."""
+    """Each weight's cotangent → its slot's: the weights' r-th reduction steps run together
+    (bucket.run: one int4 all-to-all per bucket)."""
     cts = [f.reduce_start(ct) for f, ct in zip(fs, cts)]
     steps = [f.steps() for f in fs]
     for r in range(max(map(len, steps), default=0)):
