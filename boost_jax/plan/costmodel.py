@@ -220,18 +220,10 @@ def dp_collectives(cfg, sizes, pl) -> list[Coll]:
 _DP_CACHE: dict = {}
 
 
-# XLA's GPU combiners merge a layer's independent all-gathers, reduce-scatters and all-reduces
-# into calls of up to 30 MiB each (kDefault*CombineThreshold, xla/service/collective_utils.h;
-# the launcher leaves the thresholds at their defaults): the calls, and so the latencies, the
-# GPU program runs. The engine itself bundles the all-to-alls (sharding/bucket.py).
-XLA_COMBINED = ("all-gather", "reduce-scatter", "all-reduce")
-XLA_COMBINE_BYTES = 30 * 2**20
-
-
 def _grouped(cfg, sizes, pl) -> list[Coll]:
     groups: dict = {}
     listed = step_collectives(pl, passes(cfg), cfg.model.tie_embeddings)
-    for c in bucketed(listed, XLA_COMBINED, XLA_COMBINE_BYTES):
+    for c in bucketed(listed, overlap.XLA_COMBINED, overlap.XLA_COMBINE_BYTES):
         axes = tuple(a for a in c.axes if sizes.get(a, 1) > 1)
         key = (c.what, c.kind, axes, c.phase)
         calls, total = groups.get(key, (0.0, 0.0))

@@ -18,6 +18,13 @@ from typing import Optional
 
 from boost_jax.plan.roofline import Assumptions, BlockModel, block_kernels
 
+# XLA's GPU combiners merge a layer's independent all-gathers, reduce-scatters and all-reduces
+# into calls of up to 30 MiB each (kDefault*CombineThreshold, xla/service/collective_utils.h;
+# the launcher leaves the thresholds at their defaults): the calls, and so the latencies, the
+# GPU program runs. The engine itself bundles the all-to-alls (sharding/bucket.py).
+XLA_COMBINED = ("all-gather", "reduce-scatter", "all-reduce")
+XLA_COMBINE_BYTES = 30 * 2**20
+
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_overlap.json")
 
 

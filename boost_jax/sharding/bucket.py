@@ -10,9 +10,9 @@ fourteen weights in one call instead of fourteen save thirteen of them per layer
 All-gathers, reduce-scatters and all-reduces stay one per weight: XLA's GPU combiners merge a
 layer's independent ones into calls of up to 30 MiB (xla/service/collective_utils.h) and keep
 them pipelinable across the layer loop. Concatenating them here measured worse in the step
-compiled for the A100 (benchmarks/README.md section 11: the GPU schedule left 69 ms exposed
-instead of 63 for CoLA-1B `hierarchical`); the planner counts their calls as the combiners
-issue them (plan/costmodel.py).
+compiled for the A100 (`--gpu-compile`, benchmarks/README.md section 11's CoLA-1B
+`hierarchical` layout: 69 ms of collectives left exposed instead of 63); the planner counts
+their calls as the combiners issue them (plan/costmodel.py).
 
 Buffer conventions (n devices over the axes):
     all-gather      any shape; arrives stacked [n, *shape] (shard i from the i-th device)

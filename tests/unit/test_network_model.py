@@ -108,6 +108,7 @@ def test_a_gpu_judged_step_is_no_shorter_than_its_node_egress():
 def test_gathers_are_counted_as_xla_combines_them():
     """The engine issues a layer's all-gathers one per weight; XLA's GPU combiners merge them
     into calls of at most 30 MiB: the cost model times those calls, with the engine's bytes."""
+    from boost_jax.plan.overlap import XLA_COMBINE_BYTES, XLA_COMBINED
     from boost_jax.sharding.step_collectives import bucketed, step_collectives
 
     sizes = {"pair": 2, "node": 4, "global": 48}
@@ -118,10 +119,10 @@ def test_gathers_are_counted_as_xla_combines_them():
     listed = step_collectives(pl, C.passes(cfg))
     layer = [c for c in listed if c.what == "gather" and c.leaf.startswith("blocks/")]
     assert len(layer) > 10 and len({c.calls for c in layer}) == 1
-    merged = [c for c in bucketed(listed, C.XLA_COMBINED, C.XLA_COMBINE_BYTES)
+    merged = [c for c in bucketed(listed, XLA_COMBINED, XLA_COMBINE_BYTES)
               if c.what == "gather" and c.leaf == "blocks"]
     total = sum(c.payload for c in layer)
-    k = math.ceil(total / C.XLA_COMBINE_BYTES)
+    k = math.ceil(total / XLA_COMBINE_BYTES)
     assert k > 1 and len(merged) == 1
     assert merged[0].calls == layer[0].calls * k
     assert merged[0].payload == pytest.approx(total / k) and merged[0].payload <= 30 * 2**20
