@@ -198,8 +198,8 @@ def section_batches(topo, lines, top: int = 3):
                         "MFU ceiling"], rows), "",
         "The fitting layout with the highest MFU ceiling at each batch (every data-parallel "
         "collective hidden), its predicted MFU, and its data-parallel collectives in ms per "
-        "step: all of them, their per-call latency (α per call: one call per layer bucket and pass), "
-        "and what is exposed:", "",
+        "step: all of them, their per-call latency (α per call, the calls as the GPU program "
+        "runs them: about one per layer and pass), and what is exposed:", "",
         markdown_table(["sequences", "layout", "MFU ceiling", "floor", "MFU", "DP ms",
                         "of it latency", "exposed"], ceilings), ""]
 

@@ -34,8 +34,8 @@ def floor_text(p) -> str:
 
 def dp_latency_text(p) -> str:
     """What the data-parallel collectives cost and how much of it is per-call latency (α for
-    every call: the step's schedule runs one collective per layer bucket and pass), the part that
-    more bytes per call would not add to."""
+    every call, the calls as the GPU program runs them: about one per layer and pass), the part
+    that more bytes per call would not add to."""
     t = p.time
     return (f"data-parallel collectives {t['dp'] * 1e3:.1f} ms, {t['dp_latency'] * 1e3:.1f} ms "
             f"of it per-call latency, {t['dp_exposed'] * 1e3:.1f} ms exposed")

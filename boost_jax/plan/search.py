@@ -135,10 +135,13 @@ def keeps(plan: str, tp_axes: tuple, sz: dict) -> tuple:
     pipeline stages too: a backward tick's re-run forward keeps its gather for the backward)."""
     params = PRESETS[plan]["params"]
     params = AXES if params == ALL else params
-    gathers = any(a not in tp_axes and sz[a] > 1 for a in params)
+
+    def spans(axes) -> bool:  # over an axis TP left to the plan
+        return any(a not in tp_axes and sz[a] > 1 for a in axes)
+
     sec = PRESETS[plan]["secondary"]  # a secondary TP took whole is already /keep
-    kept = sec is not None and not any(a not in tp_axes and sz[a] > 1 for a in sec)
-    return KEEP.get(plan, (False,)) if gathers and not kept else (False,)
+    kept = sec is not None and not spans(sec)
+    return KEEP.get(plan, (False,)) if spans(params) and not kept else (False,)
 
 
 def candidates(cfg, sizes: dict) -> list[Candidate]:

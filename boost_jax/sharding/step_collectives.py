@@ -250,7 +250,7 @@ def bucketed(colls: Sequence[Collective], kinds=BUCKETED,
         else:
             i = at[key]
             out[i] = dataclasses.replace(out[i], payload=out[i].payload + c.payload)
-    for key, i in at.items():
+    for i in at.values():
         k = math.ceil(out[i].payload / limit)
         if k > 1:
             out[i] = dataclasses.replace(out[i], payload=out[i].payload / k,
