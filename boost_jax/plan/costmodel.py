@@ -252,18 +252,18 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
     nbytes, kernels = 0.0, 0
     if A:
         gathers = []  # int8 gathers of the whole model per micro-batch
-        if S == () and pl.quantize_gather:  # the int8 gather kept: dequantized at each use
+        if pl.keeps_int8_gather:  # the int8 gather kept: dequantized at each use
             gathers += [1, 1]
         elif S is not None:
             if not set(A) <= set(S) and pl.quantize_gather:
                 gathers.append(1)
-            if pl.secondary_int8 or pl.quantize_gather:
+            if pl.int8_secondary:
                 gathers += [1, 1]  # forward and backward from the secondary
         elif pl.quantize_gather:
             gathers += [1, 1]
         nbytes += k * len(gathers) * W * (q8 + pb + (pb + q8) / _size(sizes, A))
         kernels += 2 * len(gathers)
-        if S == () and pl.secondary_int8 and not pl.quantize_gather:  # quantize it whole
+        if S == () and not pl.keeps_int8_gather and pl.secondary_int8:  # quantize it whole
             nbytes, kernels = nbytes + k * W * (pb + q8), kernels + 1
     if pl.quantize_grads:
         w_in = W
@@ -298,7 +298,7 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     # one layer's gathered weights in use and the next one's arriving, with or without TP
     mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
     if pl.secondary_axes is not None:
-        mem["secondary"] = st.secondary * (q8 if pl.secondary_int8 or pl.quantize_gather else pb)
+        mem["secondary"] = st.secondary * (q8 if pl.int8_secondary else pb)
     working = sum(o.out_bytes for o in bm.ops)
     remat = cfg.train.remat
     if remat == "none":

@@ -85,7 +85,7 @@ def memory_per_device(pl) -> dict:
             out[k] += share(axes, lay.padded_numel) * b * frac
             pad[k] += share(axes, lay.padded_numel - lay.numel) * b * frac
         S = pl.secondary_axes
-        int8s = f.secondary_int8 or f.quantize_gather
+        int8s = f.int8_secondary
         # kept from forward to backward by every layer; the embedding's and head's is dead once
         # their forward gather ran (their gathered weight is what stays)
         if S is not None and f.gathers and path[0] == "blocks":

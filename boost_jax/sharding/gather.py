@@ -68,8 +68,24 @@ def to_varying(x, axes):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+class Int8Copies:
+    """Which saved weight copies are int8, asked the same way by the engine (a leaf's fetch),
+    the byte formulas and the cost model (a placement): both carry secondary_axes,
+    quantize_gather (qwZ) and secondary_int8."""
+
+    @property
+    def int8_secondary(self) -> bool:
+        return self.secondary_int8 or self.quantize_gather
+
+    @property
+    def keeps_int8_gather(self) -> bool:
+        """An int8 gather kept whole (qwZ, S = ∅): the packed shards as they arrived are the
+        secondary, dequantized at each use — never dequantized and quantized again."""
+        return self.secondary_axes == () and self.quantize_gather
+
+
 @dataclass(frozen=True)
-class LeafFetch:
+class LeafFetch(Int8Copies):
     """Static description of one weight's fetch (hashable: a custom_vjp nondiff arg)."""
 
     layout: LeafLayout  # per-layer layout (the scanned layer axis sliced off)
@@ -185,16 +201,6 @@ class LeafFetch:
         S ⊂ P), not locally from the stored shard (S ⊇ P, P-major)."""
         P, S = self.params_axes, self.secondary_axes
         return S is not None and S[:len(P)] != P
-
-    @property
-    def int8_secondary(self) -> bool:
-        return self.secondary_int8 or self.quantize_gather
-
-    @property
-    def keeps_int8_gather(self) -> bool:
-        """An int8 gather kept whole (qwZ, S = ∅): the packed shards as they arrived are the
-        secondary, dequantized at each use — never dequantized and quantized again."""
-        return self.secondary_axes == () and self.quantize_gather
 
     def secondary_source(self, x):
         """What the secondary is cut from: the stored shard (S ⊇ P, P-major), or (ZeRO++'s

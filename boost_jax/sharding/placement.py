@@ -62,6 +62,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from boost_jax.errors import ConfigError
 from boost_jax.mesh import AXES, axis_size
 from boost_jax.sharding import stages
+from boost_jax.sharding.gather import Int8Copies
 from boost_jax.sharding.layout import LeafLayout, choose_layout, spec_entry
 from boost_jax.sharding.tp.specs import tp_param_specs
 
@@ -100,7 +101,7 @@ def _path_key(path) -> tuple:
 
 
 @dataclass
-class Placement:
+class Placement(Int8Copies):
     mesh: Any
     plan: str
     batch_axes: tuple[str, ...]
