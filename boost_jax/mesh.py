@@ -281,4 +281,6 @@ def mesh_from_config(cfg) -> "jax.sharding.Mesh":  # noqa: F821
 
 
 def axis_size(mesh, axes: Sequence[str]) -> int:
-    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    """Devices in the group over `axes` of a mesh, or of a {axis: size} dict."""
+    shape = mesh if isinstance(mesh, dict) else mesh.shape
+    return int(np.prod([shape[a] for a in axes])) if axes else 1

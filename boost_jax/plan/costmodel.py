@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from boost_jax.analysis.flops import flops_per_token, param_count
 from boost_jax.errors import ConfigError
-from boost_jax.mesh import AXES, STAGE, Topology, level_of
+from boost_jax.mesh import AXES, STAGE, Topology, axis_size, level_of
 from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split
 from boost_jax.plan import overlap
 from boost_jax.plan.overlap import gpu_exposed, gpu_launch_seconds, overlap_exposed
@@ -66,10 +66,6 @@ def with_stages(cfg, sizes: dict) -> dict:
         raise ConfigError(f"parallel.pp_stages={pp} does not divide the {sizes['global']} hosts; "
                           "choose stages that divide the node count")
     return {**sizes, "global": sizes["global"] // pp, STAGE: pp}
-
-
-def _size(sizes, axes) -> int:
-    return int(math.prod(sizes[a] for a in axes)) if axes else 1
 
 
 _ABSTRACT_CACHE: dict = {}
@@ -116,24 +112,24 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
                out=0.0)
     nb = 0
     for path, lay in lays:
-        tp = math.prod(_size(sizes, t) for t in lay.tp)
+        tp = math.prod(axis_size(sizes, t) for t in lay.tp)
         local = lay.padded_numel / tp
         acc["tp"] += lay.numel / tp
         acc["tpp"] += local
 
         def role(axes):
-            return local / _size(sizes, axes) if lay.dim is not None else local
+            return local / axis_size(sizes, axes) if lay.dim is not None else local
 
         acc["params"] += role(pl.params_axes)
         acc["grads"] += role(pl.accum_axes(lay))
         acc["opt"] += role(pl.opt_state_axes)
-        if pl.secondary_axes is not None and path[0].key == "blocks":  # see formulas.py
+        if pl.secondary_axes is not None and path[0].key == "blocks":  # every layer keeps one
             acc["sec"] += role(pl.secondary_axes)
         if lay.dim is None:
             acc["rep"] += local
         if path[0].key == "blocks":
             if lay.layer_axis:  # one layer, TP-local (a stage's share of the stack is not)
-                tp_only = math.prod(_size(sizes, [a for a in t if a != STAGE]) for t in lay.tp)
+                tp_only = math.prod(axis_size(sizes, [a for a in t if a != STAGE]) for t in lay.tp)
                 acc["layer"] += lay.numel / tp_only / lay.shape[0]
                 nb += 1
         else:
@@ -181,7 +177,7 @@ class Prediction:
 
 def tp_info(cfg, sizes) -> tuple[str, int]:
     mode = cfg.parallel.tp_mode
-    t = _size(sizes, cfg.parallel.tp_axes) if mode != "none" else 1
+    t = axis_size(sizes, cfg.parallel.tp_axes) if mode != "none" else 1
     return mode, t
 
 
@@ -196,12 +192,6 @@ def passes(cfg) -> Passes:
     """Passes over each weight per step (micro-batches, or the pipeline's ticks)."""
     par = cfg.parallel
     return Passes.of(cfg.train.micro_batches, par.pp_stages, par.pp_virtual)
-
-
-def fetch_calls(cfg) -> tuple[float, float]:
-    """(forward, backward) passes over each block weight per step (see `passes`)."""
-    p = passes(cfg)
-    return p.forward, p.backward
 
 
 def dp_collectives(cfg, sizes, pl) -> list[Coll]:
@@ -228,7 +218,7 @@ def _grouped(cfg, sizes, pl) -> list[Coll]:
         key = (c.what, c.kind, axes, c.phase)
         calls, total = groups.get(key, (0.0, 0.0))
         groups[key] = (calls + c.calls, total + c.payload * c.calls)
-    return [Coll(what, kind, total / calls, _size(sizes, axes), level_of(axes), calls, phase,
+    return [Coll(what, kind, total / calls, axis_size(sizes, axes), level_of(axes), calls, phase,
                  axes, *host_split(axes, sizes))
             for (what, kind, axes, phase), (calls, total) in groups.items()]
 
@@ -247,7 +237,7 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
     m, par = cfg.model, cfg.parallel
     pb, gb = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[par.grad_accum_dtype]
     q8, q4 = 1.0 + 4.0 / par.quant_block, 0.5 + 4.0 / par.quant_block
-    W, k = st.tp_local_padded, fetch_calls(cfg)[1]  # passes over the weights per step
+    W, k = st.tp_local_padded, passes(cfg).backward  # passes over the weights per step
     A, S = pl.params_axes, pl.secondary_axes
     nbytes, kernels = 0.0, 0
     if A:
@@ -261,7 +251,7 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
                 gathers += [1, 1]  # forward and backward from the secondary
         elif pl.quantize_gather:
             gathers += [1, 1]
-        nbytes += k * len(gathers) * W * (q8 + pb + (pb + q8) / _size(sizes, A))
+        nbytes += k * len(gathers) * W * (q8 + pb + (pb + q8) / axis_size(sizes, A))
         kernels += 2 * len(gathers)
         if S == () and not pl.keeps_int8_gather and pl.secondary_int8:  # quantize it whole
             nbytes, kernels = nbytes + k * W * (pb + q8), kernels + 1
@@ -269,7 +259,7 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
         w_in = W
         nbytes += k * W * (gb + q4)
         for axes in qgz_stages(pl.grads_axes):
-            n = _size(sizes, axes)
+            n = axis_size(sizes, axes)
             nbytes += k * (w_in * q4 + w_in / n * 4)
             w_in /= n
         nbytes += k * w_in * (4 + gb)
@@ -352,7 +342,7 @@ def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hb
     (bf, bb, br), (hf, hb, hr) = (block_times(cfg, bm, peak, hbm, a),
                                   block_times(cfg, hm, peak, hbm, a))
     micro, pp, V = cfg.train.micro_batches, cfg.parallel.pp_stages, cfg.parallel.pp_virtual
-    launches = gpu_launch_seconds(cfg, bm, L * fetch_calls(cfg)[1], a)
+    launches = gpu_launch_seconds(cfg, bm, L * passes(cfg).backward, a)
     if pp == 1:
         return micro * (L * (bf + bb + br) + hf + hb + hr) + launches, 0.0
     ticks = V * micro + pp - 1
@@ -367,14 +357,14 @@ def tp_collectives(cfg, sizes, bm: BlockModel, hm: BlockModel, t: int) -> list[C
     if t <= 1:
         return []
     tp_axes = tuple(cfg.parallel.tp_axes)
-    fwd_calls, bwd_calls = fetch_calls(cfg)
+    p = passes(cfg)  # over each block per step
     replays = cfg.train.remat == "full" or (cfg.train.remat == "lowrank"
                                             and bm.replays_collectives_lowrank)
     Lw, V = stage_layers(cfg), cfg.parallel.pp_virtual  # block layers the passes run over
     lv, hs = level_of(tp_axes), host_split(tp_axes, sizes)
-    rows = [("tp_fwd", bm.fwd, Lw * (fwd_calls + (bwd_calls if replays else 0))),
-            ("tp_bwd", bm.bwd, Lw * bwd_calls), ("tp_head", hm.fwd, V * fwd_calls),
-            ("tp_head", hm.bwd, V * bwd_calls)]
+    rows = [("tp_fwd", bm.fwd, Lw * (p.forward + (p.backward if replays else 0))),
+            ("tp_bwd", bm.bwd, Lw * p.backward), ("tp_head", hm.fwd, V * p.forward),
+            ("tp_head", hm.bwd, V * p.backward)]
     return [Coll(f"{prefix}_{c.name}", c.kind, c.payload, t, lv, calls, "tp", tp_axes, *hs)
             for prefix, colls, calls in rows for c in colls]
 
@@ -445,7 +435,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     mode, t = tp_info(cfg, sizes)
     st, pl = state_sizes(cfg, sizes)
     n_dev = int(math.prod(sizes.values()))
-    b = cfg.train.global_batch // micro // _size(sizes, pl.batch_axes)  # per device, micro-batch
+    b = cfg.train.global_batch // micro // axis_size(sizes, pl.batch_axes)  # per device
     peak, hbm = topo.peak_flops, HBM_BW.get(topo.name, 1.6e12)
     pp, V = cfg.parallel.pp_stages, cfg.parallel.pp_virtual
     L = layers_per_stage(m.n_layers, pp, V) if pp > 1 else m.n_layers  # per F / B

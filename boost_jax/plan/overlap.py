@@ -66,8 +66,9 @@ def overlap_exposed(t_dp: float, t_compute: float, layers: int, a: Assumptions,
     With the launcher's XLA flags (mesh.GPU_XLA_SCHEDULE) the scanned layers pipeline them: a
     layer's weight gather runs behind the previous layer's compute, its gradient
     reduce-scatter behind the next backward layer. Each pass over the layers leaves one
-    layer's share exposed (the first gather, the last reduce-scatter): t_dp / L over the step;
-    traffic beyond the compute it hides behind is exposed as well. overlap="gpu" with a
+    layer's share exposed (the first gather, the last reduce-scatter): t_dp / L over the step,
+    or, when the traffic outlasts the compute it hides behind, what the compute leaves over
+    (whichever is more). overlap="gpu" with a
     measured `hidden` share: only that share can hide."""
     if a.overlap == "none":
         return t_dp

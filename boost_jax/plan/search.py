@@ -1,6 +1,7 @@
-"""Layout search: plan × TP mode × TP axes × pipeline stages × micro-batch size × remat ×
-working-weight/gradient dtype × keeping the forward's gathered weights for the backward
-(`/keep`: parallel.secondary_axes=[], for zero3 and zeropp), ranked by the cost model.
+"""Layout search: plan × TP mode × TP axes × pipeline stages and virtual stages ×
+micro-batch size × remat × working-weight/gradient dtype × keeping the forward's gathered
+weights for the backward (`/keep`: parallel.secondary_axes=[], for zero3 and zeropp),
+ranked by the cost model.
 
 Every candidate is costed analytically (boost_jax.plan.costmodel: compiling hundreds of layouts
 is too slow); those whose predicted memory fits are ranked by predicted step time (the global

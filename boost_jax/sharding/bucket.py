@@ -4,8 +4,9 @@ Every data-parallel collective of a fetch (sharding/gather.py) is first describe
 the buffer this device contributes and what to do with what arrives. `run` issues them; the
 kinds in BUCKETED are grouped per fetch unit by (kind, axes, dtype, group), concatenated, sent
 in one call and split exactly (every element lands where the weight's own collective would
-put it). A cross-node all-to-all costs a latency per peer whatever its size, so a 7B layer's
-fourteen weights in one call instead of fourteen save thirteen of them per layer and pass.
+put it). A cross-node all-to-all costs a latency per peer whatever its size, so a CoLA-7B
+layer's sixteen weights (fourteen factors and two norm scales) in one call save fifteen of
+them per layer and pass.
 
 All-gathers, reduce-scatters and all-reduces stay one per weight: XLA's GPU combiners merge a
 layer's independent ones into calls of up to 30 MiB (xla/service/collective_utils.h) and keep

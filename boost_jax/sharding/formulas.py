@@ -34,21 +34,12 @@ dynamic-slice), so they are what a GPU would move.
 
 from __future__ import annotations
 
-import math
-import numpy as np
 
+from boost_jax.mesh import axis_size
 from boost_jax.names import MESH_AXES
 from boost_jax.sharding.gather import LeafFetch
-from boost_jax.sharding.step_collectives import (Passes, bytes_by_level, int8_payload, leaves,
-                                                 step_collectives, tp_local)
-
-
-def _n(mesh, axes) -> int:
-    return int(math.prod(mesh.shape[a] for a in axes)) if axes else 1
-
-
-def _bytes(dtype) -> int:
-    return int(np.dtype(dtype).itemsize)
+from boost_jax.sharding.step_collectives import (Passes, bytes_by_level, int8_payload, itemsize,
+                                                 leaves, step_collectives, tp_local)
 
 
 def _fetches(pl) -> dict:
@@ -60,8 +51,8 @@ def memory_per_device(pl) -> dict:
     """Predicted bytes per device by role (see module docstring); keys usable with
     comm.compare_memory(..., combine={"argument": ["weights", "master", "adam"]})."""
     mesh = pl.mesh
-    w = _bytes(pl.param_dtype)
-    a = _bytes(pl.grad_accum_dtype)
+    w = itemsize(pl.param_dtype)
+    a = itemsize(pl.grad_accum_dtype)
     mixed = w != 4
     out = {k: 0.0 for k in ("weights", "master", "adam", "grads", "secondary")}
     pad = {k: 0.0 for k in out}
@@ -74,7 +65,7 @@ def memory_per_device(pl) -> dict:
         local = tp_local(f, lay)
 
         def share(axes, numel):
-            return numel / (_n(mesh, axes) if sharded else 1)
+            return numel / (axis_size(mesh, axes) if sharded else 1)
 
         roles = {"weights": (pl.params_axes, w), "adam": (pl.opt_state_axes, 8),
                  "grads": (pl.accum_axes(lay), a)}
@@ -90,9 +81,9 @@ def memory_per_device(pl) -> dict:
         # their forward gather ran (their gathered weight is what stays)
         if S is not None and f.gathers and path[0] == "blocks":
             if int8s:
-                out["secondary"] += layers * int8_payload(f, S) / _n(mesh, S)
+                out["secondary"] += layers * int8_payload(f, S) / axis_size(mesh, S)
             elif tuple(S) != tuple(pl.params_axes):
-                out["secondary"] += local * w / _n(mesh, S)
+                out["secondary"] += local * w / axis_size(mesh, S)
         if not sharded and (pl.params_axes or pl.opt_state_axes):
             unsharded += local * (w + 8 + (4 if mixed else 0))
     out["total"] = sum(out.values())

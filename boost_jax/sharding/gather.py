@@ -33,8 +33,8 @@ a leaf that is not sharded). The step differentiates with respect to the slots, 
 micro-batch's gradient lands in the grads sharding, reduced in grad_accum_dtype. The full
 weight is marked varying over the batch axes so that JAX does not insert its own reduction of
 the cotangent over them: what G leaves out (the deferred axes R) stays unreduced until the
-end of the step — or, for the layer stack with one micro-batch (Placement.in_backward), is
-reduced right here after G (`late_steps`).
+end of the step — or, for the layer stack with one micro-batch and no pipeline
+(Placement.in_backward), is reduced right here after G (`late_steps`).
 """
 
 from __future__ import annotations

@@ -21,12 +21,12 @@ whose payload sums its weights', sharding/bucket.py; a weight's TP axes split a 
                   AG_A, or AG_S from the saved secondary; the embedding and head do not
     grad          RS_G(Ψa) into the grads sharding (AR_G for a leaf that is not sharded);
                   qgZ: an int4 all-to-all per stage, inside the node then across
-Once per step, on the whole leaf (engine.reduce_deferred, step.make_step_fn):
+Once per step, on the whole leaf (engine.reduce_deferred, step/build.make_step_fn):
     reduce        AR over R − O, then RS over R ∩ O, of the grads shard — with one
                   micro-batch and no pipeline, for the scanned layer stack
                   (Placement.in_backward), per layer and pass instead, right after `grad`,
                   inside the layer loop
-    update        AG of the new weights opt_state → grads → params sharding (P ⊆ G ⊆ O: the
+    update        AG of the new weights opt_state → grads → params sharding (A ⊆ G ⊆ O: the
                   cross-node part moves only the node's shard), else opt_state → params
     grad norm     one fp32 partial sum per leaf, all-reduced over every axis
 int8 payloads are q(Ψ) = Ψ + 4·blocks (one fp32 scale per block of ≤ quant_block); qgZ's int4
@@ -149,7 +149,7 @@ def tp_local(f: LeafFetch, lay: LeafLayout) -> float:
     return lay.padded_numel / math.prod(f.n(tp) for tp in lay.tp)
 
 
-def _itemsize(dtype) -> int:
+def itemsize(dtype) -> int:
     return int(np.dtype(dtype).itemsize)
 
 
@@ -161,7 +161,7 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     name = "/".join(str(p) for p in path)
     layers = device_layers(f, lay)
     psi = tp_local(f, lay) / layers  # one layer's elements
-    w, a = _itemsize(pl.param_dtype), _itemsize(pl.grad_accum_dtype)
+    w, a = itemsize(pl.param_dtype), itemsize(pl.grad_accum_dtype)
     block = path[:1] == ("blocks",)
     fwd = layers * uses * (passes.forward if block else passes.ends_forward)
     bwd = layers * passes.backward if block else 0  # the ends keep their fetched copy

@@ -11,7 +11,7 @@ and every collective in it is written in one place:
             (TP layouts add their all-reduces)                  sharding/tp/
         the gradient of this device's rows lands in the grads
             sharding (reduce-scatter over grads axes, in
-            grad_accum_dtype) and is added to the accumulator   gather.LeafFetch.reduce
+            grad_accum_dtype) and is added to the accumulator   gather.reduce_all
     once per step: the accumulator, unreduced over the batch
         axes R that grads do not cover, is reduced straight
         into the opt_state sharding (AR over R − opt, RS over R ∩ opt)      reduce_deferred
