@@ -32,7 +32,7 @@ def main(argv=None):
     setup(cfg, args.cpu_devices)
     from boost_jax.train.loop import run
 
-    summary = run(cfg, cli=True, force=args.force)
+    summary = run(cfg, cli=True, force=args.force, config_path=args.config)
     # stopped by SIGTERM/SIGINT after saving: 128 + signal, so schedulers see an unfinished run
     return 128 + summary["stopped_by_signal"] if summary.get("stopped_by_signal") else 0
 

@@ -1,5 +1,5 @@
 """The rule every command that writes follows (train.py, export, data.prepare, plan
---emit-config, launch slurm):
+--emit-config, launch slurm, analysis.comm --dump-hlo):
 
 1. It never deletes or overwrites a file it did not create in this run unless the user passed
    --force (`refuse_existing`, `foreign_entries`).

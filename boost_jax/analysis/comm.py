@@ -367,6 +367,17 @@ def _compile_step(built, mesh):
     return compile_fn(fn, args, mesh, **(rest[0] if rest else {}))
 
 
+def _dump(path: str, text: str, force: bool) -> None:
+    from boost_jax.errors import UserError
+    from boost_jax.safe_write import write_text
+
+    try:
+        write_text(path, text, force)
+    except OSError as e:
+        raise UserError(f"cannot write --dump-hlo {path!r} ({e.strerror}); choose another "
+                        "FILE") from None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from boost_jax.errors import UserError, cli_main
 
@@ -378,10 +389,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--cpu-devices", type=int, default=None, help="simulate N CPU devices")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--dump-hlo", default=None, metavar="FILE", help="write compiled HLO text")
+    p.add_argument("--force", action="store_true",
+                   help="replace an existing --dump-hlo FILE (never the --config itself)")
     args = p.parse(argv)
 
     @cli_main
     def run() -> int:
+        if args.dump_hlo:  # before the compile: the file may not be written at all
+            from boost_jax.safe_write import check_target
+
+            check_target(args.dump_hlo, {"--config": args.config}, args.force,
+                         f"--dump-hlo {args.dump_hlo!r}", "choose another FILE")
         if args.cpu_devices is not None:  # must precede anything that touches jax devices
             from boost_jax.mesh import set_cpu_devices
 
@@ -397,8 +415,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         compiled = _compile_step(build_step_for_analysis(cfg, mesh), mesh)
         report = analyze_compiled(compiled, mesh)
         if args.dump_hlo:
-            with open(args.dump_hlo, "w") as f:
-                f.write(report.hlo_text)
+            _dump(args.dump_hlo, report.hlo_text, args.force)
         if args.json:
             d = report.to_dict()
             d["time_estimate_s"] = report.time_estimate(cfg.mesh.topology)

@@ -20,6 +20,7 @@ every distinct config the run has used, numbered, with the step it took over fro
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from typing import Any, Optional
@@ -27,6 +28,7 @@ from typing import Any, Optional
 import yaml
 
 from boost_jax.config import Config, config_to_yaml
+from boost_jax.checkpoints.seal import SEAL_FILE
 from boost_jax.errors import UserError
 from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE
 
@@ -41,8 +43,8 @@ HISTORY_DIR = "configs"
 # what a run writes into out_dir (train/run_log.py, train/metrics.py, store.py, data/tokenizers.py)
 OUTPUTS = (CONFIG_FILE, HISTORY_DIR, "metrics.jsonl", "summary.json", "loss.png", "tb",
            CHECKPOINTS_DIR, "tokenizer", "run.log")
-# what only a run of ours leaves there: its lock (run_lock.py), config history and checkpoints
-MARKERS = (".lock", HISTORY_DIR, CHECKPOINTS_DIR)
+LOCK = ".lock"  # run_lock.LOCK_FILE
+HISTORY_ENTRY = re.compile(r"^\d{3}-(earlier|step\d+)\.yaml$")  # what `record` names them
 
 
 def model_signature(cfg: Config) -> dict:
@@ -157,16 +159,40 @@ def check_inputs(cfg: Config, out_dir: str) -> None:
                       "choose another out_dir=...")
 
 
-def check_out_dir(out_dir: str, force: bool) -> None:
-    """safe_write's rule for train.py's out_dir: a folder that holds no run of ours (no lock,
-    config history or checkpoints) but files a run would replace is refused without --force."""
-    from boost_jax.safe_write import Refused
+def _listing(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
-    present = set(os.listdir(out_dir)) if os.path.isdir(out_dir) else set()
-    if force or present & set(MARKERS):
+
+def holds_run(out_dir: str) -> bool:
+    """A run of ours was here: its lock, a numbered entry of its config history, or a sealed
+    checkpoint (a bare `configs/` or `checkpoints/` folder is anybody's)."""
+    if os.path.lexists(os.path.join(out_dir, LOCK)):
+        return True
+    if any(HISTORY_ENTRY.match(n) for n in _listing(os.path.join(out_dir, HISTORY_DIR))):
+        return True
+    ckpt = os.path.join(out_dir, CHECKPOINTS_DIR)
+    return any(n.isdigit() and os.path.exists(os.path.join(ckpt, n, SEAL_FILE))
+               for n in _listing(ckpt))
+
+
+def check_out_dir(out_dir: str, force: bool, config: Optional[str] = None) -> None:
+    """safe_write's rule for train.py's out_dir: a folder that holds no run of ours but files a
+    run would replace is refused without --force, and the run's outputs never replace its
+    --config there (in a run of ours the config.yaml it reads is kept in its history)."""
+    from boost_jax.safe_write import Refused, refuse_inputs
+
+    if holds_run(out_dir):
         return
+    for name in OUTPUTS:
+        target = os.path.join(out_dir, name)
+        refuse_inputs(target, {"--config": config}, f"the run's {name} {target!r}",
+                      "choose another out_dir=... or keep the config elsewhere")
+    present = set(_listing(out_dir))
     clash = sorted(present & set(OUTPUTS))
-    if clash:
+    if clash and not force:
         raise Refused(f"out_dir {out_dir!r} holds no boost_jax run but files the run would "
                       f"replace ({', '.join(clash)}); choose another out_dir=..., or pass "
                       "--force to train.py to let the run replace them")

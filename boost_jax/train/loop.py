@@ -125,12 +125,13 @@ def _compiler_options(given: Optional[dict]) -> Optional[dict]:
 
 
 def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False,
-        force: bool = False) -> dict:
+        force: bool = False, config_path: Optional[str] = None) -> dict:
     """Train as `cfg` says; returns the summary. `compiler_options` go to the train/eval step's
     jit (see _compiler_options). The run holds out_dir's lock (run_lock.py) throughout and sends
     library logging to out_dir/run.log (run_log.py); with `cli` (train.py, about to exit) a
     failed run leaves that in place until the process ends. An out_dir holding files that are no
-    run of ours is refused unless `force` (run_config.check_out_dir)."""
+    run of ours is refused unless `force`, and so is one where the run would replace
+    `config_path`, the --config it was read from (run_config.check_out_dir)."""
     from boost_jax.train.distributed import maybe_initialize
 
     maybe_initialize(cfg)  # no-op when train.py already started jax.distributed
@@ -139,7 +140,7 @@ def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False,
     run_config.check_inputs(cfg, out_dir)
     _check_writable(out_dir, pid)
     with hold_out_dir(out_dir, pid == 0, nproc, _printer(pid == 0, "warning: "),
-                      check=lambda: run_config.check_out_dir(out_dir, force)):
+                      check=lambda: run_config.check_out_dir(out_dir, force, config_path)):
         with RunLog(out_dir, pid, keep_after_error=cli) as log:
             return _run(cfg, out_dir, log, compiler_options)
 

@@ -1,7 +1,7 @@
 """Nothing lost: every command that writes (export, data.prepare, train.py, plan --emit-config,
-launch slurm) follows boost_jax/safe_write.py. The module's rules that need a second process
+launch slurm, analysis.comm --dump-hlo) follows boost_jax/safe_write.py. The module's rules that need a second process
 (tests/unit/test_safe_write_api.py: the others), then each command run as a subprocess on the cases that lost data: export --force onto its own run, prepare onto
-its source, training into a folder of the user's files, plan/launch onto their own --config,
+its source, training into a folder of the user's files, plan/launch/comm onto their own --config,
 two prepares of one OUT at once, a full disk, and prepare killed with SIGKILL at random points.
 """
 
@@ -148,6 +148,30 @@ def test_failure_3_train_into_a_folder_of_the_users_files_is_refused_unless_forc
     assert (out / "configs" / "000-earlier.yaml").read_text() == "my: notes\n"
 
 
+def test_a_bare_configs_folder_is_no_run_and_a_run_never_replaces_its_config(env, tmp_path):
+    """A user's project with its own `configs/` and `checkpoints/` folders is not a run of ours;
+    with --force the run still never writes over the --config it reads."""
+    proj, own = tmp_path / "proj", tmp_path / "own"
+    (proj / "configs").mkdir(parents=True)
+    (proj / "checkpoints" / "3").mkdir(parents=True)  # no seal: not ours
+    (proj / "configs" / "mine.yaml").write_text("x: 1\n")
+    (proj / "summary.json").write_text('{"mine": true}\n')
+    own.mkdir()
+    cfg = own / "config.yaml"
+    cfg.write_text(open(os.path.join(ROOT, "configs", "demo.yaml")).read())
+    before = cfg.read_text()
+    rows = _cli_all(["train.py", "--cpu-devices", "1", *TINY, f"out_dir={proj}"],
+                    ["train.py", "--config", str(cfg), "--force", "--cpu-devices", "1", *TINY,
+                     f"out_dir={own}"], env=env)
+    _one_line(rows[0], rf"out_dir '{proj}' holds no boost_jax run but files the run would "
+                       r"replace \(checkpoints, configs, summary\.json\)")
+    _one_line(rows[1], rf"the run's config\.yaml '{cfg}' is --config '{cfg}'; writing it would "
+                       r"destroy what this command reads \(--force does not change that\)")
+    assert (proj / "summary.json").read_text() == '{"mine": true}\n'
+    assert sorted(os.listdir(proj)) == ["checkpoints", "configs", "summary.json"]
+    assert cfg.read_text() == before and sorted(os.listdir(own)) == ["config.yaml"]
+
+
 def test_failure_1_export_never_deletes_its_run_even_with_force(run, env, tmp_path):
     out = run[0]
     before = _tree(out.parent)
@@ -249,14 +273,17 @@ def test_failure_5_plan_and_launch_never_overwrite_their_config(tmp_path):
             "--no-compile", "--emit-config"]
     launch = ["-m", "boost_jax.launch", "slurm", "--config", str(cfg), "--topology", "cpu",
               "--nodes", "1", "--out"]
-    for name in ("plan", "job"):
+    comm = ["-m", "boost_jax.analysis.comm", "--config", str(cfg), "--dump-hlo"]
+    for name in ("plan", "job", "hlo"):
         (tmp_path / name).write_text("mine\n")
     rows = _cli_all([*plan, str(cfg), "--force"], [*launch, str(cfg), "--force"],
-                    [*plan, str(tmp_path / "plan")], [*launch, str(tmp_path / "job")])
-    for r, opt in zip(rows, ("--emit-config", "--out")):  # not even with --force
+                    [*comm, str(cfg), "--force"], [*plan, str(tmp_path / "plan")],
+                    [*launch, str(tmp_path / "job")], [*comm, str(tmp_path / "hlo")])
+    opts = ("--emit-config", "--out", "--dump-hlo")
+    for r, opt in zip(rows, opts):  # not even with --force
         _one_line(r, rf"{opt} '.*/c\.yaml' is --config '.*/c\.yaml'; writing it would destroy "
                      r"what this command reads \(--force does not change that\)")
-    for r, (opt, name) in zip(rows[2:], (("--emit-config", "plan"), ("--out", "job"))):
+    for r, opt, name in zip(rows[3:], opts, ("plan", "job", "hlo")):
         _one_line(r, rf"{opt} '.*/{name}' already exists; pass --force to replace it")
         assert (tmp_path / name).read_text() == "mine\n"
     with _umask(0o022):
