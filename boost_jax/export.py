@@ -63,7 +63,7 @@ def _check_out(run_dir: str, out: str, force: bool) -> None:
     if os.path.islink(out) or not os.path.isdir(out):
         raise Refused(f"{what} is a file or a link, not an earlier export; --force replaces "
                       "only an export folder: choose another folder, or remove it")
-    ours = (hf.MODEL_FILE, hf.FACTORS_FILE, hf.CONFIG_FILE) + TOKENIZER_FILES
+    ours = (hf.MODEL_FILE, hf.FACTORS_FILE, hf.CONFIG_FILE) + TOKENIZER_FILES + hf.REMOTE_CODE
     other = foreign_entries(out, ours)
     if other:
         more = f" and {len(other) - 3} more" if len(other) > 3 else ""

@@ -198,13 +198,14 @@ def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) 
     """model.safetensors (+ lowrank.safetensors for svd) and config.json into `out`."""
     from safetensors.numpy import save_file
 
+    from boost_jax.safe_write import file_mode
+
     main, factors = to_tensors(cfg, params)
     meta = {"format": "pt"}  # transformers expects it
-    save_file(main, os.path.join(out, MODEL_FILE), metadata=meta)
-    files = [MODEL_FILE]
-    if factors:
-        save_file(factors, os.path.join(out, FACTORS_FILE), metadata=meta)
-        files.append(FACTORS_FILE)
+    files = [MODEL_FILE] + ([FACTORS_FILE] if factors else [])
+    for name, tensors in zip(files, (main, factors)):
+        save_file(tensors, os.path.join(out, name), metadata=meta)
+        os.chmod(os.path.join(out, name), file_mode())  # safetensors creates it 0600
     from boost_jax.checkpoints.seal import file_crc32
 
     # what init_from checks before it trusts the tensors (safetensors has no checksum)

@@ -207,8 +207,15 @@ def test_export_refuses_a_file_a_foreign_folder_and_a_read_only_parent(run, env,
         r = _cli("-m", "boost_jax.export", "--run", str(out), "--out", str(tmp_path / "hf"),
                  env=env)
     assert r.returncode == 0, r.stderr
-    assert _mode(tmp_path / "hf") == 0o755 and _mode(tmp_path / "hf" / "config.json") == 0o644
+    assert _mode(tmp_path / "hf") == 0o755
+    assert {n: _mode(tmp_path / "hf" / n) for n in os.listdir(tmp_path / "hf")} == \
+        {n: 0o644 for n in os.listdir(tmp_path / "hf")}, "the weights too"
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # no temp folder left
+    # an earlier export (with its remote code, CoLA) is what --force replaces
+    assert "modeling_boost_jax.py" in os.listdir(tmp_path / "hf")
+    r = _cli("-m", "boost_jax.export", "--run", str(out), "--out", str(tmp_path / "hf"),
+             "--force", env=env)
+    assert r.returncode == 0, r.stderr
 
 
 @contextlib.contextmanager
