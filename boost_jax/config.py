@@ -432,7 +432,7 @@ def load_config(path: Optional[str] = None, overrides: Optional[list[str]] = Non
                 validate: bool = True) -> Config:
     """Load YAML at `path` (None: all defaults), apply `key=value` overrides, validate."""
     tree = read_yaml(path) if path is not None else {}
-    for key, value in parse_overrides(overrides or []):
+    for key, value in parse_overrides(overrides or [], Config):
         set_dotted(Config, tree, key, value)
     cfg = build(Config, tree)
     return cfg.validate() if validate else cfg

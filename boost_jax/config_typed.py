@@ -3,7 +3,8 @@
     build(cls, data)                 nested dicts → dataclass `cls`, one-line ConfigError per
                                      mistake (the key, what was expected, the closest valid key)
     set_dotted(root, tree, k, v)     a dotted override `a.b.c=v` into the nested dicts
-    parse_overrides(["k=v", ...])    the command line's overrides, values read as YAML
+    parse_overrides(["k=v", ...])    the command line's overrides: text keys verbatim, other
+                                     values read as YAML
 
 int → float is the only implicit conversion; strings are refused if they hold a control
 character or are not UTF-8 (a newline in a path would become a line of a generated script).
@@ -216,16 +217,46 @@ def set_dotted(root, tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """`key=value` strings → (key, YAML value); a value YAML cannot read stays a string."""
+YAML_NULLS = ("null", "Null", "NULL", "~")
+
+
+def annotation(root, key: str):
+    """The annotation of dotted `key` in dataclass `root` (None: no such key)."""
+    tp = root
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(tp):
+            return None
+        tp = typing.get_type_hints(tp).get(part)
+        if tp is None:
+            return None
+    return tp
+
+
+def _text_key(tp) -> bool:
+    """A key whose value is text (str, or str or null): typed verbatim, never read as YAML."""
+    if tp is str:
+        return True
+    args = typing.get_args(tp) if typing.get_origin(tp) in (Union, types.UnionType) else ()
+    return set(args) == {str, type(None)}
+
+
+def parse_overrides(overrides: list[str], root=None) -> list[tuple[str, Any]]:
+    """`key=value` strings → (key, value). A text key of `root` keeps the value exactly as typed
+    (`out_dir=/a #b` is that path, `yes` a name; a YAML null is None where null is allowed);
+    other values are read as YAML, and one YAML cannot read stays a string."""
     out = []
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} must look like key=value, e.g. train.steps=50")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        out.append((key.strip(), value))
+        key = key.strip()
+        tp = annotation(root, key) if root is not None else None
+        if tp is not None and _text_key(tp):
+            value = None if tp is not str and raw in YAML_NULLS else raw
+        else:
+            try:
+                value = yaml.safe_load(raw) if raw != "" else ""
+            except yaml.YAMLError:
+                value = raw
+        out.append((key, value))
     return out

@@ -135,7 +135,9 @@ def out_dir_expr(cfg: Config, profile: JobProfile, account: Optional[str]) -> st
     """out_dir on the scratch file system as a shell word (absolute out_dirs are kept): the
     profile's root is expanded by the job's shell, the config's path never is."""
     if os.path.isabs(cfg.out_dir) or not profile.scratch:
-        return shlex.quote(cfg.out_dir)
+        # ./-v, not -v: a word starting with "-" would be read as an option by mkdir and argparse
+        return shlex.quote(cfg.out_dir if not cfg.out_dir.startswith("-") else
+                           os.path.join(".", cfg.out_dir))
     root = profile.scratch.replace("{account}", (account or "").lower())
     return f'"{root}"/{shlex.quote(os.path.normpath(cfg.out_dir))}'
 
@@ -299,7 +301,7 @@ def render(job: Job) -> str:
         L += [f"module load {sv.quote(m)} || exit 1" for m in job.modules]
     yaml_text = config_to_yaml(job.cfg)
     L += ["", f"OUT_DIR={job.out_dir}", 'CONFIG="$OUT_DIR/job_config.yaml"',
-          'mkdir -p "$OUT_DIR" || exit 1',
+          'mkdir -p -- "$OUT_DIR" || exit 1',
           "# the resolved config (train.py --config takes it unchanged)",
           *sv.heredoc('"$CONFIG"', yaml_text, "BOOST_JAX_CONFIG"),
           "", "# one task per node: JAX, its backend and every device, or stop here",

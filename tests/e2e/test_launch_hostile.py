@@ -184,3 +184,28 @@ def test_heredoc_delimiter_never_occurs_in_the_text(tmp_path):
     out = tmp_path / "out.txt"
     assert subprocess.run(["bash", str(script), str(out)]).returncode == 0
     assert out.read_text() == text and not marker.exists()
+
+
+@pytest.mark.parametrize("value", ["p #q", "yes", "-v", "'q'", " sp ", "null", "[a]"])
+def test_out_dir_reaches_train_py_as_the_same_folder(value, tmp_path, capsys):
+    """The job hands train.py `out_dir=...` as an override: read back, it names the folder the
+    script made (a YAML reading would cut `#q`, turn `yes` into true, `null` into None; a
+    leading `-` would be an option of mkdir)."""
+    from boost_jax.config import load_config
+
+    code, err = _launch(capsys, _argv("out_dir", value, tmp_path))
+    assert code == 0, err
+    _stubs(str(tmp_path / "bin"))
+    (tmp_path / "log").mkdir()
+    env = dict(os.environ, PATH=str(tmp_path / "bin") + os.pathsep + os.environ["PATH"],
+               STUB_LOG=str(tmp_path / "log"), SLURM_JOB_ID="77")
+    run_dir = tmp_path / "submit"
+    run_dir.mkdir()
+    r = subprocess.run(["bash", str(tmp_path / "job.sbatch")], cwd=run_dir, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    words = (tmp_path / "log" / "srun").read_text().split("\0")[:-1]
+    override = next(w for w in words if w.startswith("out_dir="))
+    got = load_config(os.path.join(ROOT, "configs", "demo.yaml"), [override]).out_dir
+    assert os.path.samefile(run_dir / got, run_dir / value)
+    assert os.listdir(run_dir) == [value]

@@ -47,3 +47,17 @@ def test_all_shipped_configs_load():
     assert len(paths) >= 11
     for p in paths:
         load_config(p)
+
+
+def test_text_keys_take_the_value_as_typed_others_as_yaml():
+    """`out_dir=/a #b` is that path (YAML would cut the comment), `yes` a name, not true; a
+    YAML null is None only where the key allows it; other keys are read as YAML."""
+    for raw in ("/tmp/a #b", "yes", "'q'", " sp ", "[a]", "1e3"):
+        assert load_config(None, [f"out_dir={raw}"]).out_dir == raw
+    assert load_config(None, ["model.init_from=null"]).model.init_from is None
+    assert load_config(None, ["model.init_from=runs/x #1"],
+                       validate=False).model.init_from == "runs/x #1"
+    cfg = load_config(None, ["optim.lr=1e-3", "train.steps=7"])
+    assert (cfg.optim.lr, cfg.train.steps) == (1e-3, 7)
+    with pytest.raises(ConfigError, match="control character"):
+        load_config(None, ["out_dir=a\x85b"])
