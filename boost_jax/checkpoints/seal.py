@@ -68,6 +68,13 @@ def write_seal(step_dir: str) -> None:
     os.replace(tmp, os.path.join(step_dir, SEAL_FILE))
 
 
+def _well_formed(want) -> bool:
+    return isinstance(want, dict) and all(
+        isinstance(n, str) and isinstance(v, list) and len(v) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+        for n, v in want.items())
+
+
 def check_seal(step_dir: str, part: int = 0, parts: int = 1) -> Optional[str]:
     """None if the step's files match its seal, else what differs (one clause). With `parts`
     processes, each checks the files whose index is `part` modulo `parts`."""
@@ -78,6 +85,8 @@ def check_seal(step_dir: str, part: int = 0, parts: int = 1) -> Optional[str]:
         return f"it has no {SEAL_FILE} (its save was cut short, or the file was removed)"
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"its {SEAL_FILE} cannot be read ({type(e).__name__})"
+    if not _well_formed(want):
+        return f"its {SEAL_FILE} is not a seal (no {{file: [size, crc32]}} record)"
     have = step_files(step_dir)
     extra = sorted(set(have) - set(want))
     if extra:

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from boost_jax.data.token_bin import meta_path, open_bin, read_meta
+from boost_jax.data.token_bin import check_intact, meta_path, open_bin, read_meta
 from boost_jax.data.tokenizers import Tokenizer
 from boost_jax.errors import UserError
 
@@ -44,6 +44,7 @@ def _check_same_tokenizer(specs) -> None:
         if meta is None:
             raise UserError(f"{label} has no metadata {meta_path(s.path)!r}; prepare it with "
                             "python -m boost_jax.data.prepare (mixtures check tokenizers by it)")
+        check_intact(s.path, meta, f"data.sources[{i}]")
         if first is None:
             first = (i, s.path, meta)
         elif meta["tokenizer_fingerprint"] != first[2]["tokenizer_fingerprint"]:

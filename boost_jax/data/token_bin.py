@@ -39,8 +39,36 @@ def read_meta(bin_path: str) -> Optional[dict]:
     return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
 
 
+BIN_DTYPES = ("uint16", "uint32", "int32")  # config.DataConfig.bin_dtype's choices
+# what every reader relies on: key -> the type its value must have
+FIELDS = {"dtype": str, "n_tokens": int, "max_id": int, "tokenizer": str,
+          "tokenizer_fingerprint": str}
+
+
+def _damage(meta: dict) -> Optional[str]:
+    """What is wrong with metadata that says it is ours (None: nothing)."""
+    for key, tp in FIELDS.items():
+        v = meta.get(key)
+        if not isinstance(v, tp) or isinstance(v, bool):
+            return f"its {key!r} is {'missing' if key not in meta else repr(v)}"
+    if meta["dtype"] not in BIN_DTYPES:
+        return f"its dtype {meta['dtype']!r} is none of {', '.join(BIN_DTYPES)}"
+    if meta["n_tokens"] < 0:
+        return f"its n_tokens is {meta['n_tokens']}"
+    return None
+
+
+def check_intact(path: str, meta: dict, label: str) -> None:
+    """A one-line error for metadata that says it is ours but lacks what readers rely on."""
+    damage = _damage(meta)
+    if damage is not None:
+        raise UserError(f"{label} {path!r} has damaged metadata {meta_path(path)} ({damage}); "
+                        "prepare it again with python -m boost_jax.data.prepare")
+
+
 def check_meta(path: str, meta: dict, tokenizer, dtype: str, label: str) -> None:
     """One-line errors for a .bin whose metadata disagrees with the file, dtype or tokenizer."""
+    check_intact(path, meta, label)
     if meta["dtype"] != dtype:
         raise UserError(f"{label} {path!r} holds {meta['dtype']} ids (see {meta_path(path)}) but "
                         f"data.bin_dtype={dtype}; set data.bin_dtype={meta['dtype']}")

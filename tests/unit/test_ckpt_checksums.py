@@ -46,3 +46,21 @@ def test_state_checksums_are_exact_and_ignore_sharding_and_padding():
         got = state_checksums([flat.reshape(np.shape(v))])[0]["[0]"]
         assert all(g != w for g, w in zip(got, _numpy_checksum(v))), k
     assert state_checksums([jnp.asarray(xs["f"]).at[3, 4].set(jnp.nan)])[1] is False
+
+
+def test_a_seal_of_the_wrong_shape_is_a_reason_not_a_crash(tmp_path):
+    """Valid JSON that is no seal makes the step unusable (one clause), like a damaged one."""
+    import json
+
+    from boost_jax.checkpoints import seal
+
+    step = tmp_path / "3"
+    (step / "state").mkdir(parents=True)
+    (step / "state" / "a").write_bytes(b"abc")
+    seal.write_seal(str(step))
+    assert seal.check_seal(str(step)) is None
+    for bad in ({"crc32": 5}, {"crc32": {"state/a": 1}}, {"crc32": {"state/a": [3]}},
+                {"crc32": {"state/a": ["3", 1]}}, {"crc32": [1, 2]}, [], 7):
+        (step / seal.SEAL_FILE).write_text(json.dumps(bad))
+        why = seal.check_seal(str(step))
+        assert why is not None and seal.SEAL_FILE in why, (bad, why)

@@ -280,3 +280,27 @@ def test_errors(tmp_path, folder):
     cfg.train.global_batch, cfg.model.vocab_size = 4, 128
     with pytest.raises(UserError, match="model.vocab_size=128"):
         build_data(cfg)
+
+
+def test_damaged_metadata_is_one_line_not_a_key_error(tmp_path):
+    """Metadata that says it is ours but lacks a field readers rely on (or holds a dtype no
+    config can name) is refused with what is wrong, for data.source and data.sources."""
+    f = tmp_path / "toks.bin"
+    (np.arange(1000) % 200).astype(np.uint16).tofile(f)
+    good = {"format": "boost_jax.tokens/1", "dtype": "uint16", "n_tokens": 1000, "max_id": 199,
+            "tokenizer": "byte", "tokenizer_fingerprint": "byte"}
+    for bad, what in (({}, "'dtype' is missing"), ({"n_tokens": "1000"}, "'n_tokens' is '1000'"),
+                      ({"dtype": "float64"}, "dtype 'float64' is none of"),
+                      ({"max_id": True}, "'max_id' is True")):
+        meta = {"format": good["format"]} if not bad else dict(good, **bad)
+        (tmp_path / "toks.json").write_text(json.dumps(meta))
+        with pytest.raises(UserError, match=f"has damaged metadata .*toks.json \\(its {what}"):
+            load_corpus(_cfg(f, tokenizer="byte"))
+        from boost_jax.config import load_config
+
+        cfg = load_config(None, [f"data.sources=[{{path: {f}, weight: 1}}]",
+                                 "data.tokenizer=byte", "data.max_bytes=null"], validate=False)
+        with pytest.raises(UserError, match="data.sources.0. .* has damaged metadata"):
+            build_data(cfg)
+    (tmp_path / "toks.json").write_text(json.dumps(good))
+    assert len(load_corpus(_cfg(f, tokenizer="byte", val_fraction=0.1)).train) == 900
