@@ -258,5 +258,8 @@ def parse_overrides(overrides: list[str], root=None) -> list[tuple[str, Any]]:
                 value = yaml.safe_load(raw) if raw != "" else ""
             except yaml.YAMLError:
                 value = raw
+            except RecursionError:
+                raise ConfigError(f"override {key}=... nests too deeply to be a value; use a "
+                                  "plain value or a flat list such as [a,b]") from None
         out.append((key, value))
     return out

@@ -52,10 +52,16 @@ def _read_text(path: str) -> str:
 
 def read_yaml(path: str) -> dict:
     """The mapping in the YAML file at `path`, or a one-line ConfigError naming the problem."""
-    if not os.path.isfile(path):
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a folder; pass a YAML file, e.g. --config "
+                          "configs/demo.yaml")
+    if not os.path.exists(path):
         raise ConfigError(f"config file {path!r} does not exist; pass --config configs/demo.yaml")
     try:
         tree = yaml.load(_read_text(path), Loader=_StrictLoader)
+    except RecursionError:
+        raise ConfigError(f"config file {path!r} nests too deeply to be a config; write it as "
+                          "model:, train:, ... blocks of key: value") from None
     except _DuplicateKey as e:
         raise ConfigError(
             f"config file {path!r} sets {e.key!r} twice in one block (lines {e.first} and "

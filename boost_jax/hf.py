@@ -261,8 +261,19 @@ def read_config(path: str, key: str = "model.init_from") -> dict:
         raise UserError(f"{key} {path!r} is not a model directory (no {CONFIG_FILE}); point it "
                         "at a folder written by python -m boost_jax.export or a Hugging Face "
                         "LlamaForCausalLM")
-    with open(cfg_path) as f:
-        return json.load(f)
+    fix = ("export the model again with python -m boost_jax.export, or point it at a Hugging "
+           "Face model folder")
+    try:
+        with open(cfg_path) as f:
+            conf = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{key} {path!r}: its {CONFIG_FILE} cannot be read "
+                        f"({type(e).__name__}); {fix}") from None
+    if not isinstance(conf, dict) or not isinstance(conf.get("boost_jax") or {}, dict) or \
+            not isinstance((conf.get("boost_jax") or {}).get("model") or {}, dict):
+        raise UserError(f"{key} {path!r}: its {CONFIG_FILE} is not a model config (a JSON "
+                        f"object, with an object for its boost_jax section); {fix}")
+    return conf
 
 
 def saved_model(conf: dict):
@@ -285,6 +296,12 @@ def saved_model(conf: dict):
     if conf.get("rope_scaling"):
         raise UserError("a LlamaForCausalLM with rope_scaling cannot start a run (our RoPE is "
                         "the unscaled one)")
+    need = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
+            "vocab_size")
+    lacks = [k for k in need if not isinstance(conf.get(k), int) or conf[k] <= 0]
+    if lacks:
+        raise UserError(f"this LlamaForCausalLM config.json lacks a positive integer "
+                        f"{lacks[0]!r}; it cannot start a run")
     d, h = conf["hidden_size"], conf["num_attention_heads"]
     if conf.get("head_dim", d // h) != d // h:
         raise UserError(f"head_dim={conf['head_dim']} differs from hidden_size / "

@@ -61,3 +61,16 @@ def test_text_keys_take_the_value_as_typed_others_as_yaml():
     assert (cfg.optim.lr, cfg.train.steps) == (1e-3, 7)
     with pytest.raises(ConfigError, match="control character"):
         load_config(None, ["out_dir=a\x85b"])
+
+
+def test_deep_nesting_and_a_folder_are_one_line(tmp_path):
+    """A config or override nested past Python's recursion limit, and a folder given as the
+    config file: ConfigErrors that say so, not a RecursionError or 'does not exist'."""
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("a: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        load_config(str(deep))
+    with pytest.raises(ConfigError, match="nests too deeply"):
+        load_config(None, ["train.steps=" + "[" * 5000 + "]" * 5000])
+    with pytest.raises(ConfigError, match="is a folder"):
+        load_config(str(tmp_path))

@@ -170,3 +170,19 @@ def test_gqa_gpt_export_is_refused(tmp_path):
     params = jax.tree.map(np.asarray, build_model(cfg).params())
     with pytest.raises(UserError, match="no grouped-query attention"):
         hf.write(str(tmp_path), cfg, params, {})
+
+
+def test_a_garbage_config_json_is_one_line(tmp_path):
+    """init_from / generate read config.json: unreadable, not an object, a non-object
+    boost_jax section, a Llama config without its sizes: a UserError naming the problem."""
+    from boost_jax import hf
+    from boost_jax.errors import UserError
+
+    for text, match in (("garbage", "cannot be read"), ("[]", "is not a model config"),
+                        ('{"boost_jax": 5}', "is not a model config"),
+                        ('{"boost_jax": {"model": 3}}', "is not a model config")):
+        (tmp_path / "config.json").write_text(text)
+        with pytest.raises(UserError, match=match):
+            hf.read_config(str(tmp_path))
+    with pytest.raises(UserError, match="lacks a positive integer 'hidden_size'"):
+        hf.saved_model({"model_type": "llama"})
