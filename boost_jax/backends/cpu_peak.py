@@ -104,7 +104,7 @@ def cpu_peak_flops() -> float:
             peak = float(v)
         except ValueError:
             peak = -1.0
-        if not peak > 0:
+        if not 0 < peak < float("inf"):
             raise ConfigError(f"{ENV}={v!r} is not a positive number of FLOP/s per device; "
                               f"set it to e.g. 5e10 or unset it to measure this machine")
         return peak

@@ -43,7 +43,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 TRAIN_PY = os.path.join(ROOT, "train.py")
 NODE_CHECK = os.path.join(ROOT, "boost_jax", "launch", "node_check.py")  # run by path
 EXIT_SIGTERM = 143  # train.py after saving on SIGTERM: 128 + 15
-_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
+_TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?", re.ASCII)  # 0-9 only
 
 
 @dataclass
@@ -82,6 +82,10 @@ def time_seconds(text: str) -> int:
         raise UserError(f"--time {text!r} is not a SLURM time limit; use HH:MM:SS (e.g. "
                         "02:00:00) or D-HH:MM:SS")
     d, a, b, c = m.groups()
+    # minutes and seconds after a colon run 0-59 (SLURM would carry them over silently)
+    if any(int(x) > 59 for x in (b, c) if x is not None):
+        raise UserError(f"--time {text!r} has minutes or seconds above 59; use HH:MM:SS (e.g. "
+                        "02:00:00) or D-HH:MM:SS")
     if d is not None:  # D-H[:M[:S]]
         h, mi, s = int(a), int(b or 0), int(c or 0)
         return ((int(d) * 24 + h) * 60 + mi) * 60 + s

@@ -1,6 +1,8 @@
 """Cluster jobs: every topology profile's job runs whole nodes (tests/e2e/test_launch.py: the
 batch scripts, read back and run through the local SLURM stand-in)."""
 
+import pytest
+
 from boost_jax.mesh import TOPOLOGIES
 
 
@@ -22,3 +24,17 @@ def test_job_header_says_when_the_forward_gather_is_kept():
     kept = layout_text(cfg, {"placement": dict(roles, secondary=[])})
     none = layout_text(cfg, {"placement": dict(roles, secondary=None)})
     assert "secondary the forward's gather kept" in kept and "secondary -" in none
+
+
+def test_time_limits_are_slurm_formats_in_ascii_digits():
+    """SLURM's formats are read; Unicode digits (which `\\d` would take) and minutes or seconds
+    above 59 are refused with one line."""
+    from boost_jax.errors import UserError
+    from boost_jax.launch.slurm import time_seconds
+
+    assert [time_seconds(t) for t in ("90", "5:30", "02:00:00", "1-00", "1-2:30", "1-0:0:59")] \
+        == [5400, 330, 7200, 86400, 95400, 86459]
+    for bad, match in (("٠٢:٠٠:٠٠", "is not a SLURM time limit"), ("2h", "is not a SLURM"),
+                       ("1:99:99", "above 59"), ("5:60", "above 59"), ("1-2:60", "above 59")):
+        with pytest.raises(UserError, match=match):
+            time_seconds(bad)

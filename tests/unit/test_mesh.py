@@ -63,9 +63,10 @@ def test_cpu_peak_is_measured_lazily_and_cached_per_machine(monkeypatch, tmp_pat
     assert topo.peak_flops == pytest.approx(8e11 / jax.local_device_count()) and calls == [1]
     monkeypatch.setenv(cpu_peak.ENV, "3e10")
     assert topo.peak_flops == 3e10
-    monkeypatch.setenv(cpu_peak.ENV, "fast")
-    with pytest.raises(UserError, match="BOOST_JAX_CPU_PEAK_FLOPS='fast' is not a positive"):
-        topo.peak_flops
+    for bad in ("fast", "inf", "nan", "0"):
+        monkeypatch.setenv(cpu_peak.ENV, bad)
+        with pytest.raises(UserError, match=f"BOOST_JAX_CPU_PEAK_FLOPS='{bad}' is not a "):
+            topo.peak_flops
     assert get_topology("frontier").peak_flops == 191.5e12
 
 
