@@ -7,6 +7,7 @@ closest valid spelling), so `train.py` can print one line and exit 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Literal, Optional
@@ -97,6 +98,12 @@ class ModelConfig:
             _positive(f"model.{k}", getattr(self, k))
         if self.vocab_size is not None:
             _positive("model.vocab_size", self.vocab_size)
+        if self.max_seq_len > MAX_SEQ_LEN:
+            raise ConfigError(f"model.max_seq_len={self.max_seq_len} is above {MAX_SEQ_LEN} (2^20) "
+                              "tokens; use the sequence length the model will see")
+        if self.init_std > 1.0:
+            raise ConfigError(f"model.init_std={self.init_std} is far above any useful scale "
+                              "(0.02 is usual); use a value of at most 1")
         if self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
@@ -238,6 +245,11 @@ class DataConfig:
                                   "with python -m boost_jax.data.prepare SOURCE OUT.bin")
             if not s.weight > 0:
                 raise ConfigError(f"data.sources[{i}].weight={s.weight} must be > 0, {example}")
+        total = sum(s.weight for s in self.sources)
+        if not math.isfinite(total) or min(s.weight for s in self.sources) / total < 1e-12:
+            weights = ", ".join(str(s.weight) for s in self.sources)
+            raise ConfigError(f"data.sources' weights ({weights}) are out of scale (only their "
+                              f"ratios matter); {example}")
 
 
 @dataclass
@@ -421,6 +433,9 @@ def resolve_vocab_size(data: DataConfig) -> int:
 
         n = HFTokenizer.from_file(data.tokenizer).vocab_size
     return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+MAX_SEQ_LEN = 2**20  # a million positions: beyond it a table or a mask no longer fits a device
 
 
 def _positive(key: str, value) -> None:

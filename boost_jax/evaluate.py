@@ -133,6 +133,7 @@ def score(run, groups, batch_size: int, label: str) -> dict:
 
 def _score_group(run, fn, windows, batch_size: int, sums: list, advance) -> None:
     n = len(windows)
+    batch_size = min(batch_size, n)  # never pad past the windows there are
     for start in range(0, n, batch_size):
         rows = np.stack([np.asarray(windows[i], np.int32)
                          for i in range(start, min(start + batch_size, n))])

@@ -34,6 +34,10 @@ def test_int_promotes_to_float_not_reverse():
     ("train.micro_batches=3", "not divisible by train.micro_batches=3"),
     ("data.seq_len=4096", "exceeds model.max_seq_len"),
     ("steps", "must look like key=value"),
+    ("model.max_seq_len=99999999999", "is above 1048576 .2\\^20. tokens"),
+    ("model.init_std=1e308", "far above any useful scale"),
+    ("data.sources=[{path: a.bin, weight: 1e308}, {path: a.bin, weight: 1e308}]",
+     "are out of scale"),
 ])
 def test_bad_input_errors(override, match):
     with pytest.raises(ConfigError, match=match):

@@ -23,3 +23,26 @@ def test_rolling_windows_are_lm_evals():
                   for w in lm_utils.get_rolling_token_windows(ids, -1, m, 1)]
         ours = rolling_windows(ids, -1, m)
         assert [(c + t, len(t)) for c, t in theirs] == ours
+
+
+def test_evaluate_never_pads_a_batch_past_the_windows_there_are():
+    """--batch-size 100000000 over three windows: one batch of three rows, not 1e8 padded
+    rows (which ran out of host memory)."""
+    import types
+
+    import numpy as np
+
+    from boost_jax import evaluate
+    from boost_jax.data.tokenizers import ByteTokenizer
+
+    shapes = []
+
+    def fn(params, rows):
+        shapes.append(rows.shape)
+        return np.ones(rows.shape[0])
+
+    run = types.SimpleNamespace(params=None, tokenizer=ByteTokenizer())
+    sums, seen = [0.0, 0, 0], []
+    windows = [np.arange(5) + i for i in range(3)]
+    evaluate._score_group(run, fn, windows, 100_000_000, sums, seen.append)
+    assert shapes == [(3, 5)] and seen == [3] and sums[:2] == [3.0, 12]
