@@ -43,6 +43,7 @@ HISTORY_DIR = "configs"
 # what a run writes into out_dir (train/run_log.py, train/metrics.py, store.py, data/tokenizers.py)
 OUTPUTS = (CONFIG_FILE, HISTORY_DIR, "metrics.jsonl", "summary.json", "loss.png", "tb",
            CHECKPOINTS_DIR, "tokenizer", "run.log")
+FOLDERS = (HISTORY_DIR, "tb", CHECKPOINTS_DIR, "tokenizer")  # the other OUTPUTS are files
 LOCK = ".lock"  # run_lock.LOCK_FILE
 HISTORY_ENTRY = re.compile(r"^\d{3}-(earlier|step\d+)\.yaml$")  # what `record` names them
 
@@ -184,6 +185,13 @@ def check_out_dir(out_dir: str, force: bool, config: Optional[str] = None) -> No
     --config there (in a run of ours the config.yaml it reads is kept in its history)."""
     from boost_jax.safe_write import Refused, refuse_inputs
 
+    for name in (*OUTPUTS, LOCK):
+        path = os.path.join(out_dir, name)
+        folder = name in FOLDERS
+        if os.path.lexists(path) and os.path.isdir(path) != folder:
+            raise Refused(f"out_dir {out_dir!r} holds {name} as a {'file' if folder else 'folder'}"
+                          f" where a run keeps a {'folder' if folder else 'file'}; move it away "
+                          "or choose another out_dir=...")
     if holds_run(out_dir):
         return
     for name in OUTPUTS:

@@ -109,3 +109,17 @@ def test_folders_follow_the_umask_and_replace_only_when_asked(tmp_path):
         sw.publish_dir(tmp, target, replace=False)
     sw.publish_dir(tmp, target, replace=True)
     assert os.listdir(target) == ["b"] and sorted(os.listdir(tmp_path)) == ["export"]
+
+
+def test_out_dir_entries_of_the_wrong_kind_are_one_line(tmp_path):
+    """A run folder whose lock or metrics.jsonl is a folder, or whose configs/ is a file, is
+    refused before the run starts (it raised IsADirectoryError / FileExistsError mid-run)."""
+    from boost_jax.checkpoints import run_config
+
+    for name, folder, kind in ((".lock", True, "folder"), ("metrics.jsonl", True, "folder"),
+                               ("configs", False, "file"), ("checkpoints", False, "file")):
+        d = tmp_path / name.strip(".")
+        d.mkdir()
+        (d / name).mkdir() if folder else (d / name).write_text("x")
+        with pytest.raises(Refused, match=f"holds {name} as a {kind} where a run keeps"):
+            run_config.check_out_dir(str(d), force=True)
