@@ -202,6 +202,9 @@ def get_topology(name: str) -> Topology:
             f"unknown topology {name!r}; choose one of {sorted(TOPOLOGIES)}") from None
 
 
+MAX_CPU_DEVICES = 4096  # simulated on one machine: more only stalls it (the planner uses 512)
+
+
 def set_cpu_devices(n: int) -> None:
     """Simulate `n` CPU devices. Must run before JAX initialises its backends.
 
@@ -210,6 +213,9 @@ def set_cpu_devices(n: int) -> None:
     work can queue behind the blocked threads and the run stalls (TP all-reduces next to
     pipeline sends do). The pool is sized for two blocked collectives per device plus the
     cores (PJRT_NPROC, read when the CPU client starts; a user's own value wins)."""
+    if not 1 <= n <= MAX_CPU_DEVICES:
+        raise UserError(f"--cpu-devices {n} must be between 1 and {MAX_CPU_DEVICES} (devices "
+                        "simulated on this machine)")
     os.environ.setdefault("PJRT_NPROC", str(2 * n + (os.cpu_count() or 1)))
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)

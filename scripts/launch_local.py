@@ -29,12 +29,23 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from boost_jax.mesh import MAX_CPU_DEVICES  # noqa: E402
 
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+MAX_PROCESSES = 64
+
+
+def _fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def parse_args(argv=None):
@@ -52,8 +63,13 @@ def parse_args(argv=None):
                    help="seconds to wait after forwarding a signal before killing")
     p.add_argument("args", nargs=argparse.REMAINDER, help="-- then the script's arguments")
     a = p.parse_args(argv)
-    if a.num_processes < 1:
-        p.error("-n must be >= 1")
+    # one line, exit 2, no usage block: the rule for bad input
+    if not 1 <= a.num_processes <= MAX_PROCESSES:
+        _fail(f"-n {a.num_processes} must be between 1 and {MAX_PROCESSES} (local processes on "
+              "this machine; a cluster runs through SLURM)")
+    k = a.cpu_devices_per_process
+    if k is not None and not 1 <= k <= MAX_CPU_DEVICES:
+        _fail(f"--cpu-devices-per-process {k} must be between 1 and {MAX_CPU_DEVICES}")
     if a.args and a.args[0] == "--":
         a.args = a.args[1:]
     return a

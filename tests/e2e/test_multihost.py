@@ -115,6 +115,26 @@ def test_launcher_succeeds_when_all_succeed(tmp_path):
     assert r.returncode == 0 and "[rank 0] rank 0" in r.stdout and "[rank 1] rank 1" in r.stdout
 
 
+def test_launcher_bad_counts_are_one_line_and_start_nothing(tmp_path):
+    """-n 0, -n 99999 (a fork storm) and 0 devices per process: one line, exit 2."""
+    script = tmp_path / "touch.py"
+    script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
+    for args, msg in ((["-n", "0"], "-n 0 must be between 1 and 64"),
+                      (["-n", "99999"], "-n 99999 must be between 1 and 64"),
+                      (["-n", "2", "--cpu-devices-per-process", "0"],
+                       "--cpu-devices-per-process 0 must be between 1 and 4096")):
+        r = subprocess.run([sys.executable, LAUNCH, *args, "--script", str(script), "--", "x=1"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.startswith(f"error: {msg}"), r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not (tmp_path / "ran").exists()
+    from boost_jax.errors import UserError
+    from boost_jax.mesh import set_cpu_devices
+
+    with pytest.raises(UserError, match="--cpu-devices 100000 must be between 1 and 4096"):
+        set_cpu_devices(100_000)
+
+
 # --------------------------------------------------------------------------- who starts JAX
 
 
