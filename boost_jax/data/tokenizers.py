@@ -90,8 +90,9 @@ class HFTokenizer:
         from tokenizers import Tokenizer as _HF
 
         if not os.path.isfile(path):
+            what = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
             raise UserError(
-                f"tokenizer file {path!r} does not exist; set data.tokenizer to byte, bpe, "
+                f"tokenizer file {path!r} {what}; set data.tokenizer to byte, bpe, "
                 "or an existing tokenizer.json")
         try:
             tok = _HF.from_file(path)

@@ -268,6 +268,8 @@ def test_errors(tmp_path, folder):
         get_tokenizer(DataConfig(tokenizer=str(bad)), list, None)
     with pytest.raises(UserError, match="does not exist"):
         get_tokenizer(DataConfig(tokenizer="bytes"), list, None)
+    with pytest.raises(UserError, match="is a folder, not a file"):
+        get_tokenizer(DataConfig(tokenizer=str(tmp_path)), list, None)
     j = tmp_path / "b.jsonl"
     j.write_text('{"text": "ok"}\n{"txt": "no"}\n')
     with pytest.raises(UserError, match='line 2 has no string "text"'):
