@@ -165,7 +165,7 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     block = path[:1] == ("blocks",)
     fwd = layers * uses * (passes.forward if block else passes.ends_forward)
     bwd = layers * passes.backward if block else 0  # the ends keep their fetched copy
-    grads = layers * uses * (passes.backward if block else passes.ends_grads)
+    grad_calls = layers * uses * (passes.backward if block else passes.ends_grads)
     out: list[Collective] = []
 
     unit = path[:2] if block and not lay.layer_axis else path[:1]  # one fetch_tree call
@@ -192,12 +192,12 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     int4 = dict(qgz_payloads(f)) if f.quantize_grads and f.dim is not None else {}
     for i, (kind, axes) in enumerate(f.grad_steps()):
         if kind == "all-to-all":
-            add("grad(int4)", kind, axes, int4[axes], grads, step=i)
+            add("grad(int4)", kind, axes, int4[axes], grad_calls, step=i)
         else:
-            add("grad", kind, axes, psi * a, grads, step=i)
+            add("grad", kind, axes, psi * a, grad_calls, step=i)
     # the reduction over R: per layer in the backward, or once per step on the whole leaf
     ar, rs = pl.deferred_reduction(lay)
-    per_layer, calls, phase = (1, grads, "dp") if pl.in_backward(lay) else (layers, 1, "step")
+    per_layer, calls, phase = (1, grad_calls, "dp") if pl.in_backward(lay) else (layers, 1, "step")
     payload = psi * per_layer * a / (f.n(pl.grads_axes) if lay.dim is not None else 1)
     i = len(f.grad_steps())  # reduce_all's round of each step (the late ones follow G's)
     add("reduce", "all-reduce", ar, payload, calls, phase, i)
