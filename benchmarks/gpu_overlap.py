@@ -3,9 +3,10 @@
     .venv-gpuc/bin/python benchmarks/gpu_overlap.py      # the gpu-compile extra's venv
 
 For every preset plan and TP mode (none, Megatron on the full-rank model, vanilla and BTP on
-CoLA) the training step of a 2-layer CoLA-1B-shaped model on 2 Perlmutter nodes (8 x
-A100-SXM4-40GB, TP over the GPU pair) is compiled for compile-only devices with the launcher's
-XLA flags (boost_jax.plan.gpu_compile). From the scheduled program, per phase of the step
+CoLA), at 2 and at 4 micro-batches of 16 sequences, the training step of a 2-layer
+CoLA-1B-shaped model on 2 Perlmutter nodes (8 x A100-SXM4-40GB, TP over the GPU pair) is
+compiled for compile-only devices with the launcher's XLA flags (boost_jax.plan.gpu_compile).
+(At one micro-batch there is no micro-batch loop: every collective is once per step.) From the scheduled program, per phase of the step
 (tensor-parallel, per micro-batch data-parallel, once per step): the share of its collective
 time the compute scheduled between start and done hides, and the kernels per layer. Writes
 boost_jax/plan/gpu_overlap.json (read by the cost model) and benchmarks/results/gpu_overlap.md.
@@ -37,11 +38,14 @@ from boost_jax.plan.overlap import TABLE_PATH, key  # noqa: E402
 
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 MODES = ("none", "megatron", "vanilla", "btp")
-BASE = ["model.n_layers=2", "model.d_ff=5462", "train.global_batch=32", "train.micro_batches=2"]
+BASE = ["model.n_layers=2", "model.d_ff=5462"]
+MICRO = (2, 4)  # micro-batches of 16 sequences (2 per device) each
+SEQS_PER_MICRO = 16
 
 
-def measure(plan: str, mode: str, topo) -> dict:
-    ov = [*BASE, f"parallel.plan={plan}"]
+def measure(plan: str, mode: str, topo, micro: int) -> dict:
+    ov = [*BASE, f"train.global_batch={SEQS_PER_MICRO * micro}", f"train.micro_batches={micro}",
+          f"parallel.plan={plan}"]
     if mode != "none":
         ov += [f"parallel.tp_mode={mode}", "parallel.tp_axes=[pair]"]
     if mode == "megatron":
@@ -69,23 +73,26 @@ def report(table: dict) -> str:
     def pct(x):
         return "-" if x is None else f"{x:.0%}"
 
-    body = [[k, pct(v["hidden"].get("tp")), pct(v["hidden"].get("dp")),
+    body = [[k, mb, pct(v["hidden"].get("tp")), pct(v["hidden"].get("dp")),
              pct(v["hidden"].get("step")),
              f"{v['analytic_kernels_per_layer']:.0f} / {v['kernels_per_layer']:.0f}",
-             f"{v['compile_s']:.0f}"] for k, v in table["layouts"].items()]
-    head = ["plan / TP mode", "TP hidden", "per-micro-batch DP hidden", "once-per-step hidden",
+             f"{v['compile_s']:.0f}"]
+            for k, by_micro in table["layouts"].items() for mb, v in by_micro.items()]
+    head = ["plan / TP mode", "micro-batches", "TP hidden", "per-micro-batch DP hidden", "once-per-step hidden",
             "kernels per layer (analytic / GPU)", "compile s"]
     return "\n".join([
         "## What the GPU schedule hides, per plan × TP mode",
         "",
         "Written by `benchmarks/gpu_overlap.py` (the gpu-compile extra's venv): the step of a "
-        f"2-layer CoLA-1B-shaped model on {table['devices']} ({table['mesh']}), compiled for "
+        f"2-layer CoLA-1B-shaped model on {table['devices']} ({table['mesh']}), "
+        f"{SEQS_PER_MICRO} sequences per micro-batch, compiled for "
         f"compile-only GPUs with the launcher's XLA flags, on a machine without a GPU "
         f"({load_note()}). `hidden` = the share of a phase's collective time (α–β, at the "
         "full mesh) covered by the compute XLA scheduled between the collective's start and "
         "done (its GEMM FLOPs at 70% of peak plus 4 us per kernel); `-` = no collective of "
         "that phase. `python -m boost_jax.plan ... --overlap gpu` costs each phase's exposed "
-        "time with these shares (boost_jax/plan/gpu_overlap.json); the default `--overlap "
+        "time with these shares (boost_jax/plan/gpu_overlap.json), taken at the measured "
+        "micro-batch count nearest the layout's; the default `--overlap "
         "xla` keeps the assumption the validation rows were checked with.",
         "",
         markdown_table(head, body), ""])
@@ -101,12 +108,15 @@ def main() -> None:
     layouts = {}
     for plan in PLANS:
         for mode in MODES:
-            layouts[key(plan, mode)] = m = measure(plan, mode, topo)
-            print(key(plan, mode), m, flush=True)
-    first = next(iter(layouts.values()))
+            for micro in MICRO:
+                m = measure(plan, mode, topo, micro)
+                layouts.setdefault(key(plan, mode), {})[str(micro)] = m
+                print(key(plan, mode), micro, m, flush=True)
+    first = next(iter(next(iter(layouts.values())).values()))
     table = {"written_by": "benchmarks/gpu_overlap.py", "target": "perlmutter",
              "devices": f"8 x {first['device']}", "mesh": "pair 2 x node 2 x global 2",
-             "model": "configs/cola-1b.yaml " + " ".join(BASE), "layouts": layouts}
+             "model": "configs/cola-1b.yaml " + " ".join(BASE),
+             "sequences_per_micro_batch": SEQS_PER_MICRO, "layouts": layouts}
     with open(args.table, "w") as f:
         json.dump(table, f, indent=1)
         f.write("\n")

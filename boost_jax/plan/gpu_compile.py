@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 from boost_jax.analysis import hlo as H
 from boost_jax.analysis import schedule as S
-from boost_jax.mesh import Topology
+from boost_jax.mesh import Topology, axis_size
 from boost_jax.plan import dryrun, gpu_target
 from boost_jax.plan.collectives import CommSummary, Coll, coll_time, colls_from_report
-from boost_jax.plan.costmodel import Assumptions, predict
+from boost_jax.plan.costmodel import Assumptions, predict, state_sizes, tp_info
 from boost_jax.plan.roofline import block_kernels, block_model
 
 RTOL = 0.25
@@ -99,11 +99,9 @@ def read_program(comp: dryrun.Compiled, cfg, sizes, full, topo, a: Assumptions) 
 
 def analytic_kernels_per_layer(cfg, sizes, a: Assumptions) -> float:
     """Launches of one block per micro-batch in the roofline model (roofline.block_kernels)."""
-    from boost_jax.plan.costmodel import state_sizes, tp_info, _size
-
     mode, t = tp_info(cfg, sizes)
     _, pl = state_sizes(cfg, sizes)
-    b = cfg.train.global_batch // cfg.train.micro_batches // _size(sizes, pl.batch_axes)
+    b = cfg.train.global_batch // cfg.train.micro_batches // axis_size(sizes, pl.batch_axes)
     return block_kernels(cfg, block_model(cfg.model, b, cfg.data.seq_len, mode, t, a.attention))
 
 

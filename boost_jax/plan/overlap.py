@@ -1,12 +1,15 @@
 """How much of a step's collective time stays on the critical path: the assumption the
 launcher's XLA flags stand for (`overlap_exposed`), or what the GPU schedule showed.
 
-The GPU figures, per plan × TP mode (gpu_overlap.json), are measured by
+The GPU figures, per plan × TP mode × micro-batch count (gpu_overlap.json), are measured by
 benchmarks/gpu_overlap.py from the training step compiled for A100s (compile-only devices,
 the launcher's XLA flags): for each collective, the compute XLA's latency-hiding scheduler put
 between its start and done. `overlap="gpu"` costs a phase's exposed time as its time × (1 −
 hidden share), and charges the kernels the GPU program launches beyond the roofline's list
-(their ratio per layer); layouts the table lacks fall back to the `xla` assumption.
+(their ratio per layer), each at the measured micro-batch count nearest the layout's (from 2
+to 4 micro-batches the per-micro-batch shares of zero3 and hierarchical moved by up to 3x,
+e.g. zero3/none 28% -> 14%);
+layouts the table lacks fall back to the `xla` assumption.
 """
 
 from __future__ import annotations
@@ -41,26 +44,36 @@ def table(path: str = TABLE_PATH) -> dict:
         return json.load(f)
 
 
-def kernel_ratio(plan: str, tp_mode: str) -> Optional[float]:
+def measured(plan: str, tp_mode: str, micro_batches: int) -> Optional[dict]:
+    """The layout's row at the measured micro-batch count nearest `micro_batches` (the fewer on
+    a tie), None if the layout was not measured."""
+    by_micro = table().get("layouts", {}).get(key(plan, tp_mode))
+    if not by_micro:
+        return None
+    near = min(by_micro, key=lambda m: (abs(int(m) - micro_batches), int(m)))
+    return by_micro[near]
+
+
+def kernel_ratio(plan: str, tp_mode: str, micro_batches: int) -> Optional[float]:
     """GPU kernels per layer over the roofline's count for the layout, None if not measured."""
-    row = table().get("layouts", {}).get(key(plan, tp_mode))
+    row = measured(plan, tp_mode, micro_batches)
     if row is None or not row.get("analytic_kernels_per_layer"):
         return None
     return row["kernels_per_layer"] / row["analytic_kernels_per_layer"]
 
 
-def hidden(plan: str, tp_mode: str, phase: str) -> Optional[float]:
+def hidden(plan: str, tp_mode: str, phase: str, micro_batches: int) -> Optional[float]:
     """The hidden share of `phase` (tp | dp | step) for the layout, None if not measured (the
     layout is not in the table, or its measured step had no collective of that phase: ddp's
-    per-layer all-reduce at one micro-batch, measured at two)."""
-    row = table().get("layouts", {}).get(key(plan, tp_mode))
+    per-layer all-reduce at one micro-batch, measured at two and four)."""
+    row = measured(plan, tp_mode, micro_batches)
     if row is None:
         return None
     return row["hidden"].get(phase)
 
 
 def overlap_exposed(t_dp: float, t_compute: float, layers: int, a: Assumptions,
-                    hidden: Optional[float] = None) -> float:
+                    hidden_share: Optional[float] = None) -> float:
     """Seconds of the per-micro-batch data-parallel collectives left on the critical path.
 
     With the launcher's XLA flags (mesh.GPU_XLA_SCHEDULE) the scanned layers pipeline them: a
@@ -68,12 +81,12 @@ def overlap_exposed(t_dp: float, t_compute: float, layers: int, a: Assumptions,
     reduce-scatter behind the next backward layer. Each pass over the layers leaves one
     layer's share exposed (the first gather, the last reduce-scatter): t_dp / L over the step,
     or, when the traffic outlasts the compute it hides behind, what the compute leaves over
-    (whichever is more). overlap="gpu" with a
-    measured `hidden` share: only that share can hide."""
+    (whichever is more). overlap="gpu" with a measured `hidden_share`: only that share can
+    hide."""
     if a.overlap == "none":
         return t_dp
-    if a.overlap == "gpu" and hidden is not None:
-        return t_dp * (1.0 - hidden) + max(t_dp * hidden - t_compute, 0.0)
+    if a.overlap == "gpu" and hidden_share is not None:
+        return t_dp * (1.0 - hidden_share) + max(t_dp * hidden_share - t_compute, 0.0)
     return max(t_dp - t_compute, t_dp / max(layers, 1), 0.0)
 
 
@@ -83,7 +96,7 @@ def gpu_launch_seconds(cfg, bm: BlockModel, blocks: float, a: Assumptions) -> fl
     `blocks` block passes; 0 when the table lacks the layout, or with other overlap modes."""
     if a.overlap != "gpu":
         return 0.0
-    ratio = kernel_ratio(cfg.parallel.plan, cfg.parallel.tp_mode)
+    ratio = kernel_ratio(cfg.parallel.plan, cfg.parallel.tp_mode, cfg.train.micro_batches)
     if ratio is None:
         return 0.0
     return max(ratio - 1.0, 0.0) * block_kernels(cfg, bm) * a.launch_s * blocks
@@ -94,5 +107,5 @@ def gpu_exposed(cfg, phase: str, t: float, a: Assumptions) -> float:
     layout (the whole time when the table lacks the layout, or with other overlap modes)."""
     if a.overlap != "gpu":
         return t
-    h = hidden(cfg.parallel.plan, cfg.parallel.tp_mode, phase)
+    h = hidden(cfg.parallel.plan, cfg.parallel.tp_mode, phase, cfg.train.micro_batches)
     return t if h is None else t * (1.0 - h)

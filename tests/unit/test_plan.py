@@ -389,6 +389,28 @@ def test_attention_is_costed_as_the_step_compiles_it():
     assert C.resolve_attention(cfg, get_topology("frontier"), dense).attention == "dense"
 
 
+def test_overlap_gpu_reads_the_nearest_measured_micro_batch_count(monkeypatch):
+    """The GPU shares differ with the micro-batch count: a layout's row is the measured count
+    nearest its own (the fewer on a tie); the committed table has every plan × TP mode at
+    each measured count."""
+    from boost_jax.plan import overlap as gpu_overlap
+
+    committed = gpu_overlap.table()["layouts"]
+    assert {tuple(sorted(rows)) for rows in committed.values()} == {("2", "4")}
+    assert len(committed) == 20
+    rows = {"2": {"hidden": {"dp": 0.2}, "kernels_per_layer": 30.0,
+                  "analytic_kernels_per_layer": 10.0},
+            "4": {"hidden": {"dp": 0.4}, "kernels_per_layer": 20.0,
+                  "analytic_kernels_per_layer": 10.0}}
+    monkeypatch.setattr(gpu_overlap, "table", lambda: {"layouts": {"zero3/btp": rows}})
+    got = {m: gpu_overlap.hidden("zero3", "btp", "dp", m) for m in (1, 2, 3, 4, 8)}
+    assert got == {1: 0.2, 2: 0.2, 3: 0.2, 4: 0.4, 8: 0.4}
+    assert gpu_overlap.kernel_ratio("zero3", "btp", 6) == 2.0
+    assert gpu_overlap.kernel_ratio("zero3", "btp", 1) == 3.0
+    assert gpu_overlap.hidden("zero3", "btp", "tp", 4) is None
+    assert gpu_overlap.hidden("zeropp", "btp", "dp", 4) is None
+
+
 def test_overlap_gpu_costs_the_shares_the_gpu_schedule_hides(monkeypatch):
     """--overlap gpu: each phase's exposed time is its time less the share the GPU schedule
     hides for the layout (plan/overlap.py); a layout the table lacks keeps the xla
@@ -401,10 +423,10 @@ def test_overlap_gpu_costs_the_shares_the_gpu_schedule_hides(monkeypatch):
     xla = C.predict(cfg, topo, sizes)
     shares = {"tp": 0.75, "dp": 0.5, "step": 0.25}
     monkeypatch.setattr(gpu_overlap, "hidden",
-                        lambda plan, mode, phase: shares[phase] if (plan, mode) ==
+                        lambda plan, mode, phase, micro: shares[phase] if (plan, mode) ==
                         ("zero3", "btp") else None)
     monkeypatch.setattr(gpu_overlap, "kernel_ratio",
-                        lambda plan, mode: 2.0 if (plan, mode) == ("zero3", "btp") else None)
+                        lambda plan, mode, micro: 2.0 if (plan, mode) == ("zero3", "btp") else None)
     gpu = C.predict(cfg, topo, sizes, C.Assumptions(overlap="gpu"))
     t, g = xla.time, gpu.time
     assert g["tp"] == pytest.approx(t["tp"] * 0.25)
