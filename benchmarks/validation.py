@@ -145,16 +145,8 @@ def dash_table() -> str:
     return "\n".join(lines)
 
 
-def build() -> str:
-    a = V.VALIDATION_ASSUMPTIONS
-    boost = V.boost_predictions(a)
-    abs_t, ratio_t, rows = V.boost_tables(boost)
-    lbp = V.lbp_predictions(a)
-    lbp_t, lbp_rows = V.lbp_table(lbp)
-    all_rows = rows + lbp_rows
-    n_ok = V.within(all_rows)
-    abs_rows = V.absolute_rows(a, boost)
-    pm, fr, dg = get_topology("perlmutter"), get_topology("frontier"), get_topology("dgx-a100")
+def _why_fill(a, boost: dict, rows: list, lbp: dict, lbp_rows: list) -> dict:
+    """The figures the "Why" section quotes."""
     br = {r["key"]: r["error"] for r in rows}
     bf = [br[k + " btp/full"] for k in boost]
     vb = [br[k + " vanilla/btp"] for k in boost]
@@ -162,7 +154,7 @@ def build() -> str:
     nr = V.boost_predictions(a, sizes=("7B",), remat="none")["7B"]
     pm100 = dict(V.variants(a))[
         "Perlmutter 4-GPU node collective 100 GB/s instead of 300 (BOOST TP4 rows)"]
-    fill = dict(btp_lo=min(bf), btp_hi=max(bf), vb_lo=min(vb), vb_hi=max(vb), full_lo=min(fe),
+    return dict(btp_lo=min(bf), btp_hi=max(bf), vb_lo=min(vb), vb_hi=max(vb), full_lo=min(fe),
                 full_hi=max(fe), mem3=boost["3B"]["full"].memory["total"] / 1e9,
                 mem7=boost["7B"]["full"].memory["total"] / 1e9, tol=V.TOLERANCE,
                 nr_full=nr["full"].step_time, nr_van=nr["vanilla"].memory["total"] / 1e9,
@@ -170,8 +162,11 @@ def build() -> str:
                 pub13=" / ".join(f"{x:.2f}" for x in V.BOOST_PUBLISHED["13B"]) + " s",
                 pm100=V.within(V.ratio_rows(a, **pm100)[2]),
                 **_pp1(a), **_lbp_fill(a, lbp, lbp_rows))
+
+
+def _head(n_ok: int, all_rows: list, abs_rows: list) -> str:
     gaps = "\n".join(f"- `{k}`: {why}" for k, why in V.KNOWN_GAPS.items())
-    doc = f"""# Cost model vs published results
+    return f"""# Cost model vs published results
 
 Reproduce: `.venv/bin/python benchmarks/validation.py` (cost model only, a few seconds; every
 number below, prose included, is its output). Model code: `boost_jax/plan/costmodel.py`;
@@ -207,7 +202,11 @@ we could read gives. The 22B script's layout could be the measured one, but it p
 stages two to a node on 4 nodes, and this engine places pipeline stages on whole hosts, so the
 cost model cannot run it as laid out.
 
-## The network model's all-reduce bus bandwidth
+"""
+
+
+def _network_and_sources(boost: dict) -> str:
+    return f"""## The network model's all-reduce bus bandwidth
 
 What `all_reduce_perf` (nccl-tests / rccl-tests) would print for a 1 GiB all-reduce over every
 device of the nodes, as the model costs it (a ring leaves each node once; the node's NICs and
@@ -228,7 +227,12 @@ over BTP's):
 
 {V.ranges_table(boost)}
 
-## One set of assumptions for every row
+"""
+
+
+def _assumptions(a) -> str:
+    pm, fr, dg = get_topology("perlmutter"), get_topology("frontier"), get_topology("dgx-a100")
+    return f"""## One set of assumptions for every row
 
 {chr(10).join('- ' + x for x in a.describe())}
 - hardware: Perlmutter A100-40GB ({pm.peak_flops / 1e12:.0f} TFLOP/s bf16, 1.555 TB/s HBM;
@@ -258,7 +262,11 @@ over BTP's):
 - (de)quantization (qwZ, int8 secondaries, qgZ): memory-bound passes at the HBM roofline, on
   the path of the collectives they feed (boost_jax/plan/costmodel.py, `quant_seconds`).
 
-## BOOST (Perlmutter, A100): iteration seconds, full-rank / vanilla TP / BTP
+"""
+
+
+def _results(a, ratio_t: str, abs_t: str, lbp_t: str, all_rows: list) -> str:
+    return f"""## BOOST (Perlmutter, A100): iteration seconds, full-rank / vanilla TP / BTP
 
 Ratios (the validation target):
 
@@ -288,9 +296,21 @@ from the published ones (3B vanilla/full would be {_fastest_remat_3b(a):+.0%}).
 
 {V.sensitivity(a)}
 
-@@WHY@@
 """
-    return doc.replace("@@WHY@@", WHY.format(**fill))
+
+
+def build() -> str:
+    a = V.VALIDATION_ASSUMPTIONS
+    boost = V.boost_predictions(a)
+    abs_t, ratio_t, rows = V.boost_tables(boost)
+    lbp = V.lbp_predictions(a)
+    lbp_t, lbp_rows = V.lbp_table(lbp)
+    all_rows = rows + lbp_rows
+    n_ok = V.within(all_rows)
+    abs_rows = V.absolute_rows(a, boost)
+    fill = _why_fill(a, boost, rows, lbp, lbp_rows)
+    return (_head(n_ok, all_rows, abs_rows) + _network_and_sources(boost) + _assumptions(a)
+            + _results(a, ratio_t, abs_t, lbp_t, all_rows) + WHY.format(**fill) + "\n")
 
 
 def main() -> int:

@@ -90,15 +90,9 @@ def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
     stream.close()
 
 
-def launch(args) -> int:
+def _start(args, cmd: list, port: int, out, lock) -> tuple[list, list]:
+    """One process per rank with JAX's coordinator variables, and a thread pumping its output."""
     n = args.num_processes
-    port = args.port or free_port()
-    cmd = [args.python, "-u", args.script]
-    if args.cpu_devices_per_process:
-        cmd += ["--cpu-devices", str(args.cpu_devices_per_process)]
-    cmd += args.args
-    out = sys.stdout.buffer
-    lock = threading.Lock()
     procs, pumps = [], []
     for rank in range(n):
         env = dict(os.environ, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
@@ -115,13 +109,48 @@ def launch(args) -> int:
         t = threading.Thread(target=_pump, args=(rank, p.stdout, out, lock), daemon=True)
         t.start()
         pumps.append(t)
+    return procs, pumps
+
+
+def _kill_alive(procs: list) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
+def _watch(procs: list, forwarded: dict, grace: float, say):
+    """Wait for every rank; the first that fails takes the others down. (rank, code) of it."""
+    failed = None
+    while any(p.poll() is None for p in procs):
+        for rank, p in enumerate(procs):
+            code = p.poll()
+            if code not in (None, 0) and failed is None:
+                failed = (rank, code)
+                alive = [r for r, q in enumerate(procs) if q.poll() is None]
+                if alive and forwarded["at"] is None:
+                    say(f"rank {rank} exited with code {code}; killing ranks {alive}")
+                    _kill_alive([procs[r] for r in alive])
+        if forwarded["at"] is not None and time.monotonic() - forwarded["at"] > grace:
+            _kill_alive(procs)
+        time.sleep(0.05)
+    return failed
+
+
+def launch(args) -> int:
+    port = args.port or free_port()
+    cmd = [args.python, "-u", args.script]
+    if args.cpu_devices_per_process:
+        cmd += ["--cpu-devices", str(args.cpu_devices_per_process)]
+    cmd += args.args
+    out, lock = sys.stdout.buffer, threading.Lock()
+    procs, pumps = _start(args, cmd, port, out, lock)
 
     def say(msg: str) -> None:
         with lock:
             out.write(f"[launch_local] {msg}\n".encode())
             out.flush()
 
-    say(f"{n} processes, coordinator 127.0.0.1:{port}: {' '.join(cmd)}")
+    say(f"{args.num_processes} processes, coordinator 127.0.0.1:{port}: {' '.join(cmd)}")
     forwarded = {"at": None}
 
     def on_signal(signum, frame):
@@ -132,28 +161,11 @@ def launch(args) -> int:
                 if p.poll() is None:
                     p.send_signal(signum)
         else:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
+            _kill_alive(procs)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    failed = None  # (rank, code) of the first process that failed
     try:
-        while any(p.poll() is None for p in procs):
-            for rank, p in enumerate(procs):
-                code = p.poll()
-                if code not in (None, 0) and failed is None:
-                    failed = (rank, code)
-                    alive = [r for r, q in enumerate(procs) if q.poll() is None]
-                    if alive and forwarded["at"] is None:
-                        say(f"rank {rank} exited with code {code}; killing ranks {alive}")
-                        for r in alive:
-                            procs[r].kill()
-            if forwarded["at"] is not None and time.monotonic() - forwarded["at"] > args.grace:
-                for p in procs:
-                    if p.poll() is None:
-                        p.kill()
-            time.sleep(0.05)
+        failed = _watch(procs, forwarded, args.grace, say)
     finally:
         for s, h in old.items():
             signal.signal(s, h)

@@ -453,7 +453,6 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     # the stage sends (part of t_tp: on the critical path), reported apart
     p2p = sum(coll_time(c, topo, a) for c in colls if c.name == "stage_send") \
         if measured is None else 0.0
-    # (the GPU table is read only when asked for: its writer costs layouts while rewriting it)
     h_dp = overlap.hidden(cfg.parallel.plan, mode, "dp", micro) if a.overlap == "gpu" else None
     exposed_dp = overlap_exposed(t_dp, t_compute - t_bubble, L, a, h_dp)
     total = t_compute + t_quant + t_tp + exposed_dp + t_stepc + t_opt

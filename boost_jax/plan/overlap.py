@@ -65,7 +65,8 @@ def kernel_ratio(plan: str, tp_mode: str, micro_batches: int) -> Optional[float]
 def hidden(plan: str, tp_mode: str, phase: str, micro_batches: int) -> Optional[float]:
     """The hidden share of `phase` (tp | dp | step) for the layout, None if not measured (the
     layout is not in the table, or its measured step had no collective of that phase: ddp's
-    per-layer all-reduce at one micro-batch, measured at two and four)."""
+    per-layer all-reduce at one micro-batch, measured at two and four). Ask only under
+    overlap="gpu": benchmarks/gpu_overlap.py costs layouts while it rewrites the table."""
     row = measured(plan, tp_mode, micro_batches)
     if row is None:
         return None
