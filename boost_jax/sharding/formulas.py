@@ -79,7 +79,7 @@ def memory_per_device(pl) -> dict:
         int8s = f.int8_secondary
         # kept from forward to backward by every layer; the embedding's and head's is dead once
         # their forward gather ran (their gathered weight is what stays)
-        if S is not None and f.gathers and path[0] == "blocks":
+        if S is not None and f.is_gathered and path[0] == "blocks":
             if int8s:
                 out["secondary"] += layers * int8_payload(f, S) / axis_size(mesh, S)
             elif tuple(S) != tuple(pl.params_axes):

@@ -126,7 +126,8 @@ class LeafFetch(Int8Copies):
         return self.layout.dim
 
     @property
-    def gathers(self) -> bool:
+    def is_gathered(self) -> bool:
+        """Stored sharded over the params axes, so gathered before each use."""
         return self.dim is not None and bool(self.params_axes)
 
     def local_shape(self, axes) -> list[int]:
@@ -227,7 +228,7 @@ class LeafFetch(Int8Copies):
     def expand(self, src):
         """The saved source (stored shard or secondary) → the gather of the full weight (a
         bucket.Send, or the value when nothing moves); `finish_expand` completes it."""
-        if not self.gathers:
+        if not self.is_gathered:
             return src
         if self.keeps_int8_gather:
             return self.int8_finish(self.params_axes)(src)
@@ -366,7 +367,7 @@ _fetch.defvjp(_fetch_fwd, _fetch_bwd)
 def secondaries(fs, xs) -> list:
     """The saved source of each weight: its stored shard, or its secondary block (cut from
     one bucketed flat gather under hpZ), named for remat to keep."""
-    want = [f.gathers and f.secondary_axes is not None for f in fs]
+    want = [f.is_gathered and f.secondary_axes is not None for f in fs]
     sources = bucket.run([f.secondary_source(jax.lax.stop_gradient(x)) if w else x
                           for f, x, w in zip(fs, xs, want)])
     return [checkpoint_name(f.to_secondary(v), SECONDARY_NAME) if w else v

@@ -178,7 +178,7 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
             out.append(Collective(name, what, kind, axes, n, float(payload), calls, phase, key))
 
     A, S = pl.params_axes, pl.secondary_axes
-    if f.gathers:
+    if f.is_gathered:
         prim = int8_payload(f, A) if f.quantize_gather else psi * w
         if S is None:
             add("gather", "all-gather", A, prim, fwd)

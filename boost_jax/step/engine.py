@@ -64,7 +64,7 @@ class Engine:
         self.n_batch = math.prod(dict(self.sizes)[a] for a in placement.batch_axes)
         self.fetches = jax.tree.map(lambda lay: LeafFetch.of(placement, lay), placement.layouts,
                                     is_leaf=is_layout)
-        gathers = any(f.gathers for f in jax.tree.leaves(
+        gathers = any(f.is_gathered for f in jax.tree.leaves(
             self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch)))
         self.checkpoint = plan.checkpoint(gathers)
         self.ops = plan.ops(self.fetch)
