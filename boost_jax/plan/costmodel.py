@@ -36,7 +36,8 @@ from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split
 from boost_jax.plan import overlap
 from boost_jax.plan.overlap import gpu_exposed, gpu_launch_seconds, overlap_exposed
 from boost_jax.sharding.gather import qgz_stages
-from boost_jax.sharding.step_collectives import Passes, bucketed, step_collectives
+from boost_jax.sharding.step_collectives import (Passes, bucketed, keeps_secondary,
+                                                 step_collectives)
 from boost_jax.sharding.stages import layers_per_stage
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
                                      head_model, op_time, resolve_attention)
@@ -123,7 +124,7 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
         acc["params"] += role(pl.params_axes)
         acc["grads"] += role(pl.accum_axes(lay))
         acc["opt"] += role(pl.opt_state_axes)
-        if pl.secondary_axes is not None and path[0].key == "blocks":  # every layer keeps one
+        if keeps_secondary(pl, lay, path[0].key):
             acc["sec"] += role(pl.secondary_axes)
         if lay.dim is None:
             acc["rep"] += local

@@ -39,7 +39,8 @@ from boost_jax.mesh import axis_size
 from boost_jax.names import MESH_AXES
 from boost_jax.sharding.gather import LeafFetch
 from boost_jax.sharding.step_collectives import (Passes, bytes_by_level, int8_payload, itemsize,
-                                                 leaves, step_collectives, tp_local)
+                                                 keeps_secondary, leaves, step_collectives,
+                                                 tp_local)
 
 
 def _fetches(pl) -> dict:
@@ -76,13 +77,10 @@ def memory_per_device(pl) -> dict:
             out[k] += share(axes, lay.padded_numel) * b * frac
             pad[k] += share(axes, lay.padded_numel - lay.numel) * b * frac
         S = pl.secondary_axes
-        int8s = f.int8_secondary
-        # kept from forward to backward by every layer; the embedding's and head's is dead once
-        # their forward gather ran (their gathered weight is what stays)
-        if S is not None and f.is_gathered and path[0] == "blocks":
-            if int8s:
+        if keeps_secondary(pl, lay, path[0]):
+            if f.int8_secondary:
                 out["secondary"] += layers * int8_payload(f, S) / axis_size(mesh, S)
-            elif tuple(S) != tuple(pl.params_axes):
+            else:
                 out["secondary"] += local * w / axis_size(mesh, S)
         if not sharded and (pl.params_axes or pl.opt_state_axes):
             unsharded += local * (w + 8 + (4 if mixed else 0))

@@ -149,6 +149,17 @@ def tp_local(f: LeafFetch, lay: LeafLayout) -> float:
     return lay.padded_numel / math.prod(f.n(tp) for tp in lay.tp)
 
 
+def keeps_secondary(pl, lay: LeafLayout, top: str) -> bool:
+    """Whether a leaf keeps a secondary copy from forward to backward (the memory it costs,
+    for the byte formulas and the planner alike): every gathered layer weight, unless the copy
+    would be the stored shard itself (a working-dtype secondary over the params axes). The
+    embedding's and head's is dead once their forward gather ran."""
+    S = pl.secondary_axes
+    if S is None or top != "blocks" or lay.dim is None or not pl.params_axes:
+        return False
+    return pl.int8_secondary or tuple(S) != tuple(pl.params_axes)
+
+
 def itemsize(dtype) -> int:
     return int(np.dtype(dtype).itemsize)
 
