@@ -269,8 +269,11 @@ def read_config(path: str, key: str = "model.init_from") -> dict:
     except (OSError, ValueError) as e:
         raise UserError(f"{key} {path!r}: its {CONFIG_FILE} cannot be read "
                         f"({type(e).__name__}); {fix}") from None
-    if not isinstance(conf, dict) or not isinstance(conf.get("boost_jax") or {}, dict) or \
-            not isinstance((conf.get("boost_jax") or {}).get("model") or {}, dict):
+    ours = conf.get("boost_jax") or {} if isinstance(conf, dict) else None
+    crcs = ours.get("files_crc32") or {} if isinstance(ours, dict) else None
+    if not isinstance(ours, dict) or not isinstance(ours.get("model") or {}, dict) or \
+            not isinstance(crcs, dict) or \
+            not all(isinstance(n, str) and isinstance(c, int) for n, c in crcs.items()):
         raise UserError(f"{key} {path!r}: its {CONFIG_FILE} is not a model config (a JSON "
                         f"object, with an object for its boost_jax section); {fix}")
     return conf

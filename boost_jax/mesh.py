@@ -205,7 +205,7 @@ def get_topology(name: str) -> Topology:
 MAX_CPU_DEVICES = 4096  # simulated on one machine: more only stalls it (the planner uses 512)
 
 
-def set_cpu_devices(n: int) -> None:
+def set_cpu_devices(n: int, flag: str = "--cpu-devices") -> None:
     """Simulate `n` CPU devices. Must run before JAX initialises its backends.
 
     The simulated devices share one thread pool, and a device inside a collective blocks a
@@ -214,7 +214,8 @@ def set_cpu_devices(n: int) -> None:
     pipeline sends do). The pool is sized for two blocked collectives per device plus the
     cores (PJRT_NPROC, read when the CPU client starts; a user's own value wins)."""
     if not 1 <= n <= MAX_CPU_DEVICES:
-        raise UserError(f"--cpu-devices {n} must be between 1 and {MAX_CPU_DEVICES} (devices "
+        sep = "" if flag.endswith("=") else " "
+        raise UserError(f"{flag}{sep}{n} must be between 1 and {MAX_CPU_DEVICES} (devices "
                         "simulated on this machine)")
     os.environ.setdefault("PJRT_NPROC", str(2 * n + (os.cpu_count() or 1)))
     flags = os.environ.get("XLA_FLAGS", "")

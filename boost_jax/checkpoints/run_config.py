@@ -28,7 +28,7 @@ from typing import Any, Optional
 import yaml
 
 from boost_jax.config import Config, config_to_yaml
-from boost_jax.checkpoints.seal import SEAL_FILE
+from boost_jax.checkpoints.seal import ITEMS, SEAL_FILE
 from boost_jax.errors import UserError
 from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE
 
@@ -45,7 +45,7 @@ OUTPUTS = (CONFIG_FILE, HISTORY_DIR, "metrics.jsonl", "summary.json", "loss.png"
            CHECKPOINTS_DIR, "tokenizer", "run.log")
 FOLDERS = (HISTORY_DIR, "tb", CHECKPOINTS_DIR, "tokenizer")  # the other OUTPUTS are files
 LOCK = ".lock"  # run_lock.LOCK_FILE
-HISTORY_ENTRY = re.compile(r"^\d{3}-(earlier|step\d+)\.yaml$")  # what `record` names them
+HISTORY_ENTRY = re.compile(r"^\d{3}-(earlier|edited|step\d+)\.yaml$")  # what `record` names them
 
 
 def model_signature(cfg: Config) -> dict:
@@ -118,15 +118,20 @@ def _comparable(tree: dict) -> dict:
 
 def record(out_dir: str, cfg: Config, start: int) -> Optional[str]:
     """Write config.yaml and, if this config differs from the newest in configs/, a new numbered
-    entry there (returned). A config.yaml from before configs/ existed is kept first."""
+    entry there (returned). A config.yaml from before configs/ existed is kept first, one edited
+    by hand since the run wrote it as NNN-edited.yaml."""
     hist = os.path.join(out_dir, HISTORY_DIR)
     os.makedirs(hist, exist_ok=True)
     entries = sorted(n for n in os.listdir(hist) if n.endswith(".yaml") and n[:3].isdigit())
     current = os.path.join(out_dir, CONFIG_FILE)
+    text = config_to_yaml(cfg)
     if not entries and os.path.exists(current):
         os.replace(current, os.path.join(hist, "000-earlier.yaml"))
         entries = ["000-earlier.yaml"]
-    text = config_to_yaml(cfg)
+    elif entries and _edited(current, os.path.join(hist, entries[-1]), text):
+        name = f"{int(entries[-1][:3]) + 1:03d}-edited.yaml"  # a hand edit is kept, not lost
+        os.replace(current, os.path.join(hist, name))
+        entries.append(name)
     new_entry = None
     last = load_saved(os.path.join(hist, entries[-1])) if entries else None
     if last is None or _comparable(last) != _comparable(yaml.safe_load(text)):
@@ -137,6 +142,21 @@ def record(out_dir: str, cfg: Config, start: int) -> Optional[str]:
                           f"\n{text}")
     _write(current, text)
     return new_entry
+
+
+def _edited(current: str, newest: str, text: str) -> bool:
+    """config.yaml holds neither what the run last recorded nor what it is about to write
+    (someone edited it)."""
+    try:
+        with open(current, encoding="utf-8") as f:
+            now = f.read()
+        with open(newest, encoding="utf-8") as f:
+            recorded = f.read()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if recorded.startswith("# used from step"):
+        recorded = recorded.split("\n", 1)[1] if "\n" in recorded else ""
+    return now not in (recorded, text)
 
 
 def _write(path: str, text: str) -> None:
@@ -168,15 +188,20 @@ def _listing(folder: str) -> list[str]:
 
 
 def holds_run(out_dir: str) -> bool:
-    """A run of ours was here: its lock, a numbered entry of its config history, or a sealed
-    checkpoint (a bare `configs/` or `checkpoints/` folder is anybody's)."""
+    """A run of ours was here: its lock, a numbered entry of its config history, or a step of
+    its checkpoints (a bare `configs/` or `checkpoints/` folder is anybody's)."""
     if os.path.lexists(os.path.join(out_dir, LOCK)):
         return True
     if any(HISTORY_ENTRY.match(n) for n in _listing(os.path.join(out_dir, HISTORY_DIR))):
         return True
     ckpt = os.path.join(out_dir, CHECKPOINTS_DIR)
-    return any(n.isdigit() and os.path.exists(os.path.join(ckpt, n, SEAL_FILE))
-               for n in _listing(ckpt))
+    return any(n.isdigit() and _our_step(os.path.join(ckpt, n)) for n in _listing(ckpt))
+
+
+def _our_step(step_dir: str) -> bool:
+    """A step our Checkpointer wrote: sealed, or (saved before seals) holding all its items."""
+    return os.path.exists(os.path.join(step_dir, SEAL_FILE)) or \
+        all(os.path.isdir(os.path.join(step_dir, item)) for item in ITEMS)
 
 
 def check_out_dir(out_dir: str, force: bool, config: Optional[str] = None) -> None:

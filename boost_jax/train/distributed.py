@@ -139,7 +139,8 @@ def setup(cfg: Config, cpu_devices: Optional[int] = None) -> Optional[Launch]:
     if n:
         from boost_jax.mesh import set_cpu_devices
 
-        set_cpu_devices(n)
+        set_cpu_devices(n, "--cpu-devices" if cpu_devices else
+                        "distributed.local_cpu_devices=")
     return launch
 
 

@@ -148,7 +148,7 @@ ROWS = {
                            r"use at most 2147483647"),
     "cpu_devices_negative": (["--cpu-devices", "-3"], r"--cpu-devices -3 must be >= 1$"),
     "cpu_devices_zero": (["--cpu-devices", "0"], r"--cpu-devices 0 must be >= 1$"),
-    "newline_in_name": (['name="a\\ntouch x"'],  # YAML's escape, as a shared config holds it
+    "newline_in_name": (["name=a\ntouch x"],  # a real newline: text keys are taken as typed
                         r"name='a\\ntouch x' contains a control character \(\\n\); remove it"),
     "out_dir_not_utf8": (["out_dir={tmp}/r\udcff"],
                          r"out_dir='.*/r\\udcff' is not UTF-8 text; write it in UTF-8"),

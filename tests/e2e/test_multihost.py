@@ -133,6 +133,11 @@ def test_launcher_bad_counts_are_one_line_and_start_nothing(tmp_path):
 
     with pytest.raises(UserError, match="--cpu-devices 100000 must be between 1 and 4096"):
         set_cpu_devices(100_000)
+    from boost_jax.config import load_config
+    from boost_jax.train.distributed import setup
+
+    with pytest.raises(UserError, match="^distributed.local_cpu_devices=5000 must be between"):
+        setup(load_config(None, ["distributed.local_cpu_devices=5000"]))
 
 
 # --------------------------------------------------------------------------- who starts JAX

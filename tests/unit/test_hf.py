@@ -180,7 +180,9 @@ def test_a_garbage_config_json_is_one_line(tmp_path):
 
     for text, match in (("garbage", "cannot be read"), ("[]", "is not a model config"),
                         ('{"boost_jax": 5}', "is not a model config"),
-                        ('{"boost_jax": {"model": 3}}', "is not a model config")):
+                        ('{"boost_jax": {"model": 3}}', "is not a model config"),
+                        ('{"boost_jax": {"files_crc32": 5}}', "is not a model config"),
+                        ('{"boost_jax": {"files_crc32": {"a": "x"}}}', "is not a model config")):
         (tmp_path / "config.json").write_text(text)
         with pytest.raises(UserError, match=match):
             hf.read_config(str(tmp_path))

@@ -422,11 +422,12 @@ def test_overlap_gpu_costs_the_shares_the_gpu_schedule_hides(monkeypatch):
     topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 48}
     xla = C.predict(cfg, topo, sizes)
     shares = {"tp": 0.75, "dp": 0.5, "step": 0.25}
+    ours = ("zero3", "btp", cfg.train.micro_batches)  # the layout's own micro-batch count
     monkeypatch.setattr(gpu_overlap, "hidden",
-                        lambda plan, mode, phase, micro: shares[phase] if (plan, mode) ==
-                        ("zero3", "btp") else None)
+                        lambda plan, mode, phase, micro: shares[phase] if (plan, mode, micro) ==
+                        ours else None)
     monkeypatch.setattr(gpu_overlap, "kernel_ratio",
-                        lambda plan, mode, micro: 2.0 if (plan, mode) == ("zero3", "btp") else None)
+                        lambda plan, mode, micro: 2.0 if (plan, mode, micro) == ours else None)
     gpu = C.predict(cfg, topo, sizes, C.Assumptions(overlap="gpu"))
     t, g = xla.time, gpu.time
     assert g["tp"] == pytest.approx(t["tp"] * 0.25)

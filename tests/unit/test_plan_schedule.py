@@ -94,3 +94,24 @@ def test_the_reduction_over_the_deferred_axes_moves_the_same_bytes_at_one_micro_
             assert {c.phase for c in reduce if c.leaf.startswith("blocks")} == {"dp"}
             assert {c.phase for c in reduce if not c.leaf.startswith("blocks")} == {"step"}
     assert sent[1] == pytest.approx(sent[2]) and sent[1] > 0
+
+
+@pytest.mark.parametrize("extra", [["parallel.plan=zero3"], ["parallel.plan=zero3",
+                                                              "parallel.secondary_axes=[]"],
+                                   ["parallel.plan=zeropp"], ["parallel.plan=hierarchical"],
+                                   ["parallel.plan=zero3", "parallel.secondary_axes=[pair]",
+                                    "parallel.params_axes=[pair]"],
+                                   ["parallel.plan=zeropp", "parallel.secondary_axes=[]"]])
+def test_the_memory_rule_for_secondaries_is_the_engines(extra):
+    """keeps_secondary (what the formulas and the planner charge memory for) is true for a
+    layer weight exactly when the engine saves a secondary for it (gather.secondaries)."""
+    from boost_jax.sharding.gather import LeafFetch
+    from boost_jax.sharding.step_collectives import keeps_secondary, leaves
+
+    cfg = load_config(None, [*DRIFT, *extra])
+    _, pl = C.state_sizes(cfg, {"pair": 2, "node": 2, "global": 2})
+    blocks = [lay for path, lay in leaves(pl) if path[0] == "blocks"]
+    engine = [LeafFetch.of(pl, lay).is_gathered and pl.secondary_axes is not None
+              for lay in blocks]
+    assert [keeps_secondary(pl, lay, "blocks") for lay in blocks] == engine
+    assert any(engine) == (pl.secondary_axes is not None and bool(pl.params_axes))

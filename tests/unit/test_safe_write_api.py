@@ -123,3 +123,35 @@ def test_out_dir_entries_of_the_wrong_kind_are_one_line(tmp_path):
         (d / name).mkdir() if folder else (d / name).write_text("x")
         with pytest.raises(Refused, match=f"holds {name} as a {kind} where a run keeps"):
             run_config.check_out_dir(str(d), force=True)
+
+
+def test_a_hand_edited_config_yaml_is_kept_and_old_runs_are_runs(tmp_path):
+    """record(): config.yaml edited by hand since the run wrote it (and perhaps given back as
+    --config) is kept as configs/NNN-edited.yaml before the new one is written; an unchanged
+    one is not copied. holds_run: a run from before locks and seals (checkpoint steps with
+    their state/data/meta items) is a run; a bare checkpoints/3/ is not."""
+    from boost_jax.checkpoints import run_config as rc
+    from boost_jax.config import load_config
+
+    run = str(tmp_path / "run")
+    rc.record(run, load_config(None, ["train.steps=100"]), 0)
+    rc.record(run, load_config(None, ["train.steps=100"]), 10)
+    assert os.listdir(os.path.join(run, "configs")) == ["000-step0.yaml"]
+    cfg = os.path.join(run, "config.yaml")
+    edited = open(cfg).read().replace("steps: 100", "steps: 200  # mine")
+    with open(cfg, "w") as f:
+        f.write(edited)
+    rc.record(run, load_config(cfg, ["train.steps=300"]), 50)
+    assert sorted(os.listdir(os.path.join(run, "configs"))) == \
+        ["000-step0.yaml", "001-edited.yaml", "002-step50.yaml"]
+    assert open(os.path.join(run, "configs", "001-edited.yaml")).read() == edited
+    assert "steps: 300" in open(cfg).read()
+    old = tmp_path / "old"
+    for item in ("state", "data", "meta"):
+        (old / "checkpoints" / "100" / item).mkdir(parents=True)
+    (old / "summary.json").write_text("{}")
+    assert rc.holds_run(str(old))
+    rc.check_out_dir(str(old), force=False)
+    bare = tmp_path / "bare"
+    (bare / "checkpoints" / "3").mkdir(parents=True)
+    assert not rc.holds_run(str(bare))
