@@ -16,7 +16,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.common import (RESULTS, early_cpu_devices, interleaved_samples,  # noqa: E402
-                               load_note, markdown_table, spread_verdict, write_result)
+                               load_note, markdown_table, reproduce_command, spread_verdict,
+                               write_result)
 
 early_cpu_devices(1)
 
@@ -30,7 +31,7 @@ from boost_jax.mesh import get_topology, make_mesh  # noqa: E402
 from boost_jax.step.build import build_step  # noqa: E402
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--archs", default="full,cola,svd,lax")
     p.add_argument("--d", type=int, default=512)
@@ -49,8 +50,11 @@ def main():
     a = p.parse_args()
     if "full" not in a.archs.split(","):
         p.error("--archs must include full (the reference the speeds are relative to)")
-    mesh = make_mesh("cpu", shape=[1, 1, 1])
-    peak = get_topology(a.topology).peak_flops
+    return a
+
+
+def build_steps(a, mesh):
+    """{arch: one blocking training step}, {arch: (params, train FLOPs/token)}."""
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, a.vocab, (a.batch, a.seq + 1), dtype=np.int32)
     batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
@@ -70,8 +74,11 @@ def main():
 
         fns[arch] = step
         info[arch] = (param_count(cfg.model), flops_per_token(cfg.model, a.seq)["train"])
-    load_before = load_note()
-    samples = interleaved_samples(fns, rounds=a.rounds)
+    return fns, info
+
+
+def compare(a, samples, info, peak):
+    """Table rows and one verdict line per arch other than full, from the round samples."""
     t = {k: statistics.median(v) for k, v in samples.items()}
     tok = a.batch * a.seq
     rows, verdicts = [], []
@@ -90,9 +97,12 @@ def main():
                 + (f"; {gain:.2f}x the speed, {'less' if gain < flop_gain else 'more'} than "
                    f"the FLOP ratio ({flop_gain:.2f}x)" if min(step_ratios) > 1.0
                    or max(step_ratios) < 1.0 else ""))
-    cmd = "python benchmarks/cola_vs_full.py " + " ".join(
-        x for x in sys.argv[1:] if not x.startswith("--out"))
-    doc = f"""# CoLA vs full rank at the same width
+    return rows, verdicts
+
+
+def report(a, rows, verdicts, peak, load_before) -> str:
+    cmd = reproduce_command("cola_vs_full.py")
+    return f"""# CoLA vs full rank at the same width
 
 Reproduce: `{cmd.strip()}` (writes `results/cola_vs_full.md`, copied here).
 
@@ -112,6 +122,17 @@ The embedding and head stay full rank, so the FLOP ratio is above r/d; where an 
 than its FLOP ratio, its rank-{a.rank} GEMMs run at a lower FLOP rate than full rank's wide ones
 (the MFU column).
 """
+
+
+def main():
+    a = parse_args()
+    mesh = make_mesh("cpu", shape=[1, 1, 1])
+    peak = get_topology(a.topology).peak_flops
+    fns, info = build_steps(a, mesh)
+    load_before = load_note()
+    samples = interleaved_samples(fns, rounds=a.rounds)
+    rows, verdicts = compare(a, samples, info, peak)
+    doc = report(a, rows, verdicts, peak, load_before)
     print(doc)
     write_result(a.out, doc)
 

@@ -127,3 +127,16 @@ def sync_readme(results_path: str) -> None:
     _, tail = rest.split(end, 1)
     with open(README, "w") as f:
         f.write(f"{head}{begin}\n{body}\n{end}{tail}")
+
+
+def reproduce_command(script: str) -> str:
+    """`python benchmarks/SCRIPT ARGS` as it was run, without --out and its value."""
+    args, skip = [], False
+    for x in sys.argv[1:]:
+        if skip:
+            skip = False
+        elif x == "--out":
+            skip = True
+        elif not x.startswith("--out="):
+            args.append(x)
+    return " ".join([f"python benchmarks/{script}", *args])

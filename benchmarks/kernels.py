@@ -87,7 +87,7 @@ def cases(T: int, d: int, r: int, n: int, dt):
     ]
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny shapes, few reps (CPU check)")
     p.add_argument("--topology", default="auto",
@@ -99,23 +99,11 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    plat = dispatch._platform()
-    topo_name = args.topology if args.topology != "auto" else {
-        "cuda": "dgx-h100", "rocm": "frontier"}.get(plat, "cpu")
-    topo = get_topology(topo_name)
-    interp = dispatch.interpret_mode()
-    if args.quick:
-        args.tokens, args.d, args.r, args.n = 64, 128, 32, 64
-    warmup, reps, inner = (1, args.reps or 3, 1) if (args.quick or interp) else \
-        (3, args.reps or 20, 10)
-    dt = jnp.dtype(args.dtype)
 
-    big = jnp.ones((args.tokens, 4 * args.d), dt)  # copy reference: read + write
-    t_copy = bench(lambda x: x * 2, (big,), warmup, reps, inner)
-    copy_bw = 2 * _nbytes(big) / t_copy
-
+def measure(args, dt, interp, peak_flops, copy_bw, timing) -> list[dict]:
+    """One row per kernel, pass (fwd, fwd+bwd) and impl (xla first, then pallas)."""
     rows = []
     for name, flops, cargs, mk_pallas, mk_xla in cases(args.tokens, args.d, args.r, args.n, dt):
         for pas, mult in (("fwd", 1), ("fwd+bwd", 3)):
@@ -126,20 +114,20 @@ def main(argv=None) -> int:
                 out_shapes = jax.eval_shape(fn, *cargs)
                 nbytes = _nbytes(cargs) + _nbytes(out_shapes) + (
                     0 if pas == "fwd" else _nbytes(jax.eval_shape(mk(interp), *cargs)))
-                t = bench(fn, cargs, warmup, reps, inner)
+                t = bench(fn, cargs, *timing)
                 times[impl] = t
                 outs[impl] = jax.jit(fn)(*cargs)
                 fl = flops * mult
                 rows.append(dict(
                     kernel=name, pass_=pas, impl=impl, time_us=t * 1e6,
                     gb_s=nbytes / t / 1e9, pct_copy_bw=100 * nbytes / t / copy_bw,
-                    tflop_s=fl / t / 1e12, pct_peak=100 * fl / t / topo.peak_flops,
+                    tflop_s=fl / t / 1e12, pct_peak=100 * fl / t / peak_flops,
                     speedup_vs_xla=times["xla"] / t,
                     rel_err_vs_xla=_rel_err(outs[impl], outs["xla"])))
-    hdr = (f"backend={jax.default_backend()} ({plat}) device={jax.devices()[0].device_kind} "
-           f"topology={topo.name} peak={topo.peak_flops / 1e12:.3g} TFLOP/s "
-           f"copy_bw={copy_bw / 1e9:.1f} GB/s interpret={interp} T={args.tokens} d={args.d} "
-           f"r={args.r} n={args.n} {dt.name}")
+    return rows
+
+
+def print_table(hdr: str, rows: list[dict]) -> None:
     print(hdr)
     cols = ["kernel", "pass_", "impl", "time_us", "gb_s", "pct_copy_bw", "tflop_s", "pct_peak",
             "speedup_vs_xla", "rel_err_vs_xla"]
@@ -147,6 +135,31 @@ def main(argv=None) -> int:
     for r in rows:
         print(" | ".join(f"{r[c]:>16}" if i < 3 else f"{r[c]:>12.2e}" if c.startswith("rel")
                          else f"{r[c]:>12.2f}" for i, c in enumerate(cols)))
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    plat = dispatch._platform()
+    topo_name = args.topology if args.topology != "auto" else {
+        "cuda": "dgx-h100", "rocm": "frontier"}.get(plat, "cpu")
+    topo = get_topology(topo_name)
+    interp = dispatch.interpret_mode()
+    if args.quick:
+        args.tokens, args.d, args.r, args.n = 64, 128, 32, 64
+    # bench's (warmup, reps, inner)
+    timing = (1, args.reps or 3, 1) if (args.quick or interp) else (3, args.reps or 20, 10)
+    dt = jnp.dtype(args.dtype)
+
+    big = jnp.ones((args.tokens, 4 * args.d), dt)  # copy reference: read + write
+    t_copy = bench(lambda x: x * 2, (big,), *timing)
+    copy_bw = 2 * _nbytes(big) / t_copy
+
+    rows = measure(args, dt, interp, topo.peak_flops, copy_bw, timing)
+    hdr = (f"backend={jax.default_backend()} ({plat}) device={jax.devices()[0].device_kind} "
+           f"topology={topo.name} peak={topo.peak_flops / 1e12:.3g} TFLOP/s "
+           f"copy_bw={copy_bw / 1e9:.1f} GB/s interpret={interp} T={args.tokens} d={args.d} "
+           f"r={args.r} n={args.n} {dt.name}")
+    print_table(hdr, rows)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(header=hdr, copy_gb_s=copy_bw / 1e9,
                                                    rows=rows), indent=1))

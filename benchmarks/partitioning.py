@@ -186,14 +186,13 @@ def main() -> int:
         with open(args.json_out, "w") as f:
             json.dump(rows, f, indent=1)
     if args.out:
-        cmdline = "python benchmarks/partitioning.py " + " ".join(
-            a for a in sys.argv[1:] if not a.startswith("--out"))
+        from benchmarks.common import reproduce_command, sync_readme
+
+        cmdline = reproduce_command("partitioning.py")
         with open(args.out, "w") as f:
             f.write(HEADER.format(cmd=cmdline.strip(), micro=args.micro, batch=args.batch,
                                   seq=args.seq, secs=time.perf_counter() - t0)
                     + text + "\n" + FOOTER)
-        from benchmarks.common import sync_readme
-
         sync_readme(args.out)
     return 0
 

@@ -34,7 +34,7 @@ from boost_jax.layers.forward import cross_entropy  # noqa: E402
 from boost_jax.step.build import build_step, model_factory  # noqa: E402
 
 
-def main():
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--arch", default="cola")
     p.add_argument("--d", type=int, default=256)
@@ -44,24 +44,33 @@ def main():
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--cpu-devices", type=int)
     p.add_argument("--out", default=os.path.join(RESULTS, "step_overhead.md"))
-    a = p.parse_args()
+    return p.parse_args()
+
+
+def make_cfg(a):
     d = a.d
-    cfg = load_config(None, [f"model.arch={a.arch}", f"model.d_model={d}", f"model.n_layers={a.layers}",
-                             f"model.n_heads={max(1, d // 64)}", f"model.d_ff={int(d * 8 / 3) // 8 * 8}",
-                             f"model.max_seq_len={a.seq}", f"data.seq_len={a.seq}",
-                             f"train.global_batch={a.batch}", "train.steps=1000"])
+    return load_config(None, [
+        f"model.arch={a.arch}", f"model.d_model={d}", f"model.n_layers={a.layers}",
+        f"model.n_heads={max(1, d // 64)}", f"model.d_ff={int(d * 8 / 3) // 8 * 8}",
+        f"model.max_seq_len={a.seq}", f"data.seq_len={a.seq}",
+        f"train.global_batch={a.batch}", "train.steps=1000"])
+
+
+def framework_step(cfg, batch):
+    """The framework's training step on one device, blocking."""
     mesh = make_mesh("cpu", shape=[1, 1, 1])
     bundle = build_step(cfg, mesh)
     state = {"s": bundle.init_state()}
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(0, cfg.model.vocab_size, (a.batch, a.seq + 1), dtype=np.int32)
-    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
 
     def framework():
         state["s"], m = bundle.train_step(state["s"], batch)
         jax.block_until_ready(m["loss"])
 
-    # The minimal step: what one would write by hand with flax + optax.
+    return framework
+
+
+def hand_step(cfg, batch):
+    """The minimal step: what one would write by hand with flax + optax."""
     model = model_factory(cfg)()
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
@@ -82,20 +91,22 @@ def main():
         hand["p"], hand["o"], loss = minimal_step(hand["p"], hand["o"], batch)
         jax.block_until_ready(loss)
 
-    load_before = load_note()
-    samples = interleaved_samples({"framework": framework, "minimal": minimal}, rounds=a.rounds)
+    return minimal
+
+
+def report(a, samples, load_before) -> str:
     t = {k: statistics.median(v) for k, v in samples.items()}
     ratios = [f / m for f, m in zip(samples["framework"], samples["minimal"])]
     tok = a.batch * a.seq
     rows = [[k, v * 1e3, tok / v] for k, v in t.items()]
     ratio = t["framework"] / t["minimal"]
     within = "within" if ratio <= 1.10 else "**outside**"
-    doc = f"""# Framework step vs a minimal hand-written step
+    return f"""# Framework step vs a minimal hand-written step
 
 Reproduce: `python benchmarks/step_overhead.py --rounds {a.rounds}` (writes
 `results/step_overhead.md`, copied here).
 
-Same model ({a.arch}, d={d}, L={a.layers}, batch {a.batch} × {a.seq} tokens, one
+Same model ({a.arch}, d={a.d}, L={a.layers}, batch {a.batch} × {a.seq} tokens, one
 {jax.default_backend().upper()} device), same optimizer; the minimal step is forward +
 cross-entropy + `jax.value_and_grad` + optax clip + AdamW in one `jax.jit`. Aim: the framework
 within 10%. {a.rounds} alternating rounds of 3 steps after 2 warm-up steps each; {load_before}
@@ -107,6 +118,18 @@ framework / minimal step time: {ratio:.3f} (median; per round {min(ratios):.3f}�
 {spread_verdict(ratios, "the framework step", "the minimal step")}; the median is {within} the
 10% aim.
 """
+
+
+def main():
+    a = parse_args()
+    cfg = make_cfg(a)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.model.vocab_size, (a.batch, a.seq + 1), dtype=np.int32)
+    batch = {"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:])}
+    fns = {"framework": framework_step(cfg, batch), "minimal": hand_step(cfg, batch)}
+    load_before = load_note()
+    samples = interleaved_samples(fns, rounds=a.rounds)
+    doc = report(a, samples, load_before)
     print(doc)
     write_result(a.out, doc)
 

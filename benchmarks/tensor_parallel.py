@@ -68,41 +68,55 @@ def layer_comm(cfg, mesh, batch, seq, backward):
     return n, elems, rep.memory
 
 
+def layer_mode(mode, arch, t, mesh, b, s, shape):
+    """One mode's part-1 figures: (comm row, memory row, saved-activations row,
+    (fwd ARs, fwd elements, bwd ARs, bwd elements))."""
+    tokens = b * s
+    ring = 2 * (t - 1) / t
+    cfg = make_cfg(mode, arch, t, dtype="float32", **shape)
+    nf, ef, mem_f = layer_comm(cfg, mesh, b, s, False)
+    nb, eb, mem_b = layer_comm(cfg, mesh, b, s, True)
+    replay = {}
+    for remat in ("full", "lowrank"):
+        nr, er, mem_r = layer_comm(make_cfg(mode, arch, t, remat, "float32", **shape), mesh,
+                                   b, s, True)
+        replay[remat] = (nr - nb, er - eb, mem_r)
+    row = [f"{mode} ({arch})", int(nf), f"{ef:,.0f}", f"{ef * tokens * 2 / GiB:.3f}",
+           int(nb - nf), f"{eb - ef:,.0f}", f"{(eb) * tokens * 2 * ring / GiB:.3f}",
+           f"{int(replay['full'][0])} / {replay['full'][1]:,.0f}",
+           f"{int(replay['lowrank'][0])} / {replay['lowrank'][1]:,.0f}"]
+    mem_row = [f"{mode} ({arch})"] + [
+        f"{m['temp'] / GiB:.2f}" for m in (mem_b, replay["full"][2], replay["lowrank"][2])] + [
+        f"{mem_b['argument'] / GiB:.2f}"]
+    saved = []
+    for remat in ("none", "full", "lowrank"):
+        res = block_saved_residuals(make_cfg(mode, arch, t, remat, **shape), mesh, b, s)
+        saved.append(sum(x[1] for x in res if not x[0].startswith("i32")) / MiB)
+    res_row = [f"{mode} ({arch})"] + [f"{v:,.0f}" for v in saved]
+    return row, mem_row, res_row, (nf, ef, nb - nf, eb - ef)
+
+
 def part1(a, lines):
     b, s, t = a.batch, a.seq, a.tp
     mesh = make_mesh("cpu", shape=MESH_SHAPE[t])
     shape = dict(vocab_size=32000, d_model=4096, n_layers=2, n_heads=32, d_ff=11008, rank=1024,
                  max_seq_len=s)
     rows, mem_rows, res_rows = [], [], []
-    tokens = b * s
-    ring = 2 * (t - 1) / t
     results = {}
     for mode, arch in MODES:
         t0 = time.time()
-        cfg = make_cfg(mode, arch, t, dtype="float32", **shape)
-        nf, ef, mem_f = layer_comm(cfg, mesh, b, s, False)
-        nb, eb, mem_b = layer_comm(cfg, mesh, b, s, True)
-        replay = {}
-        for remat in ("full", "lowrank"):
-            nr, er, mem_r = layer_comm(make_cfg(mode, arch, t, remat, "float32", **shape), mesh,
-                                       b, s, True)
-            replay[remat] = (nr - nb, er - eb, mem_r)
-        results[mode] = (nf, ef, nb - nf, eb - ef)
-        rows.append([f"{mode} ({arch})", int(nf), f"{ef:,.0f}", f"{ef * tokens * 2 / GiB:.3f}",
-                     int(nb - nf), f"{eb - ef:,.0f}", f"{(eb) * tokens * 2 * ring / GiB:.3f}",
-                     f"{int(replay['full'][0])} / {replay['full'][1]:,.0f}",
-                     f"{int(replay['lowrank'][0])} / {replay['lowrank'][1]:,.0f}"])
-        mem_rows.append([f"{mode} ({arch})"] + [
-            f"{m['temp'] / GiB:.2f}" for m in (mem_b, replay["full"][2], replay["lowrank"][2])]
-            + [f"{mem_b['argument'] / GiB:.2f}"])
-        saved = []
-        for remat in ("none", "full", "lowrank"):
-            res = block_saved_residuals(make_cfg(mode, arch, t, remat, **shape), mesh, b, s)
-            saved.append(sum(x[1] for x in res if not x[0].startswith("i32")) / MiB)
-        res_rows.append([f"{mode} ({arch})"] + [f"{v:,.0f}" for v in saved])
+        row, mem_row, res_row, results[mode] = layer_mode(mode, arch, t, mesh, b, s, shape)
+        rows.append(row)
+        mem_rows.append(mem_row)
+        res_rows.append(res_row)
         print(f"  {mode}: {time.time() - t0:.0f}s", file=sys.stderr)
+    lines += part1_text(a, rows, mem_rows, res_rows, results)
+
+
+def part1_text(a, rows, mem_rows, res_rows, results) -> list[str]:
+    b, s, t = a.batch, a.seq, a.tp
     e_btp, e_van, e_meg = results["btp"][1], results["vanilla"][1], results["megatron"][1]
-    lines += [
+    return [
         f"## 1. Per layer, 7B-shaped, TP {t}, batch {b} x {s} tokens (from compiled HLO)",
         "",
         "The programs are compiled in fp32 (so a bf16 latent and its fp32 statistic are one "
@@ -183,8 +197,8 @@ def part2(a, lines):
             f"{tokens / max(samples[k]):,.0f}–{tokens / min(samples[k]):,.0f}"]
            for k, v in rows.items()]
     lines += [
-        f"## 2. Small model end to end on 8 simulated CPU devices (fp32, value_and_grad of the "
-        f"TP loss)",
+        "## 2. Small model end to end on 8 simulated CPU devices (fp32, value_and_grad of the "
+        "TP loss)",
         "",
         f"d=256, L=4, 8 heads, d_ff=688, r=64, V=2048; batch {a.small_batch} x {a.small_seq}. "
         "Memory per device from memory_analysis(); TP MiB = ring bytes per device per step "
