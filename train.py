@@ -19,6 +19,9 @@ def parse_args(argv=None):
 
 @cli_main
 def main(argv=None):
+    from boost_jax.train.stop_signal import catch_early
+
+    catch_early()  # before JAX starts: Ctrl-C while it compiles stops the run at once
     args = parse_args(argv)
     from boost_jax.config import config_to_yaml, load_config
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import signal
 import sys
 
@@ -39,6 +40,18 @@ def cli_main(fn):
         except KeyboardInterrupt as e:  # SIGTERM 143 (schedulers requeue on it), Ctrl-C 130
             signum = getattr(e, "signum", signal.SIGINT)
             print(f"interrupted (signal {int(signum)})", file=sys.stderr)
-            sys.exit(128 + int(signum))
+            _exit_now(128 + int(signum))
 
     return wrapper
+
+
+def _exit_now(code: int) -> None:
+    """Exit without the interpreter's teardown: a signal can land while XLA compiles on its own
+    threads, and tearing those down under it crashed the process (a segfault, not the code).
+    The `with` blocks (the run's lock, its log) were already left while the exception rose."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -22,6 +22,9 @@ from boost_jax.cli import Parser
 from boost_jax.errors import UserError, cli_main
 
 
+MAX_TOKENS = 2**40  # its byte budget (16 per token) must stay an index-sized integer
+
+
 def parse_args(argv=None):
     p = Parser(prog="python -m boost_jax.evaluate", description=__doc__)
     p.add_argument("--run", required=True, help="the training run's out_dir, e.g. runs/demo")
@@ -35,6 +38,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.batch_size < 1 or (args.max_tokens is not None and args.max_tokens < 2):
         p.error("--batch-size must be >= 1 and --max-tokens >= 2")
+    if args.max_tokens is not None and args.max_tokens > MAX_TOKENS:
+        p.error(f"--max-tokens {args.max_tokens} is above {MAX_TOKENS} (2^40); leave it out to "
+                "score the whole source")
     return args
 
 
@@ -46,6 +52,12 @@ def run_val_windows(run) -> np.ndarray:
     from boost_jax.infer.load import TOKENIZER_DIR
 
     cfg = run.cfg
+    paths = [cfg.data.source] + [x.path for x in cfg.data.sources or []]
+    lost = [p for p in paths if p != "stdlib" and not os.path.isabs(p) and not os.path.exists(p)]
+    if lost:  # the run saved the path as typed, relative to where it was trained
+        raise UserError(f"the run's data source {lost[0]!r} is a relative path that does not "
+                        "exist from here; run from the folder the run was trained in, or pass "
+                        "--data FILE")
     _, _, vals, weights = load_splits(cfg, os.path.join(run.path, TOKENIZER_DIR))
     batches = eval_batches(vals, weights, cfg.data.seq_len, cfg.train.global_batch,
                            cfg.train.eval_batches)
@@ -61,7 +73,7 @@ def source_tokens(run, source: str, max_tokens):
     if source.endswith(".bin"):
         return open_bin(source, run.cfg.data, run.tokenizer, "--data")
     budget = None if max_tokens is None else max_tokens * 16  # bytes enough for the tokens
-    docs = read_documents(source, budget)
+    docs = read_documents(source, budget, "--data")
     if not docs:
         raise UserError(f"--data {source!r} holds no text; point it at a non-empty corpus")
     return run.tokenizer.encode_documents([t for _, t in docs])

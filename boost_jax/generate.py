@@ -10,12 +10,14 @@ after --max-new-tokens, or at model.max_seq_len.
 
 from __future__ import annotations
 
-import math
 import sys
 
 from boost_jax.cli import Parser
 from boost_jax.errors import UserError, cli_main
 from boost_jax.plain_text import lone_surrogate
+
+
+TEMPERATURES = (1e-3, 1e3)
 
 
 def parse_args(argv=None):
@@ -36,8 +38,13 @@ def parse_args(argv=None):
         p.error(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     if not 0 <= args.seed < 2**32:
         p.error(f"--seed {args.seed} must be in 0..{2**32 - 1}")
-    if not (0 <= args.temperature < math.inf) or args.top_k < 0 or not 0 < args.top_p <= 1:
-        p.error("--temperature must be finite and >= 0, --top-k >= 0 and --top-p in (0, 1]")
+    t = args.temperature
+    # logits / t runs in float32: outside this range it overflows to inf or rounds t to 0
+    if not (t == 0 or TEMPERATURES[0] <= t <= TEMPERATURES[1]):
+        p.error(f"--temperature {t} must be 0 (greedy) or between {TEMPERATURES[0]:g} and "
+                f"{TEMPERATURES[1]:g}")
+    if args.top_k < 0 or not 0 < args.top_p <= 1:
+        p.error("--top-k must be >= 0 and --top-p in (0, 1]")
     return args
 
 

@@ -107,7 +107,7 @@ def load_saved(path: str) -> Optional[dict]:
     try:
         with open(path) as f:
             tree = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
+    except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8
         return None
     return tree if isinstance(tree, dict) else None
 

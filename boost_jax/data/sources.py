@@ -50,10 +50,11 @@ class Corpus:
 _CACHE: dict = {}  # in-memory only: repeated build_data calls in one process skip re-tokenising
 
 
-def _check_exists(source: str) -> None:
+def _check_exists(source: str, key: str = "data.source") -> None:
     if not os.path.exists(source):
+        stdlib = "stdlib, " if key == "data.source" else ""
         raise UserError(
-            f"data.source {source!r} does not exist; use stdlib, a text/.jsonl/.bin file "
+            f"{key} {source!r} does not exist; use {stdlib}a text/.jsonl/.bin file "
             "or a folder of text files")
 
 
@@ -100,7 +101,8 @@ def _check_text(raw: bytes, label: str) -> None:
         if bad > _MAX_BAD_UTF8 * len(head):
             why = f"{bad / len(head):.0%} of its first {len(head) // 1024 or 1} KiB is not UTF-8"
     if why:
-        raise UserError(f"{label} is not text ({why}); point data.source at UTF-8 text, or at a "
+        key = label.split(" ", 1)[0]  # the option or key the path came from
+        raise UserError(f"{label} is not text ({why}); point {key} at UTF-8 text, or at a "
                         ".bin file of token ids")
 
 
@@ -142,11 +144,11 @@ def _jsonl_docs(path: str, key: str, budget: _Budget, label: str) -> list[tuple[
     return docs
 
 
-def _file_docs(path: str, key: str, budget: _Budget) -> list[tuple[str, str]]:
+def _file_docs(path: str, key: str, budget: _Budget, label: str) -> list[tuple[str, str]]:
     with open(path, "rb") as f:
         raw = f.read() if budget.left is None else f.read(max(budget.left, 0))
     raw = budget.take(raw) or b""
-    _check_text(raw, f"data.source {path!r}")
+    _check_text(raw, label)
     docs, start, i = [], 0, 0
     chunk = min(max(len(raw) // 32, _FILE_CHUNK[0]), _FILE_CHUNK[1])
     while start < len(raw):
@@ -159,24 +161,26 @@ def _file_docs(path: str, key: str, budget: _Budget) -> list[tuple[str, str]]:
     return docs
 
 
-def read_documents(source: str, max_bytes: Optional[int]) -> list[tuple[str, str]]:
-    """(key, text) pairs of a text source, in deterministic order, capped at max_bytes."""
+def read_documents(source: str, max_bytes: Optional[int],
+                   option: str = "data.source") -> list[tuple[str, str]]:
+    """(key, text) pairs of a text source, in deterministic order, capped at max_bytes; errors
+    name the source as `option` (the config key or flag it came from)."""
     budget = _Budget(max_bytes)
     if source == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
         keys = _walk(root, (".py",), _SKIP_DIRS)
         files = [os.path.join(root, k) for k in keys]
     else:
-        _check_exists(source)
+        _check_exists(source, option)
         if os.path.isfile(source):
             name = os.path.basename(source)
             if source.endswith(".jsonl"):
-                return _jsonl_docs(source, name, budget, f"data.source {source!r}")
-            return _file_docs(source, name, budget)
+                return _jsonl_docs(source, name, budget, f"{option} {source!r}")
+            return _file_docs(source, name, budget, f"{option} {source!r}")
         rels = _walk(source, TEXT_EXTS, {"__pycache__"})
         if not rels:
             raise UserError(
-                f"data.source {source!r} contains no {'/'.join(TEXT_EXTS)} files; "
+                f"{option} {source!r} contains no {'/'.join(TEXT_EXTS)} files; "
                 "point it at a folder of text files or a single file")
         files, keys = [os.path.join(source, r) for r in rels], rels
     docs = []
@@ -184,12 +188,12 @@ def read_documents(source: str, max_bytes: Optional[int]) -> list[tuple[str, str
         if budget.done:
             break
         if path.endswith(".jsonl"):
-            docs += _jsonl_docs(path, key, budget, f"data.source file {path!r}")
+            docs += _jsonl_docs(path, key, budget, f"{option} file {path!r}")
             continue
         with open(path, "rb") as f:
             raw = budget.take(f.read() if budget.left is None else f.read(budget.left))
         if raw and raw.strip():
-            _check_text(raw, f"data.source file {path!r}")
+            _check_text(raw, f"{option} file {path!r}")
             docs.append((key, _decode(raw)))
     return docs
 

@@ -22,6 +22,23 @@ def agree_stop(received: Optional[int], nproc: int) -> Optional[int]:
     return int(np.max(flags)) or None
 
 
+EARLY: dict = {}  # the signal catch_early saw, if any
+
+
+def catch_early() -> None:
+    """From a command's start: SIGINT / SIGTERM stop it (exit 128 + the signal) while JAX starts
+    and compiles, where Python's own KeyboardInterrupt can land in one of JAX's callbacks and be
+    swallowed; a signal swallowed so is raised again when the loop begins (StopSignal). A signal
+    the shell told this process to ignore stays ignored."""
+    def handle(signum, frame):
+        EARLY["signum"] = signum
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            signal.signal(sig, handle)
+
+
 class StopSignal:
     """SIGTERM/SIGINT ask the loop to save and exit instead of dying mid-step."""
 
@@ -30,6 +47,8 @@ class StopSignal:
         self._old = {}
 
     def __enter__(self):
+        if EARLY:  # a signal during start-up that a JAX callback swallowed
+            raise Interrupted(EARLY["signum"])
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._old[sig] = signal.signal(sig, self._handle)

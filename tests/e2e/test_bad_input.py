@@ -182,7 +182,10 @@ OTHER_ROWS = {
                                  r"--prompt is not UTF-8 text; pass UTF-8 text, or the text in "
                                  r"a UTF-8 file with --prompt-file FILE"),
     "generate_temperature_nan": (_GENERATE + ["--prompt", "a", "--temperature", "nan"],
-                                 r"--temperature must be finite and >= 0"),
+                                 r"--temperature nan must be 0 \(greedy\) or between 0\.001 "
+                                 r"and 1000"),
+    "generate_temperature_huge": (_GENERATE + ["--prompt", "a", "--temperature", "1e300"],
+                                  r"--temperature 1e\+300 must be 0 \(greedy\) or between"),
     "generate_seed_negative": (_GENERATE + ["--prompt", "a", "--seed", "-1"],
                                r"--seed -1 must be in 0\.\.4294967295"),
     "launch_time_newline": (

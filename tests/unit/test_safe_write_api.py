@@ -155,3 +155,12 @@ def test_a_hand_edited_config_yaml_is_kept_and_old_runs_are_runs(tmp_path):
     bare = tmp_path / "bare"
     (bare / "checkpoints" / "3").mkdir(parents=True)
     assert not rc.holds_run(str(bare))
+
+
+def test_a_config_yaml_that_is_not_utf8_reads_as_none(tmp_path):
+    """load_saved (resume checks, generate/evaluate) treats bytes that are not UTF-8 like any
+    unreadable config, not as a UnicodeDecodeError traceback."""
+    from boost_jax.checkpoints.run_config import load_saved
+
+    (tmp_path / "config.yaml").write_bytes(b"model: [\n\x00\xff\xfe")
+    assert load_saved(str(tmp_path / "config.yaml")) is None

@@ -46,3 +46,25 @@ def test_evaluate_never_pads_a_batch_past_the_windows_there_are():
     windows = [np.arange(5) + i for i in range(3)]
     evaluate._score_group(run, fn, windows, 100_000_000, sums, seen.append)
     assert shapes == [(3, 5)] and seen == [3] and sums[:2] == [3.0, 12]
+
+
+def test_evaluate_names_its_own_flag_and_a_relative_source_it_cannot_find(tmp_path, monkeypatch):
+    """--data errors say --data (not data.source, which evaluate does not take); a run trained
+    on a relative path, evaluated from elsewhere, says how to fix it instead of 'use stdlib'."""
+    import types
+
+    from boost_jax import evaluate
+    from boost_jax.config import load_config
+    from boost_jax.data.sources import read_documents
+    from boost_jax.errors import UserError
+
+    with pytest.raises(UserError, match=r"^--data '.*nope\.txt' does not exist; use a text"):
+        read_documents(str(tmp_path / "nope.txt"), None, "--data")
+    (tmp_path / "bin.txt").write_bytes(b"\x00" * 64)
+    with pytest.raises(UserError, match=r"is not text .*; point --data at UTF-8 text"):
+        read_documents(str(tmp_path / "bin.txt"), None, "--data")
+    monkeypatch.chdir(tmp_path)
+    run = types.SimpleNamespace(cfg=load_config(None, ["data.source=corpus.md"], validate=False),
+                                path=str(tmp_path))
+    with pytest.raises(UserError, match=r"'corpus\.md' is a relative path .* pass --data FILE"):
+        evaluate.run_val_windows(run)
