@@ -72,7 +72,7 @@ def _slurm(args, command: str) -> int:
         check_target(args.out, {"--config": args.config}, args.force, f"--out {args.out!r}",
                      "choose another --out")
     cfg = load_config(args.config, args.overrides)
-    topo = get_topology(args.topology or cfg.mesh.topology)
+    topo = get_topology(cfg.mesh.topology if args.topology is None else args.topology)
     job = make_job(cfg, topo, args.nodes, account=args.account, time=args.time,
                    partition=args.partition, qos=args.qos, modules=args.module,
                    python=args.python, command=command)

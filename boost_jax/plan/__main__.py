@@ -360,7 +360,7 @@ def _load_plan_inputs(args):
 
         prepare_env()
     cfg = load_config(args.config, args.overrides)
-    topo = get_topology(args.topology or cfg.mesh.topology)
+    topo = get_topology(cfg.mesh.topology if args.topology is None else args.topology)
     from boost_jax.plan import dryrun
 
     full = dryrun.full_sizes(cfg, topo, args.nodes if args.nodes is not None else cfg.mesh.nodes)
