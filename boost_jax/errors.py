@@ -6,6 +6,7 @@ import functools
 import os
 import signal
 import sys
+import threading
 
 EXIT_USER_ERROR = 2
 
@@ -48,10 +49,23 @@ def cli_main(fn):
 def _exit_now(code: int) -> None:
     """Exit without the interpreter's teardown: a signal can land while XLA compiles on its own
     threads, and tearing those down under it crashed the process (a segfault, not the code).
-    The `with` blocks (the run's lock, its log) were already left while the exception rose."""
+    The `with` blocks (the run's lock, its log) were already left while the exception rose; a
+    checkpoint save still writing on its own thread is waited for, as the interpreter would
+    (another signal stops the wait)."""
+    _flush()
+    try:
+        for t in threading.enumerate():
+            if t is not threading.main_thread() and not t.daemon and t.is_alive():
+                t.join()
+    except KeyboardInterrupt:
+        pass
+    _flush()
+    os._exit(code)
+
+
+def _flush() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except (OSError, ValueError):
             pass
-    os._exit(code)

@@ -28,8 +28,8 @@ EARLY: dict = {}  # the signal catch_early saw, if any
 def catch_early() -> None:
     """From a command's start: SIGINT / SIGTERM stop it (exit 128 + the signal) while JAX starts
     and compiles, where Python's own KeyboardInterrupt can land in one of JAX's callbacks and be
-    swallowed; a signal swallowed so is raised again when the loop begins (StopSignal). A signal
-    the shell told this process to ignore stays ignored."""
+    swallowed; a signal swallowed so stops the loop at its first step (StopSignal), as a signal
+    during the loop would. A signal the shell told this process to ignore stays ignored."""
     def handle(signum, frame):
         EARLY["signum"] = signum
         raise Interrupted(signum)
@@ -47,8 +47,8 @@ class StopSignal:
         self._old = {}
 
     def __enter__(self):
-        if EARLY:  # a signal during start-up that a JAX callback swallowed
-            raise Interrupted(EARLY["signum"])
+        if EARLY:  # a start-up signal a JAX callback swallowed: stop at the first step, with
+            self.received = EARLY["signum"]  # every process (agree_stop), none left waiting
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self._old[sig] = signal.signal(sig, self._handle)

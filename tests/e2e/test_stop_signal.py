@@ -1,7 +1,6 @@
-"""A signal while a command starts: it stops the command with 128 + the signal, even where
-Python's own KeyboardInterrupt lands in a callback that swallows it (JAX's gc callback did, and
-the run trained on), and the process exits without the teardown that could crash under XLA's
-compile threads."""
+"""A signal while a command starts stops it, even where Python's own KeyboardInterrupt lands in
+a callback that swallows it (JAX's gc callback did, and the run trained on): the loop then stops
+at its first step as for a signal during the loop, on every process."""
 
 import os
 import subprocess
@@ -26,20 +25,42 @@ def main():
     gc.collect()
     gc.callbacks.remove(callback)
     print("start-up went on", flush=True)
-    with StopSignal():
-        print("the loop ran", flush=True)
+    with StopSignal() as stop:
+        print("the loop sees signal", stop.received, flush=True)
     return 0
 
 main()
 """
 
 
-def test_a_signal_swallowed_during_start_up_stops_the_run_before_its_loop():
+def test_a_signal_swallowed_during_start_up_stops_the_loop_at_its_first_step():
     r = subprocess.run([sys.executable, "-c", SWALLOWED], cwd=ROOT, capture_output=True,
                        text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert r.returncode == 130, (r.stdout, r.stderr)
-    assert "start-up went on" in r.stdout and "the loop ran" not in r.stdout
-    assert r.stderr.strip().splitlines()[-1] == "interrupted (signal 2)"
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert r.stdout.splitlines() == ["start-up went on", "the loop sees signal 2"]
+
+
+EXIT_WAITS = """
+import threading, time
+from boost_jax.errors import cli_main
+
+@cli_main
+def main():
+    def save():  # a checkpoint save still writing on its own (non-daemon) thread
+        time.sleep(1.0)
+        print("save finished", flush=True)
+    threading.Thread(target=save).start()
+    raise KeyboardInterrupt
+
+main()
+"""
+
+
+def test_an_interrupted_command_waits_for_a_save_still_writing():
+    r = subprocess.run([sys.executable, "-c", EXIT_WAITS], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
+    assert r.returncode == 130 and r.stdout == "save finished\n", (r.stdout, r.stderr)
+    assert r.stderr.strip() == "interrupted (signal 2)"
 
 
 def test_a_signal_the_shell_ignores_stays_ignored():
