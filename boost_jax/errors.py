@@ -6,7 +6,6 @@ import functools
 import os
 import signal
 import sys
-import threading
 
 EXIT_USER_ERROR = 2
 
@@ -49,16 +48,10 @@ def cli_main(fn):
 def _exit_now(code: int) -> None:
     """Exit without the interpreter's teardown: a signal can land while XLA compiles on its own
     threads, and tearing those down under it crashed the process (a segfault, not the code).
-    The `with` blocks (the run's lock, its log) were already left while the exception rose; a
-    checkpoint save still writing on its own thread is waited for, as the interpreter would
-    (another signal stops the wait)."""
-    _flush()
-    try:
-        for t in threading.enumerate():
-            if t is not threading.main_thread() and not t.daemon and t.is_alive():
-                t.join()
-    except KeyboardInterrupt:
-        pass
+    The `with` blocks (the run's lock, its log) were already left while the exception rose. A
+    checkpoint save still in flight is abandoned, not waited for (the run's threads can outlive
+    it and the wait would never end): the steps saved before it stay, and the next start
+    removes its partial folder."""
     _flush()
     os._exit(code)
 

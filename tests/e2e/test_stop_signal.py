@@ -39,35 +39,3 @@ def test_a_signal_swallowed_during_start_up_stops_the_loop_at_its_first_step():
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert r.stdout.splitlines() == ["start-up went on", "the loop sees signal 2"]
 
-
-EXIT_WAITS = """
-import threading, time
-from boost_jax.errors import cli_main
-
-@cli_main
-def main():
-    def save():  # a checkpoint save still writing on its own (non-daemon) thread
-        time.sleep(1.0)
-        print("save finished", flush=True)
-    threading.Thread(target=save).start()
-    raise KeyboardInterrupt
-
-main()
-"""
-
-
-def test_an_interrupted_command_waits_for_a_save_still_writing():
-    r = subprocess.run([sys.executable, "-c", EXIT_WAITS], cwd=ROOT, capture_output=True,
-                       text=True, timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert r.returncode == 130 and r.stdout == "save finished\n", (r.stdout, r.stderr)
-    assert r.stderr.strip() == "interrupted (signal 2)"
-
-
-def test_a_signal_the_shell_ignores_stays_ignored():
-    code = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-            "from boost_jax.train.stop_signal import catch_early; catch_early()\n"
-            "assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN\n"
-            "assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL\n")
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                       timeout=60, env=dict(os.environ, PYTHONPATH=ROOT))
-    assert r.returncode == 0, r.stderr
