@@ -30,7 +30,7 @@ import yaml
 from boost_jax.config import Config, config_to_yaml
 from boost_jax.checkpoints.seal import ITEMS, SEAL_FILE
 from boost_jax.errors import UserError
-from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE
+from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE
 
 DEFINING = ("model", "data", "train.global_batch", "train.seed", "train.scan_layers")
 # under DEFINING but the same math computed another way: a resume may change it freely
@@ -40,11 +40,11 @@ PER_INVOCATION = ("out_dir", "checkpoint.resume", "checkpoint.accept_changes")
 SHAPE_KEYS = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
               "rank", "lax_gate", "tie_embeddings")
 HISTORY_DIR = "configs"
+USED_FROM = "# used from step"  # the first line of a history entry `record` writes
 # what a run writes into out_dir (train/run_log.py, train/metrics.py, store.py, data/tokenizers.py)
 OUTPUTS = (CONFIG_FILE, HISTORY_DIR, "metrics.jsonl", "summary.json", "loss.png", "tb",
            CHECKPOINTS_DIR, "tokenizer", "run.log")
 FOLDERS = (HISTORY_DIR, "tb", CHECKPOINTS_DIR, "tokenizer")  # the other OUTPUTS are files
-LOCK = ".lock"  # run_lock.LOCK_FILE
 HISTORY_ENTRY = re.compile(r"^\d{3}-(earlier|edited|step\d+)\.yaml$")  # what `record` names them
 
 
@@ -138,7 +138,7 @@ def record(out_dir: str, cfg: Config, start: int) -> Optional[str]:
         n = int(entries[-1][:3]) + 1 if entries else 0
         new_entry = os.path.join(hist, f"{n:03d}-step{start}.yaml")
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        _write(new_entry, f"# used from step {start}, started {stamp} on {socket.gethostname()}"
+        _write(new_entry, f"{USED_FROM} {start}, started {stamp} on {socket.gethostname()}"
                           f"\n{text}")
     _write(current, text)
     return new_entry
@@ -154,7 +154,7 @@ def _edited(current: str, newest: str, text: str) -> bool:
             recorded = f.read()
     except (OSError, UnicodeDecodeError):
         return False
-    if recorded.startswith("# used from step"):
+    if recorded.startswith(USED_FROM):
         recorded = recorded.split("\n", 1)[1] if "\n" in recorded else ""
     return now not in (recorded, text)
 
@@ -190,7 +190,7 @@ def _listing(folder: str) -> list[str]:
 def holds_run(out_dir: str) -> bool:
     """A run of ours was here: its lock, a numbered entry of its config history, or a step of
     its checkpoints (a bare `configs/` or `checkpoints/` folder is anybody's)."""
-    if os.path.lexists(os.path.join(out_dir, LOCK)):
+    if os.path.lexists(os.path.join(out_dir, LOCK_FILE)):
         return True
     if any(HISTORY_ENTRY.match(n) for n in _listing(os.path.join(out_dir, HISTORY_DIR))):
         return True
@@ -210,7 +210,7 @@ def check_out_dir(out_dir: str, force: bool, config: Optional[str] = None) -> No
     --config there (in a run of ours the config.yaml it reads is kept in its history)."""
     from boost_jax.safe_write import Refused, refuse_inputs
 
-    for name in (*OUTPUTS, LOCK):
+    for name in (*OUTPUTS, LOCK_FILE):
         path = os.path.join(out_dir, name)
         folder = name in FOLDERS
         if os.path.lexists(path) and os.path.isdir(path) != folder:

@@ -22,8 +22,8 @@ import time
 from typing import Callable, Optional
 
 from boost_jax.errors import UserError
+from boost_jax.names import LOCK_FILE
 
-LOCK_FILE = ".lock"
 # filesystems mounted without lock support (some NFS/Lustre set-ups) answer with these
 _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
