@@ -109,6 +109,17 @@ class SearchResult:
         return dict(key=best.key(), mfu=f["mfu_ceiling"], by=f["by"], mfu_now=best.prediction.mfu,
                     why=dp_latency_text(best.prediction))
 
+    @property
+    def best_by_plan(self) -> list:
+        """The best fitting layout of each plan, best first: (plan, rank among all fitting
+        layouts, candidate); a plan none of whose layouts fits is left out."""
+        out, seen = [], set()
+        for i, c in enumerate(self.fitting, 1):
+            if c.plan not in seen:
+                seen.add(c.plan)
+                out.append((c.plan, i, c))
+        return out
+
     def to_dict(self) -> dict:
         rows = []
         for c in self.fitting:
@@ -126,7 +137,12 @@ class SearchResult:
         tight = [dict(key=c.key(), memory=c.prediction.memory["total"],
                       analytic_memory=c.prediction.memory["analytic_total"])
                  for c in self.candidates if c.compiled and c.compiled_fits is False]
-        return {"ranked": rows, "n_evaluated": self.n_evaluated, "n_invalid": self.n_invalid,
+        best = [dict(plan=plan, rank=i, key=c.key(), mfu=c.prediction.mfu,
+                     step_time=c.prediction.step_time,
+                     critical_path=critical_path(c.prediction))
+                for plan, i, c in self.best_by_plan]
+        return {"ranked": rows, "best_by_plan": best, "n_evaluated": self.n_evaluated,
+                "n_invalid": self.n_invalid,
                 "n_fitting": len(rows), "compiled_not_fitting": tight,
                 "mfu_ceiling": self.ceiling, "notes": self.notes}
 
@@ -273,6 +289,7 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
             cp = critical_path(c.prediction)
             lines.append(f"  {i}. {c.key()}: " + ", ".join(
                 f"{k} {v * 1e3:.1f}" for k, v in cp.items()) + f"; {floor_text(c.prediction)}")
+    lines += best_by_plan_lines(res)
     tight = [c for c in res.candidates if c.compiled and c.compiled_fits is False]
     if tight:
         lines.append("")
@@ -289,3 +306,19 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
     if not res.fitting:
         lines.append("| - | nothing fits | | | | | | | | | | | | | |")
     return "\n".join(lines)
+
+
+def best_by_plan_lines(res: SearchResult) -> list[str]:
+    """The best layout of each plan side by side with its critical path (ms per step)."""
+    if not res.fitting:
+        return []
+    names = list(critical_path(res.fitting[0].prediction))
+    lines = ["", "best layout of each plan (critical path in ms per step):", "",
+             "| plan | rank | layout | MFU | step s | " + " | ".join(names) + " |",
+             "|" + "---|" * (5 + len(names))]
+    for plan, i, c in res.best_by_plan:
+        cp = critical_path(c.prediction)
+        lines.append(f"| {plan} | {i} | {c.key()} | {c.prediction.mfu:.1%} | "
+                     f"{c.prediction.step_time:.3f} | "
+                     + " | ".join(f"{cp[k] * 1e3:.1f}" for k in names) + " |")
+    return lines

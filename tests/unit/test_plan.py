@@ -137,6 +137,13 @@ def test_search_ranks_fitting_layouts_best_first():
     fit = res.fitting
     assert len(fit) > 10
     assert {c.plan for c in fit} >= {"ddp", "zero3", "hierarchical"}
+    # best_by_plan: each plan's first fitting row, its rank counted over every plan's rows
+    best = res.to_dict()["best_by_plan"]
+    assert [b["plan"] for b in best] == list(dict.fromkeys(c.plan for c in fit))
+    for b in best:
+        first = next(i for i, c in enumerate(fit, 1) if c.plan == b["plan"])
+        assert b["rank"] == first and b["key"] == fit[first - 1].key()
+        assert sum(b["critical_path"].values()) == pytest.approx(b["step_time"])
     assert any(c.tp_mode == "btp" for c in fit) and all(c.prediction.fits for c in fit)
     # /keep: the same layout without the backward's re-gather, holding the gathered weights
     by_key = {c.key(): c.prediction for c in fit}
