@@ -163,10 +163,15 @@ def section_batches(topo, lines, top: int = 3):
     their step goes (critical path)."""
     from boost_jax.plan.critical_path import critical_path, floor
 
-    rows, ceilings = [], []
+    rows, ceilings, by_plan = [], [], []
     for batch in (768, 1536, 3072):
         cfg = config(f"train.global_batch={batch}")
         res = search(cfg, topo, {"pair": 2, "node": 4, "global": 48}, compile_top=0)
+        for plan, i, c in res.best_by_plan:
+            p = c.prediction
+            by_plan.append([batch, plan, i, c.key(), f"{p.mfu:.1%}", f"{p.step_time * 1e3:.0f}",
+                            *[f"{v * 1e3:.0f}" for v in critical_path(p).values()],
+                            f"{sum(p.node_egress.values()) / 1e9:.2f}"])
         for i, c in enumerate(res.fitting[:top], 1):
             p = c.prediction
             cp, f = critical_path(p), floor(p)
@@ -201,7 +206,12 @@ def section_batches(topo, lines, top: int = 3):
         "step: all of them, their per-call latency (α per call, the calls as the GPU program "
         "runs them: about one per layer and pass), and what is exposed:", "",
         markdown_table(["sequences", "layout", "MFU ceiling", "floor", "MFU", "DP ms",
-                        "of it latency", "exposed"], ceilings), ""]
+                        "of it latency", "exposed"], ceilings), "",
+        "The best layout of each plan at each batch (`best_by_plan` of `--search --json`), its "
+        "rank among all fitting layouts and its critical path in ms per step:", "",
+        markdown_table(["sequences", "plan", "rank", "layout", "MFU", "step ms", "compute",
+                        "exposed TP", "exposed DP", "bubble", "once-per-step",
+                        "node egress GB"], by_plan), ""]
 
 
 def main() -> int:
