@@ -287,7 +287,7 @@ def _progress(total: int, enabled: bool):
 def _check_targets(source: str, out: str, spec: str, force: bool) -> None:
     """safe_write's rule for OUT and its metadata: never one of the inputs (even with --force),
     never an existing file without --force."""
-    from boost_jax.safe_write import refuse_existing, refuse_inputs
+    from boost_jax.safe_write import refuse_existing, refuse_inputs, refuse_special
 
     inputs = {"SOURCE": source, "--tokenizer": None if spec in ("byte", "bpe") else spec}
     meta = meta_path(out)
@@ -298,6 +298,8 @@ def _check_targets(source: str, out: str, spec: str, force: bool) -> None:
     if spec == "bpe":
         refuse_inputs(bpe_path(out), inputs, f"the tokenizer {bpe_path(out)!r} of OUT", fix)
         targets.append(bpe_path(out))
+    for t in targets:
+        refuse_special(t, repr(t), fix)
     refuse_existing(targets, force, "choose another OUT")
 
 

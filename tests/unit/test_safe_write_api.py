@@ -22,8 +22,9 @@ def test_train_outputs_never_touch_data_source_or_init_from(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
 
-    def cfg(source, init_from=None):
-        return SimpleNamespace(data=SimpleNamespace(source=str(source), sources=None),
+    def cfg(source, init_from=None, tokenizer="byte"):
+        return SimpleNamespace(data=SimpleNamespace(source=str(source), sources=None,
+                                                    tokenizer=tokenizer),
                                model=SimpleNamespace(init_from=init_from))
 
     with pytest.raises(Refused, match=r"^the run's config\.yaml '.*/corpus/run/config\.yaml' "
@@ -34,6 +35,12 @@ def test_train_outputs_never_touch_data_source_or_init_from(tmp_path):
         check_inputs(cfg(tmp_path / "r" / "metrics.jsonl"), str(tmp_path / "r"))
     with pytest.raises(Refused, match=r"^the run's checkpoints .* contains model\.init_from"):
         check_inputs(cfg("stdlib", str(tmp_path / "r" / "checkpoints" / "hf")), str(tmp_path / "r"))
+    with pytest.raises(Refused, match=r"^the run's summary\.json .* is the metadata of "
+                                      r"data\.source"):  # its .json is not named in the config
+        check_inputs(cfg(tmp_path / "r" / "summary.bin"), str(tmp_path / "r"))
+    with pytest.raises(Refused, match=r"^the run's tokenizer .* contains data\.tokenizer"):
+        check_inputs(cfg("stdlib", tokenizer=str(tmp_path / "r" / "tokenizer" / "t.json")),
+                     str(tmp_path / "r"))
     check_inputs(cfg(corpus / "a.txt"), str(tmp_path / "run"))  # beside the data: fine
     check_inputs(cfg("stdlib"), str(tmp_path / "run"))
 
