@@ -16,7 +16,7 @@ import yaml
 
 from boost_jax.config_typed import all_keys, build, parse_overrides, set_dotted, unknown_key
 from boost_jax.config_yaml import read_yaml
-from boost_jax.errors import ConfigError
+from boost_jax.errors import ConfigError, UserError
 from boost_jax.names import ARCHS, FAMILIES, MESH_AXES, PLANS, REMAT_MODES, TP_MODES
 
 
@@ -227,6 +227,26 @@ class DataConfig:
             _positive("data.max_bytes", self.max_bytes)
         if self.seed < 0:
             raise ConfigError(f"data.seed={self.seed} must be >= 0")
+        self._check_input_kinds()
+
+    def _check_input_kinds(self) -> None:
+        """No device, FIFO or socket as a corpus, its metadata or the tokenizer (read, each
+        blocks or never ends); files inside a folder are checked as they are read."""
+        from boost_jax.file_kind import check_input
+
+        files = [("data.source", self.source)] if self.source != "stdlib" else []
+        files += [(f"data.sources[{i}].path", s.path) for i, s in enumerate(self.sources or [])]
+        if self.tokenizer not in ("byte", "bpe"):
+            files.append(("data.tokenizer", self.tokenizer))
+        for label, path in list(files):
+            if path.endswith(".bin"):
+                stem = os.path.splitext(path)[0]
+                files += [(f"the metadata of {label}", stem + ".json")]
+        for label, path in files:
+            try:
+                check_input(path, label)
+            except UserError as e:
+                raise ConfigError(str(e)) from None
 
     def _validate_sources(self) -> None:
         example = "e.g. data.sources=[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]"

@@ -103,9 +103,17 @@ def _coerce_float(key: str, value: Any, bad: _WrongType) -> float:
     return float(value)
 
 
+# a path is at most PATH_MAX (4096) bytes on Linux; a run's name heads plots, logs and scripts
+MAX_TEXT, MAX_NAME = 4096, 256
+
+
 def _coerce_str(key: str, value: Any, bad: _WrongType) -> str:
     if not isinstance(value, str):
         raise bad
+    cap = MAX_NAME if key == "name" else MAX_TEXT
+    if len(value) > cap:  # never echoed: it may be megabytes
+        raise ConfigError(f"{key} is {len(value):,} characters long, more than the {cap:,} it "
+                          f"may have; shorten it (it starts {value[:40]!r})")
     c = control_char(value)
     if c is not None:  # a newline in a name or path would become a line of a script
         raise ConfigError(f"{key}={value!r} contains a control character ({c}); remove it")
@@ -117,7 +125,9 @@ def _coerce_str(key: str, value: Any, bad: _WrongType) -> str:
 def _coerce(key: str, value: Any, tp) -> Any:
     """Check `value` against annotation `tp`; int→float is the only implicit conversion."""
     origin = typing.get_origin(tp)
-    bad = _WrongType(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
+    shown = repr(value) if not isinstance(value, (str, list, dict)) or len(value) < 200 else \
+        f"{repr(value)[:80]}..." if not isinstance(value, str) else f"{value[:80]!r}..."
+    bad = _WrongType(f"{key}={shown} has the wrong type: expected {_type_name(tp)}")
     if origin is Literal:
         return _coerce_literal(key, value, tp)
     if origin in (Union, types.UnionType):

@@ -54,3 +54,12 @@ def read_regular(path: str, what: str, limit: int) -> bytes:
         raise UserError(f"{what} {path!r} is more than the {limit:,} bytes a {what} may have; "
                         "pass the right file")
     return raw
+
+
+def check_input(path: str, label: str) -> None:
+    """A UserError if `path` exists as a device, FIFO or socket (a folder or a file is fine):
+    reading one blocks forever or never ends."""
+    kind = special(path, folder=True)
+    if kind is not None:
+        raise UserError(f"{label} {path!r} is {kind}, not a regular file; point it at a file "
+                        "(devices, FIFOs and sockets are never read)")

@@ -51,13 +51,6 @@ EXTS = (".txt", ".md", ".py", ".jsonl", ".parquet", ".arrow")
 # --------------------------------------------------------------------------- reading (main)
 
 
-def _check_text_head(path: str) -> None:
-    from boost_jax.data.sources import _SNIFF, _check_text
-
-    with open(path, "rb") as f:
-        _check_text(f.read(_SNIFF), f"SOURCE file {path!r}")
-
-
 def _char_boundary(buf: bytes) -> int:
     """Length of the longest prefix of buf ending on a UTF-8 character boundary (for a piece
     with no line break in it)."""
@@ -72,11 +65,15 @@ def _char_boundary(buf: bytes) -> int:
 
 
 def _text_file(path: str) -> Iterator[tuple]:
-    """('text', piece, is_last_piece_of_the_document, bytes read)."""
-    _check_text_head(path)
-    carry = b""
+    """('text', piece, is_last_piece_of_the_document, bytes read); every piece is checked for
+    being text (a file may turn binary after its head)."""
+    from boost_jax.data.sources import _check_text
+
+    carry, done = b"", 0
     with open(path, "rb") as f:
         while raw := f.read(PIECE):
+            _check_text(raw, f"SOURCE file {path!r}", done)
+            done += len(raw)
             buf = carry + raw
             cut = buf.rfind(b"\n") + 1 or _char_boundary(buf)
             carry = buf[cut:]
@@ -127,6 +124,9 @@ def _table_file(path: str, field: str) -> Iterator[tuple]:
 
 
 def source_files(source: str) -> list[str]:
+    from boost_jax.file_kind import check_input
+
+    check_input(source, "SOURCE")
     if not os.path.exists(source):
         raise UserError(f"SOURCE {source!r} does not exist; pass a text/.jsonl/.parquet file, a "
                         "saved Hugging Face dataset or a folder of them")
@@ -138,6 +138,8 @@ def source_files(source: str) -> list[str]:
     from boost_jax.data.sources import _walk
 
     files = [os.path.join(source, r) for r in _walk(source, EXTS, {"__pycache__"})]
+    for f in files:  # a FIFO in the folder would block the read for ever
+        check_input(f, "SOURCE file")
     if not files:
         raise UserError(f"SOURCE {source!r} contains no {'/'.join(EXTS)} files")
     return files
@@ -222,7 +224,40 @@ _WORKER: dict = {}
 
 def _init_worker(spec: str, field: str, dtype: str, text: str = None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the worker count is the parallelism
+    _tied_to_parent()
     _WORKER.update(tok=load_tokenizer(spec, text), field=field, dtype=np.dtype(dtype))
+
+
+def _tied_to_parent() -> None:
+    """A worker ignores Ctrl-C (the parent stops the pool) and dies with its parent however the
+    parent ends, SIGKILL included (Linux's PR_SET_PDEATHSIG): no orphan keeps the pool's
+    semaphores."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the pool's own broken-pipe check ends the worker later
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the call above
+        os._exit(1)
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM/SIGHUP stop prepare like Ctrl-C: the pool is shut down and its semaphores freed,
+    the staged files discarded, the exit code 128 + the signal."""
+    import signal
+
+    from boost_jax.errors import Interrupted
+
+    def stop(signum, frame):
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
 
 
 def _documents(task: list, field: str) -> list[tuple[str, bool]]:
@@ -424,6 +459,7 @@ def parse_args(argv=None):
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
+    _stop_on_signals()
     check_has_text(args.source, args.field)
     meta = prepare(args.source, args.out, args.tokenizer, args.workers, args.field,
                    args.force, not args.no_progress, bpe_vocab_size=args.bpe_vocab_size,

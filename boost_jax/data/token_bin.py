@@ -30,7 +30,11 @@ def meta_path(bin_path: str) -> str:
 
 def read_meta(bin_path: str) -> Optional[dict]:
     """The metadata next to a .bin (None if there is none, or it is not ours)."""
+    from boost_jax.file_kind import check_input
+
     path = meta_path(bin_path)
+    check_input(path, "the metadata file")
+    check_input(bin_path, "the token file")
     try:
         with open(path) as f:
             meta = json.load(f)
