@@ -118,7 +118,7 @@ def check_seal(step_dir: str, part: int = 0, parts: int = 1) -> Optional[str]:
         want = record["crc32"]
     except FileNotFoundError:
         return f"it has no {SEAL_FILE} (its save was cut short, or the file was removed)"
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
         return f"its {SEAL_FILE} cannot be read ({type(e).__name__})"
     if not _well_formed(want):
         return f"its {SEAL_FILE} is not a seal (no {{file: [size, crc32]}} record)"

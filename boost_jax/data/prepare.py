@@ -106,21 +106,32 @@ def _arrow_batches(path: str, field: str):
 
 
 def _table_file(path: str, field: str) -> Iterator[tuple]:
-    """('doc', text, None, bytes): parquet / arrow rows, one document each."""
+    """('doc', text, None, bytes): parquet / arrow rows, one document each. A file that is no
+    parquet/arrow file, or a column with bytes that are not UTF-8, is a one-line UserError."""
     try:
-        import pyarrow  # noqa: F401
+        import pyarrow as pa
     except ImportError:
         raise UserError(f"reading {path!r} needs pyarrow; pip install pyarrow "
                         "(or pip install 'boost_jax[corpora]')") from None
-    rows, names, batches = _arrow_batches(path, field)
-    if field not in names:
-        raise UserError(f"{path!r} has no column {field!r} (columns: {names}); pass --field")
-    size = os.path.getsize(path)
-    for batch in batches:
-        col = batch.column(batch.schema.get_field_index(field)).to_pylist()
-        per = size * len(col) // rows if rows else 0
-        for j, text in enumerate(col):
-            yield "doc", text if isinstance(text, str) else "", None, per if j == 0 else 0
+    kind = "parquet" if path.endswith(".parquet") else "arrow"
+    try:
+        rows, names, batches = _arrow_batches(path, field)
+        if field not in names:
+            raise UserError(f"{path!r} has no column {field!r} (columns: {names}); pass --field")
+        size, row = os.path.getsize(path), 0
+        for batch in batches:
+            col = batch.column(batch.schema.get_field_index(field)).to_pylist()
+            per = size * len(col) // rows if rows else 0
+            for j, text in enumerate(col):
+                yield "doc", text if isinstance(text, str) else "", None, per if j == 0 else 0
+            row += len(col)
+    except UnicodeDecodeError:
+        raise UserError(f"SOURCE file {path!r} has bytes that are not UTF-8 in column {field!r} "
+                        f"(at or after row {row + 1}); re-encode that column as UTF-8") from None
+    except (pa.ArrowException, OSError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"SOURCE file {path!r} is not a readable {kind} file ({why}); pass a "
+                        f"real .{kind} file, or rename a text file to .txt") from None
 
 
 def source_files(source: str) -> list[str]:
@@ -275,6 +286,9 @@ def _documents(task: list, field: str) -> list[tuple[str, bool]]:
             except ValueError as e:
                 raise UserError(f"{path!r} line {line} is not valid JSON ({e}); fix or remove "
                                 "it") from None
+            except RecursionError:
+                raise UserError(f"{path!r} line {line} nests too deeply to be a document; fix "
+                                "or remove it") from None
             text = obj.get(field) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise UserError(f"{path!r} line {line} has no string {field!r} field; pass "

@@ -135,6 +135,9 @@ def _jsonl_docs(path: str, key: str, budget: _Budget, label: str) -> list[tuple[
                 obj = json.loads(line)
             except ValueError as e:
                 raise UserError(f"{label} line {i + 1} is not valid JSON ({e}); fix or remove it") from None
+            except RecursionError:
+                raise UserError(f"{label} line {i + 1} nests too deeply to be a document; fix or "
+                                "remove it") from None
             text = obj.get("text") if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise UserError(

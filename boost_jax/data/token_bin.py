@@ -38,7 +38,7 @@ def read_meta(bin_path: str) -> Optional[dict]:
     try:
         with open(path) as f:
             meta = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
 

@@ -91,7 +91,7 @@ def _trim_metrics(path: str, last_step: int) -> int:
             try:
                 row = json.loads(line)
                 ok = line.endswith("\n") and int(row["step"]) <= last_step
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 ok = False
             if ok:
                 kept.append(line)

@@ -447,3 +447,28 @@ def test_kill_9_during_prepare_never_leaves_a_bin_without_metadata_or_a_temp(tmp
     assert _cli(*_prepare(src, out, "--force")[1:]).returncode == 0
     assert _consistent(out)["n_tokens"] == len(src.read_bytes()) + 1
     assert sorted(os.listdir(outdir)) == ["c.bin", "c.json"]
+
+
+def test_export_onto_a_full_disk_and_a_full_stdout_are_one_line(run, env, small_disk):
+    """export's weights fill a 64 KiB disk (safetensors raised its own error type); generate
+    and evaluate --json write to /dev/full (an OSError at exit): one line each, nothing left."""
+    out = run[0]
+    with open("/dev/full", "w") as full:
+        procs = [subprocess.Popen([PY, "-m", f"boost_jax.{cmd}", "--run", str(out), *extra],
+                                  cwd=ROOT, env=env, text=True, stdout=full,
+                                  stderr=subprocess.PIPE)
+                 for cmd, extra in (("generate", ["--prompt", "a", "--max-new-tokens", "2"]),
+                                    ("evaluate", ["--json"]))]
+        errs = [p.communicate(timeout=240)[1] for p in procs]
+    for p, err in zip(procs, errs):
+        lines = err.strip().splitlines()
+        assert p.returncode == 1 and len(lines) == 1, (p.args, err)
+        assert lines[0] == ("error: writing the output (stdout) failed (No space left on "
+                            "device); free space or write it elsewhere")
+    if small_disk is None:
+        return
+    r = _cli("-m", "boost_jax.export", "--run", str(out), "--out", str(small_disk / "hf"),
+             env=env)
+    _one_line(r, rf"writing --out '{small_disk}/hf' failed \(.*\); nothing was published: free "
+                 r"space or choose another folder")
+    assert os.listdir(small_disk) == []
