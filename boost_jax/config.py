@@ -113,6 +113,11 @@ class ModelConfig:
                 f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
         if not 0.0 < self.rotary_fraction <= 1.0:
             raise ConfigError(f"model.rotary_pct={self.rotary_pct} must be in (0, 1]")
+        if not self.learned_positions and self.rotary_dims == 0:  # no positions at all
+            raise ConfigError(
+                f"model.rotary_pct={self.rotary_fraction} rotates {self.rotary_dims} of the "
+                f"{self.head_dim} dims of a head, so RoPE encodes no position; use at least "
+                f"2/head_dim = {2 / self.head_dim:.4g}")
         if self.rotary_dims % 2:
             raise ConfigError(
                 f"RoPE rotates head_dim·rotary_pct={self.rotary_dims} dims, which must be even; "
@@ -324,6 +329,10 @@ class TrainConfig:
         if p is not None and (len(p) != 2 or not 1 <= p[0] <= p[1]):
             raise ConfigError(f"train.profile_steps={p} must be [first, last] with "
                               "1 <= first <= last, e.g. train.profile_steps=[3,5]")
+        if p is not None and p[1] > self.steps:  # the trace would never start, or never stop
+            raise ConfigError(f"train.profile_steps={p} reaches past the run's last step "
+                              f"(train.steps={self.steps}), so no whole trace would be written; "
+                              f"choose steps within 1..{self.steps}")
         if self.steps > STEP_MAX:
             raise ConfigError(f"train.steps={self.steps} is more steps than a run can count "
                               f"(int32); use at most {STEP_MAX}")

@@ -473,6 +473,10 @@ def _train(ctx: _RunCtx, state, start: int, summary: dict) -> int:
     ls = _LoopState(state, start, start, saved_steps=set(ctx.ckpt.all_steps()),
                     t_start=time.perf_counter())
     prof = StepProfiler(os.path.abspath(ctx.cfg.out_dir), tcfg.profile_steps)
+    if tcfg.profile_steps and tcfg.profile_steps[0] <= start:  # a resume went past them
+        ctx.say(f"warning: train.profile_steps={list(tcfg.profile_steps)} starts at or before "
+                f"step {start}, where this run resumes; no trace is written (choose steps after "
+                f"{start})")
     with StopSignal() as stop, _closing(prof):
         while ls.step < tcfg.steps:
             m = _take_step(ctx, ls, prof, summary)

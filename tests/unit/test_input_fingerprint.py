@@ -74,3 +74,13 @@ def test_resume_on_a_changed_text_source_or_mixture_source_stops_unless_accepted
         _train(out, mix, "train.steps=4")
     assert _train(out, mix, "train.steps=4",
                   "checkpoint.accept_changes=[data.sources]")["start_step"] == 2
+
+
+def test_a_resume_past_the_profile_steps_says_no_trace_is_written(tmp_path, capfd):
+    out = tmp_path / "run"
+    _train(out, "train.steps=2")
+    capfd.readouterr()
+    _train(out, "train.steps=4", "train.profile_steps=[2,3]")
+    assert ("warning: train.profile_steps=[2, 3] starts at or before step 2, where this run "
+            "resumes; no trace is written (choose steps after 2)") in capfd.readouterr().err
+    assert not (out / "profile").exists()
