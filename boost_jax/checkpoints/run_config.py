@@ -169,8 +169,9 @@ def check_inputs(cfg: Config, out_dir: str) -> None:
     """safe_write's rule for train.py's inputs: no output of the run may be, hold or lie inside
     data.source(s), their metadata and tokenizer files, data.tokenizer or model.init_from (the
     same on every process: paths only)."""
-    from boost_jax.safe_write import refuse_inputs
+    from boost_jax.safe_write import refuse_inputs, refuse_special
 
+    refuse_special(out_dir, f"out_dir {out_dir!r}", "choose another out_dir=...", folder=True)
     inputs = {"model.init_from": cfg.model.init_from}
     if cfg.data.tokenizer not in ("byte", "bpe"):
         inputs["data.tokenizer"] = cfg.data.tokenizer

@@ -131,3 +131,21 @@ def test_prepare_stopped_by_a_signal_leaves_no_worker_and_no_file(tmp_path, sig)
         time.sleep(0.1)
     assert not [w for w in workers if _alive(w)]
     assert sorted(os.listdir(tmp_path)) in (["src.txt"], [".o.bin.lock", "src.txt"])
+
+
+def test_a_prompt_file_or_tokenizer_that_is_a_device_or_fifo_is_named(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    src = tmp_path / "t.txt"
+    src.write_text("hello\n" * 100)
+    for argv, pattern in (
+            (["-m", "boost_jax.generate", "--run", str(tmp_path / "none"), "--prompt-file",
+              "/dev/zero"], r"--prompt-file '/dev/zero' is a character device"),
+            (["-m", "boost_jax.generate", "--run", str(tmp_path / "none"), "--prompt-file",
+              str(fifo)], r"--prompt-file '.*/fifo' is a FIFO"),
+            (["-m", "boost_jax.data.prepare", str(src), str(tmp_path / "o.bin"), "--tokenizer",
+              str(fifo)], r"tokenizer file '.*/fifo' is a FIFO")):
+        rc, secs, mb, err = _measured(argv)
+        lines = err.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and re.match("error: " + pattern, lines[0]), err
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "t.txt"]

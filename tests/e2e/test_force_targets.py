@@ -126,12 +126,14 @@ def test_a_run_never_writes_onto_a_corpus_metadata_or_a_fifo_in_out_dir(tmp_path
     rows = _run_all([*train, f"data.source={out}/summary.bin", f"out_dir={out}"],
                     [*train, f"data.sources=[{{path: {out}/summary.bin, weight: 1}}]",
                      f"out_dir={out}"],
-                    [*train, f"out_dir={fifo_dir}"])
+                    [*train, f"out_dir={fifo_dir}"],
+                    [*train, f"out_dir={fifo_dir}/metrics.jsonl"])
     for r, label in zip(rows, ("data.source", r"data.sources\[0\]")):
         _one_line(r, rf"the run's summary\.json '{out}/summary\.json' is the metadata of "
                      rf"{label} '{out}/summary\.json'; writing it would destroy")
     _one_line(rows[2], rf"the run's metrics\.jsonl '{fifo_dir}/metrics\.jsonl' is a FIFO, not "
                        r"a regular file")
+    _one_line(rows[3], rf"out_dir '{fifo_dir}/metrics\.jsonl' is a FIFO, not a folder")
     assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
     assert os.listdir(fifo_dir) == ["metrics.jsonl"]
     assert stat.S_ISFIFO(os.lstat(fifo_dir / "metrics.jsonl").st_mode)
