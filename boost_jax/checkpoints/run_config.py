@@ -234,6 +234,10 @@ def check_out_dir(out_dir: str, force: bool, config: Optional[str] = None) -> No
         if special(path, folder=True):  # a device, FIFO or socket; a file for a folder below
             refuse_special(path, f"the run's {name} {path!r}", "move it away or choose another "
                            "out_dir=...", folder)
+        if not folder and os.path.islink(path):  # appended or written through: not ours
+            raise Refused(f"the run's {name} {path!r} is a link (to "
+                          f"{os.path.realpath(path)!r}); a run writes its files itself: remove "
+                          "the link or choose another out_dir=...")
         if os.path.lexists(path) and os.path.isdir(path) != folder:
             raise Refused(f"out_dir {out_dir!r} holds {name} as a {'file' if folder else 'folder'}"
                           f" where a run keeps a {'folder' if folder else 'file'}; move it away "

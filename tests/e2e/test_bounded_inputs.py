@@ -149,3 +149,18 @@ def test_a_prompt_file_or_tokenizer_that_is_a_device_or_fifo_is_named(tmp_path):
         lines = err.strip().splitlines()
         assert rc == 2 and len(lines) == 1 and re.match("error: " + pattern, lines[0]), err
     assert sorted(os.listdir(tmp_path)) == ["fifo", "t.txt"]
+
+
+def test_a_billion_laughs_config_is_one_short_line(tmp_path):
+    """YAML aliases nest a list of 9^9 items in a few hundred bytes: the error never writes it
+    out (config_typed.shown)."""
+    expr = "&a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"
+    for i in range(1, 9):
+        expr = f"&a{i} [{expr}, " + ", ".join([f"*a{i - 1}"] * 8) + "]"
+    cfg = tmp_path / "laughs.yaml"
+    cfg.write_text(f"train:\n  profile_steps: {expr}\n")
+    rc, secs, mb, err = _measured(["train.py", "--config", str(cfg), "--print-config"])
+    lines = err.strip().splitlines()
+    assert rc == 2 and len(lines) == 1 and len(lines[0]) < 400, err[:2000]
+    assert lines[0].startswith("error: train.profile_steps=[[[") and "has the wrong type" in err
+    assert secs < 5 and mb < 200, (secs, mb)

@@ -84,3 +84,26 @@ def test_a_resume_past_the_profile_steps_says_no_trace_is_written(tmp_path, capf
     assert ("warning: train.profile_steps=[2, 3] starts at or before step 2, where this run "
             "resumes; no trace is written (choose steps after 2)") in capfd.readouterr().err
     assert not (out / "profile").exists()
+
+
+def test_a_changed_tokenizer_file_is_named_unless_accepted(tmp_path):
+    from types import SimpleNamespace
+
+    from boost_jax.data.fingerprint import check_unchanged, identities
+
+    tok = tmp_path / "tok.json"
+    tok.write_text('{"model": 1}')
+    cfg = SimpleNamespace(data=SimpleNamespace(source="stdlib", sources=None, tokenizer=str(tok)),
+                          checkpoint=SimpleNamespace(accept_changes=[]))
+    saved = identities(cfg)
+    assert list(saved) == ["data.tokenizer"]
+    check_unchanged(saved, identities(cfg), cfg, 5, "runs/x")
+    tok.write_text('{"model": 2}')
+    with pytest.raises(UserError, match=rf"^checkpoint step 5 in runs/x was trained on "
+                                        rf"data\.tokenizer '{tok}' as it was then.*accept_changes="
+                                        r"\[data\.tokenizer\]$"):
+        check_unchanged(saved, identities(cfg), cfg, 5, "runs/x")
+    for accept in (["data.tokenizer"], ["data"]):
+        cfg.checkpoint.accept_changes = accept
+        check_unchanged(saved, identities(cfg), cfg, 5, "runs/x")
+    check_unchanged({}, identities(cfg), cfg, 5, "runs/x")  # saved before fingerprints

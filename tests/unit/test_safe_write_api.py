@@ -3,6 +3,7 @@ second process, and every command that writes run as a subprocess on the cases t
 tests/e2e/test_safe_write.py."""
 
 import os
+import re
 
 import pytest
 
@@ -171,3 +172,27 @@ def test_a_config_yaml_that_is_not_utf8_reads_as_none(tmp_path):
 
     (tmp_path / "config.yaml").write_bytes(b"model: [\n\x00\xff\xfe")
     assert load_saved(str(tmp_path / "config.yaml")) is None
+
+
+def test_run_files_that_are_links_or_fifos_are_refused_even_forced(tmp_path):
+    """summary.json, metrics.jsonl, run.log and loss.png are written or appended through a link:
+    a link to the user's file would be overwritten; a FIFO would block the run."""
+    import os
+
+    from boost_jax.checkpoints import run_config
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    for name in ("summary.json", "metrics.jsonl", "run.log", "loss.png"):
+        d = tmp_path / f"l_{name}"
+        d.mkdir()
+        os.symlink(victim, d / name)
+        with pytest.raises(Refused, match=rf"^the run's {re.escape(name)} '.*' is a link \(to "
+                                          r"'.*victim\.txt'\)"):
+            run_config.check_out_dir(str(d), force=True)
+    d = tmp_path / "fifo"
+    d.mkdir()
+    os.mkfifo(d / "tb")
+    with pytest.raises(Refused, match=r"^the run's tb '.*' is a FIFO, not a folder"):
+        run_config.check_out_dir(str(d), force=True)
+    assert victim.read_text() == "keep"
