@@ -221,16 +221,19 @@ def _our_step(step_dir: str) -> bool:
         all(os.path.isdir(os.path.join(step_dir, item)) for item in ITEMS)
 
 
-def check_out_dir(out_dir: str, force: bool, config: Optional[str] = None) -> None:
-    """safe_write's rule for train.py's out_dir: a folder that holds no run of ours but files a
-    run would replace is refused without --force, and the run's outputs never replace its
-    --config there (in a run of ours the config.yaml it reads is kept in its history)."""
-    from boost_jax.file_kind import special
-    from boost_jax.safe_write import Refused, refuse_inputs, refuse_special
+# written only with profile_steps / logging.wandb: checked for their kind, never a clash
+SOMETIMES = {"profile": True, "wandb": True, "wandb_run_id": False}  # name: is a folder
 
-    for name in (*OUTPUTS, LOCK_FILE):
+
+def _refuse_odd_entries(out_dir: str) -> None:
+    """What the run writes in out_dir must be a regular file or a folder as the run keeps it:
+    never a device, FIFO or socket, nor a link a file would be written through."""
+    from boost_jax.file_kind import special
+    from boost_jax.safe_write import Refused, refuse_special
+
+    names = {**{n: n in FOLDERS for n in (*OUTPUTS, LOCK_FILE)}, **SOMETIMES}
+    for name, folder in names.items():
         path = os.path.join(out_dir, name)
-        folder = name in FOLDERS
         if special(path, folder=True):  # a device, FIFO or socket; a file for a folder below
             refuse_special(path, f"the run's {name} {path!r}", "move it away or choose another "
                            "out_dir=...", folder)
@@ -242,6 +245,15 @@ def check_out_dir(out_dir: str, force: bool, config: Optional[str] = None) -> No
             raise Refused(f"out_dir {out_dir!r} holds {name} as a {'file' if folder else 'folder'}"
                           f" where a run keeps a {'folder' if folder else 'file'}; move it away "
                           "or choose another out_dir=...")
+
+
+def check_out_dir(out_dir: str, force: bool, config: Optional[str] = None) -> None:
+    """safe_write's rule for train.py's out_dir: a folder that holds no run of ours but files a
+    run would replace is refused without --force, and the run's outputs never replace its
+    --config there (in a run of ours the config.yaml it reads is kept in its history)."""
+    from boost_jax.safe_write import Refused, refuse_inputs
+
+    _refuse_odd_entries(out_dir)
     if holds_run(out_dir):
         return
     for name in OUTPUTS:

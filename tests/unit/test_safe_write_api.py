@@ -183,7 +183,7 @@ def test_run_files_that_are_links_or_fifos_are_refused_even_forced(tmp_path):
 
     victim = tmp_path / "victim.txt"
     victim.write_text("keep")
-    for name in ("summary.json", "metrics.jsonl", "run.log", "loss.png"):
+    for name in ("summary.json", "metrics.jsonl", "run.log", "loss.png", "wandb_run_id"):
         d = tmp_path / f"l_{name}"
         d.mkdir()
         os.symlink(victim, d / name)
