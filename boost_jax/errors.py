@@ -53,7 +53,7 @@ def cli_main(fn):
 
 
 EXIT_MACHINE = 1  # the machine's own failure (a full disk), not the user's input
-OUTPUT_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO)
+OUTPUT_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def _output_failed(e: OSError) -> None:
