@@ -16,7 +16,7 @@ import yaml
 
 from boost_jax.config_typed import all_keys, build, parse_overrides, set_dotted, unknown_key
 from boost_jax.config_yaml import read_yaml
-from boost_jax.errors import ConfigError
+from boost_jax.errors import ConfigError, UserError
 from boost_jax.names import ARCHS, FAMILIES, MESH_AXES, PLANS, REMAT_MODES, TP_MODES
 
 
@@ -113,6 +113,11 @@ class ModelConfig:
                 f"model.n_kv_heads={self.kv_heads} must divide model.n_heads={self.n_heads}")
         if not 0.0 < self.rotary_fraction <= 1.0:
             raise ConfigError(f"model.rotary_pct={self.rotary_pct} must be in (0, 1]")
+        if not self.learned_positions and self.rotary_dims == 0:  # no positions at all
+            raise ConfigError(
+                f"model.rotary_pct={self.rotary_fraction} rotates {self.rotary_dims} of the "
+                f"{self.head_dim} dims of a head, so RoPE encodes no position; use at least "
+                f"2/head_dim = {2 / self.head_dim:.4g}")
         if self.rotary_dims % 2:
             raise ConfigError(
                 f"RoPE rotates head_dim·rotary_pct={self.rotary_dims} dims, which must be even; "
@@ -227,6 +232,26 @@ class DataConfig:
             _positive("data.max_bytes", self.max_bytes)
         if self.seed < 0:
             raise ConfigError(f"data.seed={self.seed} must be >= 0")
+        self._check_input_kinds()
+
+    def _check_input_kinds(self) -> None:
+        """No device, FIFO or socket as a corpus, its metadata or the tokenizer (read, each
+        blocks or never ends); files inside a folder are checked as they are read."""
+        from boost_jax.file_kind import check_input
+
+        files = [("data.source", self.source)] if self.source != "stdlib" else []
+        files += [(f"data.sources[{i}].path", s.path) for i, s in enumerate(self.sources or [])]
+        if self.tokenizer not in ("byte", "bpe"):
+            files.append(("data.tokenizer", self.tokenizer))
+        for label, path in list(files):
+            if path.endswith(".bin"):
+                stem = os.path.splitext(path)[0]
+                files += [(f"the metadata of {label}", stem + ".json")]
+        for label, path in files:
+            try:
+                check_input(path, label)
+            except UserError as e:
+                raise ConfigError(str(e)) from None
 
     def _validate_sources(self) -> None:
         example = "e.g. data.sources=[{path: a.bin, weight: 0.7}, {path: b.bin, weight: 0.3}]"
@@ -304,6 +329,10 @@ class TrainConfig:
         if p is not None and (len(p) != 2 or not 1 <= p[0] <= p[1]):
             raise ConfigError(f"train.profile_steps={p} must be [first, last] with "
                               "1 <= first <= last, e.g. train.profile_steps=[3,5]")
+        if p is not None and p[1] > self.steps:  # the trace would never start, or never stop
+            raise ConfigError(f"train.profile_steps={p} reaches past the run's last step "
+                              f"(train.steps={self.steps}), so no whole trace would be written; "
+                              f"choose steps within 1..{self.steps}")
         if self.steps > STEP_MAX:
             raise ConfigError(f"train.steps={self.steps} is more steps than a run can count "
                               f"(int32); use at most {STEP_MAX}")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import reprlib
 import types
 import typing
 from typing import Any, Literal, Union
@@ -51,7 +52,7 @@ def _coerce_literal(key: str, value: Any, tp) -> Any:
     if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans
         value = "on" if value else "off"
     if value not in typing.get_args(tp):
-        raise ConfigError(f"{key}={value!r} is not valid: expected {_type_name(tp)}")
+        raise ConfigError(f"{key}={shown(value)} is not valid: expected {_type_name(tp)}")
     return value
 
 
@@ -103,9 +104,29 @@ def _coerce_float(key: str, value: Any, bad: _WrongType) -> float:
     return float(value)
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = \
+    2, 6, 6, 80, 80
+
+
+def shown(value: Any) -> str:
+    """`value` as an error shows it: short whatever its size (YAML aliases can make a list of
+    a billion items from a few lines; it is never written out whole)."""
+    text = _SHORT.repr(value)
+    return text if len(text) <= 160 else text[:160] + "..."
+
+
+# a path is at most PATH_MAX (4096) bytes on Linux; a run's name heads plots, logs and scripts
+MAX_TEXT, MAX_NAME = 4096, 256
+
+
 def _coerce_str(key: str, value: Any, bad: _WrongType) -> str:
     if not isinstance(value, str):
         raise bad
+    cap = MAX_NAME if key == "name" else MAX_TEXT
+    if len(value) > cap:  # never echoed: it may be megabytes
+        raise ConfigError(f"{key} is {len(value):,} characters long, more than the {cap:,} it "
+                          f"may have; shorten it (it starts {value[:40]!r})")
     c = control_char(value)
     if c is not None:  # a newline in a name or path would become a line of a script
         raise ConfigError(f"{key}={value!r} contains a control character ({c}); remove it")
@@ -117,7 +138,7 @@ def _coerce_str(key: str, value: Any, bad: _WrongType) -> str:
 def _coerce(key: str, value: Any, tp) -> Any:
     """Check `value` against annotation `tp`; int→float is the only implicit conversion."""
     origin = typing.get_origin(tp)
-    bad = _WrongType(f"{key}={value!r} has the wrong type: expected {_type_name(tp)}")
+    bad = _WrongType(f"{key}={shown(value)} has the wrong type: expected {_type_name(tp)}")
     if origin is Literal:
         return _coerce_literal(key, value, tp)
     if origin in (Union, types.UnionType):
@@ -144,7 +165,7 @@ def _record(key: str, value: Any, tp):
     fields = [f.name for f in dataclasses.fields(tp)]
     shape = "{" + ", ".join(f"{f}: ..." for f in fields) + "}"
     if not isinstance(value, dict):
-        raise ConfigError(f"{key}={value!r} has the wrong type: expected a mapping {shape}")
+        raise ConfigError(f"{key}={shown(value)} has the wrong type: expected a mapping {shape}")
     for k in value:
         if k not in fields:
             raise ConfigError(f"{key} has unknown key {k!r}; each entry is {shape}")

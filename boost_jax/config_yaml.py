@@ -7,7 +7,7 @@ import os
 
 import yaml
 
-from boost_jax.errors import ConfigError
+from boost_jax.errors import ConfigError, UserError
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -35,13 +35,16 @@ class _DuplicateKey(Exception):
         self.key, self.first, self.again = key, first, again
 
 
+CONFIG_LIMIT = 16 << 20  # far above any real config; /dev/zero or a 1 GB file stops at once
+
+
 def _read_text(path: str) -> str:
+    from boost_jax.file_kind import read_regular
+
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path!r} ({e.strerror}); check its "
-                          "permissions") from None
+        raw = read_regular(path, "config file", CONFIG_LIMIT)
+    except UserError as e:
+        raise ConfigError(str(e)) from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

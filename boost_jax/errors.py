@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import signal
@@ -33,7 +34,13 @@ def cli_main(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            code = fn(*args, **kwargs)
+            sys.stdout.flush()  # a full disk under stdout fails here, not at exit
+            return code
+        except OSError as e:
+            if e.errno not in OUTPUT_FULL:
+                raise
+            _output_failed(e)
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(EXIT_USER_ERROR)
@@ -43,6 +50,24 @@ def cli_main(fn):
             _exit_now(128 + int(signum))
 
     return wrapper
+
+
+EXIT_MACHINE = 1  # the machine's own failure (a full disk), not the user's input
+OUTPUT_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _output_failed(e: OSError) -> None:
+    """A write that no space or device takes (stdout on a full disk, a file a command did not
+    catch itself): one line, exit 1. stdout is pointed at /dev/null first, so the text still
+    buffered for it cannot fail again at exit with a second message."""
+    what = repr(e.filename) if e.filename else "the output (stdout)"
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    print(f"error: writing {what} failed ({e.strerror}); free space or write it elsewhere",
+          file=sys.stderr)
+    _exit_now(EXIT_MACHINE)
 
 
 def _exit_now(code: int) -> None:

@@ -5,8 +5,9 @@ arch=full and arch=svd load as transformers' LlamaForCausalLM), and the run's to
 with a tokenizer_config.json when the run used one (a byte-tokenized run has no file: its ids
 are the UTF-8 bytes, EOS is byte 0). `model.init_from=DIR` starts a run from it. DIR is written
 whole into a temporary folder and renamed (boost_jax/safe_write.py), so it is never
-half-written. An existing DIR is replaced only with --force and only if it is an earlier export;
-DIR may never be the run, hold it or lie inside it.
+half-written. An existing DIR is replaced only with --force and only if it is an earlier export
+exactly as written, as its manifest proves (export_manifest.py); DIR may never be the run, hold
+it or lie inside it, nor be anything but a folder.
 """
 
 from __future__ import annotations
@@ -51,29 +52,30 @@ def tokenizer_files(run, dest: str) -> dict:
 def _check_out(run_dir: str, out: str, force: bool) -> None:
     """safe_write's rule for --out: never the run, a folder holding it or a folder inside it
     (even with --force); an existing --out only with --force, and only an earlier export."""
-    from boost_jax import hf
-    from boost_jax.safe_write import Refused, foreign_entries, refuse_existing, refuse_inputs
+    from boost_jax.export_manifest import not_ours
+    from boost_jax.safe_write import Refused, refuse_existing, refuse_inputs, refuse_special
 
     what = f"--out {out!r}"
     refuse_inputs(out, {"the run": run_dir}, what, "choose a folder outside the run, e.g. "
                   "hf/NAME")
+    refuse_special(out, what, "choose another folder", folder=True)
     refuse_existing([out], force, "choose another folder", what)
     if not os.path.lexists(out):
         return
     if os.path.islink(out) or not os.path.isdir(out):
         raise Refused(f"{what} is a file or a link, not an earlier export; --force replaces "
                       "only an export folder: choose another folder, or remove it")
-    ours = (hf.MODEL_FILE, hf.FACTORS_FILE, hf.CONFIG_FILE) + TOKENIZER_FILES + hf.REMOTE_CODE
-    other = foreign_entries(out, ours)
-    if other:
-        more = f" and {len(other) - 3} more" if len(other) > 3 else ""
-        raise Refused(f"{what} holds files an export does not write ({', '.join(other[:3])}"
-                      f"{more}); --force replaces only an earlier export: choose another "
-                      "folder, or move them away")
+    why = not_ours(out)
+    if why:
+        raise Refused(f"{what} {why}; --force replaces only an earlier export left as it was "
+                      "written: choose another folder, or move its files away")
 
 
 def export(run_dir: str, out: str, step=None, force: bool = False) -> list[str]:
+    from safetensors import SafetensorError
+
     from boost_jax import hf
+    from boost_jax.export_manifest import write_manifest
     from boost_jax.infer.load import open_run
     from boost_jax.safe_write import publish_dir, staged_dir
 
@@ -90,11 +92,13 @@ def export(run_dir: str, out: str, step=None, force: bool = False) -> list[str]:
         info.update(run=run.path, step=run.step)
         eos = {"bos_token_id": int(run.tokenizer.eos_id), "eos_token_id": int(run.tokenizer.eos_id)}
         hf.write(tmp, run.cfg.model, run.params, info, eos)
+        write_manifest(tmp)
         files = sorted(os.listdir(tmp))
         publish_dir(tmp, out, replace=force)
-    except OSError as e:
-        raise UserError(f"writing --out {out!r} failed ({e.strerror or e}); nothing was "
-                        "published: free space or choose another folder") from None
+    except (OSError, SafetensorError) as e:
+        why = getattr(e, "strerror", None) or str(e).splitlines()[0]
+        raise UserError(f"writing --out {out!r} failed ({why}); nothing was published: free "
+                        "space or choose another folder") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return files

@@ -48,19 +48,23 @@ def parse_args(argv=None):
     return args
 
 
+PROMPT_LIMIT = 16 << 20  # far more than any model here reads
+
+
 def read_prompt(args) -> str:
     if args.prompt is not None:
         if lone_surrogate(args.prompt) is not None:  # argv bytes that do not decode as UTF-8
             raise UserError("--prompt is not UTF-8 text; pass UTF-8 text, or the text in a "
                             "UTF-8 file with --prompt-file FILE")
         return args.prompt
+    from boost_jax.file_kind import read_regular
+
+    raw = read_regular(args.prompt_file, "--prompt-file", PROMPT_LIMIT)  # no FIFO, no /dev/zero
     try:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise UserError(f"cannot read --prompt-file {args.prompt_file!r} ({why}); pass a "
-                        "UTF-8 text file or --prompt TEXT") from None
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"cannot read --prompt-file {args.prompt_file!r} (not UTF-8 text); pass "
+                        "a UTF-8 text file or --prompt TEXT") from None
 
 
 class TextStream:

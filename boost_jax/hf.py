@@ -266,7 +266,7 @@ def read_config(path: str, key: str = "model.init_from") -> dict:
     try:
         with open(cfg_path) as f:
             conf = json.load(f)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise UserError(f"{key} {path!r}: its {CONFIG_FILE} cannot be read "
                         f"({type(e).__name__}); {fix}") from None
     ours = conf.get("boost_jax") or {} if isinstance(conf, dict) else None

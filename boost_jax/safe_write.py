@@ -2,7 +2,8 @@
 --emit-config, launch slurm, analysis.comm --dump-hlo):
 
 1. It never deletes or overwrites a file it did not create in this run unless the user passed
-   --force (`refuse_existing`, `foreign_entries`).
+   --force (`refuse_existing`), and never, even with --force, anything but a
+   regular file or folder: a device, FIFO or socket is refused (`refuse_special`).
 2. With or without --force it refuses a target that is, contains or lies inside one of its
    inputs: the run it reads, the source, the config, the tokenizer (`refuse_inputs`).
 3. A file is published whole: written to a temp file in the target's own directory, then linked
@@ -113,19 +114,24 @@ def refuse_existing(paths: Iterable[str], force: bool, fix: str, what: str = "")
                       f"--force to replace {'it' if one else 'them'}, or {fix}")
 
 
+def refuse_special(target: str, what: str, fix: str, folder: bool = False) -> None:
+    """Refuse a target that exists as anything but a regular file (or, with `folder`, a
+    directory): a device, FIFO or socket is the machine's, never ours to replace; --force does
+    not lift this."""
+    from boost_jax.file_kind import special
+
+    kind = special(target, folder)
+    if kind is not None:
+        raise Refused(f"{what} is {kind}, not a {'folder' if folder else 'regular file'}; a "
+                      f"command replaces only what it could have written (--force does not "
+                      f"change that): {fix}")
+
+
 def check_target(target: str, inputs: dict, force: bool, what: str, fix: str) -> None:
-    """Both checks for one file a command is about to write."""
+    """The checks for one file a command is about to write."""
     refuse_inputs(target, inputs, what, fix)
+    refuse_special(target, what, fix)
     refuse_existing([target], force, fix, what)
-
-
-def foreign_entries(folder: str, ours: Iterable[str]) -> list[str]:
-    """Entries of `folder` whose names are not in `ours` (sorted; [] if there is no folder)."""
-    try:
-        names = os.listdir(folder)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    return sorted(set(names) - set(ours))
 
 
 # --------------------------------------------------------------------------- single files
@@ -219,6 +225,7 @@ class Staged:
         (another writer was faster) is left alone and Refused is raised."""
         self.finish()
         if replace:
+            refuse_special(self.target, repr(self.target), "choose another path")
             os.replace(self._named(), self.target)
             self.path = None
         else:
@@ -251,6 +258,7 @@ def publish(staged: list[Staged], replace: bool) -> None:
     metadata; without it, a refusal takes back what this call had published."""
     for s in staged:
         s.finish()
+        refuse_special(s.target, repr(s.target), "choose another path")
     if replace and os.path.lexists(staged[-1].target):
         os.remove(staged[-1].target)
     done: list[Staged] = []
@@ -288,6 +296,7 @@ def publish_dir(tmp: str, target: str, replace: bool) -> None:
     """Rename the finished folder `tmp` onto `target`. With `replace` an existing target is moved
     aside first and removed only once the new one is in place."""
     old = None
+    refuse_special(target, repr(target), "choose another folder", folder=True)
     if replace and os.path.lexists(target):
         old = f"{tmp}.old"
         os.rename(target, old)

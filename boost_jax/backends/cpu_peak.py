@@ -68,7 +68,7 @@ def _read_cache(path: Path) -> dict:
     try:
         d = json.loads(path.read_text())
         return d if isinstance(d, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}  # missing or damaged: measure again
 
 

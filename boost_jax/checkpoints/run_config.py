@@ -167,17 +167,34 @@ def _write(path: str, text: str) -> None:
 
 def check_inputs(cfg: Config, out_dir: str) -> None:
     """safe_write's rule for train.py's inputs: no output of the run may be, hold or lie inside
-    data.source(s) or model.init_from (the same on every process: paths only)."""
-    from boost_jax.safe_write import refuse_inputs
+    data.source(s), their metadata and tokenizer files, data.tokenizer or model.init_from (the
+    same on every process: paths only)."""
+    from boost_jax.safe_write import refuse_inputs, refuse_special
 
-    source = cfg.data.source if cfg.data.source != "stdlib" else None
-    inputs = {"data.source": source, "model.init_from": cfg.model.init_from}
-    for i, s in enumerate(cfg.data.sources or []):
-        inputs[f"data.sources[{i}]"] = s.path
+    refuse_special(out_dir, f"out_dir {out_dir!r}", "choose another out_dir=...", folder=True)
+    inputs = {"model.init_from": cfg.model.init_from}
+    if cfg.data.tokenizer not in ("byte", "bpe"):
+        inputs["data.tokenizer"] = cfg.data.tokenizer
+    sources = [("data.source", cfg.data.source)] if cfg.data.source != "stdlib" else []
+    sources += [(f"data.sources[{i}]", s.path) for i, s in enumerate(cfg.data.sources or [])]
+    for label, path in sources:
+        inputs.update(_source_files(label, path))
     for name in OUTPUTS:
         target = os.path.join(out_dir, name)
         refuse_inputs(target, inputs, f"the run's {name} {target!r}",
                       "choose another out_dir=...")
+
+
+def _source_files(label: str, path: Optional[str]) -> dict:
+    """A corpus and, for a prepared .bin, the metadata and BPE files next to it."""
+    if not path:
+        return {}
+    files = {label: path}
+    stem = os.path.splitext(path)[0]
+    if path.endswith(".bin"):
+        files[f"the metadata of {label}"] = stem + ".json"
+        files[f"the tokenizer of {label}"] = stem + ".tokenizer.json"
+    return files
 
 
 def _listing(folder: str) -> list[str]:
@@ -204,19 +221,39 @@ def _our_step(step_dir: str) -> bool:
         all(os.path.isdir(os.path.join(step_dir, item)) for item in ITEMS)
 
 
+# written only with profile_steps / logging.wandb: checked for their kind, never a clash
+SOMETIMES = {"profile": True, "wandb": True, "wandb_run_id": False}  # name: is a folder
+
+
+def _refuse_odd_entries(out_dir: str) -> None:
+    """What the run writes in out_dir must be a regular file or a folder as the run keeps it:
+    never a device, FIFO or socket, nor a link a file would be written through."""
+    from boost_jax.file_kind import special
+    from boost_jax.safe_write import Refused, refuse_special
+
+    names = {**{n: n in FOLDERS for n in (*OUTPUTS, LOCK_FILE)}, **SOMETIMES}
+    for name, folder in names.items():
+        path = os.path.join(out_dir, name)
+        if special(path, folder=True):  # a device, FIFO or socket; a file for a folder below
+            refuse_special(path, f"the run's {name} {path!r}", "move it away or choose another "
+                           "out_dir=...", folder)
+        if not folder and os.path.islink(path):  # appended or written through: not ours
+            raise Refused(f"the run's {name} {path!r} is a link (to "
+                          f"{os.path.realpath(path)!r}); a run writes its files itself: remove "
+                          "the link or choose another out_dir=...")
+        if os.path.lexists(path) and os.path.isdir(path) != folder:
+            raise Refused(f"out_dir {out_dir!r} holds {name} as a {'file' if folder else 'folder'}"
+                          f" where a run keeps a {'folder' if folder else 'file'}; move it away "
+                          "or choose another out_dir=...")
+
+
 def check_out_dir(out_dir: str, force: bool, config: Optional[str] = None) -> None:
     """safe_write's rule for train.py's out_dir: a folder that holds no run of ours but files a
     run would replace is refused without --force, and the run's outputs never replace its
     --config there (in a run of ours the config.yaml it reads is kept in its history)."""
     from boost_jax.safe_write import Refused, refuse_inputs
 
-    for name in (*OUTPUTS, LOCK_FILE):
-        path = os.path.join(out_dir, name)
-        folder = name in FOLDERS
-        if os.path.lexists(path) and os.path.isdir(path) != folder:
-            raise Refused(f"out_dir {out_dir!r} holds {name} as a {'file' if folder else 'folder'}"
-                          f" where a run keeps a {'folder' if folder else 'file'}; move it away "
-                          "or choose another out_dir=...")
+    _refuse_odd_entries(out_dir)
     if holds_run(out_dir):
         return
     for name in OUTPUTS:

@@ -57,7 +57,7 @@ def read_record(cache_dir: str, tokenizer_path: str) -> Optional[dict]:
         with open(os.path.join(cache_dir, RECORD_FILE)) as f:
             rec = json.load(f)
         ok = isinstance(rec, dict) and rec.get("tokenizer_sha256") == _file_sha256(tokenizer_path)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return rec if ok else None
 

@@ -51,13 +51,6 @@ EXTS = (".txt", ".md", ".py", ".jsonl", ".parquet", ".arrow")
 # --------------------------------------------------------------------------- reading (main)
 
 
-def _check_text_head(path: str) -> None:
-    from boost_jax.data.sources import _SNIFF, _check_text
-
-    with open(path, "rb") as f:
-        _check_text(f.read(_SNIFF), f"SOURCE file {path!r}")
-
-
 def _char_boundary(buf: bytes) -> int:
     """Length of the longest prefix of buf ending on a UTF-8 character boundary (for a piece
     with no line break in it)."""
@@ -72,11 +65,15 @@ def _char_boundary(buf: bytes) -> int:
 
 
 def _text_file(path: str) -> Iterator[tuple]:
-    """('text', piece, is_last_piece_of_the_document, bytes read)."""
-    _check_text_head(path)
-    carry = b""
+    """('text', piece, is_last_piece_of_the_document, bytes read); every piece is checked for
+    being text (a file may turn binary after its head)."""
+    from boost_jax.data.sources import _check_text
+
+    carry, done = b"", 0
     with open(path, "rb") as f:
         while raw := f.read(PIECE):
+            _check_text(raw, f"SOURCE file {path!r}", done)
+            done += len(raw)
             buf = carry + raw
             cut = buf.rfind(b"\n") + 1 or _char_boundary(buf)
             carry = buf[cut:]
@@ -109,24 +106,38 @@ def _arrow_batches(path: str, field: str):
 
 
 def _table_file(path: str, field: str) -> Iterator[tuple]:
-    """('doc', text, None, bytes): parquet / arrow rows, one document each."""
+    """('doc', text, None, bytes): parquet / arrow rows, one document each. A file that is no
+    parquet/arrow file, or a column with bytes that are not UTF-8, is a one-line UserError."""
     try:
-        import pyarrow  # noqa: F401
+        import pyarrow as pa
     except ImportError:
         raise UserError(f"reading {path!r} needs pyarrow; pip install pyarrow "
                         "(or pip install 'boost_jax[corpora]')") from None
-    rows, names, batches = _arrow_batches(path, field)
-    if field not in names:
-        raise UserError(f"{path!r} has no column {field!r} (columns: {names}); pass --field")
-    size = os.path.getsize(path)
-    for batch in batches:
-        col = batch.column(batch.schema.get_field_index(field)).to_pylist()
-        per = size * len(col) // rows if rows else 0
-        for j, text in enumerate(col):
-            yield "doc", text if isinstance(text, str) else "", None, per if j == 0 else 0
+    kind = "parquet" if path.endswith(".parquet") else "arrow"
+    try:
+        rows, names, batches = _arrow_batches(path, field)
+        if field not in names:
+            raise UserError(f"{path!r} has no column {field!r} (columns: {names}); pass --field")
+        size, row = os.path.getsize(path), 0
+        for batch in batches:
+            col = batch.column(batch.schema.get_field_index(field)).to_pylist()
+            per = size * len(col) // rows if rows else 0
+            for j, text in enumerate(col):
+                yield "doc", text if isinstance(text, str) else "", None, per if j == 0 else 0
+            row += len(col)
+    except UnicodeDecodeError:
+        raise UserError(f"SOURCE file {path!r} has bytes that are not UTF-8 in column {field!r} "
+                        f"(at or after row {row + 1}); re-encode that column as UTF-8") from None
+    except (pa.ArrowException, OSError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"SOURCE file {path!r} is not a readable {kind} file ({why}); pass a "
+                        f"real .{kind} file, or rename a text file to .txt") from None
 
 
 def source_files(source: str) -> list[str]:
+    from boost_jax.file_kind import check_input
+
+    check_input(source, "SOURCE")
     if not os.path.exists(source):
         raise UserError(f"SOURCE {source!r} does not exist; pass a text/.jsonl/.parquet file, a "
                         "saved Hugging Face dataset or a folder of them")
@@ -138,6 +149,8 @@ def source_files(source: str) -> list[str]:
     from boost_jax.data.sources import _walk
 
     files = [os.path.join(source, r) for r in _walk(source, EXTS, {"__pycache__"})]
+    for f in files:  # a FIFO in the folder would block the read for ever
+        check_input(f, "SOURCE file")
     if not files:
         raise UserError(f"SOURCE {source!r} contains no {'/'.join(EXTS)} files")
     return files
@@ -222,7 +235,40 @@ _WORKER: dict = {}
 
 def _init_worker(spec: str, field: str, dtype: str, text: str = None) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the worker count is the parallelism
+    _tied_to_parent()
     _WORKER.update(tok=load_tokenizer(spec, text), field=field, dtype=np.dtype(dtype))
+
+
+def _tied_to_parent() -> None:
+    """A worker ignores Ctrl-C (the parent stops the pool) and dies with its parent however the
+    parent ends, SIGKILL included (Linux's PR_SET_PDEATHSIG): no orphan keeps the pool's
+    semaphores."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the pool's own broken-pipe check ends the worker later
+    parent = multiprocessing.parent_process()
+    if parent is not None and os.getppid() != parent.pid:  # it died before the call above
+        os._exit(1)
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM/SIGHUP stop prepare like Ctrl-C: the pool is shut down and its semaphores freed,
+    the staged files discarded, the exit code 128 + the signal."""
+    import signal
+
+    from boost_jax.errors import Interrupted
+
+    def stop(signum, frame):
+        raise Interrupted(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
 
 
 def _documents(task: list, field: str) -> list[tuple[str, bool]]:
@@ -240,6 +286,9 @@ def _documents(task: list, field: str) -> list[tuple[str, bool]]:
             except ValueError as e:
                 raise UserError(f"{path!r} line {line} is not valid JSON ({e}); fix or remove "
                                 "it") from None
+            except RecursionError:
+                raise UserError(f"{path!r} line {line} nests too deeply to be a document; fix "
+                                "or remove it") from None
             text = obj.get(field) if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise UserError(f"{path!r} line {line} has no string {field!r} field; pass "
@@ -287,7 +336,7 @@ def _progress(total: int, enabled: bool):
 def _check_targets(source: str, out: str, spec: str, force: bool) -> None:
     """safe_write's rule for OUT and its metadata: never one of the inputs (even with --force),
     never an existing file without --force."""
-    from boost_jax.safe_write import refuse_existing, refuse_inputs
+    from boost_jax.safe_write import refuse_existing, refuse_inputs, refuse_special
 
     inputs = {"SOURCE": source, "--tokenizer": None if spec in ("byte", "bpe") else spec}
     meta = meta_path(out)
@@ -298,6 +347,8 @@ def _check_targets(source: str, out: str, spec: str, force: bool) -> None:
     if spec == "bpe":
         refuse_inputs(bpe_path(out), inputs, f"the tokenizer {bpe_path(out)!r} of OUT", fix)
         targets.append(bpe_path(out))
+    for t in targets:
+        refuse_special(t, repr(t), fix)
     refuse_existing(targets, force, "choose another OUT")
 
 
@@ -422,6 +473,7 @@ def parse_args(argv=None):
 @cli_main
 def main(argv=None):
     args = parse_args(argv)
+    _stop_on_signals()
     check_has_text(args.source, args.field)
     meta = prepare(args.source, args.out, args.tokenizer, args.workers, args.field,
                    args.force, not args.no_progress, bpe_vocab_size=args.bpe_vocab_size,

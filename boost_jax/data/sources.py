@@ -51,6 +51,9 @@ _CACHE: dict = {}  # in-memory only: repeated build_data calls in one process sk
 
 
 def _check_exists(source: str, key: str = "data.source") -> None:
+    from boost_jax.file_kind import check_input
+
+    check_input(source, key)
     if not os.path.exists(source):
         stdlib = "stdlib, " if key == "data.source" else ""
         raise UserError(
@@ -83,27 +86,30 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
-_SNIFF = 64 * 1024  # bytes of each file checked for being text
+_SNIFF = 64 * 1024  # bytes of a file checked for being text at a time
 _MAX_BAD_UTF8 = 0.1  # a Latin-1 text has a few percent; binaries have NULs or far more
 
 
-def _check_text(raw: bytes, label: str) -> None:
-    """Refuse a binary file (an executable, an archive, an image renamed .txt): decoded with
-    errors="replace" it would train silently on replacement characters."""
-    head = raw[:_SNIFF]
-    if not head:
-        return
+def _check_text(raw: bytes, label: str, offset: int = 0) -> None:
+    """Refuse a binary file (an executable, an archive, an image renamed .txt), or one that turns
+    binary further in: decoded with errors="replace" it would train silently on replacement
+    characters. Every 64 KiB window of `raw` (at `offset` in its file) is checked."""
     why = None
-    if b"\x00" in head:
-        why = "it holds NUL bytes"
-    else:
-        bad = head.decode("utf-8", errors="replace").count("\ufffd")
-        if bad > _MAX_BAD_UTF8 * len(head):
-            why = f"{bad / len(head):.0%} of its first {len(head) // 1024 or 1} KiB is not UTF-8"
-    if why:
-        key = label.split(" ", 1)[0]  # the option or key the path came from
-        raise UserError(f"{label} is not text ({why}); point {key} at UTF-8 text, or at a "
-                        ".bin file of token ids")
+    for start in range(0, len(raw), _SNIFF):
+        window = raw[start:start + _SNIFF]
+        at = "" if start + offset == 0 else f" at byte {start + offset:,}"
+        if b"\x00" in window:
+            why = f"it holds NUL bytes{at}"
+        else:
+            bad = window.decode("utf-8", errors="replace").count("\ufffd")
+            if bad > _MAX_BAD_UTF8 * len(window):
+                first = "first " if not at else ""
+                why = (f"{bad / len(window):.0%} of its {first}{len(window) // 1024 or 1} KiB"
+                       f"{at} is not UTF-8")
+        if why:
+            key = label.split(" ", 1)[0]  # the option or key the path came from
+            raise UserError(f"{label} is not text ({why}); point {key} at UTF-8 text, or at a "
+                            ".bin file of token ids")
 
 
 def _walk(root: str, exts: tuple[str, ...], skip: set[str]) -> list[str]:
@@ -129,6 +135,9 @@ def _jsonl_docs(path: str, key: str, budget: _Budget, label: str) -> list[tuple[
                 obj = json.loads(line)
             except ValueError as e:
                 raise UserError(f"{label} line {i + 1} is not valid JSON ({e}); fix or remove it") from None
+            except RecursionError:
+                raise UserError(f"{label} line {i + 1} nests too deeply to be a document; fix or "
+                                "remove it") from None
             text = obj.get("text") if isinstance(obj, dict) else None
             if not isinstance(text, str):
                 raise UserError(
@@ -184,9 +193,12 @@ def read_documents(source: str, max_bytes: Optional[int],
                 "point it at a folder of text files or a single file")
         files, keys = [os.path.join(source, r) for r in rels], rels
     docs = []
+    from boost_jax.file_kind import check_input
+
     for path, key in zip(files, keys):
         if budget.done:
             break
+        check_input(path, f"{option} file")
         if path.endswith(".jsonl"):
             docs += _jsonl_docs(path, key, budget, f"{option} file {path!r}")
             continue

@@ -30,11 +30,15 @@ def meta_path(bin_path: str) -> str:
 
 def read_meta(bin_path: str) -> Optional[dict]:
     """The metadata next to a .bin (None if there is none, or it is not ours)."""
+    from boost_jax.file_kind import check_input
+
     path = meta_path(bin_path)
+    check_input(path, "the metadata file")
+    check_input(bin_path, "the token file")
     try:
         with open(path) as f:
             meta = json.load(f)
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return meta if isinstance(meta, dict) and meta.get("format") == FORMAT else None
 

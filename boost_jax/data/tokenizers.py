@@ -89,6 +89,9 @@ class HFTokenizer:
     def from_file(cls, path: str) -> "HFTokenizer":
         from tokenizers import Tokenizer as _HF
 
+        from boost_jax.file_kind import check_input
+
+        check_input(path, "tokenizer file")
         if not os.path.isfile(path):
             what = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
             raise UserError(

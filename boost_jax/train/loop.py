@@ -33,6 +33,7 @@ from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.checkpoints import run_config
 from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
 from boost_jax.config import Config
+from boost_jax.data.fingerprint import check_unchanged, identities
 from boost_jax.errors import UserError
 from boost_jax.mesh import get_topology, mesh_from_config
 from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, KEPT_SECONDARY
@@ -90,7 +91,7 @@ def _trim_metrics(path: str, last_step: int) -> int:
             try:
                 row = json.loads(line)
                 ok = line.endswith("\n") and int(row["step"]) <= last_step
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 ok = False
             if ok:
                 kept.append(line)
@@ -152,6 +153,7 @@ def _resume_check(cfg: Config, out_dir: str, meta: dict, accepted: list):
 
     def check_meta(step: int, saved: dict) -> None:
         accepted[:] = run_config.check_resume(saved.get("config") or legacy, cfg, step, out_dir)
+        check_unchanged(saved.get("inputs"), meta["inputs"], cfg, step, out_dir)
         if saved.get("model") != meta["model"]:
             diff = {k: (saved.get("model", {}).get(k), v) for k, v in meta["model"].items()
                     if saved.get("model", {}).get(k) != v}
@@ -312,7 +314,7 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
     ckpt, existing = _open_checkpointer(cfg, out_dir, warn)
     meta = {"model": run_config.model_signature(cfg), "mesh": list(mesh.devices.shape),
             "plan": cfg.parallel.plan, "tp_mode": cfg.parallel.tp_mode, "processes": nproc,
-            "config": cfg.to_dict()}
+            "config": cfg.to_dict(), "inputs": identities(cfg)}
     start, state, resumed, accepted = _resume_or_init(cfg, out_dir, bundle, data, ckpt,
                                                       existing, meta, say)
     logger = _open_logger(cfg, out_dir, start, resumed, accepted, main_proc, nproc, say)
@@ -471,6 +473,10 @@ def _train(ctx: _RunCtx, state, start: int, summary: dict) -> int:
     ls = _LoopState(state, start, start, saved_steps=set(ctx.ckpt.all_steps()),
                     t_start=time.perf_counter())
     prof = StepProfiler(os.path.abspath(ctx.cfg.out_dir), tcfg.profile_steps)
+    if tcfg.profile_steps and tcfg.profile_steps[0] <= start:  # a resume went past them
+        ctx.say(f"warning: train.profile_steps={list(tcfg.profile_steps)} starts at or before "
+                f"step {start}, where this run resumes; no trace is written (choose steps after "
+                f"{start})")
     with StopSignal() as stop, _closing(prof):
         while ls.step < tcfg.steps:
             m = _take_step(ctx, ls, prof, summary)

@@ -53,7 +53,7 @@ class RunLock:
             return None
         try:
             rec = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):
             return {}
         return rec if isinstance(rec, dict) else {}
 

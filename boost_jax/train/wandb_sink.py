@@ -20,10 +20,24 @@ RUN_ID_FILE = "wandb_run_id"
 
 
 def require_wandb(cfg) -> None:
-    """Fail before any work when logging.wandb is on and the package is missing."""
-    if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
-        raise UserError("logging.wandb=true but the wandb package is not installed; install "
-                        "the extra (pip install -e '.[wandb]') or set logging.wandb=false")
+    """Fail before any work (before config.yaml is written) when a tracker that is on cannot be
+    used: its package is missing or fails to import (a broken install raises anything)."""
+    trackers = [("logging.wandb", "wandb", cfg.logging.wandb, "the extra (pip install -e "
+                 "'.[wandb]')"), ("logging.tensorboard", "tensorboardX", cfg.logging.tensorboard,
+                                  "tensorboardX")]
+    for key, package, on, what in trackers:
+        if not on:
+            continue
+        if importlib.util.find_spec(package) is None:
+            raise UserError(f"{key}=true but the {package} package is not installed; install "
+                            f"{what} or set {key}=false")
+        try:
+            importlib.import_module(package)
+        except Exception as e:  # noqa: BLE001 - whatever its import raises
+            why = (str(e).strip().splitlines() or [""])[0][:160]
+            raise UserError(f"{key}=true but the {package} package fails to import "
+                            f"({type(e).__name__}: {why}); reinstall {what} or set "
+                            f"{key}=false") from None
 
 
 def _run_id(out_dir: str, resumed: bool) -> str:

@@ -11,6 +11,7 @@ import os
 import random
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -190,11 +191,21 @@ def test_export_refuses_a_file_a_foreign_folder_and_a_read_only_parent(run, env,
     (tmp_path / "file").write_text("keep")
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("keep")
+    look = tmp_path / "lookalike"  # the names an export writes, but the user's files
+    look.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        (look / name).write_text("mine")
+    os.mkfifo(tmp_path / "fifo")
     ro = tmp_path / "ro"
     ro.mkdir()
     with _read_only(ro):
         rows = (("file", r"--out '.*/file' is a file or a link, not an earlier export"),
-                ("mine", r"--out '.*/mine' holds files an export does not write \(thesis\.tex\)"),
+                ("fifo", r"--out '.*/fifo' is a FIFO, not a folder"),
+                ("mine", r"--out '.*/mine' has no export manifest \(boost_jax_export\.json\); "
+                         r"it holds thesis\.tex; --force replaces only an earlier export"),
+                ("lookalike", r"--out '.*/lookalike' has no export manifest \(boost_jax_export"
+                              r"\.json\); it holds config\.json, model\.safetensors, "
+                              r"tokenizer\.json; --force"),
                 ("ro/x", r"cannot write --out '.*/ro/x' \((Read-only file system|Permission "
                          r"denied)\); choose a folder in a writable place"))
         done = _cli_all(*(["-m", "boost_jax.export", "--run", str(out), "--out",
@@ -203,6 +214,9 @@ def test_export_refuses_a_file_a_foreign_folder_and_a_read_only_parent(run, env,
             _one_line(r, pattern)
     assert (tmp_path / "file").read_text() == "keep"
     assert os.listdir(tmp_path / "mine") == ["thesis.tex"]
+    assert {n: (look / n).read_text() for n in os.listdir(look)} == \
+        dict.fromkeys(("config.json", "model.safetensors", "tokenizer.json"), "mine")
+    assert stat.S_ISFIFO(os.lstat(tmp_path / "fifo").st_mode)
     with _umask(0o022):  # an export follows the umask (mkdtemp alone makes it 0700)
         r = _cli("-m", "boost_jax.export", "--run", str(out), "--out", str(tmp_path / "hf"),
                  env=env)
@@ -216,6 +230,11 @@ def test_export_refuses_a_file_a_foreign_folder_and_a_read_only_parent(run, env,
     r = _cli("-m", "boost_jax.export", "--run", str(out), "--out", str(tmp_path / "hf"),
              "--force", env=env)
     assert r.returncode == 0, r.stderr
+    with open(tmp_path / "hf" / "config.json", "a") as f:  # edited since: the user's now
+        f.write(" ")
+    r = _cli("-m", "boost_jax.export", "--run", str(out), "--out", str(tmp_path / "hf"),
+             "--force", env=env)
+    _one_line(r, r"--out '.*/hf' holds config\.json, changed since export wrote it; --force")
 
 
 @contextlib.contextmanager
@@ -428,3 +447,28 @@ def test_kill_9_during_prepare_never_leaves_a_bin_without_metadata_or_a_temp(tmp
     assert _cli(*_prepare(src, out, "--force")[1:]).returncode == 0
     assert _consistent(out)["n_tokens"] == len(src.read_bytes()) + 1
     assert sorted(os.listdir(outdir)) == ["c.bin", "c.json"]
+
+
+def test_export_onto_a_full_disk_and_a_full_stdout_are_one_line(run, env, small_disk):
+    """export's weights fill a 64 KiB disk (safetensors raised its own error type); generate
+    and evaluate --json write to /dev/full (an OSError at exit): one line each, nothing left."""
+    out = run[0]
+    with open("/dev/full", "w") as full:
+        procs = [subprocess.Popen([PY, "-m", f"boost_jax.{cmd}", "--run", str(out), *extra],
+                                  cwd=ROOT, env=env, text=True, stdout=full,
+                                  stderr=subprocess.PIPE)
+                 for cmd, extra in (("generate", ["--prompt", "a", "--max-new-tokens", "2"]),
+                                    ("evaluate", ["--json"]))]
+        errs = [p.communicate(timeout=240)[1] for p in procs]
+    for p, err in zip(procs, errs):
+        lines = err.strip().splitlines()
+        assert p.returncode == 1 and len(lines) == 1, (p.args, err)
+        assert lines[0] == ("error: writing the output (stdout) failed (No space left on "
+                            "device); free space or write it elsewhere")
+    if small_disk is None:
+        return
+    r = _cli("-m", "boost_jax.export", "--run", str(out), "--out", str(small_disk / "hf"),
+             env=env)
+    _one_line(r, rf"writing --out '{small_disk}/hf' failed \(.*\); nothing was published: free "
+                 r"space or choose another folder")
+    assert os.listdir(small_disk) == []

@@ -64,3 +64,37 @@ def test_a_seal_of_the_wrong_shape_is_a_reason_not_a_crash(tmp_path):
         (step / seal.SEAL_FILE).write_text(json.dumps(bad))
         why = seal.check_seal(str(step))
         assert why is not None and seal.SEAL_FILE in why, (bad, why)
+
+
+def test_orbax_step_record_is_under_the_seal(tmp_path):
+    """_CHECKPOINT_METADATA, which orbax rewrites after the seal (its commit time), is sealed by
+    content: a changed digit, another handler or garbage makes the step unusable, as does its
+    removal; the commit time orbax set afterwards is not a change."""
+    import json
+
+    import jax.numpy as jnp
+
+    from boost_jax.checkpoints import seal
+    from boost_jax.checkpoints.store import Checkpointer
+    from boost_jax.config import CheckpointConfig
+
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
+    ck.save(1, {"w": jnp.ones(4)}, {"pos": 1}, {"x": 1})
+    ck.wait()
+    ck.close()
+    step = str(tmp_path / "1")
+    path = tmp_path / "1" / seal.ORBAX_META
+    text = path.read_text()
+    tree = json.loads(text)
+    assert isinstance(tree.get("commit_timestamp_nsecs"), int)  # set after the seal
+    assert seal.check_seal(step) is None
+    digit = dict(tree, init_timestamp_nsecs=tree["init_timestamp_nsecs"] + 1)
+    handler = json.loads(text)
+    handler["item_handlers"]["state"] = "x.Y"
+    for bad in (json.dumps(digit), json.dumps(handler), "garbage{", "[]", "[" * 100000):
+        path.write_text(bad)
+        assert seal.check_seal(step) == f"file {seal.ORBAX_META} is not what was written", bad
+    path.unlink()
+    assert seal.check_seal(step) == f"file {seal.ORBAX_META} is missing"
+    path.write_text(text)
+    assert seal.check_seal(step) is None

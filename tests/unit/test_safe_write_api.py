@@ -3,6 +3,7 @@ second process, and every command that writes run as a subprocess on the cases t
 tests/e2e/test_safe_write.py."""
 
 import os
+import re
 
 import pytest
 
@@ -22,8 +23,9 @@ def test_train_outputs_never_touch_data_source_or_init_from(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
 
-    def cfg(source, init_from=None):
-        return SimpleNamespace(data=SimpleNamespace(source=str(source), sources=None),
+    def cfg(source, init_from=None, tokenizer="byte"):
+        return SimpleNamespace(data=SimpleNamespace(source=str(source), sources=None,
+                                                    tokenizer=tokenizer),
                                model=SimpleNamespace(init_from=init_from))
 
     with pytest.raises(Refused, match=r"^the run's config\.yaml '.*/corpus/run/config\.yaml' "
@@ -34,6 +36,12 @@ def test_train_outputs_never_touch_data_source_or_init_from(tmp_path):
         check_inputs(cfg(tmp_path / "r" / "metrics.jsonl"), str(tmp_path / "r"))
     with pytest.raises(Refused, match=r"^the run's checkpoints .* contains model\.init_from"):
         check_inputs(cfg("stdlib", str(tmp_path / "r" / "checkpoints" / "hf")), str(tmp_path / "r"))
+    with pytest.raises(Refused, match=r"^the run's summary\.json .* is the metadata of "
+                                      r"data\.source"):  # its .json is not named in the config
+        check_inputs(cfg(tmp_path / "r" / "summary.bin"), str(tmp_path / "r"))
+    with pytest.raises(Refused, match=r"^the run's tokenizer .* contains data\.tokenizer"):
+        check_inputs(cfg("stdlib", tokenizer=str(tmp_path / "r" / "tokenizer" / "t.json")),
+                     str(tmp_path / "r"))
     check_inputs(cfg(corpus / "a.txt"), str(tmp_path / "run"))  # beside the data: fine
     check_inputs(cfg("stdlib"), str(tmp_path / "run"))
 
@@ -164,3 +172,27 @@ def test_a_config_yaml_that_is_not_utf8_reads_as_none(tmp_path):
 
     (tmp_path / "config.yaml").write_bytes(b"model: [\n\x00\xff\xfe")
     assert load_saved(str(tmp_path / "config.yaml")) is None
+
+
+def test_run_files_that_are_links_or_fifos_are_refused_even_forced(tmp_path):
+    """summary.json, metrics.jsonl, run.log and loss.png are written or appended through a link:
+    a link to the user's file would be overwritten; a FIFO would block the run."""
+    import os
+
+    from boost_jax.checkpoints import run_config
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    for name in ("summary.json", "metrics.jsonl", "run.log", "loss.png", "wandb_run_id"):
+        d = tmp_path / f"l_{name}"
+        d.mkdir()
+        os.symlink(victim, d / name)
+        with pytest.raises(Refused, match=rf"^the run's {re.escape(name)} '.*' is a link \(to "
+                                          r"'.*victim\.txt'\)"):
+            run_config.check_out_dir(str(d), force=True)
+    d = tmp_path / "fifo"
+    d.mkdir()
+    os.mkfifo(d / "tb")
+    with pytest.raises(Refused, match=r"^the run's tb '.*' is a FIFO, not a folder"):
+        run_config.check_out_dir(str(d), force=True)
+    assert victim.read_text() == "keep"

@@ -1,0 +1,86 @@
+"""The identity of a run's inputs, saved with every checkpoint: a resume on a corpus or a
+tokenizer that changed since (re-prepared with --force, a text file replaced) stops in one line
+naming the file, unless checkpoint.accept_changes names its key (data.source, data.sources,
+data.tokenizer, or data).
+
+A file's identity is its size and the SHA-256 of its bytes: all of them up to `FULL`, beyond
+that `SAMPLES` blocks spread evenly (a prepared .bin of many GB is fingerprinted in
+milliseconds; its metadata, fully hashed, changes whenever prepare writes it). A folder's is
+that of every text file training reads from it, with their relative paths. Modification
+times are left out: a copy or a touch is the same corpus.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Optional
+
+from boost_jax.errors import UserError
+
+FULL = 256 << 20
+SAMPLES, BLOCK = 256, 64 << 10
+
+
+def _file(path: str, h) -> None:
+    size = os.path.getsize(path)
+    h.update(f"{size}\0".encode())
+    with open(path, "rb") as f:
+        if size <= FULL:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+            return
+        for i in range(SAMPLES):
+            f.seek((size - BLOCK) * i // (SAMPLES - 1))
+            h.update(f.read(BLOCK))
+
+
+def source_identity(path: str) -> str:
+    """"sha256:..." of a corpus: a file (a .bin with its metadata and BPE file) or a folder."""
+    from boost_jax.data.sources import TEXT_EXTS, _walk
+
+    h = hashlib.sha256()
+    if os.path.isdir(path):
+        for rel in _walk(path, TEXT_EXTS, {"__pycache__"}):
+            h.update(f"{rel}\0".encode())
+            _file(os.path.join(path, rel), h)
+    else:
+        _file(path, h)
+        stem = os.path.splitext(path)[0]
+        for extra in (stem + ".json", stem + ".tokenizer.json") if path.endswith(".bin") else ():
+            if os.path.isfile(extra):
+                h.update(os.path.basename(extra).encode() + b"\0")
+                _file(extra, h)
+    return "sha256:" + h.hexdigest()
+
+
+def input_files(cfg) -> dict:
+    """{config key: path} of the run's corpus files and tokenizer file (stdlib: none)."""
+    d = cfg.data
+    files = {"data.source": d.source} if d.source and d.source != "stdlib" else {}
+    files.update({f"data.sources[{i}]": s.path for i, s in enumerate(d.sources or [])})
+    if d.tokenizer not in ("byte", "bpe"):
+        files["data.tokenizer"] = d.tokenizer
+    return {k: p for k, p in files.items() if os.path.exists(p)}
+
+
+def identities(cfg) -> dict:
+    """{config key: identity} of every input file (saved in each checkpoint's meta)."""
+    return {key: source_identity(path) for key, path in input_files(cfg).items()}
+
+
+def check_unchanged(saved: Optional[dict], now: dict, cfg, step: int, where: str) -> None:
+    """A one-line UserError if an input of checkpoint `step` differs from what it was trained
+    on (keys in both; a checkpoint from before fingerprints has none) and is not accepted."""
+    accepted = cfg.checkpoint.accept_changes
+    for key, ident in now.items():
+        old = (saved or {}).get(key)
+        base = key.split("[", 1)[0]
+        if old is None or old == ident or any(
+                n in (key, base) or base.startswith(n + ".") for n in accepted):
+            continue
+        raise UserError(f"checkpoint step {step} in {where} was trained on {key} "
+                        f"{input_files(cfg)[key]!r} as it was then, and its content has changed "
+                        "since; resuming would continue on other data: restore it, use a new "
+                        f"out_dir, or accept the change on purpose with "
+                        f"checkpoint.accept_changes=[{base}]")
