@@ -1,10 +1,10 @@
 """Hugging Face interop (boost_jax/hf.py, hf_gpt.py): logits equal transformers' within 1e-4 in
-fp32 (LlamaForCausalLM for arch=full and svd, the export's own remote code for cola and lax,
-GPTNeoXForCausalLM and GPT2LMHeadModel for the GPT families), greedy continuations equal
+fp32 (LlamaForCausalLM, GPTNeoXForCausalLM and GPT2LMHeadModel for arch=full and svd, the
+export's own remote code for cola and lax of every family), greedy continuations equal
 generate()'s, and export → import is bitwise for every arch and family.
 
-tests/fixtures/hf/{full,svd,cola,lax,gpt_neox,gpt2} were written by scripts/hf_fixture.py (models exported by hf.write
-and the logits transformers computes for them); where torch and transformers are installed the
+tests/fixtures/hf/<name> for every NAMES entry were written by scripts/hf_fixture.py (models
+exported by hf.write and the logits transformers computes for them); where torch and transformers are installed the
 comparison also runs against transformers itself on freshly exported models."""
 
 import importlib.util
@@ -27,6 +27,9 @@ from boost_jax.layers.model import build_model
 from train_proc import ROOT
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
+# every arch x family: <arch> (llama), <family> (full), <arch>_<family>
+NAMES = ["full", "svd", "cola", "lax", "gpt_neox", "gpt2"] + [
+    f"{arch}_{fam}" for fam in ("gpt_neox", "gpt2") for arch in ("svd", "cola", "lax")]
 
 
 def _logits(cfg, params, tokens):
@@ -35,11 +38,11 @@ def _logits(cfg, params, tokens):
     return np.asarray(fn(params, jnp.asarray(tokens, jnp.int32)))
 
 
-@pytest.mark.parametrize("name", ["full", "svd", "cola", "lax", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("name", NAMES)
 def test_logits_equal_transformers_fixture(name):
     d = os.path.join(FIXTURES, name)
     cfg = hf.saved_model(hf.read_config(d))
-    assert cfg.arch == name or cfg.family == name
+    assert name in (cfg.arch, cfg.family, f"{cfg.arch}_{cfg.family}")
     params = hf.load_init(d, cfg, stacked=True)
     want = np.load(os.path.join(d, "logits.npy"))
     assert want.std() > 0.5  # logits of order 1: the tolerance below is tight
@@ -52,15 +55,16 @@ def test_logits_equal_transformers_fixture(name):
             disk = load_file(os.path.join(d, fname))
             assert sorted(disk) == sorted(tensors)
             assert all(np.array_equal(disk[k], tensors[k]) for k in disk)
-    if name in ("cola", "lax"):  # the modeling code transformers ran is what export writes
+    if cfg.arch in ("cola", "lax"):  # the modeling code transformers ran is what export writes
         conf = hf.read_config(d)
-        assert conf["auto_map"] == hf.remote_code_map(name)
+        assert conf["auto_map"] == hf.remote_code_map(cfg.arch, cfg.family)
+        assert conf["architectures"] == [conf["auto_map"]["AutoModelForCausalLM"].split(".")[1]]
         here = os.path.join(os.path.dirname(hf.__file__), "hf_remote")
         for fname in hf.REMOTE_CODE:
             assert open(os.path.join(d, fname)).read() == open(os.path.join(here, fname)).read()
 
 
-@pytest.mark.parametrize("name", ["full", "svd", "cola", "lax", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("name", NAMES)
 def test_greedy_continuation_equals_transformers_generate(name):
     """Our KV-cache decoder continues the prompt as transformers' generate() did (greedy,
     its own KV cache; for lax the latents cross blocks inside each cached step)."""
@@ -150,7 +154,7 @@ def test_export_import_bitwise(kw, tmp_path):
 @pytest.mark.skipif(not (importlib.util.find_spec("torch") and
                          importlib.util.find_spec("transformers")),
                     reason="torch/transformers not installed; the fixture test covers this")
-@pytest.mark.parametrize("name", ["full", "svd", "cola", "lax", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("name", NAMES)
 def test_logits_equal_transformers_live(name, tmp_path):
     import sys
 
