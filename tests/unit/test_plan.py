@@ -167,6 +167,18 @@ def test_search_table_rows_show_what_separates_them():
     assert {s[-1] for s in settings} == {"bf16/bf16", "fp32/fp32"}
 
 
+def test_a_layout_that_does_not_fit_points_at_search():
+    from boost_jax.plan.__main__ import report_text
+
+    cfg = load_config("configs/cola-7b.yaml", ["parallel.plan=ddp", "train.global_batch=4",
+                                               "train.micro_batches=1"])
+    topo = get_topology("perlmutter")
+    pred = C.predict(cfg, topo, {"pair": 2, "node": 2, "global": 1})
+    line = [x for x in report_text(pred, cfg, topo, compiled=False).splitlines()
+            if "FIT" in x]
+    assert line == [line[0]] and "DOES NOT FIT (add --search" in line[0]
+
+
 def test_the_floor_bounds_every_layout_and_names_what_binds():
     """No prediction beats its floor, and the ceiling is the best of the fitting layouts. ZeRO-1
     of CoLA-7B over 48 Frontier nodes at 4 sequences per GCD is bound by the bytes its nodes
