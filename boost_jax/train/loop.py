@@ -272,7 +272,7 @@ def _throughput(cfg: Config, mesh, topo, bundle, data, logger: MetricsLogger) ->
     attn = compiled_impl(cfg.model, cfg.data.seq_len)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len, attn)["train"]
     thr = Throughput(tokens_per_step, fpt * tokens_per_step, mesh.size, topo.peak_flops)
-    logger.line(f"{cfg.name}: {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
+    logger.line(f"{cfg.name}: {cfg.model.family} {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
                 f"params={bundle.n_params / 1e6:.2f}M | mesh {dict(mesh.shape)} "
                 f"plan={cfg.parallel.plan}"
                 f"{f' ({KEPT_SECONDARY})' if bundle.placement.secondary_axes == () else ''}"
@@ -349,9 +349,14 @@ def _finish(cfg: Config, out_dir: str, logger: MetricsLogger, summary: dict) -> 
 
 
 def _done_line(out_dir: str, summary: dict) -> str:
-    last = summary.get("last_val_loss")
-    val = (f", val_loss {last:.4f} at step {summary['last_val_step']}"
-           if isinstance(last, float) else "")
+    """The final line; a step that was not evaluated (a stop by signal) is said to be."""
+    last, at = summary.get("last_val_loss"), summary.get("last_val_step")
+    if not isinstance(last, float):
+        val = ""
+    elif at == summary["final_step"]:
+        val = f", val_loss {last:.4f}"
+    else:
+        val = f" (not evaluated; the last evaluation was at step {at}: val_loss {last:.4f})"
     return f"done: step {summary['final_step']}{val}; summary in {os.path.join(out_dir, 'summary.json')}"
 
 
