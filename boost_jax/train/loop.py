@@ -244,13 +244,15 @@ def _open_logger(cfg: Config, out_dir: str, start: int, resumed: bool, accepted:
                  main_proc: bool, nproc: int, say) -> MetricsLogger:
     """metrics.jsonl trimmed to the restored step, config recorded, the tracker opened."""
     logger_path = os.path.join(out_dir, "metrics.jsonl")
+    # the tracker first: a W&B start that fails (no login) is an input mistake, so nothing of
+    # the run is written or trimmed before it
+    tracker = open_sink(cfg, out_dir, resumed) if main_proc else None
     if main_proc:
         dropped = _trim_metrics(logger_path, start if resumed else -1)
         if dropped and start:
             say(f"dropped {dropped} metrics.jsonl rows past step {start} (from a run that "
                 "stopped after its last checkpoint; those steps are re-done now)")
         run_config.record(out_dir, cfg, start)
-    tracker = open_sink(cfg, out_dir, resumed) if main_proc else None
     logger = MetricsLogger(out_dir, cfg.logging.tensorboard, cfg.logging.progress, main_proc,
                            purge_step=start + 1 if resumed else 0, tracker=tracker)
     if resumed:
