@@ -274,7 +274,8 @@ def _throughput(cfg: Config, mesh, topo, bundle, data, logger: MetricsLogger) ->
     attn = compiled_impl(cfg.model, cfg.data.seq_len)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len, attn)["train"]
     thr = Throughput(tokens_per_step, fpt * tokens_per_step, mesh.size, topo.peak_flops)
-    logger.line(f"{cfg.name}: {cfg.model.family} {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
+    logger.line(f"{cfg.name}: {cfg.model.family} {cfg.model.arch} d={cfg.model.d_model} "
+                f"L={cfg.model.n_layers} "
                 f"params={bundle.n_params / 1e6:.2f}M | mesh {dict(mesh.shape)} "
                 f"plan={cfg.parallel.plan}"
                 f"{f' ({KEPT_SECONDARY})' if bundle.placement.secondary_axes == () else ''}"

@@ -192,3 +192,32 @@ def test_a_garbage_config_json_is_one_line(tmp_path):
             hf.read_config(str(tmp_path))
     with pytest.raises(UserError, match="lacks a positive integer 'hidden_size'"):
         hf.saved_model({"model_type": "llama"})
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("torch") and
+                         importlib.util.find_spec("transformers")),
+                    reason="torch/transformers not installed (the README's example needs them)")
+def test_readme_transformers_example(tmp_path, monkeypatch, capsys):
+    """README "Use your model in transformers", run as written on a byte-level CoLA export in
+    hf/demo: it prints boost_jax's greedy continuation of the prompt after a document start."""
+    import re
+
+    from boost_jax.infer.decode import Decoder, Sampling
+
+    cfg = ModelConfig(arch="cola", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                      rank=8, max_seq_len=64, init_std=0.2)
+    params = jax.tree.map(np.asarray, build_model(cfg, seed=3).params())
+    os.makedirs(tmp_path / "hf" / "demo")
+    hf.write(str(tmp_path / "hf" / "demo"), cfg, params,
+             {"tokenizer": "byte", "tokenizer_fingerprint": "byte"}, {"eos_token_id": 0})
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    example = re.findall(r"^```python\n(.*?)^```", readme, flags=re.S | re.M)
+    assert len(example) == 1
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example[0], "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    dec = Decoder(cfg, params, cfg.max_seq_len, Sampling(temperature=0.0),
+                  compiler_options=fast_compile_options())
+    ids = dec.generate(np.array([0, *b"def "], np.int32), 40, eos_id=0)[0]
+    want = bytes(int(i) for i in ids).split(b"\0")[0].decode(errors="replace")
+    assert printed == want + "\n" and len(want) > 5
