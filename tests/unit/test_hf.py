@@ -221,3 +221,18 @@ def test_readme_transformers_example(tmp_path, monkeypatch, capsys):
     ids = dec.generate(np.array([0, *b"def "], np.int32), 40, eos_id=0)[0]
     want = bytes(int(i) for i in ids).split(b"\0")[0].decode(errors="replace")
     assert printed == want + "\n" and len(want) > 5
+
+
+@pytest.mark.parametrize("name", ["cola_gpt_neox", "lax_gpt2", "cola"])
+def test_low_rank_export_of_every_family_carries_its_remote_code(name, tmp_path):
+    """What `python -m boost_jax.export` writes (hf.write) for cola / lax: the modeling code
+    and the auto_map naming the family's class, so trust_remote_code loads it."""
+    d = os.path.join(FIXTURES, name)
+    cfg = hf.saved_model(hf.read_config(d))
+    files = hf.write(str(tmp_path), cfg, hf.load_init(d, cfg, stacked=True), {})
+    assert set(hf.REMOTE_CODE) <= set(files) == set(os.listdir(tmp_path))
+    conf = json.load(open(tmp_path / "config.json"))
+    assert conf["auto_map"] == hf.remote_code_map(cfg.arch, cfg.family)
+    cls = conf["auto_map"]["AutoModelForCausalLM"].split(".")[1]
+    assert conf["architectures"] == [cls]
+    assert f"class {cls}(" in open(tmp_path / "modeling_boost_jax.py").read()
