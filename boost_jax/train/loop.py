@@ -318,6 +318,9 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
             "config": cfg.to_dict()}
     start, state, resumed, accepted = _resume_or_init(cfg, out_dir, bundle, data, ckpt,
                                                       existing, meta, say)
+    if resumed and start >= cfg.train.steps:  # e.g. the same command again, or another's
+        say(f"{out_dir} holds a run finished at step {start} (train.steps={cfg.train.steps}): "
+            "nothing to train; raise train.steps to continue it, or choose another out_dir=...")
     logger = _open_logger(cfg, out_dir, start, resumed, accepted, main_proc, nproc, say)
     thr = _throughput(cfg, mesh, topo, bundle, data, logger)
 
