@@ -24,10 +24,9 @@ P.latent_scale [r] and, with lax_gate=gate, g as P.cross.weight (.T).
     cola, lax   model.safetensors holds the factors; y = silu(z) @ b with z = x @ a (cola) or
                 z = RMSNorm_r(x @ a + G(z of the same projection in the previous block)) (lax)
                 is not a LLaMA, so config.json names model_type boost_jax_<arch> and the
-                export carries its PyTorch modeling code (hf_remote/, transformers'
-                remote-code convention: `auto_map` in config.json), which
-                AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) loads
-                (for every family).
+                export carries its PyTorch modeling code for every family (hf_remote/,
+                transformers' remote-code convention: `auto_map` in config.json), which
+                AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) loads.
 
 The GPT families (model.family gpt_neox, gpt2) are GPTNeoXForCausalLM and GPT2LMHeadModel:
 boost_jax/hf_gpt.py names their tensors; the functions here dispatch on the family.
