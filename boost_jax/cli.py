@@ -36,4 +36,9 @@ class OverrideParser(Parser):
                                "train.steps=50 out_dir=runs/x")
 
     def parse(self, argv=None) -> argparse.Namespace:
-        return self.parse_intermixed_args(argv)
+        args, unknown = self.parse_known_intermixed_args(argv)
+        if unknown:  # name the options only: whether argparse also lists the value after one
+            # depends on where the overrides stand on the line
+            self.error("unrecognized arguments: "
+                       + " ".join([a for a in unknown if a.startswith("-")] or unknown))
+        return args

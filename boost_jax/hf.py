@@ -24,8 +24,8 @@ P.latent_scale [r] and, with lax_gate=gate, g as P.cross.weight (.T).
     cola, lax   model.safetensors holds the factors; y = silu(z) @ b with z = x @ a (cola) or
                 z = RMSNorm_r(x @ a + G(z of the same projection in the previous block)) (lax)
                 is not a LLaMA, so config.json names model_type boost_jax_<arch> and the
-                export carries its PyTorch modeling code (hf_remote/, transformers'
-                remote-code convention: `auto_map` in config.json), which
+                export carries its PyTorch modeling code for every family (hf_remote/,
+                transformers' remote-code convention: `auto_map` in config.json), which
                 AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) loads.
 
 The GPT families (model.family gpt_neox, gpt2) are GPTNeoXForCausalLM and GPT2LMHeadModel:
@@ -162,13 +162,16 @@ def hf_config(cfg, extra: dict) -> dict:
     section."""
     ours = {"boost_jax": dict(extra, model=dataclasses.asdict(cfg),
                               factors=FACTORS_FILE if cfg.arch == "svd" else None)}
+    remote = {} if cfg.arch in ("full", "svd") else {
+        "architectures": [f"{remote_class(cfg.arch, cfg.family)}ForCausalLM"],
+        "auto_map": remote_code_map(cfg.arch, cfg.family)}
     if cfg.family != "llama":
         from boost_jax import hf_gpt
 
-        return hf_gpt.hf_config(cfg) | ours
+        return hf_gpt.hf_config(cfg) | ours | remote
     llama = cfg.arch in ("full", "svd")
     return {
-        "architectures": ["LlamaForCausalLM" if llama else f"BoostJax{cfg.arch.title()}ForCausalLM"],
+        "architectures": ["LlamaForCausalLM"],
         "model_type": "llama" if llama else f"boost_jax_{cfg.arch}",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model,
         "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
@@ -178,15 +181,21 @@ def hf_config(cfg, extra: dict) -> dict:
         "rope_theta": cfg.rope_theta, "rope_scaling": None, "attention_bias": False,
         "mlp_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": cfg.tie_embeddings,
         "torch_dtype": cfg.param_dtype, "initializer_range": cfg.init_std,
-    } | ours | ({} if llama else {"auto_map": remote_code_map(cfg.arch)})
+    } | ours | remote
 
 
 REMOTE_CODE = ("configuration_boost_jax.py", "modeling_boost_jax.py")
 
 
-def remote_code_map(arch: str) -> dict:
+def remote_class(arch: str, family: str = "llama") -> str:
+    """The class name stem of a cola / lax export's remote code: BoostJaxCola, BoostJaxLaxGpt2."""
+    fam = "" if family == "llama" else "".join(w.title() for w in family.split("_"))
+    return f"BoostJax{arch.title()}{fam}"
+
+
+def remote_code_map(arch: str, family: str = "llama") -> dict:
     """transformers' remote-code entry points of a cola / lax export (boost_jax/hf_remote/)."""
-    name = f"BoostJax{arch.title()}"
+    name = remote_class(arch, family)
     return {"AutoConfig": f"configuration_boost_jax.{name}Config",
             "AutoModelForCausalLM": f"modeling_boost_jax.{name}ForCausalLM"}
 
@@ -210,7 +219,7 @@ def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) 
 
     # what init_from checks before it trusts the tensors (safetensors has no checksum)
     extra = dict(extra, files_crc32={n: file_crc32(os.path.join(out, n)) for n in files})
-    if cfg.family == "llama" and cfg.arch in ("cola", "lax"):  # so transformers can load it
+    if cfg.arch in ("cola", "lax"):  # so transformers can load it
         import shutil
 
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_remote")

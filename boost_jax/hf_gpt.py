@@ -20,7 +20,8 @@ The fused q|k|v: GPT-2 concatenates q, k, v along the output; NeoX interleaves t
 arch=full writes exactly these; svd writes the merged W = a·b (fp64 product, rounded once)
 there and keeps every factor (and bias) in lowrank.safetensors as `<layer>.<attn|mlp>.<proj>.
 <down.weight|up.weight|bias>`; cola and lax write their factors and biases under those
-names in model.safetensors (not a transformers model: model_type boost_jax_<arch>).
+names in model.safetensors (not a transformers model: model_type boost_jax_<arch>, with the
+export's remote code, boost_jax/hf_remote/, named in `auto_map`).
 """
 
 from __future__ import annotations

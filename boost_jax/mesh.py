@@ -251,7 +251,8 @@ def mesh_shape(topology: Topology, n_devices: int, shape: Optional[Sequence[int]
     if total > n_devices:
         raise UserError(
             f"mesh (pair={p}, node={n}, global={g}) needs {total} devices but only {n_devices} "
-            f"are present; use --cpu-devices {total} to simulate them, or a smaller mesh.shape")
+            f"{'is' if n_devices == 1 else 'are'} present; use --cpu-devices {total} to simulate "
+            "them, or a smaller mesh.shape")
     return p, n, g
 
 

@@ -2,7 +2,7 @@
 boost_jax/hf.py, the logits Hugging Face transformers computes for them (tokens.npy →
 logits.npy) and its greedy continuation of a prompt (greedy.npy): LlamaForCausalLM for full and
 svd, the export's own remote code (boost_jax/hf_remote/) for cola and lax, GPTNeoXForCausalLM
-and GPT2LMHeadModel for the GPT families.
+and GPT2LMHeadModel for the GPT families (full and svd; `<arch>_<family>` names the others).
 
 tests/unit/test_hf.py checks boost_jax's logits against these files when torch is not installed
 (CI), and against transformers directly when it is. torch and transformers are not dependencies of the
@@ -10,7 +10,7 @@ project; make the fixture in an environment that has them besides boost_jax's ow
 
     python3 -m venv /tmp/venv-hf
     /tmp/venv-hf/bin/pip install -e . torch==2.13.0 transformers==5.24.0
-    /tmp/venv-hf/bin/python scripts/hf_fixture.py [--out tests/fixtures/hf] [full svd cola lax]
+    /tmp/venv-hf/bin/python scripts/hf_fixture.py [--out tests/fixtures/hf] [full svd cola lax ...]
 """
 
 from __future__ import annotations
@@ -44,6 +44,12 @@ MODELS = {
     "gpt2": dict(arch="full", family="gpt2", vocab_size=256, d_model=32, n_layers=2, n_heads=4,
                  d_ff=128, max_seq_len=32, init_std=0.2, tie_embeddings=True, norm_eps=1e-5),
 }
+# every other arch x GPT family: svd loads as the family's transformers class (merged), cola and
+# lax through the export's remote code; lax with the r x r gate and three blocks
+for _fam in ("gpt_neox", "gpt2"):
+    for _arch, _extra in (("svd", {}), ("cola", {}),
+                          ("lax", dict(n_layers=3, lax_gate="gate"))):
+        MODELS[f"{_arch}_{_fam}"] = dict(MODELS[_fam], arch=_arch, rank=8, **_extra)
 GREEDY_NEW = 8  # tokens transformers' generate() continues TOKENS[:, :PROMPT] by, greedily
 PROMPT = 6
 TOKENS = np.array([[0, 100, 101, 102, 32, 40, 41, 58, 10, 32, 32, 32, 32, 114, 101, 116]],

@@ -484,7 +484,8 @@ def main(argv=None):
               f"{meta['tokenizer']}")
     print(f"wrote {args.out}: {meta['n_tokens']:,} {meta['dtype']} tokens, "
           f"{meta['n_documents']:,} documents, in {meta['seconds']:.1f} s ({rate:,.0f} tokens/s, "
-          f"{args.workers} workers); metadata in {meta_path(args.out)}\n"
+          f"{args.workers} worker{'s' if args.workers != 1 else ''}); metadata in "
+          f"{meta_path(args.out)}\n"
           f"train on it with: data.source={args.out} data.tokenizer={meta['tokenizer']} "
           f"data.bin_dtype={meta['dtype']} data.max_bytes=null")
     return 0

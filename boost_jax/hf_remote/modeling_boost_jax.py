@@ -1,8 +1,9 @@
 """boost_jax's CoLA and LaX decoders in PyTorch, for transformers' remote code.
 
-Copied next to the weights by `python -m boost_jax.export`. The model is transformers'
-LlamaForCausalLM (RMSNorm, RoPE, GQA, SwiGLU, its KV cache and `generate`) with each of the
-seven projections of a block replaced by a low-rank bottleneck of rank r:
+Copied next to the weights by `python -m boost_jax.export`. The model is transformers' own
+LlamaForCausalLM, GPTNeoXForCausalLM or GPT2LMHeadModel (norms, positions, attention, its KV
+cache and `generate`) with each projection of a block replaced by a low-rank bottleneck of
+rank r (the GPT families add a bias to y):
 
     cola   z = x A;                                y = silu(z) B
     lax    z = RMSNorm_r(x A + G(z_prev)) * scale; y = silu(z) B
@@ -11,26 +12,35 @@ A is `<proj>.down` (Linear d_in -> r), B is `<proj>.up` (Linear r -> d_out), sca
 `<proj>.latent_scale`, and G is the identity or `<proj>.cross` (Linear r -> r). z_prev is the
 latent of the same projection in the previous block (none in the first), for the same tokens:
 the latents of one forward pass are carried block to block, so decoding with the KV cache sees
-exactly what a full forward does. RMSNorm_r runs in fp32, as boost_jax computes it.
+exactly what a full forward does. RMSNorm_r runs in fp32, as boost_jax computes it. The GPT
+families' projections live under `<layer>.attn.{q,k,v,o}` and `<layer>.mlp.{up,down}` (the
+names of the export); their fused q|k|v input is rebuilt from q, k and v.
 """
 
 import torch
 from torch import nn
-from transformers import LlamaForCausalLM
+from transformers import GPT2LMHeadModel, GPTNeoXForCausalLM, LlamaForCausalLM
 
-from .configuration_boost_jax import BoostJaxColaConfig, BoostJaxLaxConfig
+from .configuration_boost_jax import (BoostJaxColaConfig, BoostJaxColaGpt2Config,
+                                      BoostJaxColaGptNeoxConfig, BoostJaxLaxConfig,
+                                      BoostJaxLaxGpt2Config, BoostJaxLaxGptNeoxConfig)
 
 PROJECTIONS = {"q": ("self_attn", "q_proj"), "k": ("self_attn", "k_proj"),
                "v": ("self_attn", "v_proj"), "o": ("self_attn", "o_proj"),
                "gate": ("mlp", "gate_proj"), "up": ("mlp", "up_proj"),
                "down": ("mlp", "down_proj")}
+# transformers' module each GPT projection replaces: (qkv, o, up, down) as (owner, attribute)
+GPT_SLOTS = {"gpt2": (("attn", "c_attn"), ("attn", "c_proj"), ("mlp", "c_fc"), ("mlp", "c_proj")),
+             "gpt_neox": (("attention", "query_key_value"), ("attention", "dense"),
+                          ("mlp", "dense_h_to_4h"), ("mlp", "dense_4h_to_h"))}
 
 
 class LowRankProjection(nn.Module):
-    def __init__(self, d_in, d_out, rank, kind, gate, eps, name, carry):
+    def __init__(self, d_in, d_out, rank, kind, gate, eps, name, carry, bias=False):
         super().__init__()
         self.down = nn.Linear(d_in, rank, bias=False)
         self.up = nn.Linear(rank, d_out, bias=False)
+        self.bias = nn.Parameter(torch.zeros(d_out)) if bias else None
         self.kind, self.eps, self.name = kind, eps, name
         self._carry = carry  # shared by every projection of the model; reset per forward
         if kind == "lax":
@@ -47,15 +57,71 @@ class LowRankProjection(nn.Module):
             inv = torch.rsqrt(zf.pow(2).mean(-1, keepdim=True) + self.eps)
             z = (zf * inv * self.latent_scale.float()).to(x.dtype)
             self._carry[self.name] = z
-        return self.up(nn.functional.silu(z))
+        y = self.up(nn.functional.silu(z))
+        return y if self.bias is None else y + self.bias
 
 
-class _LowRankForCausalLM(LlamaForCausalLM):
+class _Call:
+    """Stands where transformers calls one of its projections (not a module: the weights are
+    registered once, under the export's names)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, x):
+        return self.fn(x)
+
+
+def _fused_qkv(box, family, heads):
+    def qkv(x):
+        q, k, v = box.q(x), box.k(x), box.v(x)
+        if family == "gpt2":  # q | k | v
+            return torch.cat([q, k, v], dim=-1)
+        split = [t.view(*t.shape[:-1], heads, -1) for t in (q, k, v)]  # NeoX: per head q, k, v
+        return torch.stack(split, dim=-2).reshape(*x.shape[:-1], -1)
+    return qkv
+
+
+def _low_rank_settings(config):
+    ours = config.boost_jax["model"]
+    return (ours.get("rank") or config.hidden_size // 4, ours["arch"],
+            ours.get("lax_gate", "identity"), ours.get("norm_eps", 1e-6))
+
+
+def _swap_gpt_layer(layer, family, config, carry):
+    """Put the low-rank projections under layer.attn / layer.mlp and route transformers'
+    calls of its own projections to them."""
+    rank, kind, gate, eps = _low_rank_settings(config)
+    d, d_ff = config.hidden_size, (config.n_inner if family == "gpt2"
+                                   else config.intermediate_size) or 4 * config.hidden_size
+    if not hasattr(layer, "attn"):
+        layer.attn = nn.Module()
+    dims = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "up": (d, d_ff), "down": (d_ff, d)}
+    for name, (d_in, d_out) in dims.items():
+        box = layer.attn if name in "qkvo" else layer.mlp
+        setattr(box, name, LowRankProjection(d_in, d_out, rank, kind, gate, eps, name, carry,
+                                             bias=True))
+    calls = (_fused_qkv(layer.attn, family, config.num_attention_heads), layer.attn.o,
+             layer.mlp.up, layer.mlp.down)
+    for (owner, attr), fn in zip(GPT_SLOTS[family], calls):
+        owner = getattr(layer, owner)
+        delattr(owner, attr)
+        setattr(owner, attr, _Call(fn))
+
+
+class _CarryReset:
+    def forward(self, *args, **kwargs):
+        self._carry.clear()  # the first block crosses with nothing
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self._carry.clear()
+
+
+class _LowRankForCausalLM(_CarryReset, LlamaForCausalLM):
     def __init__(self, config):
         super().__init__(config)
-        ours = config.boost_jax["model"]
-        rank = ours.get("rank") or config.hidden_size // 4
-        kind, gate = ours["arch"], ours.get("lax_gate", "identity")
+        rank, kind, gate, _ = _low_rank_settings(config)
         self._carry = {}
         for layer in self.model.layers:
             for name, (part, attr) in PROJECTIONS.items():
@@ -65,12 +131,23 @@ class _LowRankForCausalLM(LlamaForCausalLM):
                     name, self._carry))
         self.post_init()
 
-    def forward(self, *args, **kwargs):
-        self._carry.clear()  # the first block crosses with nothing
-        try:
-            return super().forward(*args, **kwargs)
-        finally:
-            self._carry.clear()
+
+class _LowRankGptNeox(_CarryReset, GPTNeoXForCausalLM):
+    def __init__(self, config):
+        super().__init__(config)
+        self._carry = {}
+        for layer in self.gpt_neox.layers:
+            _swap_gpt_layer(layer, "gpt_neox", config, self._carry)
+        self.post_init()
+
+
+class _LowRankGpt2(_CarryReset, GPT2LMHeadModel):
+    def __init__(self, config):
+        super().__init__(config)
+        self._carry = {}
+        for layer in self.transformer.h:
+            _swap_gpt_layer(layer, "gpt2", config, self._carry)
+        self.post_init()
 
 
 class BoostJaxColaForCausalLM(_LowRankForCausalLM):
@@ -79,3 +156,36 @@ class BoostJaxColaForCausalLM(_LowRankForCausalLM):
 
 class BoostJaxLaxForCausalLM(_LowRankForCausalLM):
     config_class = BoostJaxLaxConfig
+
+
+class BoostJaxColaGptNeoxForCausalLM(_LowRankGptNeox):
+    config_class = BoostJaxColaGptNeoxConfig
+
+
+class BoostJaxLaxGptNeoxForCausalLM(_LowRankGptNeox):
+    config_class = BoostJaxLaxGptNeoxConfig
+
+
+class BoostJaxColaGpt2ForCausalLM(_LowRankGpt2):
+    config_class = BoostJaxColaGpt2Config
+
+
+class BoostJaxLaxGpt2ForCausalLM(_LowRankGpt2):
+    config_class = BoostJaxLaxGpt2Config
+
+
+def _neox_head_name():
+    """The export names NeoX's head embed_out.weight, as transformers 4 does; transformers 5
+    renames it to lm_head for GPTNeoXForCausalLM by class name, so for ours too."""
+    try:
+        from transformers.conversion_mapping import (WeightRenaming,
+                                                      register_checkpoint_conversion_mapping)
+    except ImportError:  # transformers 4: the module is embed_out itself
+        return
+    for cls in (BoostJaxColaGptNeoxForCausalLM, BoostJaxLaxGptNeoxForCausalLM):
+        register_checkpoint_conversion_mapping(
+            cls.__name__, [WeightRenaming(source_patterns=r"^embed_out\.",
+                                          target_patterns="lm_head.")], overwrite=True)
+
+
+_neox_head_name()

@@ -213,7 +213,7 @@ def _memory_lines(p, dr, topo, compiled: bool) -> list:
     else:
         L.append(f"  activations {_bytes(m['activations'])}, gathered weights "
                  f"{_bytes(m['gathered_weights'])}, logits {_bytes(m['logits'])}")
-    verdict = "FITS" if m["fits"] else "DOES NOT FIT"
+    verdict = "FITS" if m["fits"] else "DOES NOT FIT (add --search for the layouts that do)"
     L.append(f"  total {_bytes(m['total'])} of {_bytes(topo.hbm_bytes)} -> {verdict}")
     return L
 
@@ -355,12 +355,13 @@ def _load_plan_inputs(args):
     check_args(args)
     if args.emit_config:  # before any work: the file may not be written at all
         check_emit_target(args.emit_config, args.config, args.force)
-    if args.gpu_compile:  # before JAX starts
-        from boost_jax.plan.gpu_target import prepare_env
-
-        prepare_env()
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)  # neither imports JAX
     topo = get_topology(cfg.mesh.topology if args.topology is None else args.topology)
+    if args.gpu_compile:  # before JAX starts; a profile without a GPU target says so first
+        from boost_jax.plan.gpu_target import prepare_env, target_name
+
+        target_name(topo)
+        prepare_env()
     from boost_jax.plan import dryrun
 
     full = dryrun.full_sizes(cfg, topo, args.nodes if args.nodes is not None else cfg.mesh.nodes)

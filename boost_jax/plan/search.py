@@ -252,6 +252,16 @@ def compile_on_gpu(res: SearchResult, cfg, topo: Topology, k: int, max_devices: 
                      "the GPU program's exposed collectives and memory")
 
 
+def _precision(c: Candidate, cfg) -> str:
+    """The dtypes of the working weights and of the gradient reduction, which tell apart
+    rows that are otherwise the same layout."""
+    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+    if c.low_precision:
+        return "bf16/bf16"
+    return "/".join(short.get(d, d) for d in (cfg.model.param_dtype,
+                                              cfg.parallel.grad_accum_dtype))
+
+
 def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int = 15) -> str:
     hosts = sizes["global"] * sizes.get("stage", 1)
     n = sizes["pair"] * sizes["node"] * hosts
@@ -261,16 +271,17 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
              f"  {len(res.fitting)} of {res.n_evaluated - res.n_invalid} valid layouts fit "
              f"(<= {res.candidates[0].prediction.assumptions.hbm_usable if res.fitting else 0.9:.0%}"
              f" of {topo.hbm_bytes / 2**30:.0f} GiB); best first:", ""]
-    hdr = ("| # | plan | TP | PP | seq/dev/micro | micro-batches | remat | GiB/dev | step s | "
-           "tokens/s | TFLOP/s/dev | MFU | global GB/dev/step | node egress GB/step | compiled |")
-    lines += [hdr, "|" + "---|" * 15]
+    hdr = ("| # | plan | TP | PP | seq/dev/micro | micro-batches | remat | weights/grad sums | "
+           "GiB/dev | step s | tokens/s | TFLOP/s/dev | MFU | global GB/dev/step | "
+           "node egress GB/step | compiled |")
+    lines += [hdr, "|" + "---|" * 16]
     for i, c in enumerate(res.fitting[:top], 1):
         p = c.prediction
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
         pp = f"{c.pp_stages}" + (f" x{c.pp_virtual}" if c.pp_virtual > 1 else "")
         plan = c.plan + (" keep" if c.keep else "")
         lines.append(f"| {i} | {plan} | {tp} | {pp} | {c.micro_size} | "
-                     f"{c.micro_batches} | {c.remat} | "
+                     f"{c.micro_batches} | {c.remat} | {_precision(c, cfg)} | "
                      f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
                      f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "
                      f"{p.comm_bytes['global'] / 1e9:.2f} | "
@@ -304,7 +315,7 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                      "above the rows shown):")
         lines += [f"  {c.key()}: {c.error}" for c in failed]
     if not res.fitting:
-        lines.append("| - | nothing fits | | | | | | | | | | | | | |")
+        lines.append("| - | nothing fits |" + " |" * 14)
     return "\n".join(lines)
 
 

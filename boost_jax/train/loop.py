@@ -246,13 +246,15 @@ def _open_logger(cfg: Config, out_dir: str, start: int, resumed: bool, accepted:
                  main_proc: bool, nproc: int, say) -> MetricsLogger:
     """metrics.jsonl trimmed to the restored step, config recorded, the tracker opened."""
     logger_path = os.path.join(out_dir, "metrics.jsonl")
+    # the tracker first: a W&B start that fails (no login) is an input mistake, so nothing of
+    # the run is written or trimmed before it
+    tracker = open_sink(cfg, out_dir, resumed) if main_proc else None
     if main_proc:
         dropped = _trim_metrics(logger_path, start if resumed else -1)
         if dropped and start:
             say(f"dropped {dropped} metrics.jsonl rows past step {start} (from a run that "
                 "stopped after its last checkpoint; those steps are re-done now)")
         run_config.record(out_dir, cfg, start)
-    tracker = open_sink(cfg, out_dir, resumed) if main_proc else None
     logger = MetricsLogger(out_dir, cfg.logging.tensorboard, cfg.logging.progress, main_proc,
                            purge_step=start + 1 if resumed else 0, tracker=tracker)
     if resumed:
@@ -274,7 +276,8 @@ def _throughput(cfg: Config, mesh, topo, bundle, data, logger: MetricsLogger) ->
     attn = compiled_impl(cfg.model, cfg.data.seq_len)
     fpt = flops_per_token(cfg.model, cfg.data.seq_len, attn)["train"]
     thr = Throughput(tokens_per_step, fpt * tokens_per_step, mesh.size, topo.peak_flops)
-    logger.line(f"{cfg.name}: {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
+    logger.line(f"{cfg.name}: {cfg.model.family} {cfg.model.arch} d={cfg.model.d_model} "
+                f"L={cfg.model.n_layers} "
                 f"params={bundle.n_params / 1e6:.2f}M | mesh {dict(mesh.shape)} "
                 f"plan={cfg.parallel.plan}"
                 f"{f' ({KEPT_SECONDARY})' if bundle.placement.secondary_axes == () else ''}"
@@ -317,6 +320,9 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
             "config": cfg.to_dict(), "inputs": identities(cfg)}
     start, state, resumed, accepted = _resume_or_init(cfg, out_dir, bundle, data, ckpt,
                                                       existing, meta, say)
+    if resumed and start >= cfg.train.steps:  # e.g. the same command again, or another's
+        say(f"{out_dir} holds a run finished at step {start} (train.steps={cfg.train.steps}): "
+            "nothing to train; raise train.steps to continue it, or choose another out_dir=...")
     logger = _open_logger(cfg, out_dir, start, resumed, accepted, main_proc, nproc, say)
     thr = _throughput(cfg, mesh, topo, bundle, data, logger)
 
@@ -351,9 +357,14 @@ def _finish(cfg: Config, out_dir: str, logger: MetricsLogger, summary: dict) -> 
 
 
 def _done_line(out_dir: str, summary: dict) -> str:
-    last = summary.get("last_val_loss")
-    val = (f", val_loss {last:.4f} at step {summary['last_val_step']}"
-           if isinstance(last, float) else "")
+    """The final line; a step that was not evaluated (a stop by signal) is said to be."""
+    last, at = summary.get("last_val_loss"), summary.get("last_val_step")
+    if not isinstance(last, float):
+        val = ""
+    elif at == summary["final_step"]:
+        val = f", val_loss {last:.4f}"
+    else:
+        val = f" (not evaluated; the last evaluation was at step {at}: val_loss {last:.4f})"
     return f"done: step {summary['final_step']}{val}; summary in {os.path.join(out_dir, 'summary.json')}"
 
 

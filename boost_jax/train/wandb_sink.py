@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import secrets
+import shutil
 
 from boost_jax.errors import UserError
 
@@ -40,18 +41,21 @@ def require_wandb(cfg) -> None:
                             f"{key}=false") from None
 
 
-def _run_id(out_dir: str, resumed: bool) -> str:
-    """The id saved in out_dir when resuming, else a new one (saved for the next resume)."""
+def _run_id(out_dir: str, resumed: bool) -> tuple[str, bool]:
+    """(the id saved in out_dir when resuming, else a new one; whether it is new)."""
     path = os.path.join(out_dir, RUN_ID_FILE)
     if resumed and os.path.isfile(path):
         with open(path) as f:
             saved = f.read().strip()
         if saved:
-            return saved
-    run_id = secrets.token_hex(4)  # W&B's form: 8 lowercase letters and digits
-    with open(path, "w") as f:
+            return saved, False
+    return secrets.token_hex(4), True  # W&B's form: 8 lowercase letters and digits
+
+
+def _save_run_id(out_dir: str, run_id: str) -> None:
+    """For the next resume; written once W&B has started."""
+    with open(os.path.join(out_dir, RUN_ID_FILE), "w") as f:
         f.write(run_id + "\n")
-    return run_id
 
 
 class WandbSink:
@@ -61,17 +65,23 @@ class WandbSink:
         import wandb
 
         lg = cfg.logging
-        self.id = _run_id(out_dir, resumed)
+        self.id, new = _run_id(out_dir, resumed)
         settings = wandb.Settings(console="off", quiet=True, silent=True)
+        folder, had_folder = os.path.join(out_dir, "wandb"), os.path.lexists(
+            os.path.join(out_dir, "wandb"))
         try:
             self._run = wandb.init(project=lg.wandb_project, entity=lg.wandb_entity,
                                    name=cfg.name, id=self.id, resume="allow", mode=lg.wandb_mode,
                                    dir=out_dir, config=cfg.to_dict(), settings=settings)
         except wandb.errors.Error as e:  # no login, no network, no such entity
+            if not had_folder:  # what W&B began to write: an input mistake leaves nothing
+                shutil.rmtree(folder, ignore_errors=True)
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"logging.wandb=true but W&B did not start ({reason}); run "
                             "wandb login, or set logging.wandb_mode=offline (no network; "
                             "wandb sync later)") from None
+        if new:
+            _save_run_id(out_dir, self.id)
         self._run.define_metric("step")
         self._run.define_metric("*", step_metric="step")
 

@@ -127,7 +127,7 @@ ROWS = {
                            r"data\.source '.*/program\.txt' is not text \(it holds NUL bytes\); "
                            r"point data\.source at UTF-8 text"),
     "unknown_option": (["--cpu-devcies", "8"],
-                       r"unrecognized arguments: --cpu-devcies 8; see train\.py --help"),
+                       r"unrecognized arguments: --cpu-devcies; see train\.py --help"),
     "accept_unknown_key": (["checkpoint.accept_changes=[data.sorce]"],
                            r"checkpoint\.accept_changes names an unknown config key 'data\.sorce'"
                            r"; did you mean 'data\.source'\?"),
@@ -321,3 +321,25 @@ def test_overrides_anywhere_on_the_line():
 def test_nothing_saved_is_lost(results):
     """The two rows that point at a run with a checkpoint leave every file as it was."""
     assert results["_saved_unchanged"]
+
+
+def test_readme_error_rows_are_the_messages_these_rows_check():
+    """A README message that begins as a row's message here (the first half, at least 12
+    characters, of the regex's text before its first special character) must match one such
+    row's regex whole: the README cannot drift from what runs. Rows whose message holds this
+    test's temporary paths (`.*`) are left out."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    table = text.split("## When something is wrong", 1)[1].split("boost_jax.launch slurm` writes",
+                                                                   1)[0]  # train.py's table
+    regexes = [r for _, r in {**ROWS, **PLAN_ROWS, **OTHER_ROWS}.values() if ".*" not in r]
+    checked = 0
+    for msg in re.findall(r"`error: ([^`]*)`", table):
+        claim = []
+        for regex in regexes:
+            head = re.split(r"[\\.^$*+?()\[\]{}|]", regex, maxsplit=1)[0]
+            if len(head) >= 12 and msg.startswith(head[:max(12, len(head) // 2)]):
+                claim.append(regex)
+        if claim:
+            assert any(re.match(r, msg) for r in claim), f"README: {msg!r}\nrows: {claim}"
+            checked += 1
+    assert checked >= 8

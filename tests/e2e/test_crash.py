@@ -11,6 +11,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import time
@@ -91,7 +92,8 @@ def test_sigkill_mid_save_and_mid_step_resumes_with_identical_losses(reference, 
 
 def test_sigterm_saves_a_checkpoint_then_exits(env, tmp_path):
     out = tmp_path / "run"
-    t = Train(out, env, "checkpoint.every=100")  # only the signal makes a checkpoint
+    # only the signal makes a checkpoint; progress on for the final line
+    t = Train(out, env, "checkpoint.every=100", "logging.progress=true")
     t.until_trained(2)
     t.p.send_signal(signal.SIGTERM)
     code = t.wait()
@@ -99,6 +101,9 @@ def test_sigterm_saves_a_checkpoint_then_exits(env, tmp_path):
     saved = checkpoint_steps(out)
     assert len(saved) == 1 and 2 <= saved[0] < STEPS
     assert f"signal {int(signal.SIGTERM)}: saved step {saved[0]}, exiting" in t.output
+    assert re.search(r"^\S+: llama cola d=\d+ ", t.output, re.M)  # the header names the family
+    # the step it stopped at was not evaluated, and the final line says so
+    assert f"done: step {saved[0]} (not evaluated; the last evaluation was at step " in t.output
     meta = json.load(open(os.path.join(out, "checkpoints", str(saved[0]), "data", "metadata")))
     assert meta == {"next_index": saved[0]}  # the data position saved with the weights
 

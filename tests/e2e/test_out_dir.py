@@ -156,6 +156,17 @@ def test_resume_with_another_data_stream_is_refused_until_accepted(env, saved, t
     assert f"source: {corpus}" in (out / "config.yaml").read_text()
 
 
+def test_a_finished_run_given_no_more_steps_says_so_first(env, saved, tmp_path):
+    out = _copy(saved, tmp_path)
+    t = Train(out, env, "train.steps=3", "logging.tensorboard=false")
+    assert t.wait() == 0, t.output
+    line = (f"{out} holds a run finished at step 3 (train.steps=3): nothing to train; raise "
+            "train.steps to continue it, or choose another out_dir=...")
+    assert line in t.lines and t.lines.index(line) < [
+        i for i, x in enumerate(t.lines) if x.startswith("resumed from step 3")][0], t.output
+    assert max(r["step"] for r in _rows(out)) == 3
+
+
 # --------------------------------------------------------------------------- disk full
 
 _ENOSPC_AT_STEP_6 = (

@@ -6,7 +6,12 @@ folder that sees the repository's files, with overrides appended where the comma
 or plan for long (`extra`) and optional `[...]` parts dropped; or covered by the named test that
 runs the same command with its own checks; or not runnable without a cluster or GPU, said why.
 A README command missing from COMMANDS, or a COMMANDS entry no longer in the README, fails:
-the README cannot drift from what is run.
+the README cannot drift from what is run. `python` blocks are Python, not commands: the one
+there is run by tests/unit/test_hf.py.
+
+Run after `make train` (run here first, tiny), as a reader would: every command that trains
+writes an out_dir no earlier command wrote (a command that would resume another's run fails
+here before it runs), and trains from step 0 (the overrides appended never set out_dir).
 """
 
 import json
@@ -71,8 +76,11 @@ def downloads(d):
 
 
 COMMANDS = {
-    "python train.py --config configs/demo.yaml [key=value ...] [--cpu-devices N]":
-        _c(RUN, TINY + ["out_dir=runs/demo"]),
+    "python train.py --config configs/demo.yaml out_dir=runs/mine [key=value ...] "
+    "[--cpu-devices N]": _c(RUN, TINY),
+    "python train.py --config configs/demo.yaml --cpu-devices 8 parallel.tp_mode=btp "
+    "parallel.tp_axes=[pair] parallel.plan=hierarchical train.micro_batches=4 "
+    "train.remat=lowrank out_dir=runs/demo-btp": _c(RUN, TINY + ["train.global_batch=16"]),
     "python train.py --config configs/cola-1b.yaml parallel.tp_mode=btp parallel.tp_axes=[pair] "
     "parallel.plan=hierarchical train.micro_batches=4 train.remat=lowrank out_dir=runs/1b":
         _c(RUN, TINY + ["model.n_heads=4", "train.global_batch=16", "--cpu-devices", "8"]),
@@ -126,10 +134,10 @@ COMMANDS = {
         _c(ELSEWHERE, why="tests/e2e/test_launch.py::test_local_job_trains_and_resumes_after_"
                           "requeue_like_one_process"),
     "python train.py --config configs/demo.yaml --cpu-devices 8 parallel.pp_stages=2 "
-    "train.micro_batches=4": _c(RUN, TINY_PP + ["out_dir=runs/pp"]),
+    "train.micro_batches=4 out_dir=runs/pp": _c(RUN, TINY_PP),
     "python train.py --config configs/demo.yaml --cpu-devices 8 parallel.pp_stages=2 "
-    "parallel.pp_virtual=2 train.micro_batches=4":
-        _c(RUN, TINY_PP + ["model.n_layers=4", "out_dir=runs/ppv"]),
+    "parallel.pp_virtual=2 train.micro_batches=4 out_dir=runs/ppv":
+        _c(RUN, TINY_PP + ["model.n_layers=4"]),
     "python -m boost_jax.plan --config configs/cola-7b.yaml --topology frontier --nodes 48 "
     "parallel.tp_mode=btp parallel.tp_axes=[pair,node] parallel.plan=hierarchical "
     "train.global_batch=768":
@@ -143,10 +151,10 @@ COMMANDS = {
     "python -m boost_jax.export --run runs/demo --out hf/demo": _c(RUN),
     "python train.py --config configs/demo.yaml model.init_from=hf/demo out_dir=runs/next":
         _c(RUN, TINY),
-    "python train.py --config configs/demo.yaml model.family=gpt_neox":
-        _c(RUN, TINY + ["out_dir=runs/neox"]),
-    "python train.py --config configs/demo.yaml model.family=gpt2 model.tie_embeddings=true":
-        _c(RUN, TINY + ["out_dir=runs/gpt2"]),
+    "python train.py --config configs/demo.yaml model.family=gpt_neox out_dir=runs/neox":
+        _c(RUN, TINY),
+    "python train.py --config configs/demo.yaml model.family=gpt2 model.tie_embeddings=true "
+    "out_dir=runs/gpt2": _c(RUN, TINY),
     "python benchmarks/attention.py --lengths 64,256 --reps 3": _c(RUN),
     "python -m boost_jax.analysis.comm --config configs/demo.yaml --cpu-devices 8 "
     "data.seq_len=4096 model.max_seq_len=4096 model.attention=flash":
@@ -156,12 +164,18 @@ COMMANDS = {
 }
 
 
+def readme_blocks(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every code block after the first."""
+    return re.findall(r"^```([^\n]*)\n(.*?)^```", text, flags=re.S | re.M)[1:]
+
+
 def readme_commands(text: str) -> list[str]:
-    """Commands of the code blocks after the first: continuation lines joined, comments and
-    surrounding blanks dropped."""
-    blocks = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M)[1:]
+    """Commands of the shell code blocks after the first: continuation lines joined, comments
+    and surrounding blanks dropped."""
     out = []
-    for block in blocks:
+    for lang, block in readme_blocks(text):
+        if lang == "python":
+            continue
         for cmd in re.sub(r"\\\n\s*", "", block).splitlines():
             cmd = re.sub(r"\s+#.*$", "", cmd).strip()
             if cmd:
@@ -182,7 +196,11 @@ def test_every_readme_command_is_accounted_for():
     stale = [c for c in COMMANDS if c not in cmds]
     assert not missing, f"README commands this test does not run or name: {missing}"
     assert not stale, f"COMMANDS entries no longer in the README: {stale}"
+    assert [lang for lang, _ in readme_blocks(open(README).read()) if lang] == ["python"]
+    assert "def test_readme_transformers_example(" in open(
+        os.path.join(ROOT, "tests", "unit", "test_hf.py")).read()
     for cmd, how in COMMANDS.items():
+        assert not any(x.startswith("out_dir=") for x in how["extra"]), cmd
         if how["kind"] == ELSEWHERE and how["why"].startswith("tests/"):
             path, name = how["why"].split("::")
             assert f"def {name}(" in open(os.path.join(ROOT, path)).read(), (cmd, how)
@@ -200,11 +218,46 @@ def _scratch(tmp_path):
                 VIRTUAL_ENV=os.path.dirname(bindir), PYTHONPATH=ROOT, PWD=str(tmp_path))
 
 
+MAKE_TRAIN = 'make -o .venv/.installed train ARGS="' + " ".join(TINY) + '"'
+
+
+def out_dir_of(line: str):
+    """The out_dir a command line writes (its last out_dir=, else its --config's, for train.py
+    and make train), relative to the scratch folder; None for a command that trains nothing."""
+    found = re.findall(r"(?:^|[\s\"])out_dir=([^\s\"]+)", line)
+    if found:
+        return found[-1].replace("$PWD/", "")
+    if "train.py" in line or line.startswith("make "):
+        config = re.search(r"--config (\S+)", line)
+        config = config.group(1) if config else "configs/demo.yaml"  # make train's
+        return re.search(r"^out_dir: (\S+)", open(os.path.join(ROOT, config)).read(),
+                         re.M).group(1)
+    return None
+
+
+def _run_one(line, tmp_path, env, written, who):
+    """Run a command line; one that trains must write an out_dir of its own and start at 0."""
+    out_dir = out_dir_of(line)
+    if out_dir:
+        assert out_dir not in written, (f"$ {who}\nwrites out_dir={out_dir}, which "
+                                        f"$ {written.get(out_dir)}\nwrote before it")
+        written[out_dir] = who
+    r = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, f"$ {line}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+    if out_dir and os.path.isfile(tmp_path / out_dir / "metrics.jsonl"):
+        assert "resumed from step" not in r.stdout + r.stderr, f"$ {line} resumed a run"
+        rows = [json.loads(x) for x in open(tmp_path / out_dir / "metrics.jsonl")]
+        assert rows and rows[-1]["step"] > 0, f"$ {line} trained nothing"
+
+
 def test_readme_commands_run_as_written(tmp_path, jax_cache):
     env = _scratch(tmp_path)
     env.update(JAX_COMPILATION_CACHE_DIR=jax_cache,
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
     env.pop("XLA_FLAGS", None)
+    written = {}
+    _run_one(MAKE_TRAIN, tmp_path, env, written, "make train")
     ran = 0
     for cmd in readme_commands(open(README).read()):
         how = COMMANDS[cmd]
@@ -212,12 +265,24 @@ def test_readme_commands_run_as_written(tmp_path, jax_cache):
             continue
         if how["setup"]:
             how["setup"](tmp_path)
-        line = how["line"] or as_run(cmd, how["extra"])
-        r = subprocess.run(["bash", "-c", line], cwd=tmp_path, env=env, capture_output=True,
-                           text=True, timeout=600)
-        assert r.returncode == 0, f"$ {line}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+        _run_one(how["line"] or as_run(cmd, how["extra"]), tmp_path, env, written, cmd)
         ran += 1
     assert ran >= 16
     # the walk-through's two corpora share the tokenizer the first one trained
     metas = [json.load(open(tmp_path / "data" / f"{n}.json")) for n in ("fineweb", "tinystories")]
     assert metas[0]["tokenizer_fingerprint"] == metas[1]["tokenizer_fingerprint"]
+
+
+def test_a_readme_command_that_reuses_an_out_dir_fails(tmp_path):
+    """What the walk above does when a README command would resume another's run: it fails
+    before running it."""
+    written = {"runs/demo": "make train"}
+    assert out_dir_of("python train.py --config configs/demo.yaml model.family=gpt2") == \
+        "runs/demo"
+    with pytest.raises(AssertionError, match="writes out_dir=runs/demo, which"):
+        _run_one("python train.py --config configs/demo.yaml model.family=gpt2", tmp_path, {},
+                 written, "python train.py --config configs/demo.yaml model.family=gpt2")
+    assert out_dir_of('make train ARGS="train.steps=50 out_dir=runs/x"') == "runs/x"
+    assert out_dir_of("python -m boost_jax.launch slurm --config c.yaml "
+                      "out_dir=$PWD/runs/slurm-local --out j.sbatch") == "runs/slurm-local"
+    assert out_dir_of("python -m boost_jax.evaluate --run runs/mix") is None

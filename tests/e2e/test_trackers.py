@@ -105,3 +105,6 @@ def test_wandb_online_without_login_is_one_line_exit_2(env, tmp_path):
         "error: logging.wandb=true but W&B did not start (No API key configured"), p.stderr
     assert lines[0].endswith("run wandb login, or set logging.wandb_mode=offline (no "
                              "network; wandb sync later)")
+    # an input mistake: nothing of the run is written (the lock file may stay)
+    left = set(os.listdir(tmp_path / "run")) if os.path.isdir(tmp_path / "run") else set()
+    assert not left & {"config.yaml", "configs", "wandb_run_id", "wandb", "metrics.jsonl"}, left

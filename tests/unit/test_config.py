@@ -78,3 +78,15 @@ def test_deep_nesting_and_a_folder_are_one_line(tmp_path):
         load_config(None, ["train.steps=" + "[" * 5000 + "]" * 5000])
     with pytest.raises(ConfigError, match="is a folder"):
         load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("argv", [["--cpu-devcies", "8"], ["a.b=1", "--cpu-devcies", "8"],
+                                  ["--cpu-devcies", "8", "a.b=1"]])
+def test_an_unknown_option_reads_the_same_wherever_it_stands(argv, capsys):
+    from boost_jax.cli import OverrideParser
+
+    with pytest.raises(SystemExit) as e:
+        OverrideParser(prog="train.py").parse(argv)
+    assert e.value.code == 2
+    assert capsys.readouterr().err == ("error: unrecognized arguments: --cpu-devcies; see "
+                                       "train.py --help\n")

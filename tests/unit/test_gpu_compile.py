@@ -120,6 +120,19 @@ def test_missing_plugin_is_one_line_and_exit_2(monkeypatch, capsys):
     assert err.count("\n") == 0 and "pip install -e '.[gpu-compile]'" in err
 
 
+def test_frontier_says_it_has_no_gpu_target_before_asking_for_the_install(monkeypatch,
+                                                                           capsys):
+    from boost_jax.plan.__main__ import main
+
+    monkeypatch.setattr(gpu_target, "plugin_installed", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "configs/demo.yaml", "--topology", "frontier", "--gpu-compile"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "'frontier' has no GPU target" in err
+    assert "pip install" not in err
+
+
 TINY = ["--config", "configs/demo.yaml", "--topology", "perlmutter", "--nodes", "2",
         "parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.n_layers=3", "model.d_ff=170",
         "train.micro_batches=2", "data.seq_len=64", "--gpu-compile", "--json"]

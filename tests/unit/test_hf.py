@@ -1,10 +1,10 @@
 """Hugging Face interop (boost_jax/hf.py, hf_gpt.py): logits equal transformers' within 1e-4 in
-fp32 (LlamaForCausalLM for arch=full and svd, the export's own remote code for cola and lax,
-GPTNeoXForCausalLM and GPT2LMHeadModel for the GPT families), greedy continuations equal
+fp32 (LlamaForCausalLM, GPTNeoXForCausalLM and GPT2LMHeadModel for arch=full and svd, the
+export's own remote code for cola and lax of every family), greedy continuations equal
 generate()'s, and export → import is bitwise for every arch and family.
 
-tests/fixtures/hf/{full,svd,cola,lax,gpt_neox,gpt2} were written by scripts/hf_fixture.py (models exported by hf.write
-and the logits transformers computes for them); where torch and transformers are installed the
+tests/fixtures/hf/<name> for every NAMES entry were written by scripts/hf_fixture.py (models
+exported by hf.write and the logits transformers computes for them); where torch and transformers are installed the
 comparison also runs against transformers itself on freshly exported models."""
 
 import importlib.util
@@ -27,6 +27,9 @@ from boost_jax.layers.model import build_model
 from train_proc import ROOT
 
 FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
+# every arch x family: <arch> (llama), <family> (full), <arch>_<family>
+NAMES = ["full", "svd", "cola", "lax", "gpt_neox", "gpt2"] + [
+    f"{arch}_{fam}" for fam in ("gpt_neox", "gpt2") for arch in ("svd", "cola", "lax")]
 
 
 def _logits(cfg, params, tokens):
@@ -35,11 +38,11 @@ def _logits(cfg, params, tokens):
     return np.asarray(fn(params, jnp.asarray(tokens, jnp.int32)))
 
 
-@pytest.mark.parametrize("name", ["full", "svd", "cola", "lax", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("name", NAMES)
 def test_logits_equal_transformers_fixture(name):
     d = os.path.join(FIXTURES, name)
     cfg = hf.saved_model(hf.read_config(d))
-    assert cfg.arch == name or cfg.family == name
+    assert name in (cfg.arch, cfg.family, f"{cfg.arch}_{cfg.family}")
     params = hf.load_init(d, cfg, stacked=True)
     want = np.load(os.path.join(d, "logits.npy"))
     assert want.std() > 0.5  # logits of order 1: the tolerance below is tight
@@ -52,15 +55,16 @@ def test_logits_equal_transformers_fixture(name):
             disk = load_file(os.path.join(d, fname))
             assert sorted(disk) == sorted(tensors)
             assert all(np.array_equal(disk[k], tensors[k]) for k in disk)
-    if name in ("cola", "lax"):  # the modeling code transformers ran is what export writes
+    if cfg.arch in ("cola", "lax"):  # the modeling code transformers ran is what export writes
         conf = hf.read_config(d)
-        assert conf["auto_map"] == hf.remote_code_map(name)
+        assert conf["auto_map"] == hf.remote_code_map(cfg.arch, cfg.family)
+        assert conf["architectures"] == [conf["auto_map"]["AutoModelForCausalLM"].split(".")[1]]
         here = os.path.join(os.path.dirname(hf.__file__), "hf_remote")
         for fname in hf.REMOTE_CODE:
             assert open(os.path.join(d, fname)).read() == open(os.path.join(here, fname)).read()
 
 
-@pytest.mark.parametrize("name", ["full", "svd", "cola", "lax", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("name", NAMES)
 def test_greedy_continuation_equals_transformers_generate(name):
     """Our KV-cache decoder continues the prompt as transformers' generate() did (greedy,
     its own KV cache; for lax the latents cross blocks inside each cached step)."""
@@ -150,7 +154,7 @@ def test_export_import_bitwise(kw, tmp_path):
 @pytest.mark.skipif(not (importlib.util.find_spec("torch") and
                          importlib.util.find_spec("transformers")),
                     reason="torch/transformers not installed; the fixture test covers this")
-@pytest.mark.parametrize("name", ["full", "svd", "cola", "lax", "gpt_neox", "gpt2"])
+@pytest.mark.parametrize("name", NAMES)
 def test_logits_equal_transformers_live(name, tmp_path):
     import sys
 
@@ -188,3 +192,47 @@ def test_a_garbage_config_json_is_one_line(tmp_path):
             hf.read_config(str(tmp_path))
     with pytest.raises(UserError, match="lacks a positive integer 'hidden_size'"):
         hf.saved_model({"model_type": "llama"})
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("torch") and
+                         importlib.util.find_spec("transformers")),
+                    reason="torch/transformers not installed (the README's example needs them)")
+def test_readme_transformers_example(tmp_path, monkeypatch, capsys):
+    """README "Use your model in transformers", run as written on a byte-level CoLA export in
+    hf/demo: it prints boost_jax's greedy continuation of the prompt after a document start."""
+    import re
+
+    from boost_jax.infer.decode import Decoder, Sampling
+
+    cfg = ModelConfig(arch="cola", vocab_size=256, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                      rank=8, max_seq_len=64, init_std=0.2)
+    params = jax.tree.map(np.asarray, build_model(cfg, seed=3).params())
+    os.makedirs(tmp_path / "hf" / "demo")
+    hf.write(str(tmp_path / "hf" / "demo"), cfg, params,
+             {"tokenizer": "byte", "tokenizer_fingerprint": "byte"}, {"eos_token_id": 0})
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    example = re.findall(r"^```python\n(.*?)^```", readme, flags=re.S | re.M)
+    assert len(example) == 1
+    monkeypatch.chdir(tmp_path)
+    exec(compile(example[0], "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    dec = Decoder(cfg, params, cfg.max_seq_len, Sampling(temperature=0.0),
+                  compiler_options=fast_compile_options())
+    ids = dec.generate(np.array([0, *b"def "], np.int32), 40, eos_id=0)[0]
+    want = bytes(int(i) for i in ids).split(b"\0")[0].decode(errors="replace")
+    assert printed == want + "\n" and len(want) > 5
+
+
+@pytest.mark.parametrize("name", ["cola_gpt_neox", "lax_gpt2", "cola"])
+def test_low_rank_export_of_every_family_carries_its_remote_code(name, tmp_path):
+    """What `python -m boost_jax.export` writes (hf.write) for cola / lax: the modeling code
+    and the auto_map naming the family's class, so trust_remote_code loads it."""
+    d = os.path.join(FIXTURES, name)
+    cfg = hf.saved_model(hf.read_config(d))
+    files = hf.write(str(tmp_path), cfg, hf.load_init(d, cfg, stacked=True), {})
+    assert set(hf.REMOTE_CODE) <= set(files) == set(os.listdir(tmp_path))
+    conf = json.load(open(tmp_path / "config.json"))
+    assert conf["auto_map"] == hf.remote_code_map(cfg.arch, cfg.family)
+    cls = conf["auto_map"]["AutoModelForCausalLM"].split(".")[1]
+    assert conf["architectures"] == [cls]
+    assert f"class {cls}(" in open(tmp_path / "modeling_boost_jax.py").read()

@@ -24,6 +24,8 @@ def test_explicit_shape_and_too_large_mesh():
     assert dict(make_mesh("cpu", shape=[2, 1, 4]).shape) == {"pair": 2, "node": 1, "global": 4}
     with pytest.raises(UserError, match="needs 16 devices but only 8 are present; use --cpu-devices 16"):
         make_mesh("cpu", shape=[2, 2, 4])
+    with pytest.raises(UserError, match="needs 2 devices but only 1 is present;"):
+        mesh_shape(get_topology("cpu"), 1, shape=[2, 1, 1])
 
 
 def test_topology_profiles():

@@ -2,6 +2,8 @@
 the validation targets (tests/e2e/test_plan_cli.py: the CLI's AOT dry-run on 64 devices;
 test_network_model.py: the links' α–β model)."""
 
+import re
+
 import jax
 import pytest
 
@@ -154,6 +156,34 @@ def test_search_ranks_fitting_layouts_best_first():
         assert keep.layout["placement"]["secondary"] == []
         assert sum(keep.comm_bytes.values()) < sum(base.comm_bytes.values())
         assert keep.memory["secondary"] > base.memory.get("secondary", 0.0)
+
+
+def test_search_table_rows_show_what_separates_them():
+    """No two rows of the --search table read the same: bf16 weights and gradient sums have
+    their own column (the same layout in the config's fp32 prints fp32/fp32)."""
+    from boost_jax.plan.search import print_search, search
+
+    cfg = load_config(None, [*TINY, "train.global_batch=64"])
+    topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 2}
+    res = search(cfg, topo, sizes)
+    text = print_search(res, cfg, topo, sizes, top=len(res.fitting))
+    rows = [r.split("|") for r in text.splitlines() if re.match(r"\| \d+ \|", r)]
+    assert len(rows) == len(res.fitting) > 10
+    settings = [tuple(x.strip() for x in r[2:9]) for r in rows]  # plan ... weights/grad sums
+    assert len(set(settings)) == len(settings)
+    assert {s[-1] for s in settings} == {"bf16/bf16", "fp32/fp32"}
+
+
+def test_a_layout_that_does_not_fit_points_at_search():
+    from boost_jax.plan.__main__ import report_text
+
+    cfg = load_config("configs/cola-7b.yaml", ["parallel.plan=ddp", "train.global_batch=4",
+                                               "train.micro_batches=1"])
+    topo = get_topology("perlmutter")
+    pred = C.predict(cfg, topo, {"pair": 2, "node": 2, "global": 1})
+    line = [x for x in report_text(pred, cfg, topo, compiled=False).splitlines()
+            if "FIT" in x]
+    assert line == [line[0]] and "DOES NOT FIT (add --search" in line[0]
 
 
 def test_the_floor_bounds_every_layout_and_names_what_binds():

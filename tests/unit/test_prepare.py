@@ -108,11 +108,12 @@ def test_tokenizer_bpe_trains_saves_and_names_it(tmp_path, capsys):
     src = tmp_path / "c.jsonl"
     src.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS * 2))
     out = str(tmp_path / "data" / "c.bin")
-    argv = [str(src), out, "--tokenizer", "bpe", "--bpe-vocab-size", "600", "--workers", "2",
+    argv = [str(src), out, "--tokenizer", "bpe", "--bpe-vocab-size", "600", "--workers", "1",
             "--no-progress"]
     assert main(argv) == 0
     tok_path = str(tmp_path / "data" / "c.tokenizer.json")
     printed = capsys.readouterr().out
+    assert " tokens/s, 1 worker); metadata in " in printed
     assert f"data.tokenizer={tok_path} " in printed and f": {tok_path}\n" in printed
     tok = HFTokenizer.from_file(tok_path)
     assert 512 < tok.vocab_size <= 600 and tok.eos_id == 0  # a small corpus may stop short

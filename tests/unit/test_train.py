@@ -79,3 +79,13 @@ def test_resume_with_other_model_shape_is_refused(straight):
     out_a, _ = straight
     with pytest.raises(UserError, match="different model"):
         run(_cfg(out_a, "train.steps=30", "model.d_model=64"))
+
+
+def test_the_done_line_says_when_the_final_step_was_not_evaluated():
+    from boost_jax.train.loop import _done_line
+
+    done = {"final_step": 100, "last_val_loss": 1.5, "last_val_step": 100}
+    assert _done_line("r", done) == "done: step 100, val_loss 1.5000; summary in r/summary.json"
+    stopped = dict(done, final_step=23, last_val_step=0)  # a signal stopped it at step 23
+    assert _done_line("r", stopped).startswith(
+        "done: step 23 (not evaluated; the last evaluation was at step 0: val_loss 1.5000)")
