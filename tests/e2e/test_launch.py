@@ -19,6 +19,7 @@ import time
 import pytest
 
 from boost_jax.config import load_config
+from readme_errors import check_readme_table
 from train_proc import ROOT, TINY, assert_same_metrics
 from boost_jax.mesh import get_topology
 
@@ -166,6 +167,11 @@ def test_bad_input_is_one_line_exit_2(row, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and re.match("error: " + msg, lines[0]), r.stderr
     assert not os.path.exists(out)
+
+
+def test_readme_launch_rows_are_the_messages_these_rows_check():
+    assert check_readme_table("boost_jax.launch slurm` writes nothing", "In the job itself",
+                              [msg for _, msg in BAD.values()]) >= 5
 
 
 def test_cluster_jobs_refuse_the_demo_corpus(tmp_path):
