@@ -35,9 +35,13 @@ def cli_main(fn):
     def wrapper(*args, **kwargs):
         try:
             code = fn(*args, **kwargs)
-            sys.stdout.flush()  # a full disk under stdout fails here, not at exit
+            if sys.stdout is not None:
+                sys.stdout.flush()  # a full disk under stdout fails here, not at exit
             return code
         except OSError as e:
+            if e.errno == errno.EPIPE:  # the reader left (| head): stop quietly, as SIGPIPE
+                _to_devnull()
+                _exit_now(128 + signal.SIGPIPE)
             if e.errno not in OUTPUT_FULL:
                 raise
             _output_failed(e)
@@ -61,13 +65,17 @@ def _output_failed(e: OSError) -> None:
     catch itself): one line, exit 1. stdout is pointed at /dev/null first, so the text still
     buffered for it cannot fail again at exit with a second message."""
     what = repr(e.filename) if e.filename else "the output (stdout)"
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
+    _to_devnull()
     print(f"error: writing {what} failed ({e.strerror}); free space or write it elsewhere",
           file=sys.stderr)
     _exit_now(EXIT_MACHINE)
+
+
+def _to_devnull() -> None:
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _exit_now(code: int) -> None:

@@ -104,10 +104,12 @@ def check_resume(saved: Optional[dict], cfg: Config, step: int, where: str):
 
 def load_saved(path: str) -> Optional[dict]:
     """A config.yaml written by an earlier run (None if absent or unreadable)."""
-    try:
-        with open(path) as f:
-            tree = yaml.safe_load(f)
-    except (OSError, ValueError, yaml.YAMLError):  # ValueError: not UTF-8
+    from boost_jax.config_yaml import CONFIG_LIMIT
+    from boost_jax.file_kind import read_regular
+
+    try:  # a regular file of sane size only: a FIFO or /dev/zero here must not hang a resume
+        tree = yaml.safe_load(read_regular(path, "config file", CONFIG_LIMIT).decode("utf-8"))
+    except (UserError, ValueError, yaml.YAMLError, RecursionError):  # ValueError: not UTF-8
         return None
     return tree if isinstance(tree, dict) else None
 

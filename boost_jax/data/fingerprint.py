@@ -3,10 +3,11 @@ tokenizer that changed since (re-prepared with --force, a text file replaced) st
 naming the file, unless checkpoint.accept_changes names its key (data.source, data.sources,
 data.tokenizer, or data).
 
-A file's identity is its size and the SHA-256 of its bytes: all of them up to `FULL`, beyond
-that `SAMPLES` blocks spread evenly (a prepared .bin of many GB is fingerprinted in
-milliseconds; its metadata, fully hashed, changes whenever prepare writes it). A folder's is
-that of every text file training reads from it, with their relative paths. Modification
+A file's identity is its size and the SHA-256 of its bytes: all of them up to `FULL` (for a
+folder, its first `FULL` bytes of text files), beyond that `SAMPLES` blocks spread evenly (a
+prepared .bin of many GB is fingerprinted in milliseconds; its metadata, fully hashed, changes
+whenever prepare writes it). A folder's is that of every text file training reads from it, with
+their relative paths. Modification
 times are left out: a copy or a touch is the same corpus.
 """
 
@@ -22,11 +23,14 @@ FULL = 256 << 20
 SAMPLES, BLOCK = 256, 64 << 10
 
 
-def _file(path: str, h) -> None:
+def _file(path: str, h, budget: list) -> None:
+    """Size and bytes of `path` into `h`: all of them while `budget` (bytes left to hash
+    whole, shared by a folder's files) lasts, else `SAMPLES` blocks."""
     size = os.path.getsize(path)
     h.update(f"{size}\0".encode())
     with open(path, "rb") as f:
-        if size <= FULL:
+        if size <= budget[0] or size <= SAMPLES * BLOCK:
+            budget[0] -= size
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
             return
@@ -39,18 +43,18 @@ def source_identity(path: str) -> str:
     """"sha256:..." of a corpus: a file (a .bin with its metadata and BPE file) or a folder."""
     from boost_jax.data.sources import TEXT_EXTS, _walk
 
-    h = hashlib.sha256()
+    h, budget = hashlib.sha256(), [FULL]
     if os.path.isdir(path):
         for rel in _walk(path, TEXT_EXTS, {"__pycache__"}):
             h.update(f"{rel}\0".encode())
-            _file(os.path.join(path, rel), h)
+            _file(os.path.join(path, rel), h, budget)
     else:
-        _file(path, h)
+        _file(path, h, budget)
         stem = os.path.splitext(path)[0]
         for extra in (stem + ".json", stem + ".tokenizer.json") if path.endswith(".bin") else ():
             if os.path.isfile(extra):
                 h.update(os.path.basename(extra).encode() + b"\0")
-                _file(extra, h)
+                _file(extra, h, [FULL])
     return "sha256:" + h.hexdigest()
 
 

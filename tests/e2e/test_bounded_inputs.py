@@ -164,3 +164,15 @@ def test_a_billion_laughs_config_is_one_short_line(tmp_path):
     assert rc == 2 and len(lines) == 1 and len(lines[0]) < 400, err[:2000]
     assert lines[0].startswith("error: train.profile_steps=[[[") and "has the wrong type" in err
     assert secs < 5 and mb < 200, (secs, mb)
+
+
+def test_a_run_config_yaml_that_is_a_fifo_or_device_reads_as_unreadable(tmp_path):
+    """Resume, generate and evaluate read out_dir/config.yaml (load_saved): never blocked on a
+    FIFO, never fed /dev/zero."""
+    from boost_jax.checkpoints.run_config import load_saved
+
+    os.mkfifo(tmp_path / "config.yaml")
+    t = time.monotonic()
+    assert load_saved(str(tmp_path / "config.yaml")) is None
+    assert load_saved("/dev/zero") is None
+    assert time.monotonic() - t < 5

@@ -92,3 +92,15 @@ def test_a_tracker_that_fails_to_import_stops_before_config_yaml(tmp_path):
                  r"\(RuntimeError: half installed\); reinstall tensorboardX or set "
                  r"logging\.tensorboard=false")
     assert not (out / "config.yaml").exists()
+
+
+def test_stdout_whose_reader_left_ends_quietly():
+    """`... | head -1` that exits first: no traceback, the exit code a shell gives SIGPIPE."""
+    r, w = os.pipe()
+    os.close(r)  # the reader is gone before anything is written
+    cfg = os.path.join(ROOT, "configs", "demo.yaml")
+    p = subprocess.run([PY, "-m", "boost_jax.launch", "slurm", "--config", cfg, "--topology",
+                        "cpu", "--nodes", "1"], cwd=ROOT, env=ENV, stdout=w,
+                       stderr=subprocess.PIPE, text=True, timeout=120)
+    os.close(w)
+    assert p.returncode == 141 and p.stderr == "", (p.returncode, p.stderr)

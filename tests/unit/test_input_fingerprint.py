@@ -32,6 +32,14 @@ def test_identity_follows_content_not_time_or_copies(tmp_path):
     one = source_identity(str(tmp_path / "c.bin"))
     (tmp_path / "c.json").write_text((tmp_path / "c.json").read_text().replace("byte", "bytE"))
     assert source_identity(str(tmp_path / "c.bin")) != one  # its metadata is part of it
+    big = tmp_path / "big.bin"  # sparse, past FULL: sampled, not read whole
+    with open(big, "wb") as f:
+        f.truncate(300 << 20)
+    sampled = source_identity(str(big))
+    with open(big, "r+b") as f:
+        f.seek((300 << 20) - 1)
+        f.write(b"x")  # the last byte lies in the last sample
+    assert source_identity(str(big)) != sampled
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "x.txt").write_text("x")
     folder = source_identity(str(tmp_path / "d"))
