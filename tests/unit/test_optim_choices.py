@@ -111,3 +111,19 @@ def test_bad_names_are_one_line_errors(arg, msg):
     with pytest.raises(ConfigError) as e:
         load_config(None, [arg])
     assert str(e.value) == msg
+
+
+def test_the_learning_per_flop_study_names_its_optimizer():
+    import sys
+
+    from train_proc import ROOT
+    sys.path.insert(0, ROOT)
+    from benchmarks import convergence as conv
+
+    base = load_config(conv.BASE_CONFIG, []).optim
+    assert conv.optimizer_text(base).startswith("AdamW (weight decay 0.01, clip 0.5), warmup "
+                                                "0.05 of the steps then cosine to 0.1× lr")
+    assert conv.optimizer_text(base) in open(f"{ROOT}/benchmarks/results/convergence.md").read()
+    wsd = load_config(conv.BASE_CONFIG, ["optim.name=lion", "optim.schedule=wsd"]).optim
+    assert conv.optimizer_text(wsd).startswith("Lion (")
+    assert "then constant, the last 0.2 linear to 0.1× lr" in conv.optimizer_text(wsd)
