@@ -252,6 +252,19 @@ def wall_sentence(results: list) -> str:
             + "; ".join(secs) + ".")
 
 
+OPTIMIZER_NAMES = {"adamw": "AdamW", "adafactor": "Adafactor", "lion": "Lion",
+                   "sgd-momentum": "SGD with momentum"}
+
+
+def optimizer_text(o) -> str:
+    """The optimizer and schedule every run of the study used (`optim.*` of BASE_CONFIG)."""
+    after = {"cosine": f"cosine to {o.min_lr_ratio:g}× lr", "linear":
+             f"linear to {o.min_lr_ratio:g}× lr", "constant": "constant", "wsd":
+             f"constant, the last {o.decay_frac:g} linear to {o.min_lr_ratio:g}× lr"}
+    return (f"{OPTIMIZER_NAMES[o.name]} (weight decay {o.weight_decay:g}, clip "
+            f"{o.clip_norm:g}), warmup {o.warmup_frac:g} of the steps then {after[o.schedule]}")
+
+
 def report(a, sweep: list, chosen: dict, results: list) -> str:
     from boost_jax.config import load_config
 
@@ -282,8 +295,7 @@ Corpus: `data.source={d.source}` (configs/demo.yaml, the first {d.max_bytes / 1e
 byte-level BPE of {d.bpe_vocab_size} tokens trained once on the training split and shared by \
 every run. {cfg.model.n_layers} layers, head dim 32, SwiGLU d_ff = 8/3·d (rounded up to a \
 multiple of 8), rank d/4 for the low-rank archs; {t.global_batch} × {d.seq_len} tokens per \
-step, AdamW (weight decay {o.weight_decay:g}, clip {o.clip_norm:g}), warmup \
-{o.warmup_frac:g} of the steps then cosine to {o.min_lr_ratio:g}× lr, fp32, one CPU device. \
+step, {optimizer_text(o)}, fp32, one CPU device. \
 Within a width every arch gets full rank's training FLOPs (FLOPs per token from \
 `boost_jax.analysis.flops`, the count train.py's MFU uses) and the same data order \
 (`data.seed={d.seed}`); the low-rank archs take more steps for it. \

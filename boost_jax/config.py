@@ -17,7 +17,8 @@ import yaml
 from boost_jax.config_typed import all_keys, build, parse_overrides, set_dotted, unknown_key
 from boost_jax.config_yaml import read_yaml
 from boost_jax.errors import ConfigError, UserError
-from boost_jax.names import ARCHS, FAMILIES, MESH_AXES, PLANS, REMAT_MODES, TP_MODES
+from boost_jax.names import (ARCHS, FAMILIES, MESH_AXES, OPTIMIZERS, PLANS, REMAT_MODES,
+                             SCHEDULES, TP_MODES)
 
 
 
@@ -279,9 +280,12 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    name: Literal[OPTIMIZERS] = "adamw"  # optax's; boost_jax/step/optim.py
+    schedule: Literal[SCHEDULES] = "cosine"  # each after a linear warmup
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1  # cosine, linear and wsd decay to lr * min_lr_ratio
     warmup_frac: float = 0.1
+    decay_frac: float = 0.2  # wsd: the final fraction of the steps that decays
     weight_decay: float = 0.01
     b1: float = 0.9
     b2: float = 0.95
@@ -292,6 +296,7 @@ class OptimConfig:
         _positive("optim.lr", self.lr)
         _positive("optim.eps", self.eps)
         for k, lo, hi, closed in (("warmup_frac", 0.0, 1.0, False), ("b1", 0.0, 1.0, False),
+                                  ("decay_frac", 0.0, 1.0, True),
                                   ("b2", 0.0, 1.0, False), ("min_lr_ratio", 0.0, 1.0, True)):
             v = getattr(self, k)
             if not (lo <= v <= hi if closed else lo <= v < hi):

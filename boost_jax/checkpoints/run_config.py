@@ -11,7 +11,8 @@ with it:
   naming the keys, or whole sections, in ``checkpoint.accept_changes``; a change of the model's
   shapes cannot (the saved arrays have the old ones).
 * everything else (steps, eval and logging cadence, checkpoint cadence, parallel layout and
-  mesh, optimizer settings) is accepted and reported in the resume line.
+  mesh, optimizer settings) is accepted and reported in the resume line, except
+  ``optim.name`` (another optimizer's state does not fit the saved one).
 
 ``out_dir/config.yaml`` is the config of the latest invocation and ``out_dir/configs/`` keeps
 every distinct config the run has used, numbered, with the step it took over from.
@@ -86,6 +87,7 @@ def check_resume(saved: Optional[dict], cfg: Config, step: int, where: str):
     UserError for a change that redefines the model or the data stream and is not accepted."""
     if not saved:
         return []
+    _check_optimizer(saved, cfg, step, where)
     diff = changes(saved, cfg)
     refused = [c for c in diff if _under(c[0], DEFINING) and not _under(c[0], SAME_MATH)
                and not _under(c[0], cfg.checkpoint.accept_changes)]
@@ -100,6 +102,16 @@ def check_resume(saved: Optional[dict], cfg: Config, step: int, where: str):
                     f"define the model or the data stream ({describe(refused)}); resuming would "
                     "mix them silently: set them back, use a new out_dir, or accept the change "
                     f"on purpose with checkpoint.accept_changes=[{keys}]")
+
+
+def _check_optimizer(saved: dict, cfg: Config, step: int, where: str) -> None:
+    """Another optim.name has other state arrays: the checkpoint cannot be restored into it
+    (configs from before optim.name were all adamw)."""
+    was = flatten(saved).get("optim.name", "adamw")
+    if was != cfg.optim.name:
+        raise UserError(f"checkpoint step {step} in {where} holds the optimizer state of "
+                        f"optim.name={was}, not {cfg.optim.name}: set optim.name={was} to "
+                        "resume, or use a new out_dir")
 
 
 def load_saved(path: str) -> Optional[dict]:

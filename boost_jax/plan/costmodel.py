@@ -36,6 +36,7 @@ from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split
 from boost_jax.plan import overlap
 from boost_jax.plan.overlap import gpu_exposed, gpu_launch_seconds, overlap_exposed
 from boost_jax.sharding.gather import qgz_stages
+from boost_jax.step.optim import STATE_PER_PARAM
 from boost_jax.sharding.step_collectives import (Passes, bucketed, keeps_secondary,
                                                  step_collectives)
 from boost_jax.sharding.stages import layers_per_stage
@@ -277,7 +278,9 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     pp = par.pp_stages
     L = stage_layers(cfg)
     mem = {"weights": st.params * pb, "master": st.opt * 4 if mixed else 0.0,
-           "adam": st.opt * 8, "batch": 2 * 4 * b * cfg.data.seq_len * cfg.train.micro_batches}
+           # fp32 optimizer moments ("adam" for every optimizer: the key the reports read)
+           "adam": st.opt * 4 * STATE_PER_PARAM[cfg.optim.name],
+           "batch": 2 * 4 * b * cfg.data.seq_len * cfg.train.micro_batches}
     mem["arguments"] = mem["weights"] + mem["master"] + mem["adam"] + mem["batch"]
     gb = DTYPE_BYTES[par.grad_accum_dtype]
     mem["grads"] = st.grads * gb

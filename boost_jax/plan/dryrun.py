@@ -32,6 +32,7 @@ from boost_jax.mesh import STAGE, Topology
 from boost_jax.plan.collectives import CommSummary, colls_from_report
 from boost_jax.plan.costmodel import Assumptions, Prediction, predict, state_sizes
 from boost_jax.plan.roofline import DTYPE_BYTES
+from boost_jax.step.optim import STATE_PER_PARAM
 
 
 class StepCompileError(RuntimeError):
@@ -236,8 +237,8 @@ def argument_formula(cfg, sizes: dict) -> dict:
 
     for ax in resolve_roles(cfg)["batch"]:
         n_batch *= sizes[ax]
-    d = {"weights": st.params * pb, "master": st.opt * 4 if mixed else 0.0, "adam": st.opt * 8,
-         "batch": 2 * 4 * cfg.train.global_batch * cfg.data.seq_len / n_batch}
+    d = {"weights": st.params * pb, "master": st.opt * 4 if mixed else 0.0,
+         "adam": st.opt * 4 * STATE_PER_PARAM[cfg.optim.name], "batch": 2 * 4 * cfg.train.global_batch * cfg.data.seq_len / n_batch}
     d["arguments"] = sum(d.values())
     d["grads"] = st.grads * DTYPE_BYTES[cfg.parallel.grad_accum_dtype]
     return d

@@ -1,11 +1,12 @@
-"""The compiled training step: placement by plan, micro-batch accumulation, clipping, AdamW.
+"""The compiled training step: placement by plan, micro-batch accumulation, clipping, optimizer.
 
 State is a plain pytree (orbax and optax see ordinary arrays):
 
     {"step":      int32, replicated
      "params":    working weights, model.param_dtype, sharded over the plan's params axes
      "master":    fp32 master weights over opt_state axes (only when param_dtype=bfloat16)
-     "opt_state": optax AdamW state; moments over opt_state axes, counters replicated}
+     "opt_state": the optax state; param-shaped moments over opt_state axes, the rest
+                  (counters, Adafactor's factored statistics) replicated}
 
 Arrays are stored in the plan's layout (boost_jax.sharding.placement): one dim sharded, padded
 with zeros at its end when it does not divide — `bundle.placement.layouts` says which.
@@ -16,7 +17,7 @@ One optimizer step, top to bottom in step_fn:
        into the grads sharding each micro-batch in grad_accum_dtype and reduced over the
        remaining batch axes once, straight into the opt_state sharding)
     2. clip by global norm
-    3. AdamW on the fp32 master shard (opt_state sharding)
+    3. the optimizer (optim.name, step/optim.py) on the fp32 master shard (opt_state sharding)
     4. the new working weights gathered back in stages (opt_state → grads → params sharding),
        so the cross-node part moves only the node's shard
 """
@@ -40,7 +41,7 @@ from boost_jax.sharding import parallel
 from boost_jax.sharding.placement import Placement
 from boost_jax.sharding.step_collectives import update_via_grads
 from boost_jax.step.engine import Engine
-from boost_jax.step.optim import lr_schedule, make_optimizer
+from boost_jax.step.optim import check_factoring, lr_schedule, make_optimizer
 
 
 def model_factory(cfg: Config) -> Callable[[], nnx.Module]:
@@ -138,7 +139,7 @@ def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
         if clip > 0:
             scale = jnp.minimum(1.0, clip / (gnorm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
-        # 3. AdamW on the fp32 master shard
+        # 3. the optimizer on the fp32 master shard
         master = state["master"] if mixed else constrain_tree(params, master_sh)
         updates, opt_state = tx.update(grads, state["opt_state"], master)
         new_master = constrain_tree(optax.apply_updates(master, updates), master_sh)
@@ -190,6 +191,7 @@ def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepB
     CPU compile time ~4x); the one-off init program always compiles with the fast options."""
     plan = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])  # one-line ConfigErrors first
     pl = plan.placement
+    check_factoring(cfg.optim, pl.layouts)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     abstract_state, state_sh = state_layout(pl, tx, jnp.dtype(cfg.model.param_dtype))
     engine = Engine(plan)
