@@ -12,7 +12,7 @@ FAMILIES = ("llama", "gpt_neox", "gpt2")
 TP_MODES = ("none", "megatron", "vanilla", "btp")
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 REMAT_MODES = ("none", "full", "lowrank")
-OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd-momentum")
+OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "sgd-momentum")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 
 # jax.ad_checkpoint.checkpoint_name tags: what a remat policy may save (layers/remat.py)

@@ -5,7 +5,7 @@ cosine / linear decay to lr·min_lr_ratio at the last step, constant, or wsd (wa
 decay: lr until the last `decay_frac` of the steps, then linear to lr·min_lr_ratio).
 
 The step applies the update to whole (padded) weights under jit, whatever their sharding, so an
-elementwise optimizer (adamw, lion, sgd-momentum) matches the single-device reference on every
+elementwise optimizer (adamw, lion, sgd, sgd-momentum) matches the single-device reference on every
 plan. Adafactor's factored second moment (row and column means) is also unchanged by zero
 padding: the padding scales the row statistic and the column statistic by factors that cancel.
 Its update clipping and parameter scaling take an RMS over the whole (padded) weight, so they
@@ -47,9 +47,10 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
     if cfg.name == "lion":
         return optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
                           mask=_decay_mask)
-    if cfg.name == "sgd-momentum":  # classic L2 decay, through the momentum
+    if cfg.name in ("sgd", "sgd-momentum"):  # classic L2 decay (through the momentum)
+        momentum = cfg.b1 if cfg.name == "sgd-momentum" else None
         return optax.chain(optax.add_decayed_weights(cfg.weight_decay, _decay_mask),
-                           optax.sgd(lr, momentum=cfg.b1))
+                           optax.sgd(lr, momentum=momentum))
     if cfg.name == "adafactor":
         return optax.adafactor(lr, multiply_by_parameter_scale=False, clipping_threshold=None,
                                weight_decay_rate=cfg.weight_decay or None,
@@ -60,7 +61,7 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
 
 # fp32 optimizer-state elements per weight element (the planner's memory model). Adafactor:
 # its unfactored leaves' full second moment, an upper bound (a factored one keeps rows + cols).
-STATE_PER_PARAM = {"adamw": 2, "lion": 1, "sgd-momentum": 1, "adafactor": 1}
+STATE_PER_PARAM = {"adamw": 2, "lion": 1, "sgd": 0, "sgd-momentum": 1, "adafactor": 1}
 
 
 def check_factoring(cfg: OptimConfig, layouts) -> None:

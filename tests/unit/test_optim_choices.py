@@ -102,8 +102,8 @@ def test_adafactor_refuses_a_padding_that_changes_its_factoring():
 
 
 @pytest.mark.parametrize("arg, msg", [
-    ("optim.name=sgd", "optim.name='sgd' is not valid: expected one of 'adamw', 'adafactor', "
-                       "'lion', 'sgd-momentum'"),
+    ("optim.name=adam", "optim.name='adam' is not valid: expected one of 'adamw', 'adafactor', "
+                        "'lion', 'sgd', 'sgd-momentum'"),
     ("optim.schedule=step", "optim.schedule='step' is not valid: expected one of 'cosine', "
                             "'linear', 'wsd', 'constant'"),
     ("optim.decay_frac=1.5", "optim.decay_frac=1.5 must be in [0, 1]")])
@@ -143,6 +143,7 @@ def test_the_planner_counts_each_optimizers_state():
         assert mem[n]["adam"] == pytest.approx(mem["adamw"]["adam"] / 2), n
         assert mem["adamw"]["arguments"] - mem[n]["arguments"] == pytest.approx(
             mem[n]["adam"]), n
+    assert mem["sgd"]["adam"] == 0  # plain SGD keeps no state
 
 
 def test_one_moment_state_compiles_to_the_planners_bytes():

@@ -35,7 +35,8 @@ def _by_step(rows, key):
 @pytest.mark.parametrize("name, schedule, lr, extra", [
     ("lion", "wsd", 0.003, []),
     ("adafactor", "linear", 0.01, ["parallel.plan=zero3"]),
-    ("sgd-momentum", "constant", 0.1, [])])
+    ("sgd-momentum", "constant", 0.1, []),
+    ("sgd", "cosine", 0.3, [])])
 def test_trains_and_resumes_bit_exactly(tmp_path, name, schedule, lr, extra):
     args = RUN + extra + [f"optim.name={name}", f"optim.schedule={schedule}", f"optim.lr={lr}"]
     ref = str(tmp_path / "ref")
