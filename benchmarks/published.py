@@ -296,10 +296,14 @@ def bus_bandwidth(topology: str, nodes: int, payload: float = 2.0 ** 30,
 # reduce-scatter, the buffer of an all-reduce, in MiB. The rows: 1 GiB at each machine's
 # smallest, a middle and its largest rank count; 32 MiB (the calls XLA's combiners make) at a
 # few nodes and at 1024 ranks; the smallest clean size at 1024 ranks; the largest all-reduce
-# at the largest rank count. Cells where RCCL spikes 10-100x above its neighbours are left out.
+# at the largest rank count; and an rccl-tests output posted with its machine (a small call:
+# latency only). Cells where RCCL spikes 10-100x above its neighbours are left out.
 COLLECTIVE_REPOS = {
     "ag": "axonn-ai/sc2025-pccl-reproducer@540dd3ebe60b0a30d5250374689b1623d6dae8ca",
     "ar": "keshprad/sc2025-pccl-reproducer@0bad8a63e376d5e36f7a8e4001e91e04a93deb72",
+    # rccl-tests all_gather_perf on 4 nodes of 4 MI250X (8 GCDs) on Slingshot-11, the same
+    # node as Frontier's; its smallest size (the issue reports the larger ones as anomalous)
+    "issue": "github.com/ROCm/rccl/issues/1490 (2025-01-17)",
 }
 COLLECTIVE_MEASURED = (
     # machine, collective, ranks, P MiB, ms, repository, file
@@ -319,6 +323,7 @@ COLLECTIVE_MEASURED = (
     ("frontier", "reduce-scatter", 1024, 2, 3.290, "ag",
      "data/frontier/fr_reduce_scatter/slurm-2990839.out"),
     ("frontier", "all-reduce", 2048, 4096, 150.156, "ar", "scaling_plot.ipynb, cell 5 (rccl)"),
+    ("frontier", "all-gather", 32, 0.0625, 0.1075, "issue", "all_gather_perf, 65536 B"),
     ("perlmutter", "all-gather", 16, 1024, 16.246, "ag",
      "data/perlmutter/pm_all_gather/slurm-35376646.out"),
     ("perlmutter", "all-gather", 128, 1024, 17.560, "ag",

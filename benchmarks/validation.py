@@ -241,8 +241,8 @@ the library's tuner predicts fastest) and the library's own per-call latency (NC
 RCCL's `src/graph/tuning.cc`, file and commit in `boost_jax/mesh.py`; derivation in
 `benchmarks/README.md`). Against one call's milliseconds as measured on Frontier (RCCL) and
 Perlmutter (NCCL) by the authors of "The Big Send-off" (arXiv 2504.18658), published with
-their reproducer ({repos}); P = the gathered output, the reduce-scatter input or the
-all-reduce buffer. "Implied" = what the measurement leaves per ring step once the bytes are
+their reproducer, and one rccl-tests output posted with its machine ({repos}); P = the
+gathered output, the reduce-scatter input or the all-reduce buffer. "Implied" = what the measurement leaves per ring step once the bytes are
 paid (Simple, full bandwidth).
 
 **{n_ok} of {len(rows)} measured calls are within {V.TOLERANCE:.0%}.** The ones outside are
