@@ -79,6 +79,12 @@ def test_a_ring_over_whole_nodes_leaves_each_node_once():
     assert one.egress_per_step(topo) == pytest.approx(8 * 2 * 47 / 48 * P)
     assert N.coll_time(one, topo, a) - N.coll_latency(one, topo, a) == pytest.approx(
         8 * 2 * 47 / 48 * P / 100e9)
+    # a group over the GCD pair and the nodes: each MI250X's pair leaves by its own NIC,
+    # 25 GB/s, the four pairs of a node side by side
+    two = N.Coll("ag", "all-gather", P, 96, "global", 1, "step", ("pair", "global"),
+                 *N.host_split(("pair", "global"), sizes))
+    assert (two.host_members, two.host_groups) == (2, 4)
+    assert N.bytes_seconds(two, topo, a) == pytest.approx(95 / 96 * P / 25e9)
 
 
 def test_per_call_latency_is_reported_apart_from_the_bytes():
