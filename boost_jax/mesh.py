@@ -106,23 +106,96 @@ PERLMUTTER_JOB = JobProfile(
     scratch="$PSCRATCH", modules=("nccl",), env=SLINGSHOT_CCL_ENV, xla_flags=GPU_XLA_FLAGS)
 
 
+NCCL_COMMIT = "NVIDIA/nccl 5067397c2676d5aed50042fc39e5c8ee96eb0027"
+RCCL_COMMIT = "ROCm/rccl 0cbce2a7571c907554199fad7e905f16ec0a565c"
+PROTOCOLS = ("LL", "LL128", "Simple")
+
+
+@dataclass(frozen=True)
+class CollLibrary:
+    """A collective library's own latency model, as its tuning code states it (microseconds,
+    per protocol LL / LL128 / Simple; 0 bandwidth ratio: the protocol is off on that machine).
+
+    base      per call, per algorithm (ring, tree)
+    intra     per ring / tree step inside a node (NVLink, or xGMI, which RCCL types as NVLink)
+    net       per step between nodes
+    bw        the protocol's share of the Simple ring's bandwidth, per algorithm (ring, tree),
+              for groups of more than two nodes (bw2: of one or two nodes)
+    overhead  a multi-node ring's floor under every intra-node step (the CPU posting network
+              requests: getNetOverhead, ×3 for Simple)
+    ar_inter  inter-node steps of a ring all-reduce over m nodes: NCCL 2(m−1), RCCL 2m
+    ppn1      NCCL: a ring with one rank per node pays the tree's network step latency
+    ll_cap    NCCL: the LL protocol's bus bandwidth cap (llMaxBws); plateau: NCCL's ×1.4
+    ll128_net NCCL enables LL128 across nodes only when GPU and NIC share a PCIe switch
+    Read by boost_jax/plan/collectives.py; `source` names the file and commit."""
+
+    name: str
+    base: dict  # algo -> (LL, LL128, Simple) us
+    intra: dict
+    net: dict
+    bw: dict
+    bw2: dict
+    overhead: float  # us
+    ar_inter_extra: int  # RCCL: +1 per ring all-reduce direction (2m, not 2(m-1))
+    source: str
+    ppn1_tree_net: bool = False  # NCCL: a ring of one rank per node pays the tree's net latency
+    ll_cap: tuple = ()  # NCCL: LL bus bandwidth cap GB/s on 1 / 2 / more nodes (llMaxBws)
+    ar_plateau: float = 1.0  # NCCL (sm80+): a multi-node Simple ring all-reduce's latency ×1.4
+    ll128_net: bool = True  # LL128 across nodes (NCCL: only if the GPU–NIC path is <= PXB)
+
+
+# RCCL on Frontier: src/graph/tuning.cc tuning_model_3, chosen by rome_model_74 in
+# src/graph/rome_models.cc (8 MI250X GCDs at bus ids c1..de on 4 NUMA domains {3,3,1,1,0,0,2,2},
+# 4 Cassini NICs: the HPE Cray EX235a node of Frontier); LL128 off there (no ll128Enabled).
+# RCCL applies neither NCCL's LL cap nor its all-reduce plateau. AMD CPU: net overhead 2 us.
+RCCL_FRONTIER = CollLibrary(
+    "RCCL", base={"ring": (12.0, 12.0, 17.0), "tree": (12.0, 12.0, 17.0)},
+    intra={"ring": (0.8, 0.0, 3.6), "tree": (0.8, 0.0, 2.5)},
+    net={"ring": (9.5, 0.0, 19.8), "tree": (12.5, 0.0, 22.4)},
+    bw={"ring": (0.20, 0.0, 1.0), "tree": (0.20, 0.0, 0.96)},
+    bw2={"ring": (0.20, 0.0, 1.0), "tree": (0.20, 0.0, 1.0)},  # tuner's 1.75: capped at 1
+    overhead=2.0, ar_inter_extra=1,
+    source=f"{RCCL_COMMIT}: src/graph/tuning.cc (baseLat, tuning_model_3, getNetOverhead, "
+           "nInterSteps), src/graph/rome_models.cc rome_model_74 (tuning=3)")
+
+
+def _nccl(overhead: float, cpu: str, ll_cap: tuple) -> CollLibrary:
+    """NCCL's default tuner constants (ncclTunerConstantsDefaults) and refinements: ring LL
+    ×0.5, LL128 ×0.92 (120/128), tree all-reduce ×0.92 (LL ×0.92/3.8, LL128 ×0.92·120/128),
+    LL capped at llMaxBws (Ampere/Hopper one node; AMD or Intel host CPU on 2 / more nodes)."""
+    return CollLibrary(
+        "NCCL", base={"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 8.4)},
+        intra={"ring": (0.6, 1.9, 3.4), "tree": (0.6, 1.25, 4.0)},
+        net={"ring": (2.7, 4.0, 14.0), "tree": (5.0, 8.5, 14.0)},
+        bw={"ring": (0.5, 0.92, 1.0), "tree": (0.92 / 3.8, 0.92 * 120 / 128, 0.92)},
+        bw2={"ring": (0.5, 0.92, 1.0), "tree": (0.92 / 3.8, 0.92 * 120 / 128, 0.92)},
+        overhead=overhead, ar_inter_extra=0, ppn1_tree_net=True, ll_cap=ll_cap,
+        ar_plateau=1.4, source=f"{NCCL_COMMIT}: src/graph/tuning.cc (ncclTunerConstantsDefaults, "
+               f"ncclTopoTuneModel, getNetOverhead: {cpu} CPU {overhead:g} us)")
+
+
+NCCL_AMD_CPU = _nccl(2.0, "AMD", (87.7, 22.5, 19.0))  # DGX A100: A100, EPYC host
+# Perlmutter: the NICs hang off the CPU's PCIe root (NERSC sets NCCL_NET_GDR_LEVEL=PHB, see
+# SLINGSHOT_CCL_ENV): GPU-NIC path PHB > PXB, so NCCL turns LL128 off across nodes.
+NCCL_PERLMUTTER = dataclasses.replace(NCCL_AMD_CPU, ll128_net=False)
+NCCL_INTEL_CPU = _nccl(1.0, "Intel", (141.0, 39.0, 20.4))  # DGX H100: H100, Xeon
+
+
 @dataclass(frozen=True)
 class Topology:
     name: str
     pair: int  # devices sharing the fastest link
     node: int  # pairs per host
-    # Per-device one-direction bandwidth (bytes/s) and latency (s) of each level.
+    # Per-device one-direction bandwidth (bytes/s) of each level; a ring runs at its slowest link
     bw_pair: float
     bw_node: float
     bw_global: float
-    lat_pair: float
-    lat_node: float
-    lat_global: float
     # Dense bf16 FLOP/s per device; None: measured on this machine (see `peak_flops`).
     nominal_peak_flops: Optional[float]
     hbm_bytes: float  # memory per device
     device: str = ""
     job: Optional[JobProfile] = None  # how a batch job runs on it (boost_jax.launch)
+    library: CollLibrary = NCCL_AMD_CPU  # whose collectives run on it (latency per step)
 
     @property
     def peak_flops(self) -> float:
@@ -145,53 +218,116 @@ class Topology:
         return {"pair": self.bw_pair, "node": self.bw_node, "global": self.bw_global}[level]
 
     def latency(self, level: str) -> float:
-        return {"pair": self.lat_pair, "node": self.lat_node, "global": self.lat_global}[level]
+        """Seconds per ring step (Simple protocol) on a level's link: the library's hardware
+        latency inside a node, or between nodes (boost_jax/plan/collectives.py composes them)."""
+        lib = self.library
+        return (lib.net if level == "global" else lib.intra)["ring"][2] * 1e-6
 
 
 GB = 1e9
 TOPOLOGIES: dict[str, Topology] = {
     # Frontier. Node: 4 MI250X = 8 GCDs; the two GCDs of a package share 4 Infinity Fabric
-    # links = 200 GB/s each way (pair); packages are joined by 1-2 IF links of 50 GB/s (node
-    # level 75 GB/s per GCD, the mean of the 50/100 GB/s package pairs); 4 HPE Slingshot-11
-    # NICs of 200 Gb/s = 25 GB/s each way, 100 GB/s per node (nic_node), one per package
-    # (OLCF Frontier user guide, "Node Types" figure; arXiv 2501.04266 §2). 191.5 TFLOP/s
-    # dense bf16 and 64 GB HBM2e per GCD (AMD MI250X datasheet: 383 TFLOP/s per package).
-    # Latency per algorithm step: 2 us inside a node, 10 us across nodes — an assumption, not
-    # a measurement (of the order of NCCL/RCCL's per-step base latency; it matters only for
-    # small messages).
-    "frontier": Topology("frontier", 2, 4, 200 * GB, 75 * GB, 12.5 * GB, 2e-6, 4e-6, 1e-5,
-                         191.5e12, 64 * GB, "AMD MI250X GCD", FRONTIER_JOB),
+    # links = 200 GB/s each way (pair); GCDs of different packages are joined by 1 or 2 IF
+    # links of 50 GB/s each way (OLCF Frontier user guide, "Node Types" figure; the link
+    # counts of RCCL's tools/topo_expl/models/topo_8p1h_3.xml). One ring through the 4
+    # packages runs at its slowest link, 50 GB/s; RCCL runs 4 ring orders at once over
+    # disjoint cross-package links (rome_model_74's ringBase), 200 GB/s at most. Measured:
+    # 90 GB/s bus bandwidth for RCCL's 8-GCD all-gather of 1 GiB (VALIDATION_SOURCE in
+    # benchmarks/published.py): node = 100 GB/s, two links, which eta_net brings to 80.
+    # 4 HPE Slingshot-11 NICs of 200 Gb/s = 25 GB/s each way, one per package: a GCD's ring
+    # leaves by its package's NIC, 100 GB/s per node (nic_node; arXiv 2501.04266 §2).
+    # 191.5 TFLOP/s dense bf16 and 64 GB HBM2e per GCD (AMD MI250X datasheet: 383 TFLOP/s
+    # per package). Collectives: RCCL (RCCL_FRONTIER).
+    "frontier": Topology("frontier", 2, 4, 200 * GB, 100 * GB, 12.5 * GB,
+                         191.5e12, 64 * GB, "AMD MI250X GCD", FRONTIER_JOB, RCCL_FRONTIER),
     # Perlmutter GPU nodes (NERSC "Perlmutter Architecture"): 4 A100 fully connected by
     # NVLink 3 — 12 links x 25 GB/s per GPU, 4 links (100 GB/s each way) to each of the 3
     # peers (NVIDIA A100 datasheet: 600 GB/s bidirectional per GPU). A pair-level collective
     # has only its direct 100 GB/s; a collective over all 4 GPUs drives all 3 peer links at
     # once (NCCL runs its rings/channels over every link): 3 x 100 = 300 GB/s per GPU each
     # way. 4 Slingshot-11 NICs x 25 GB/s = 100 GB/s per node (nic_node). 312 TFLOP/s dense
-    # bf16 (A100 datasheet), 40/80 GB HBM2e.
-    "perlmutter": Topology("perlmutter", 2, 2, 100 * GB, 300 * GB, 25 * GB, 2e-6, 2e-6, 1e-5,
-                           312e12, 40 * GB, "NVIDIA A100-40GB", PERLMUTTER_JOB),
-    "perlmutter-80": Topology("perlmutter-80", 2, 2, 100 * GB, 300 * GB, 25 * GB, 2e-6, 2e-6,
-                              1e-5, 312e12, 80 * GB, "NVIDIA A100-80GB",
-                              dataclasses.replace(PERLMUTTER_JOB, constraint="gpu&hbm80g")),
+    # bf16 (A100 datasheet), 40/80 GB HBM2e. AMD EPYC 7763 host: NCCL_PERLMUTTER.
+    "perlmutter": Topology("perlmutter", 2, 2, 100 * GB, 300 * GB, 25 * GB,
+                           312e12, 40 * GB, "NVIDIA A100-40GB", PERLMUTTER_JOB, NCCL_PERLMUTTER),
+    "perlmutter-80": Topology("perlmutter-80", 2, 2, 100 * GB, 300 * GB, 25 * GB,
+                              312e12, 80 * GB, "NVIDIA A100-80GB",
+                              dataclasses.replace(PERLMUTTER_JOB, constraint="gpu&hbm80g"),
+                              NCCL_PERLMUTTER),
     # DGX H100 (NVIDIA datasheet): 8 H100 SXM on NVSwitch, NVLink 4 450 GB/s each way per GPU;
-    # 8 x 400 Gb/s InfiniBand = 50 GB/s per GPU; 989 TFLOP/s dense bf16, 80 GB HBM3.
-    # Job: a generic SLURM cluster of DGX nodes (NCCL's InfiniBand defaults, no site modules).
-    "dgx-h100": Topology("dgx-h100", 2, 4, 450 * GB, 450 * GB, 50 * GB, 2e-6, 2e-6, 8e-6,
+    # 8 x 400 Gb/s InfiniBand = 50 GB/s per GPU; 989 TFLOP/s dense bf16, 80 GB HBM3; Intel
+    # Xeon hosts. Job: a generic SLURM cluster of DGX nodes (NCCL's InfiniBand defaults).
+    "dgx-h100": Topology("dgx-h100", 2, 4, 450 * GB, 450 * GB, 50 * GB,
                          989e12, 80 * GB, "NVIDIA H100 SXM",
-                         JobProfile("cuda", 8, gpus_per_node=8, xla_flags=GPU_XLA_FLAGS)),
+                         JobProfile("cuda", 8, gpus_per_node=8, xla_flags=GPU_XLA_FLAGS),
+                         NCCL_INTEL_CPU),
     # DGX A100 (NVIDIA DGX A100 datasheet; Selene, where Megatron-LM's published runs ran):
     # 8 A100-80GB on NVSwitch, NVLink 3 600 GB/s bidirectional = 300 GB/s each way per GPU;
-    # 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU (200 GB/s per node); 312 TFLOP/s bf16.
-    "dgx-a100": Topology("dgx-a100", 2, 4, 300 * GB, 300 * GB, 25 * GB, 2e-6, 2e-6, 1e-5,
+    # 8 x 200 Gb/s HDR InfiniBand = 25 GB/s per GPU (200 GB/s per node); 312 TFLOP/s bf16;
+    # AMD EPYC hosts.
+    "dgx-a100": Topology("dgx-a100", 2, 4, 300 * GB, 300 * GB, 25 * GB,
                          312e12, 80 * GB, "NVIDIA A100-80GB SXM",
                          JobProfile("cuda", 8, gpus_per_node=8, xla_flags=GPU_XLA_FLAGS)),
-    # Simulated CPU devices for tests and laptops; bandwidths mirror Frontier's ratios so the
-    # communication analysis means something; peak FLOP/s is this machine's measured fp32 GEMM
-    # rate shared by its simulated devices (boost_jax.backends.cpu_peak).
+    # Simulated CPU devices for tests and laptops; bandwidths and collective library mirror
+    # Frontier's so the communication analysis means something; peak FLOP/s is this machine's
+    # measured fp32 GEMM rate shared by its simulated devices (boost_jax.backends.cpu_peak).
     # Job: one process per node simulating its 4 devices (the local SLURM stand-in's dry run).
-    "cpu": Topology("cpu", 2, 2, 200 * GB, 75 * GB, 12.5 * GB, 2e-6, 4e-6, 1e-5,
-                    None, 8 * GB, "host CPU", JobProfile("cpu", 1)),
+    "cpu": Topology("cpu", 2, 2, 200 * GB, 100 * GB, 12.5 * GB,
+                    None, 8 * GB, "host CPU", JobProfile("cpu", 1), RCCL_FRONTIER),
 }
+
+
+OLCF = "OLCF Frontier user guide (olcf/olcf-user-docs@2745903 systems/frontier_user_guide.rst)"
+_A100 = "NVIDIA A100 datasheet"
+# Where each number of each profile comes from (the README's constants table is built from it;
+# tests/unit/test_network_model.py checks every field of every profile has one).
+TOPOLOGY_SOURCES = {
+    "frontier": {
+        "pair": f"{OLCF}: 2 GCDs per MI250X", "node": f"{OLCF}: 4 MI250X per node",
+        "bw_pair": f"{OLCF}: the two GCDs of an MI250X, 4 Infinity Fabric links, 200+200 GB/s",
+        "bw_node": "RCCL's measured 8-GCD all-gather, 90 GB/s bus bandwidth at 1 GiB (benchmarks/"
+                   "published.py COLLECTIVE_CALIBRATION), read as 2 IF links of 50 GB/s (80 at "
+                   "eta_net); one ring's slowest hop is 1 link, RCCL's 4 rings reach 200 at most "
+                   f"({OLCF}; RCCL tools/topo_expl/models/topo_8p1h_3.xml)",
+        "bw_global": f"{OLCF}: 4 Slingshot-11 NICs of 25 GB/s, one per MI250X: 12.5 per GCD",
+        "nominal_peak_flops": "AMD MI250X datasheet: 383 TFLOP/s bf16 per package, 2 GCDs",
+        "hbm_bytes": f"{OLCF}: 64 GB HBM2e per GCD",
+        "library": RCCL_FRONTIER.source,
+    },
+    "perlmutter": {
+        "pair": "NERSC Perlmutter architecture: 4 A100 per node (2 pairs)",
+        "node": "NERSC Perlmutter architecture: 4 A100 per node",
+        "bw_pair": f"{_A100}: 12 NVLink-3 links of 25 GB/s; 4 to each of 3 peers = 100 GB/s",
+        "bw_node": f"{_A100}: all 12 NVLink-3 links, 300 GB/s each way (NCCL drives every link)",
+        "bw_global": "NERSC: 4 Slingshot-11 NICs of 25 GB/s per node, 25 per GPU",
+        "nominal_peak_flops": f"{_A100}: 312 TFLOP/s dense bf16",
+        "hbm_bytes": f"{_A100}: 40 GB HBM2e",
+        "library": NCCL_PERLMUTTER.source + "; LL128 off across nodes (GPU-NIC path PHB)",
+    },
+    "dgx-h100": {
+        "pair": "NVIDIA DGX H100 datasheet: 8 GPUs", "node": "NVIDIA DGX H100 datasheet: 8 GPUs",
+        "bw_pair": "NVIDIA H100 datasheet: NVLink 4, 900 GB/s bidirectional per GPU",
+        "bw_node": "NVIDIA DGX H100 datasheet: NVSwitch, 450 GB/s each way per GPU",
+        "bw_global": "NVIDIA DGX H100 datasheet: 8 x 400 Gb/s InfiniBand, 50 GB/s per GPU",
+        "nominal_peak_flops": "NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16",
+        "hbm_bytes": "NVIDIA H100 SXM datasheet: 80 GB HBM3", "library": NCCL_INTEL_CPU.source,
+    },
+    "dgx-a100": {
+        "pair": "NVIDIA DGX A100 datasheet: 8 GPUs", "node": "NVIDIA DGX A100 datasheet: 8 GPUs",
+        "bw_pair": f"{_A100}: NVLink 3, 600 GB/s bidirectional per GPU",
+        "bw_node": "NVIDIA DGX A100 datasheet: NVSwitch, 300 GB/s each way per GPU",
+        "bw_global": "NVIDIA DGX A100 datasheet: 8 x 200 Gb/s HDR InfiniBand, 25 GB/s per GPU",
+        "nominal_peak_flops": f"{_A100}: 312 TFLOP/s dense bf16",
+        "hbm_bytes": f"{_A100}: 80 GB HBM2e", "library": NCCL_AMD_CPU.source,
+    },
+    "cpu": {k: "simulated devices for tests: Frontier's links and library mirrored; peak FLOP/s "
+               "measured on this machine (boost_jax.backends.cpu_peak)"
+            for k in ("pair", "node", "bw_pair", "bw_node", "bw_global", "nominal_peak_flops",
+                      "hbm_bytes", "library")},
+}
+TOPOLOGY_SOURCES["perlmutter-80"] = dict(TOPOLOGY_SOURCES["perlmutter"],
+                                         hbm_bytes=f"{_A100}: 80 GB HBM2e")
+SOURCED_FIELDS = ("pair", "node", "bw_pair", "bw_node", "bw_global", "nominal_peak_flops",
+                  "hbm_bytes", "library")
 
 
 def get_topology(name: str) -> Topology:

@@ -1,27 +1,24 @@
-"""α–β cost of collectives on the links they cross (analytic or measured from a compiled step).
+"""Collectives as NCCL / RCCL run them: bytes on the links they cross, latency per call.
 
-links     a collective is a ring over its group; per device it sends
-              all-reduce 2(n−1)/n·P, all-gather / reduce-scatter (n−1)/n·P
-          (P = the un-sharded buffer). Three link classes carry it (boost_jax/mesh.py gives each
-          bandwidth with its source):
-            pair    the fastest link (MI250X: the two GCDs of a package; A100: one NVLink peer)
-            node    the other links inside a host
-            NIC     the host's network cards, shared by the whole node (topology.nic_node)
-          A group inside a host runs at eta_net × its level's per-device bandwidth. A ring that
-          spans hosts is ordered so that its k members on one host are contiguous (NCCL/RCCL
-          build rings that way): it leaves each host once, so a host's NICs carry one
-          device's ring bytes per group, and every group of the same collective that leaves
-          the host at the same time (devices_on_host / k of them) shares the NICs:
-              t = max(groups · ring_bytes / nic_node, ring_bytes / intra-host link) / eta_net
-          With k = 1 (a group with one member per host) this is the per-device share of the
-          NICs. An all-to-all (qgZ) sends (n−1)/n·P as n−1 messages, k·(n−k)/n·P of a group's
-          leaving the host; a pipeline send moves P per device.
-latency   α_level per step of the algorithm: ⌈log2 n⌉ per call (n−1 for an all-to-all).
-overlap   applied by boost_jax.plan.costmodel (see its docstring and boost_jax/mesh.py
-          GPU_XLA_FLAGS).
+bytes     per device: all-reduce 2(n−1)/n·P, all-gather / reduce-scatter (n−1)/n·P (P = the
+          un-sharded buffer), at eta_net × the slowest link of the ring (boost_jax/mesh.py). A
+          ring spanning hosts keeps its k members on a host contiguous and leaves the host
+          once; the host's NICs are shared by the groups leaving it at once:
+              β = max(groups · ring_bytes / nic_node, ring_bytes / intra-host link) / eta_net
+          An all-to-all sends k·(n−k)/n·P of a group off the host; a send moves P.
+latency   the library's own tuning model (topology.library, src/graph/tuning.cc), microseconds
+          per call for n ranks on m nodes, protocol p ∈ {LL, LL128, Simple}:
+            ring   base + (S − S_net)·max(intra, overhead) + S_net·net, S = n−1 steps
+                   (all-reduce 2(n−1)), S_net = m−1 (all-reduce 2(m−1), RCCL 2m)
+            tree   base + 2((n/m − 1)·intra + ⌊log2 m⌋·net)          (all-reduce only)
+          all-gather / reduce-scatter run as rings; an all-reduce as ring or tree; each call
+          takes the (algorithm, protocol) of least latency + β / (protocol's bandwidth share),
+          as the library's tuner picks. An all-to-all is n−1 Simple messages (k−1 in the host,
+          n−k across); a pipeline send one.
+overhead  applied by boost_jax.plan.costmodel (see its docstring and GPU_XLA_FLAGS).
 
-The same functions turn *measured* collectives (from a compiled step's HLO, see
-`boost_jax.analysis.comm`) into time, so a compiled plan and an analytic one are costed alike.
+The same functions cost *measured* collectives (a compiled step's HLO, boost_jax.analysis.comm),
+so a compiled plan and an analytic one are costed alike. Derivation: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from boost_jax.analysis.comm import egress_bytes
-from boost_jax.mesh import AXES, Topology
+from boost_jax.mesh import AXES, PROTOCOLS, Topology
 from boost_jax.sharding.step_collectives import ring_bytes
 from boost_jax.plan.roofline import Assumptions
 
@@ -67,40 +64,104 @@ class Coll:
     def bytes_per_step(self) -> float:
         return ring_bytes(self.kind, self.n, self.payload) * self.calls
 
-    def egress_per_step(self, topo: Topology) -> float:
-        """Bytes that leave one host through its NICs per step (0 inside a host)."""
+    def egress_per_call(self, topo: Topology) -> float:
+        """Bytes that leave one host through its NICs per call (0 inside a host)."""
         if self.level != "global" or self.n <= 1:
             return 0.0
         k = self.host_members or 1
         groups = self.host_groups or max(topo.devices_per_node // k, 1)
-        return egress_bytes(self.kind, self.n, self.payload, k, groups) * self.calls
+        return egress_bytes(self.kind, self.n, self.payload, k, groups)
+
+    def egress_per_step(self, topo: Topology) -> float:
+        return self.egress_per_call(topo) * self.calls
 
 
 def _intra_level(c: Coll) -> str:
     return "node" if "node" in c.axes else "pair"
 
 
-def coll_latency(c: Coll, topo: Topology) -> float:
-    """The per-call latency part of coll_time: α per step of the algorithm, every call."""
+def nodes_spanned(c: Coll) -> int:
+    """m: hosts a group spans (its k members on a host are contiguous)."""
+    if c.level != "global":
+        return 1
+    return max(c.n // (c.host_members or 1), 1)
+
+
+def bytes_seconds(c: Coll, topo: Topology, a: Assumptions) -> float:
+    """Seconds per call for the bytes alone (a ring at its slowest link, the NICs shared)."""
+    per_call = ring_bytes(c.kind, c.n, c.payload)
+    if c.level != "global":
+        return per_call / (topo.bandwidth(c.level) * a.eta_net)
+    t_nic = c.egress_per_call(topo) / (topo.nic_node * a.eta_net)
+    t_in = 0.0
+    if (c.host_members or 1) > 1:  # k−1 of the k members on a host pass bytes inside it
+        t_in = per_call / (topo.bandwidth(_intra_level(c)) * a.eta_net)
+    return max(t_nic, t_in)
+
+
+def ring_latency(lib, kind: str, n: int, m: int, p: int) -> float:
+    """Microseconds per call of a ring over n ranks on m nodes, protocol index p."""
+    ar = kind == "all-reduce"
+    steps = 2 * (n - 1) if ar else n - 1
+    inter = 0 if m == 1 else (2 * (m - 1 + lib.ar_inter_extra) if ar else m - 1)
+    intra = lib.intra["ring"][p]
+    simple = PROTOCOLS[p] == "Simple"
+    if m > 1:  # the CPU posts every step's network request
+        intra = max(intra, lib.overhead * (3 if simple else 1))
+    net = lib.net["tree" if lib.ppn1_tree_net and n == m else "ring"][p]
+    lat = lib.base["ring"][p] + (steps - inter) * intra + inter * net
+    return lat * (lib.ar_plateau if ar and simple and m > 1 else 1.0)
+
+
+def tree_latency(lib, n: int, m: int, p: int) -> float:
+    """Microseconds per call of a tree all-reduce over n ranks on m nodes."""
+    return lib.base["tree"][p] + 2 * ((n // m - 1) * lib.intra["tree"][p]
+                                      + int(math.log2(m)) * lib.net["tree"][p])
+
+
+def _p2p_latency(c: Coll, lib, m: int) -> float:
+    """An all-to-all: n−1 Simple messages (k−1 inside the host); a send: one."""
+    k = c.n // m
+    if c.kind == "all-to-all":
+        return lib.base["ring"][2] + (k - 1) * lib.intra["ring"][2] + (c.n - k) * lib.net[
+            "ring"][2]
+    return lib.base["ring"][2] + (lib.net if m > 1 else lib.intra)["ring"][2]
+
+
+def call_cost(c: Coll, topo: Topology, a: Assumptions) -> tuple[float, float, str]:
+    """(latency s, bytes s, "algorithm/protocol") of one call, as the library's tuner picks."""
+    lib, m, beta = topo.library, nodes_spanned(c), bytes_seconds(c, topo, a)
+    if c.kind not in ("all-gather", "reduce-scatter", "all-reduce"):
+        return _p2p_latency(c, lib, m) * 1e-6, beta, "p2p/Simple"
+    best = None
+    ratios = lib.bw if m > 2 else lib.bw2
+    for algo in ("ring", "tree") if c.kind == "all-reduce" else ("ring",):
+        for p, proto in enumerate(PROTOCOLS):
+            if ratios[algo][p] <= 0 or (proto == "LL128" and m > 1 and not lib.ll128_net):
+                continue
+            lat = (ring_latency(lib, c.kind, c.n, m, p) if algo == "ring"
+                   else tree_latency(lib, c.n, m, p)) * 1e-6
+            b = beta / ratios[algo][p] * (c.n / (c.n - 1) if algo == "tree" else 1.0)
+            if proto == "LL" and lib.ll_cap:  # the LL bus bandwidth cap
+                cap = lib.ll_cap[min(m, 3) - 1] * 1e9
+                b = max(b, ring_bytes(c.kind, c.n, c.payload) / cap)
+            if best is None or lat + b < best[0] + best[1]:
+                best = (lat, b, f"{algo}/{proto}")
+    return best
+
+
+def coll_latency(c: Coll, topo: Topology, a: Optional[Assumptions] = None) -> float:
+    """The per-call latency part of coll_time, every call of the step."""
     if c.n <= 1 or c.level not in AXES:
         return 0.0
-    # an all-to-all (qgZ) sends one message to each of the n−1 peers; the rings' steps pipeline
-    hops = c.n - 1 if c.kind == "all-to-all" else math.ceil(math.log2(c.n))
-    return c.calls * topo.latency(c.level) * hops
+    return c.calls * call_cost(c, topo, a or Assumptions())[0]
 
 
 def coll_time(c: Coll, topo: Topology, a: Assumptions) -> float:
     if c.n <= 1 or c.level not in AXES:
         return 0.0
-    lat = coll_latency(c, topo)
-    if c.level != "global":
-        return c.bytes_per_step / (topo.bandwidth(c.level) * a.eta_net) + lat
-    t_nic = c.egress_per_step(topo) / (topo.nic_node * a.eta_net)
-    k = c.host_members or 1
-    t_in = 0.0
-    if k > 1:  # k−1 of the k members on a host pass their ring bytes over the host's links
-        t_in = c.bytes_per_step / (topo.bandwidth(_intra_level(c)) * a.eta_net)
-    return max(t_nic, t_in) + lat
+    lat, beta, _ = call_cost(c, topo, a)
+    return c.calls * (lat + beta)
 
 
 def per_level_bytes(colls: Sequence[Coll]) -> dict[str, float]:
@@ -130,7 +191,7 @@ class CommSummary:
             t = coll_time(c, topo, a)
             ph[c.phase] = ph.get(c.phase, 0.0) + t
             eg[c.phase] = eg.get(c.phase, 0.0) + c.egress_per_step(topo)
-            lat[c.phase] = lat.get(c.phase, 0.0) + coll_latency(c, topo)
+            lat[c.phase] = lat.get(c.phase, 0.0) + coll_latency(c, topo, a)
             if c.level in lt:
                 lt[c.level] += t
         return cls(ph, per_level_bytes(colls), lt, eg, lat)

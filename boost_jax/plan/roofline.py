@@ -30,6 +30,29 @@ HBM_BW = {"frontier": 1.6e12, "perlmutter": 1.555e12, "perlmutter-80": 2.039e12,
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
 
 
+_NOT_FOUND = "no published measurement found: an assumption"
+# Where each assumption comes from (the README's constants table is built from it;
+# tests/unit/test_network_model.py checks every field has one). "optimizer_launches": the 40
+# kernel launches boost_jax/plan/costmodel.py charges the optimizer step.
+ASSUMPTION_SOURCES = {
+    "eta_flops": f"{_NOT_FOUND} for MI250X GEMMs; A100's best-shape bf16 matmul reaches 0.87 of "
+                 "peak, H100's 0.80 (stas00/ml-engineering@744d01e, compute/accelerator/"
+                 "README.md, maximum achievable matmul FLOPS); 0.7 allows for smaller shapes "
+                 "(sensitivity table: 0.5)",
+    "eta_hbm": f"{_NOT_FOUND} (no stream-bandwidth figure for MI250X or A100)",
+    "eta_net": "NCCL's effective NVLink bandwidth, 20 of a link's 25 GB/s (NVIDIA/nccl@5067397 "
+               "src/graph/topo.h SM80_NVLINK_BW; its maintainer in NVIDIA/nccl-tests#149: "
+               "~230 of 300 GB/s bus bandwidth on DGX A100); checked by the measured collectives",
+    "launch_s": f"{_NOT_FOUND} (no kernel-launch latency for MI250X or A100)",
+    "elem_kernels": f"{_NOT_FOUND}: counted from XLA's fusion of a block (norm, rope, "
+                    "activation, residual + norm)",
+    "overlap": "the launcher's XLA flags (boost_jax/mesh.py GPU_XLA_SCHEDULE)",
+    "attention": "the configuration (model.attention), not a measured constant",
+    "hbm_usable": f"{_NOT_FOUND}: allocator, runtime and fragmentation reserve",
+    "optimizer_launches": f"{_NOT_FOUND}: 40 kernels for the optimizer step",
+}
+
+
 @dataclass(frozen=True)
 class Assumptions:
     eta_flops: float = 0.7  # achievable fraction of peak FLOP/s (GEMMs and attention)
@@ -57,9 +80,12 @@ class Assumptions:
                                                if self.attention == "flash" else
                                                " (full [s,s] fp32 scores through HBM)"
                                                if self.attention == "dense" else ""),
-            f"network: ring collectives at {self.eta_net:.0%} of link bandwidth; a ring spanning "
-            "nodes leaves each node once, the node's NICs shared by the groups leaving it, "
-            "+ alpha*ceil(log2 n) per call (an all-to-all: alpha*(n-1))",
+            f"network: each collective as NCCL / RCCL run it (rings for all-gather and "
+            "reduce-scatter, ring or tree for all-reduce, the protocol their tuner picks) at "
+            f"{self.eta_net:.0%} of the ring's slowest link; a ring spanning nodes leaves each "
+            "node once, the node's NICs shared by the groups leaving it; every call pays the "
+            "library's own latency (base + a step latency per ring step inside and between "
+            "nodes, src/graph/tuning.cc)",
         ]
         if self.overlap == "xla":
             lines.append("overlap (the launcher's XLA flags): tensor-parallel collectives and "

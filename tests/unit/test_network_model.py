@@ -1,10 +1,9 @@
-"""The network model (plan/collectives.py): α–β time of a collective on the links it crosses,
-a ring leaving each node once, the NICs' bus bandwidth, and the per-call latency reported apart
-from the bytes."""
+"""The network model (plan/collectives.py): collectives timed as NCCL / RCCL run them (their
+tuning model's per-call latency, rings leaving each node once, the NICs' bus bandwidth), the
+latency reported apart from the bytes, and the measured collectives it is checked against."""
 
 import dataclasses
 import math
-
 import pytest
 
 from boost_jax.mesh import get_topology
@@ -12,12 +11,50 @@ from boost_jax.plan import collectives as N, costmodel as C
 from plan_tiny import cfg7b
 
 
-def test_collective_time_is_alpha_beta():
-    topo = get_topology("frontier")
-    a = C.Assumptions(eta_net=1.0)
-    c = N.Coll("x", "all-reduce", 1e9, 8, "node", 2, "tp")
-    t = N.coll_time(c, topo, a)
-    assert t == pytest.approx(2 * (2 * 7 / 8 * 1e9 / topo.bw_node + 3 * topo.lat_node))
+def test_ring_latency_is_the_libraries_own_formula():
+    """RCCL on Frontier (tuning_model_3, Simple): base 17 us + (n − m) steps inside nodes at
+    max(xGMI 3.6, 3 × 2 us net overhead) + (m − 1) steps between nodes at 19.8 us, by hand."""
+    lib = get_topology("frontier").library
+    S = 2  # Simple
+    assert N.ring_latency(lib, "all-gather", 384, 48, S) == pytest.approx(
+        17.0 + (384 - 48) * 6.0 + 47 * 19.8)
+    # one node: no network, the xGMI step latency itself
+    assert N.ring_latency(lib, "reduce-scatter", 8, 1, S) == pytest.approx(17.0 + 7 * 3.6)
+    # RCCL's ring all-reduce: 2(n−1) steps, 2m of them between nodes
+    assert N.ring_latency(lib, "all-reduce", 16, 2, S) == pytest.approx(
+        17.0 + (30 - 4) * 6.0 + 4 * 19.8)
+    # NCCL (Perlmutter, AMD host): LL 6.6 + (n−m)·max(0.6, 2) + (m−1)·2.7; one rank per node
+    # pays the tree's network latency (5.0); a multi-node Simple all-reduce ×1.4
+    nccl = get_topology("perlmutter").library
+    assert N.ring_latency(nccl, "all-gather", 1024, 256, 0) == pytest.approx(
+        6.6 + 768 * 2.0 + 255 * 2.7)
+    assert N.ring_latency(nccl, "all-gather", 48, 48, 0) == pytest.approx(6.6 + 47 * 5.0)
+    assert N.ring_latency(nccl, "all-reduce", 8, 2, S) == pytest.approx(
+        1.4 * (8.4 + (14 - 2) * 6.0 + 2 * 14.0))
+    assert N.tree_latency(nccl, 1024, 256, S) == pytest.approx(
+        8.4 + 2 * (3 * 4.0 + 8 * 14.0))
+
+
+def test_a_call_takes_the_protocol_the_tuner_would():
+    """Small calls take LL (less latency), large ones Simple (full bandwidth); all-gather and
+    reduce-scatter are rings only; an all-reduce over many nodes takes the tree when latency
+    dominates; the time is latency + bytes of the chosen pair."""
+    topo, a = get_topology("frontier"), C.Assumptions(eta_net=1.0)
+    axes, sizes = ("pair", "node", "global"), {"pair": 2, "node": 4, "global": 48}
+
+    def call(kind, P):
+        return N.Coll("x", kind, P, 384, "global", 3, "dp", axes, *N.host_split(axes, sizes))
+
+    assert N.call_cost(call("all-gather", 1e4), topo, a)[2] == "ring/LL"
+    assert N.call_cost(call("all-gather", 1e9), topo, a)[2] == "ring/Simple"
+    assert N.call_cost(call("all-reduce", 1e4), topo, a)[2].startswith("tree/")
+    c = call("reduce-scatter", 1e9)
+    lat, beta, _ = N.call_cost(c, topo, a)
+    assert lat == pytest.approx((17.0 + 336 * 6.0 + 47 * 19.8) * 1e-6)
+    ring = 383 / 384 * 1e9  # one GCD's ring bytes leave the node, over its 4 NICs
+    assert beta == pytest.approx(max(ring / 100e9, ring / topo.bw_node))
+    assert N.coll_time(c, topo, a) == pytest.approx(3 * (lat + beta))
+    assert N.coll_latency(c, topo, a) == pytest.approx(3 * lat)
 
 
 def test_a_ring_over_whole_nodes_leaves_each_node_once():
@@ -33,19 +70,27 @@ def test_a_ring_over_whole_nodes_leaves_each_node_once():
     ring = 2 * 383 / 384 * P
     assert c.egress_per_step(topo) == pytest.approx(ring)
     # 100 GB/s of NICs per node (4 x 25 GB/s Slingshot-11), not 12.5 GB/s per GCD for all
-    # bytes; inside the node the ring runs over the package links (75 GB/s per GCD)
-    assert N.coll_time(c, topo, a) == pytest.approx(max(ring / 100e9, ring / 75e9) + 1e-5 * 9)
+    # bytes; inside the node the ring runs over the package links
+    lat = N.coll_latency(c, topo, a)
+    assert N.coll_time(c, topo, a) - lat == pytest.approx(max(ring / 100e9, ring / 100e9))
     # the same bytes over a group with one member per node: every GCD's share of the NICs
     one = N.Coll("ar", "all-reduce", P, 48, "global", 1, "step", ("global",),
                  *N.host_split(("global",), sizes))
     assert one.egress_per_step(topo) == pytest.approx(8 * 2 * 47 / 48 * P)
-    assert N.coll_time(one, topo, a) == pytest.approx(8 * 2 * 47 / 48 * P / 100e9 + 6e-5)
+    assert N.coll_time(one, topo, a) - N.coll_latency(one, topo, a) == pytest.approx(
+        8 * 2 * 47 / 48 * P / 100e9)
+    # a group over the GCD pair and the nodes: each MI250X's pair leaves by its own NIC,
+    # 25 GB/s, the four pairs of a node side by side
+    two = N.Coll("ag", "all-gather", P, 96, "global", 1, "step", ("pair", "global"),
+                 *N.host_split(("pair", "global"), sizes))
+    assert (two.host_members, two.host_groups) == (2, 4)
+    assert N.bytes_seconds(two, topo, a) == pytest.approx(95 / 96 * P / 25e9)
 
 
 def test_per_call_latency_is_reported_apart_from_the_bytes():
-    """ZeRO++ of CoLA-7B on 48 Frontier nodes runs a cross-node int4 all-to-all per layer (and
-    TP group) and pass, each costing α·(n−1) whatever its size: the report says that part
-    apart, and it is exactly what α = 0 removes."""
+    """ZeRO++ of CoLA-7B on 48 Frontier nodes runs cross-node rings and int4 all-to-alls per
+    layer and pass, each paying the library's per-call latency whatever its size: the report
+    says that part apart, and it is exactly what a library without latency removes."""
     from boost_jax.plan.critical_path import dp_latency_text
 
     topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 48}
@@ -53,22 +98,22 @@ def test_per_call_latency_is_reported_apart_from_the_bytes():
         "data.seq_len": 256, "parallel.plan": "zeropp", "train.micro_batches": 1,
         "train.global_batch": 768, "parallel.grad_accum_dtype": "bfloat16"})
     p = C.predict(cfg, topo, sizes)
-    want = 0.0
-    for c in p.collectives:
-        if c.phase == "dp" and c.n > 1:
-            hops = c.n - 1 if c.kind == "all-to-all" else math.ceil(math.log2(c.n))
-            want += c.calls * topo.latency(c.level) * hops
-    assert p.time["dp_latency"] == pytest.approx(want)
+    want = sum(N.coll_latency(c, topo, p.assumptions) for c in p.collectives
+               if c.phase == "dp" and c.n > 1)
+    assert want > 0 and p.time["dp_latency"] == pytest.approx(want)
     a2a = [c for c in p.collectives if c.kind == "all-to-all" and c.level == "global"]
     # one call per fetch unit and pass (sharding/bucket.py), not one per weight (14 a layer)
     assert a2a and all("/" not in c.name.split()[0] for c in a2a)
     assert sum(c.calls for c in a2a) <= 2 * cfg.model.n_layers + 3
+    # an all-to-all: n−1 Simple messages, all between nodes here (one member per node)
+    assert N.call_cost(a2a[0], topo, p.assumptions)[0] == pytest.approx(
+        (17.0 + (a2a[0].n - 1) * 19.8) * 1e-6)
     assert f"{want * 1e3:.1f} ms of it per-call latency" in dp_latency_text(p)
-    # with α = 0 the same collectives cost only their bytes
-    free = C.predict(cfg, dataclasses.replace(topo, lat_pair=0.0, lat_node=0.0, lat_global=0.0),
-                     sizes)
+    zero = {k: {a: (0.0,) * 3 for a in ("ring", "tree")} for k in ("base", "intra", "net")}
+    free_lib = dataclasses.replace(topo.library, overhead=0.0, **zero)
+    free = C.predict(cfg, dataclasses.replace(topo, library=free_lib), sizes)
     assert free.time["dp_latency"] == 0.0
-    assert free.time["dp"] == pytest.approx(p.time["dp"] - want)
+    assert free.time["dp"] < p.time["dp"] - 0.9 * want
 
 
 def test_bus_bandwidth_of_a_multi_node_all_reduce_is_the_node_link_not_the_device_share():
@@ -77,10 +122,11 @@ def test_bus_bandwidth_of_a_multi_node_all_reduce_is_the_node_link_not_the_devic
     from benchmarks import published as V
 
     eta = V.VALIDATION_ASSUMPTIONS.eta_net
-    for name, inside in (("frontier", 75e9), ("perlmutter", 300e9)):
+    for name, inside in (("frontier", 100e9), ("perlmutter", 300e9)):
         topo = get_topology(name)
         bw = V.bus_bandwidth(name, 48)
-        assert bw == pytest.approx(eta * min(topo.nic_node, inside), rel=0.01)
+        # a 1 GiB call: the per-call latency takes a few per cent off the links' rate
+        assert 0.9 * eta * min(topo.nic_node, inside) < bw <= eta * min(topo.nic_node, inside)
         assert bw > 2 * eta * topo.bw_global
 
 
@@ -131,3 +177,63 @@ def test_gathers_are_counted_as_xla_combines_them():
     assert sum(c.calls for c in timed if c.phase == "dp") < sum(c.calls for c in gathers) / 3
     assert sum(c.calls * c.payload for c in timed if c.phase == "dp") == pytest.approx(
         sum(c.calls * c.payload for c in gathers))
+
+
+def test_measured_collectives_within_25pct_but_the_stated_gaps():
+    """Every measured RCCL / NCCL collective is predicted within 25% except the rows in
+    published.COLLECTIVE_GAPS, each with its reason; a gap that closes fails too. The rows
+    cover RCCL and NCCL, 1024 ranks and more, and keep name/kind/published/predicted/source."""
+    from benchmarks import published as V
+
+    rows = V.collective_rows()
+    assert all({"name", "kind", "published", "predicted", "source"} <= set(r) for r in rows)
+    outside = {r["name"] for r in rows if abs(r["error"]) > V.TOLERANCE}
+    assert outside == set(V.COLLECTIVE_GAPS), {r["name"]: r["error"] for r in rows}
+    assert all(V.COLLECTIVE_GAPS.values())
+    inside = [r for r in rows if r["name"] not in outside]
+    assert len(inside) >= 6
+    assert {r["name"].split()[0] for r in inside} == {"RCCL", "NCCL"}
+    assert any(int(r["name"].split(" ranks")[0].split()[-1]) >= 1024 for r in inside)
+    assert [r for r in V.json_rows() if r["kind"] == "collective"] == [
+        {k: r[k] for k in ("name", "kind", "published", "predicted", "error", "source")}
+        for r in rows]
+
+
+def test_a_ring_runs_the_measured_node_bandwidth():
+    """Frontier's node level is read from RCCL's measured 8-GCD all-gather (90 GB/s bus
+    bandwidth at 1 GiB): the model's 8-GCD all-gather of 1 GiB is within 15% of it, where one
+    ring at its slowest link (50 GB/s) would be 2.2x too slow."""
+    from benchmarks import published as V
+
+    machine, kind, ranks, mib, ms, _, _ = V.COLLECTIVE_CALIBRATION
+    pred = V.collective_ms(machine, kind, ranks, mib)[0]
+    assert abs(pred / ms - 1) < 0.15
+    topo = get_topology("frontier")
+    slow = dataclasses.replace(topo, bw_node=50e9)
+    bus = (ranks - 1) / ranks * mib * 2 ** 20
+    assert bus / (V.VALIDATION_ASSUMPTIONS.eta_net * slow.bw_node) > 2 * ms * 1e-3
+
+
+def test_every_constant_has_a_source_and_the_readme_lists_them():
+    """Each Assumptions field and each number of every topology profile has a source string
+    (or says plainly that none was found), and README.md shows the table built from them."""
+    import os
+
+    from benchmarks import published as V
+    from boost_jax.mesh import SOURCED_FIELDS, TOPOLOGIES, TOPOLOGY_SOURCES, Topology
+    from boost_jax.plan.roofline import ASSUMPTION_SOURCES
+
+    fields = {f.name for f in dataclasses.fields(C.Assumptions)}
+    assert fields <= set(ASSUMPTION_SOURCES) and all(ASSUMPTION_SOURCES.values())
+    numbers = {f.name for f in dataclasses.fields(Topology)} - {"name", "device", "job"}
+    assert numbers == set(SOURCED_FIELDS)
+    for name in TOPOLOGIES:
+        assert all(TOPOLOGY_SOURCES[name].get(k) for k in SOURCED_FIELDS), name
+    # the libraries' constants cite a file and a commit
+    for topo in TOPOLOGIES.values():
+        assert "src/graph/tuning.cc" in topo.library.source
+        assert any(len(w) == 40 and all(c in "0123456789abcdef" for c in w)
+                   for w in topo.library.source.replace(":", " ").split())
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "README.md")) as f:
+        assert V.constants_table() in f.read()

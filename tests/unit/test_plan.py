@@ -386,7 +386,7 @@ def test_validation_json_rows_and_absolute_gaps():
     from benchmarks import published as V
 
     rows = V.json_rows()
-    assert {r["kind"] for r in rows} == {"ratio", "absolute"}
+    assert {r["kind"] for r in rows} == {"ratio", "absolute", "collective"}
     assert all({"name", "kind", "published", "predicted", "source"} <= set(r) for r in rows)
     absr = [r for r in rows if r["kind"] == "absolute"]
     assert len(absr) == 10
