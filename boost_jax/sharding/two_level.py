@@ -6,7 +6,8 @@ sub-collectives, so no ring spans every rank of the job:
                     at once, each leaving by its own NIC), then AG inside the node
     reduce-scatter  RS inside the node, then RS over the host axes
     all-reduce      RS inside the node, AR over the host axes, AG inside the node (the buffer
-                    flattened and zero-padded to a multiple of the node's members)
+                    flattened and zero-padded to a multiple of the node's members); fewer
+                    elements than members (a scalar): AR inside the node, then across
 
 Each keeps the flat collective's layout exactly: a tiled gather over axes (a1, …, ak) stacks
 its shards row-major over the named axes, and the stages reassemble that order. All-to-alls
@@ -100,6 +101,8 @@ class Policy:
             return [(kind, outer, payload / n_in), (kind, inner, payload)]
         if kind == "reduce-scatter":
             return [(kind, inner, payload), (kind, outer, payload / n_in)]
+        if payload < n_in * itemsize:  # fewer elements than members (a scalar): two sums
+            return [(kind, inner, payload), (kind, outer, payload)]
         padded = math.ceil(payload / itemsize / n_in) * n_in * itemsize
         return [("reduce-scatter", inner, padded), ("all-reduce", outer, padded / n_in),
                 ("all-gather", inner, padded)]
@@ -145,7 +148,8 @@ def reduce_scatter(x, axes, policy: Policy = FLAT):
 
 def _invariant(y, axes) -> str:
     """The all-gather `to` that makes its result invariant over `axes` (typed programs)."""
-    vma = getattr(jax.typeof(y), "vma", None) or frozenset()
+    mat = getattr(jax.typeof(y), "manual_axis_type", None)
+    vma = getattr(mat, "varying", ()) or ()
     return "invarying" if set(axes) <= set(vma) else "varying"
 
 
@@ -157,6 +161,8 @@ def all_reduce(x, axes, policy: Policy = FLAT):
         return jax.lax.psum(x, axes)
     inner, outer = sp
     n_in, m = policy.n(inner), x.size
+    if m < n_in:  # a scalar: nothing to scatter
+        return jax.lax.psum(jax.lax.psum(x, inner), outer)
     flat = x.reshape(-1)
     k = -(-m // n_in)
     flat = jnp.pad(flat, (0, k * n_in - m)) if k * n_in > m else flat
