@@ -174,3 +174,72 @@ def test_two_level_step_keeps_groups_apart_counts_what_it_lists_and_equals_flat(
     np.testing.assert_allclose(two[:, 0], flat[:, 0], rtol=1e-6)  # the losses
     # the norms: one sum of per-leaf partial sums, not the partitioner's order
     np.testing.assert_allclose(two[:, 1], flat[:, 1], rtol=1e-5)
+
+
+def test_one_micro_batch_reduces_in_two_levels_inside_the_backward(mesh):
+    """zero1 with one micro-batch reduce-scatters each layer's gradient over every axis in the
+    backward (Placement.in_backward): in the node, then across, as listed."""
+    b, _, r = _build(mesh, "parallel.plan=zero1", "train.micro_batches=1",
+                     "parallel.collectives=two_level")
+    assert b.placement.reduce_in_backward
+    assert not _mixed(r), r.table()
+    loop = {c.level for c in r.filter(kind="reduce-scatter", in_loop=True)}
+    assert loop == {"node", "global"}, r.table()
+    lb, lc, mb, mc = _listed_vs_compiled(b, r, 1, ())
+    assert set(lb) == set(mb) and all(mc[k] == lc[k] for k in mc if k[0] != "all-reduce")
+
+
+def test_auto_picks_two_levels_until_the_node_links_cost_more_than_the_latency_saved():
+    """The α–β model of sharding/two_level.py on 48 Frontier nodes: a layer's gather (MB) runs
+    in two levels, a buffer of 100 GB flat; a group inside the node is never split."""
+    from boost_jax.mesh import get_topology
+
+    pol = Policy.of("auto", {"pair": 2, "node": 4, "global": 48}, get_topology("frontier"))
+    axes = ("pair", "node", "global")
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        assert pol.split(kind, axes, 4e6) == (("pair", "node"), ("global",))
+        assert pol.split(kind, axes, 1e11) is None
+        assert pol.stages(kind, axes, 1e11) == [(kind, axes, 1e11)]
+    assert pol.split("all-gather", ("pair", "node"), 4e6) is None
+    assert pol.split("all-to-all", axes, 4e6) is None  # qgZ's stages are its own
+    two = Policy.of("two_level", {"pair": 2, "node": 4, "global": 48})
+    assert two.split("all-gather", axes, 1e11) is not None
+    assert Policy.of("flat", {"pair": 2, "node": 4, "global": 48}).split(
+        "all-gather", axes, 4e6) is None
+
+
+def test_auto_from_the_config_and_a_bad_value(mesh):
+    from boost_jax.errors import ConfigError
+    from boost_jax.sharding.placement import make_placement
+
+    pl = make_placement(load_config(None, ODD + ["parallel.plan=zero3",
+                                                 "parallel.collectives=auto"]), mesh)
+    assert pl.collectives.mode == "auto" and pl.collectives.links  # the cpu topology's
+    assert pl.collectives.split("all-gather", pl.params_axes, 1e4) is not None
+    with pytest.raises(ConfigError, match="parallel.collectives='ring' is not valid"):
+        load_config(None, ["parallel.collectives=ring"])
+
+
+def test_the_cost_model_times_the_stages_that_run():
+    """CoLA-7B zero3 on 48 Frontier nodes: under two_level the planner's collectives are the
+    list's stages (none spans `global` and a node axis; each cross-node group has one member
+    per host, the host's 8 groups sharing its NICs) and the bytes leaving a node stay flat's."""
+    from plan_tiny import cfg7b
+
+    from boost_jax.mesh import get_topology
+    from boost_jax.plan import costmodel as C
+
+    sizes, topo = {"pair": 2, "node": 4, "global": 48}, get_topology("frontier")
+    out = {}
+    for mode in ("flat", "two_level"):
+        cfg = cfg7b("cola", "megatron")  # then made TP-free zero3 over 384 devices
+        cfg.parallel.plan, cfg.parallel.tp_mode, cfg.parallel.tp_axes = "zero3", "none", []
+        cfg.parallel.collectives, cfg.train.global_batch = mode, 768
+        _, pl = C.state_sizes(cfg, sizes)
+        out[mode] = C.dp_collectives(cfg, sizes, pl)
+    two = out["two_level"]
+    assert not [c for c in two if "global" in c.axes and set(c.axes) & INNER]
+    cross = [c for c in two if c.level == "global"]
+    assert cross and all(c.host_members == 1 and c.host_groups == 8 for c in cross)
+    egress = {m: sum(c.egress_per_step(topo) for c in cs) for m, cs in out.items()}
+    assert egress["two_level"] == pytest.approx(egress["flat"], rel=0.05)
