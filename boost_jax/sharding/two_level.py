@@ -174,6 +174,9 @@ def all_reduce(x, axes, policy: Policy = FLAT):
 
 def tiled_all_gather(x, axes, dim: int, policy: Policy = FLAT, to: str = "varying"):
     """jax.lax.all_gather(x, axes, axis=dim, tiled=True), in two levels where policy says."""
+    axes = tuple(axes)
+    if policy.split("all-gather", axes, policy.n(axes) * x.size * x.dtype.itemsize) is None:
+        return all_gather_bits(x, axes, dim, to)
     stacked = all_gather(x, axes, policy, to)
     y = jnp.moveaxis(stacked, 0, dim)
     return y.reshape(*x.shape[:dim], -1, *x.shape[dim + 1:])
@@ -181,9 +184,10 @@ def tiled_all_gather(x, axes, dim: int, policy: Policy = FLAT, to: str = "varyin
 
 def psum_scatter(x, axes, dim: int, policy: Policy = FLAT):
     """jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True), in two levels."""
-    n = policy.n(axes) if policy.sizes else None
-    if n is None:
+    axes = tuple(axes)
+    if policy.split("reduce-scatter", axes, x.size * x.dtype.itemsize) is None:
         return jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+    n = policy.n(axes)
     y = jnp.moveaxis(x, dim, 0)
     y = reduce_scatter(y.reshape(n, y.shape[0] // n, *y.shape[1:]), axes, policy)
     return jnp.moveaxis(y, 0, dim)

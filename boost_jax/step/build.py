@@ -19,6 +19,8 @@ One optimizer step, top to bottom in step_fn:
     3. AdamW on the fp32 master shard (opt_state sharding)
     4. the new working weights gathered back in stages (opt_state → grads → params sharding),
        so the cross-node part moves only the node's shard
+Under parallel.collectives two_level / auto, 2 and 4 run in two levels too
+(sharding/step_two_level.py).
 """
 
 from __future__ import annotations

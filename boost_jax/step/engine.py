@@ -19,7 +19,9 @@ and every collective in it is written in one place:
         backward does it right after the reduction over grads      Placement.in_backward
 
 Every data-parallel collective above is listed, with its bytes and calls, by
-sharding/step_collectives.py: the formulas and the planner count and time that list.
+sharding/step_collectives.py: the formulas and the planner count and time that list. Under
+parallel.collectives=two_level (or auto) each one spanning hosts and a node runs as rank-aligned
+stages over `global` and inside the node (sharding/two_level.py), and is listed so.
 
 The loss each device differentiates is its rows' mean CE / (data-parallel devices × micro-
 batches), so the reductions above sum to the gradient of the global mean. GSPMD only places

@@ -101,8 +101,8 @@ def _build(mesh, *extra):
 
 
 def _mixed(r) -> list:
-    """Collectives whose groups span `global` and a node axis."""
-    return [c for c in r.collectives if "global" in c.axes and set(c.axes) & INNER]
+    """Collectives whose groups span hosts (`global`, a pipeline's `stage`) and a node axis."""
+    return [c for c in r.collectives if set(c.axes) & {"global", "stage"} and set(c.axes) & INNER]
 
 
 def _listed_vs_compiled(b, r, micro: int, tp: tuple) -> tuple[dict, dict, dict, dict]:
@@ -243,3 +243,16 @@ def test_the_cost_model_times_the_stages_that_run():
     assert cross and all(c.host_members == 1 and c.host_groups == 8 for c in cross)
     egress = {m: sum(c.egress_per_step(topo) for c in cs) for m, cs in out.items()}
     assert egress["two_level"] == pytest.approx(egress["flat"], rel=0.05)
+
+
+def test_pipeline_stages_sum_the_loss_and_the_norm_in_two_levels():
+    """2 stages on (2, 2, 2): the data-parallel groups stay inside the node; the loss's and
+    the grad norm's sums over the stages and the node run in two levels (compiled only: the
+    engine's sums are the ones the tests above run)."""
+    from boost_jax.mesh import make_mesh as mesh_of
+
+    mesh = mesh_of("cpu", (2, 2, 2), stages=2)
+    _, _, r = _build(mesh, "parallel.plan=zero3", "train.micro_batches=2",
+                     "parallel.pp_stages=2", "parallel.collectives=two_level")
+    assert not _mixed(r), r.table()
+    assert ("stage",) in {c.axes for c in r.collectives if c.kind == "all-reduce"}, r.table()
