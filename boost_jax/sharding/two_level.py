@@ -19,10 +19,10 @@ collectives here (bucket.run, engine.reduce_deferred, step/build.py) and the ste
 
 `auto` picks per call the cheaper of the two under an α–β ring model with the topology's
 per-level latency and bandwidth (boost_jax/mesh.py): n = n_in·g members, P bytes,
-    flat       (n−1)·α_global + (n−1)/n·P / (n_in·β_global)
+    flat       (n−1)·α_global + (n−1)/n·P / min(n_in·β_global, β_in)
     two-level  (g−1)·α_global + (g−1)/g·P / (n_in·β_global) + (n_in−1)·α_in + (n_in−1)/n_in·P / β_in
-(all-reduce: twice each). The flat ring's every step waits on the slowest link; the node's
-members share the NICs in both. Two-level wins until P reaches gigabytes (benchmarks/README.md).
+(all-reduce: twice each). The flat ring's every step waits on its slowest link, and the node's
+members share the NICs in both (benchmarks/README.md, section 13).
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Policy:
         (a_g, b_g), (a_i, b_i) = link["global"], link[level_of(inner)]
         n_in, g = self.n(inner), self.n(outer)
         n = n_in * g
-        flat = (n - 1) * a_g + (n - 1) / n * payload / (n_in * b_g)
+        flat = (n - 1) * a_g + (n - 1) / n * payload / min(n_in * b_g, b_i)
         two = (g - 1) * a_g + (g - 1) / g * payload / (n_in * b_g) + (n_in - 1) * a_i + \
             (n_in - 1) / n_in * payload / b_i
         return two < flat
