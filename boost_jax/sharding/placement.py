@@ -203,7 +203,8 @@ class Placement(Int8Copies):
                 "secondary_int8": self.secondary_int8, "quantize_gather": self.quantize_gather,
                 "quantize_grads": self.quantize_grads,
                 "deferred_grad_axes": list(self.deferred_axes),
-                "reduce_in_backward": self.reduce_in_backward}
+                "reduce_in_backward": self.reduce_in_backward,
+                "collectives": self.collectives.mode}
 
     def memory(self) -> dict:
         """Predicted persistent bytes per device by role, with the padding overhead.

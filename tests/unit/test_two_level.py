@@ -216,6 +216,7 @@ def test_auto_from_the_config_and_a_bad_value(mesh):
     pl = make_placement(load_config(None, ODD + ["parallel.plan=zero3",
                                                  "parallel.collectives=auto"]), mesh)
     assert pl.collectives.mode == "auto" and pl.collectives.links  # the cpu topology's
+    assert pl.describe()["collectives"] == "auto"  # what the planner's layout reports
     assert pl.collectives.split("all-gather", pl.params_axes, 1e4) is not None
     with pytest.raises(ConfigError, match="parallel.collectives='ring' is not valid"):
         load_config(None, ["parallel.collectives=ring"])
