@@ -60,6 +60,7 @@ def jax_cache(_jax_cache_dir):
 LONGEST_FIRST = ("test_pipeline.py", "test_tp.py", "test_plan.py", "test_readme.py",
                  "test_ckpt_integrity.py", "test_flash.py", "test_launch.py", "test_qgz_demo.py",
                  "test_out_dir.py", "test_use_run.py", "test_multihost.py", "test_plans.py",
+                 "test_two_level.py",
                  "test_crash.py", "test_bad_input.py", "test_pipeline_train.py",
                  "test_plan_cli.py", "test_plan_schedule.py")
 

@@ -52,12 +52,13 @@ def _is16(x) -> bool:
     return x.dtype in (jnp.bfloat16, jnp.float16)
 
 
-def all_gather_bits(x, axes, dim: int):
-    """Tiled all-gather inside shard_map that moves 16-bit floats as raw bits (2 above)."""
+def all_gather_bits(x, axes, dim: int, to: str = "varying"):
+    """Tiled all-gather inside shard_map that moves 16-bit floats as raw bits (2 above); `to`:
+    the result's type over `axes` (jax.lax.all_gather's)."""
     if not _is16(x):
-        return jax.lax.all_gather(x, axes, axis=dim, tiled=True)
+        return jax.lax.all_gather(x, axes, axis=dim, tiled=True, to=to)
     u = jax.lax.all_gather(jax.lax.bitcast_convert_type(x, jnp.uint16), axes, axis=dim,
-                           tiled=True)
+                           tiled=True, to=to)
     return jax.lax.bitcast_convert_type(u, x.dtype)
 
 

@@ -8,6 +8,9 @@ put it). A cross-node all-to-all costs a latency per peer whatever its size, so 
 layer's sixteen weights (fourteen factors and two norm scales) in one call save fifteen of
 them per layer and pass.
 
+Under parallel.collectives=two_level (or auto) each call whose group spans hosts and a node runs
+as rank-aligned stages (sharding/two_level.py), its result the same.
+
 All-gathers, reduce-scatters and all-reduces stay one per weight: XLA's GPU combiners merge a
 layer's independent ones into calls of up to 30 MiB (xla/service/collective_utils.h) and keep
 them pipelinable across the layer loop. Concatenating them here measured worse in the step
@@ -33,7 +36,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from boost_jax.backends.cpu import all_gather_bits
+from boost_jax.sharding import two_level
+from boost_jax.sharding.two_level import FLAT, Policy
 
 
 BUCKETED = frozenset({"all-to-all"})  # kinds run as one call per fetch unit
@@ -70,22 +74,23 @@ def _flat(bufs, lead: int):
     return rows[0] if len(rows) == 1 else jnp.concatenate(rows, axis=lead)
 
 
-def _all_gather(bufs, axes):
-    g = all_gather_bits(_flat(bufs, 0)[None], axes, 0)  # [n, Σ]
+def _all_gather(bufs, axes, policy):
+    g = two_level.all_gather(_flat(bufs, 0), axes, policy)  # [n, Σ]
     return [p.reshape(g.shape[0], *b.shape) for p, b in zip(_split(g, bufs, 0, 1), bufs)]
 
 
-def _reduce_scatter(bufs, axes):
-    y = jax.lax.psum_scatter(_flat(bufs, 1), axes, scatter_dimension=0, tiled=True)[0]
+def _reduce_scatter(bufs, axes, policy):
+    y = two_level.reduce_scatter(_flat(bufs, 1), axes, policy)
     return [p.reshape(b.shape[1:]) for p, b in zip(_split(y, bufs, 1, 0), bufs)]
 
 
-def _all_reduce(bufs, axes):
-    y = jax.lax.psum(_flat(bufs, 0), axes)
+def _all_reduce(bufs, axes, policy):
+    y = two_level.all_reduce(_flat(bufs, 0), axes, policy)
     return [p.reshape(b.shape) for p, b in zip(_split(y, bufs, 0, 0), bufs)]
 
 
-def _all_to_all(bufs, axes):
+def _all_to_all(bufs, axes, policy):
+    del policy  # qgZ's stages already go inside the node, then across
     y = jax.lax.all_to_all(_flat(bufs, 1), axes, 0, 0, tiled=True)
     return [p.reshape(b.shape) for p, b in zip(_split(y, bufs, 1, 1), bufs)]
 
@@ -94,9 +99,10 @@ _COLLECTIVE = {"all-gather": _all_gather, "reduce-scatter": _reduce_scatter,
                "all-reduce": _all_reduce, "all-to-all": _all_to_all}
 
 
-def run(requests: list) -> list:
+def run(requests: list, policy: Policy = FLAT) -> list:
     """Each request a Send or a ready value (passed through) → its result: one collective per
-    (kind, axes, dtype, group) among the Sends of a kind in BUCKETED, one per Send otherwise."""
+    (kind, axes, dtype, group) among the Sends of a kind in BUCKETED, one per Send otherwise,
+    flat or in two levels as `policy` says (sharding/two_level.py)."""
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(requests):
         if isinstance(r, Send):
@@ -105,7 +111,7 @@ def run(requests: list) -> list:
                               []).append(i)
     out = list(requests)
     for (kind, axes, *_), idx in groups.items():
-        arrived = _COLLECTIVE[kind]([requests[i].buf for i in idx], axes)
+        arrived = _COLLECTIVE[kind]([requests[i].buf for i in idx], axes, policy)
         for i, a in zip(idx, arrived):
             out[i] = requests[i].finish(a)
     return out

@@ -53,6 +53,7 @@ from boost_jax.names import SECONDARY_NAME
 from boost_jax.sharding import bucket, quant
 from boost_jax.sharding.bucket import Send, merge_stacked
 from boost_jax.sharding.layout import LeafLayout, unpad
+from boost_jax.sharding.two_level import FLAT, Policy
 
 
 
@@ -101,6 +102,7 @@ class LeafFetch(Int8Copies):
     grad_dtype: str  # what the gradient is reduced and accumulated in
     quantize_grads: bool = False  # qgZ: int4 all-to-all reduce-scatter of the gradient
     late: tuple = ((), ())  # (AR, RS) axes of R reduced in the backward (Placement.in_backward)
+    collectives: Policy = FLAT  # flat or two-level (sharding/two_level.py)
 
     @classmethod
     def of(cls, pl, lay: LeafLayout) -> "LeafFetch":
@@ -109,7 +111,7 @@ class LeafFetch(Int8Copies):
         return cls(lay.sliced(), tuple((a, int(n)) for a, n in pl.mesh.shape.items()),
                    pl.batch_axes, pl.params_axes, pl.grads_axes, pl.secondary_axes,
                    pl.quantize_gather, pl.secondary_int8, pl.quant_block, pl.param_dtype,
-                   pl.grad_accum_dtype, pl.quantize_grads, late)
+                   pl.grad_accum_dtype, pl.quantize_grads, late, pl.collectives)
 
     @functools.cached_property
     def _size(self) -> dict:  # (not a field: equality and hashing ignore it)
@@ -330,10 +332,15 @@ def qgz_stages(G: tuple[str, ...]) -> list[tuple[str, ...]]:
     return [G]
 
 
+def _run(fs, requests) -> list:
+    """bucket.run under the fetch unit's collectives policy (one per placement)."""
+    return bucket.run(requests, fs[0].collectives if fs else FLAT)
+
+
 def expand_all(fs, srcs) -> list:
     """Each weight's saved source → its full working weight (bucket.run issues the gathers)."""
-    return [f.finish_expand(v) for f, v in zip(fs, bucket.run(
-        [f.expand(src) for f, src in zip(fs, srcs)]))]
+    return [f.finish_expand(v) for f, v in zip(fs, _run(
+        fs, [f.expand(src) for f, src in zip(fs, srcs)]))]
 
 
 def reduce_all(fs, cts) -> list:
@@ -342,7 +349,7 @@ def reduce_all(fs, cts) -> list:
     cts = [f.reduce_start(ct) for f, ct in zip(fs, cts)]
     steps = [f.steps() for f in fs]
     for r in range(max(map(len, steps), default=0)):
-        cts = bucket.run([f.reduce_step(ct, *st[r]) if r < len(st) else ct
+        cts = _run(fs, [f.reduce_step(ct, *st[r]) if r < len(st) else ct
                           for f, ct, st in zip(fs, cts, steps)])
     return [f.reduce_end(ct) for f, ct in zip(fs, cts)]
 
@@ -368,7 +375,7 @@ def secondaries(fs, xs) -> list:
     """The saved source of each weight: its stored shard, or its secondary block (cut from
     one bucketed flat gather under hpZ), named for remat to keep."""
     want = [f.is_gathered and f.secondary_axes is not None for f in fs]
-    sources = bucket.run([f.secondary_source(jax.lax.stop_gradient(x)) if w else x
+    sources = _run(fs, [f.secondary_source(jax.lax.stop_gradient(x)) if w else x
                           for f, x, w in zip(fs, xs, want)])
     return [checkpoint_name(f.to_secondary(v), SECONDARY_NAME) if w else v
             for f, v, w in zip(fs, sources, want)]

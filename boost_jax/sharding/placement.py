@@ -60,10 +60,11 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.errors import ConfigError
-from boost_jax.mesh import AXES, axis_size
+from boost_jax.mesh import AXES, axis_size, get_topology
 from boost_jax.sharding import stages
 from boost_jax.sharding.gather import Int8Copies
 from boost_jax.sharding.layout import LeafLayout, choose_layout, spec_entry
+from boost_jax.sharding.two_level import FLAT, Policy
 from boost_jax.sharding.tp.specs import tp_param_specs
 
 ALL = "all"
@@ -120,6 +121,7 @@ class Placement(Int8Copies):
     notes: list[str] = field(default_factory=list)
     quantize_grads: bool = False  # qgZ: int4 all-to-all gradient reduce-scatter
     reduce_in_backward: bool = False  # R reduced per layer in the backward (one micro-batch)
+    collectives: Policy = FLAT  # parallel.collectives (sharding/two_level.py)
 
     # ------------------------------------------------------------------ shardings by role
     def named(self, spec: P) -> NamedSharding:
@@ -201,7 +203,8 @@ class Placement(Int8Copies):
                 "secondary_int8": self.secondary_int8, "quantize_gather": self.quantize_gather,
                 "quantize_grads": self.quantize_grads,
                 "deferred_grad_axes": list(self.deferred_axes),
-                "reduce_in_backward": self.reduce_in_backward}
+                "reduce_in_backward": self.reduce_in_backward,
+                "collectives": self.collectives.mode}
 
     def memory(self) -> dict:
         """Predicted persistent bytes per device by role, with the padding overhead.
@@ -369,7 +372,7 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
         quantize_grads=r["qgz"], param_dtype=cfg.model.param_dtype,
         grad_accum_dtype=par.grad_accum_dtype, notes=notes,
         reduce_in_backward=bool(deferred) and cfg.train.micro_batches == 1
-        and par.pp_stages == 1)
+        and par.pp_stages == 1, collectives=collectives_policy(cfg, mesh))
     n_batch = axis_size(mesh, batch)
     micro = cfg.train.global_batch // cfg.train.micro_batches
     if micro % n_batch:
@@ -379,6 +382,13 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
     if abstract_params is not None:
         pl.layouts = make_layouts(cfg, mesh, abstract_params, pl)
     return pl
+
+
+def collectives_policy(cfg, mesh) -> Policy:
+    """parallel.collectives over this mesh, with the topology's links for `auto`."""
+    mode = cfg.parallel.collectives
+    topo = get_topology(cfg.mesh.topology) if mode == "auto" else None
+    return Policy.of(mode, dict(mesh.shape), topo)
 
 
 def make_layouts(cfg, mesh, abstract_params, pl: Placement):

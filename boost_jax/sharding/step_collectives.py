@@ -31,6 +31,12 @@ Once per step, on the whole leaf (engine.reduce_deferred, step/build.make_step_f
     grad norm     one fp32 partial sum per leaf, all-reduced over every axis
 int8 payloads are q(Ψ) = Ψ + 4·blocks (one fp32 scale per block of ≤ quant_block); qgZ's int4
 payloads Ψ/2 + 4·blocks.
+
+Under parallel.collectives two_level / auto, each collective above whose group spans hosts and
+a node is listed as the stages that run instead (sharding/two_level.py, Policy.stages): an
+all-gather of P as AG_global(P/n_in) + AG_node(P), a reduce-scatter as RS_node(P) +
+RS_global(P/n_in), an all-reduce as RS_node(P') + AR_global(P'/n_in) + AG_node(P') (P'
+padded to a multiple of the n_in node members' elements).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from boost_jax.mesh import level_of
+from boost_jax.mesh import axis_size, level_of
 from boost_jax.sharding import quant
 from boost_jax.sharding.bucket import BUCKETED
 from boost_jax.sharding.gather import LeafFetch, qgz_stages
@@ -182,11 +188,10 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     unit = path[:2] if block and not lay.layer_axis else path[:1]  # one fetch_tree call
 
     def add(what, kind, axes, payload, calls, phase="dp", step=None):
-        axes = tuple(axes)
-        n = f.n(axes)
         key = (unit, f.group, what, step) if phase == "dp" else ()
-        if n > 1 and calls > 0 and payload > 0:
-            out.append(Collective(name, what, kind, axes, n, float(payload), calls, phase, key))
+        if f.n(axes) > 1 and calls > 0 and payload > 0:
+            out.extend(Collective(name, what, k, ax, f.n(ax), float(p), calls, phase, key)
+                       for k, ax, p in pl.collectives.stages(kind, axes, payload, a))
 
     A, S = pl.params_axes, pl.secondary_axes
     if f.is_gathered:
@@ -237,8 +242,9 @@ def step_collectives(pl, passes: Passes, tied: bool = False) -> list[Collective]
     every = tuple(a for a, n in pl.mesh.shape.items() if int(n) > 1)
     n_all = int(math.prod(int(pl.mesh.shape[a]) for a in every))
     if n_all > 1:  # the clip's global norm: one fp32 partial sum per leaf
-        out.append(Collective("*", "grad norm", "all-reduce", every, n_all,
-                              4.0 * len(all_leaves), 1, "step"))
+        out.extend(Collective("*", "grad norm", k, ax, axis_size(pl.mesh, ax), float(p), 1,
+                              "step") for k, ax, p in
+                   pl.collectives.stages("all-reduce", every, 4.0 * len(all_leaves), 4))
     return out
 
 

@@ -20,6 +20,8 @@ One optimizer step, top to bottom in step_fn:
     3. the optimizer (optim.name, step/optim.py) on the fp32 master shard (opt_state sharding)
     4. the new working weights gathered back in stages (opt_state → grads → params sharding),
        so the cross-node part moves only the node's shard
+Under parallel.collectives two_level / auto, 2 and 4 run in two levels too
+(sharding/step_two_level.py).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from boost_jax.backends.cpu import fast_compile_options, reshard_bits
 from boost_jax.config import Config
 from boost_jax.sharding.layout import is_layout, pad_tree, unpad_tree
 from boost_jax.sharding import parallel
+from boost_jax.sharding import step_two_level
 from boost_jax.sharding.placement import Placement
 from boost_jax.sharding.step_collectives import update_via_grads
 from boost_jax.step.engine import Engine
@@ -128,6 +131,13 @@ def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
     # the updated weights go back opt_state → grads → params sharding, so the cross-node part
     # moves only the node's shard
     grads_stage = update_via_grads(pl)
+    # parallel.collectives two_level / auto: the norm and the gathers below in two levels
+    two = pl.collectives.mode != "flat"
+
+    def move(tree, src, dst, src_sh, dst_sh):
+        if two:
+            return step_two_level.update_gather(pl, tree, src, dst)
+        return jax.tree.map(reshard_bits, tree, dst_sh, src_sh)
 
     def step_fn(state, batch):
         params = state["params"]
@@ -135,7 +145,8 @@ def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
         loss, grads = grads_fn(params, batch)
         grads = constrain_tree(jax.tree.map(lambda g: g.astype(jnp.float32), grads), master_sh)
         # 2. clip by global norm
-        gnorm = optax.tree.norm(grads)
+        gnorm = step_two_level.global_norm(pl, grads, pl.opt_state_axes) if two else \
+            optax.tree.norm(grads)
         if clip > 0:
             scale = jnp.minimum(1.0, clip / (gnorm + 1e-6))
             grads = jax.tree.map(lambda g: g * scale, grads)
@@ -145,11 +156,11 @@ def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
         new_master = constrain_tree(optax.apply_updates(master, updates), master_sh)
         # 4. the new working weights, cast on the opt_state shard so the gathers move pdtype
         new_params = constrain_tree(jax.tree.map(lambda x: x.astype(pdtype), new_master), master_sh)
-        src = master_sh
+        src, src_sh = pl.opt_state_axes, master_sh
         if grads_stage:
-            new_params = jax.tree.map(reshard_bits, new_params, grads_sh, src)
-            src = grads_sh
-        new_params = jax.tree.map(reshard_bits, new_params, params_sh, src)
+            new_params = move(new_params, src, pl.grads_axes, src_sh, grads_sh)
+            src, src_sh = pl.grads_axes, grads_sh
+        new_params = move(new_params, src, pl.params_axes, src_sh, params_sh)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
         if mixed:

@@ -19,7 +19,9 @@ and every collective in it is written in one place:
         backward does it right after the reduction over grads      Placement.in_backward
 
 Every data-parallel collective above is listed, with its bytes and calls, by
-sharding/step_collectives.py: the formulas and the planner count and time that list.
+sharding/step_collectives.py: the formulas and the planner count and time that list. Under
+parallel.collectives=two_level (or auto) each one spanning hosts and a node runs as rank-aligned
+stages over `global` and inside the node (sharding/two_level.py), and is listed so.
 
 The loss each device differentiates is its rows' mean CE / (data-parallel devices × micro-
 batches), so the reductions above sum to the gradient of the global mean. GSPMD only places
@@ -43,6 +45,7 @@ from boost_jax.layers import forward
 from boost_jax.mesh import STAGE
 from boost_jax.sharding.gather import LeafFetch, fetch_tree, slot_like
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
+from boost_jax.sharding import two_level
 from boost_jax.sharding.parallel import ParallelPlan
 from boost_jax.step.pipeline import Pipeline
 
@@ -102,10 +105,11 @@ class Engine:
         if self.placement.in_backward(lay):
             return acc
         ar, rs = self.placement.deferred_reduction(lay)
+        policy = self.placement.collectives  # flat, or in two levels (sharding/two_level.py)
         if ar:
-            acc = jax.lax.psum(acc, ar)
+            acc = two_level.all_reduce(acc, ar, policy)
         if rs:
-            acc = jax.lax.psum_scatter(acc, rs, scatter_dimension=lay.dim, tiled=True)
+            acc = two_level.psum_scatter(acc, rs, lay.dim, policy)
         return acc
 
     def local_loss(self, params, batch, slots=None):
@@ -172,7 +176,7 @@ class Engine:
         """Σ of per-device scaled losses over the data-parallel devices (identical over TP;
         with pipeline stages only the last stage's is not zero)."""
         axes = self.placement.batch_axes + ((STAGE,) if self.pipeline is not None else ())
-        return jax.lax.psum(loss, axes) if axes else loss
+        return two_level.all_reduce(loss, axes, self.placement.collectives) if axes else loss
 
     def loss_fn(self) -> Callable:
         """(params, batch) -> mean loss (evaluation: forward only, no slots)."""

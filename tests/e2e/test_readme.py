@@ -146,6 +146,8 @@ COMMANDS = {
     "--search": _c(RUN, ["--no-compile"]),
     "python -m boost_jax.analysis.comm --config configs/demo.yaml --cpu-devices 8 [--json]":
         _c(RUN, ["model.n_layers=1"]),
+    "python -m boost_jax.analysis.comm --config configs/demo.yaml --cpu-devices 8 "
+    "parallel.plan=zero3 parallel.collectives=two_level": _c(RUN, ["model.n_layers=1"]),
     'python -m boost_jax.generate --run runs/demo --prompt "def "': _c(RUN),
     "python -m boost_jax.evaluate --run runs/demo [--data corpus.txt]": _c(RUN),
     "python -m boost_jax.export --run runs/demo --out hf/demo": _c(RUN),

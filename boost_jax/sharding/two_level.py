@@ -1,0 +1,197 @@
+"""Two-level data-parallel collectives (`parallel.collectives`): a collective whose group spans
+hosts (`global`, or a pipeline's `stage`) and axes inside a host runs as rank-aligned
+sub-collectives, so no ring spans every rank of the job:
+
+    all-gather      AG over the host axes (one group per local rank: every local rank's group
+                    at once, each leaving by its own NIC), then AG inside the node
+    reduce-scatter  RS inside the node, then RS over the host axes
+    all-reduce      RS inside the node, AR over the host axes, AG inside the node (the buffer
+                    flattened and zero-padded to a multiple of the node's members); fewer
+                    elements than members (a scalar): AR inside the node, then across
+
+Each keeps the flat collective's layout exactly: a tiled gather over axes (a1, …, ak) stacks
+its shards row-major over the named axes, and the stages reassemble that order. All-to-alls
+(qgZ) stay as they are: their stages already go inside the node, then across.
+
+`Policy.stages` says what runs for a flat collective (kind, axes, payload); the engine's
+collectives here (bucket.run, engine.reduce_deferred, step/build.py) and the step's list
+(step_collectives.py) both ask it, so what is compiled is what is listed and timed.
+
+`auto` picks per call the cheaper of the two under an α–β ring model with the topology's
+per-level latency and bandwidth (boost_jax/mesh.py): n = n_in·g members, P bytes,
+    flat       (n−1)·α_global + (n−1)/n·P / min(n_in·β_global, β_in)
+    two-level  (g−1)·α_global + (g−1)/g·P / (n_in·β_global) + (n_in−1)·α_in + (n_in−1)/n_in·P / β_in
+(all-reduce: twice each). The flat ring's every step waits on its slowest link, and the node's
+members share the NICs in both (benchmarks/README.md, section 13).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from boost_jax.backends.cpu import all_gather_bits
+from boost_jax.mesh import level_of
+from boost_jax.names import STAGE_AXIS
+
+MODES = ("flat", "two_level", "auto")
+OUTER = ("global", STAGE_AXIS)  # axes whose groups cross hosts
+SPLIT_KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How the data-parallel collectives of one run are issued (hashable: held by LeafFetch)."""
+
+    mode: str = "flat"
+    sizes: tuple = ()  # ((axis, size), ...) of the mesh
+    links: tuple = ()  # ((level, latency s, bandwidth B/s per device), ...) for `auto`
+
+    @classmethod
+    def of(cls, mode: str, mesh_shape, topology=None) -> "Policy":
+        if mode not in MODES:
+            raise ValueError(f"parallel.collectives={mode!r}: choose one of {list(MODES)}")
+        links = () if topology is None else tuple(
+            (lv, float(topology.latency(lv)), float(topology.bandwidth(lv)))
+            for lv in ("pair", "node", "global"))
+        return cls(mode, tuple((a, int(n)) for a, n in dict(mesh_shape).items()), links)
+
+    def n(self, axes) -> int:
+        size = dict(self.sizes)
+        return int(math.prod(size.get(a, 1) for a in axes))
+
+    def split(self, kind: str, axes, payload: float = 0.0) -> Optional[tuple]:
+        """(inner, outer) axes when this call runs in two levels, else None."""
+        outer = tuple(a for a in axes if a in OUTER)
+        inner = tuple(a for a in axes if a not in OUTER)
+        if self.mode == "flat" or kind not in SPLIT_KINDS or self.n(outer) <= 1 \
+                or self.n(inner) <= 1:
+            return None
+        if self.mode == "auto" and not self.two_level_wins(kind, inner, outer, payload):
+            return None
+        return inner, outer
+
+    def two_level_wins(self, kind: str, inner, outer, payload: float) -> bool:
+        """The α–β comparison of the module docstring (no topology: two-level)."""
+        if not self.links:
+            return True
+        link = {lv: (a, b) for lv, a, b in self.links}
+        (a_g, b_g), (a_i, b_i) = link["global"], link[level_of(inner)]
+        n_in, g = self.n(inner), self.n(outer)
+        n = n_in * g
+        flat = (n - 1) * a_g + (n - 1) / n * payload / min(n_in * b_g, b_i)
+        two = (g - 1) * a_g + (g - 1) / g * payload / (n_in * b_g) + (n_in - 1) * a_i + \
+            (n_in - 1) / n_in * payload / b_i
+        return two < flat
+
+    def stages(self, kind: str, axes, payload: float, itemsize: int = 4) -> list[tuple]:
+        """(kind, axes, payload) of each call that runs for the flat collective (payload: its
+        ring formula's P, step_collectives.ring_bytes; itemsize: an all-reduce's element)."""
+        axes = tuple(axes)
+        sp = self.split(kind, axes, payload)
+        if sp is None:
+            return [(kind, axes, payload)]
+        inner, outer = sp
+        n_in = self.n(inner)
+        if kind == "all-gather":
+            return [(kind, outer, payload / n_in), (kind, inner, payload)]
+        if kind == "reduce-scatter":
+            return [(kind, inner, payload), (kind, outer, payload / n_in)]
+        if payload < n_in * itemsize:  # fewer elements than members (a scalar): two sums
+            return [(kind, inner, payload), (kind, outer, payload)]
+        padded = math.ceil(payload / itemsize / n_in) * n_in * itemsize
+        return [("reduce-scatter", inner, padded), ("all-reduce", outer, padded / n_in),
+                ("all-gather", inner, padded)]
+
+
+FLAT = Policy()
+
+
+def _reorder(y, src, dst, policy: Policy):
+    """y stacked [n, *rest] row-major over axes `src` → stacked row-major over `dst`."""
+    if tuple(src) == tuple(dst):
+        return y
+    rest = y.shape[1:]
+    y = y.reshape(*[policy.n((a,)) for a in src], *rest)
+    perm = [src.index(a) for a in dst] + list(range(len(src), y.ndim))
+    return jnp.transpose(y, perm).reshape(-1, *rest)
+
+
+def all_gather(x, axes, policy: Policy = FLAT, to: str = "varying"):
+    """x (any shape) → stacked [n, *x.shape], shard i from the i-th device over `axes`."""
+    axes = tuple(axes)
+    sp = policy.split("all-gather", axes, policy.n(axes) * x.size * x.dtype.itemsize)
+    if sp is None:
+        return all_gather_bits(x[None], axes, 0, to)
+    inner, outer = sp
+    y = all_gather_bits(x[None], outer, 0)  # [g, *shape]: one group per local rank
+    y = all_gather_bits(y[None], inner, 0, to)  # [n_in, g, *shape]
+    return _reorder(y.reshape(-1, *x.shape), inner + outer, axes, policy)
+
+
+def reduce_scatter(x, axes, policy: Policy = FLAT):
+    """x [n, *rest], chunk i for the i-th device over `axes` → this device's summed [*rest]."""
+    axes = tuple(axes)
+    sp = policy.split("reduce-scatter", axes, x.size * x.dtype.itemsize)
+    if sp is None:
+        return jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)[0]
+    inner, outer = sp
+    y = _reorder(x, axes, inner + outer, policy)
+    y = y.reshape(policy.n(inner), policy.n(outer), *x.shape[1:])
+    y = jax.lax.psum_scatter(y, inner, scatter_dimension=0, tiled=True)[0]  # [g, *rest]
+    return jax.lax.psum_scatter(y, outer, scatter_dimension=0, tiled=True)[0]
+
+
+def _invariant(y, axes) -> str:
+    """The all-gather `to` that makes its result invariant over `axes` (typed programs)."""
+    mat = getattr(jax.typeof(y), "manual_axis_type", None)
+    vma = getattr(mat, "varying", ()) or ()
+    return "invarying" if set(axes) <= set(vma) else "varying"
+
+
+def all_reduce(x, axes, policy: Policy = FLAT):
+    """psum(x, axes): the sum, same shape, invariant over `axes`."""
+    axes = tuple(axes)
+    sp = policy.split("all-reduce", axes, x.size * x.dtype.itemsize)
+    if sp is None:
+        return jax.lax.psum(x, axes)
+    inner, outer = sp
+    n_in, m = policy.n(inner), x.size
+    if m < n_in:  # a scalar: nothing to scatter
+        return jax.lax.psum(jax.lax.psum(x, inner), outer)
+    flat = x.reshape(-1)
+    k = -(-m // n_in)
+    flat = jnp.pad(flat, (0, k * n_in - m)) if k * n_in > m else flat
+    y = jax.lax.psum_scatter(flat.reshape(n_in, k), inner, scatter_dimension=0, tiled=True)[0]
+    y = jax.lax.psum(y, outer)
+    y = all_gather_bits(y, inner, 0, _invariant(y, inner))  # [n_in·k]
+    return y[:m].reshape(x.shape)
+
+
+def tiled_all_gather(x, axes, dim: int, policy: Policy = FLAT, to: str = "varying"):
+    """jax.lax.all_gather(x, axes, axis=dim, tiled=True), in two levels where policy says."""
+    axes = tuple(axes)
+    if policy.split("all-gather", axes, policy.n(axes) * x.size * x.dtype.itemsize) is None:
+        return all_gather_bits(x, axes, dim, to)
+    stacked = all_gather(x, axes, policy, to)
+    y = jnp.moveaxis(stacked, 0, dim)
+    return y.reshape(*x.shape[:dim], -1, *x.shape[dim + 1:])
+
+
+def psum_scatter(x, axes, dim: int, policy: Policy = FLAT):
+    """jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True), in two levels."""
+    axes = tuple(axes)
+    if policy.split("reduce-scatter", axes, x.size * x.dtype.itemsize) is None:
+        return jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+    n = policy.n(axes)
+    y = jnp.moveaxis(x, dim, 0)
+    y = reduce_scatter(y.reshape(n, y.shape[0] // n, *y.shape[1:]), axes, policy)
+    return jnp.moveaxis(y, 0, dim)
+
+
+__all__ = ["MODES", "Policy", "FLAT", "all_gather", "reduce_scatter", "all_reduce",
+           "tiled_all_gather", "psum_scatter"]
