@@ -229,6 +229,7 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
 
     Memory bound, as DeepSpeed's fused kernels run them: qwZ / an int8 secondary dequantizes
     every gathered weight (read q, write the working dtype; quantizing a shard is 1/|A| of it;
+    hpZ: the flat gather in the forward, its kept S-block in the backward;
     an int8 copy kept whole quantizes the whole weight once more, unless it is qwZ's gather
     itself, kept as it arrived); qgZ quantizes the gradient
     (read a, write q₄), then per stage dequantizes, sums and requantizes what arrives in one
@@ -245,6 +246,8 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
         gathers = []  # int8 gathers of the whole model per micro-batch
         if pl.keeps_int8_gather:  # the int8 gather kept: dequantized at each use
             gathers += [1, 1]
+        elif pl.hpz:  # the flat gather's (forward), the secondary's (backward)
+            gathers += [1] * (bool(pl.quantize_gather) + bool(pl.int8_secondary))
         elif S is not None:
             if not set(A) <= set(S) and pl.quantize_gather:
                 gathers.append(1)
@@ -385,6 +388,9 @@ def stage_sends(cfg, sizes, b: int) -> list[Coll]:
 
 def _notes(cfg, pl, measured, L: int) -> list[str]:
     notes = list(pl.notes)  # roles tensor parallelism took, in one line
+    if pl.secondary_axes and not pl.hpz and set(pl.secondary_axes) < set(pl.params_axes):
+        notes.append("hpZ without train.remat=full: the forward gathers each layer twice "
+                     "(flat, then from its secondary), remat replaying the second")
     notes.append("collectives: measured from the compiled step's HLO" if measured is not None
                  else "collectives: analytic (the step's placement, not compiled)")
     pp, V, micro = cfg.parallel.pp_stages, cfg.parallel.pp_virtual, cfg.train.micro_batches

@@ -39,7 +39,8 @@ from boost_jax.mesh import axis_size
 from boost_jax.names import MESH_AXES
 from boost_jax.sharding.gather import LeafFetch
 from boost_jax.sharding.step_collectives import (Passes, bytes_by_level, int8_payload, itemsize,
-                                                 keeps_secondary, leaves, step_collectives,
+                                                 keeps_secondary, leaves, secondary_payload,
+                                                 step_collectives,
                                                  tp_local)
 
 
@@ -79,7 +80,7 @@ def memory_per_device(pl) -> dict:
         S = pl.secondary_axes
         if keeps_secondary(pl, lay, path[0]):
             if f.int8_secondary:
-                out["secondary"] += layers * int8_payload(f, S) / axis_size(mesh, S)
+                out["secondary"] += layers * secondary_payload(f) / axis_size(mesh, S)
             else:
                 out["secondary"] += local * w / axis_size(mesh, S)
         if not sharded and (pl.params_axes or pl.opt_state_axes):

@@ -120,6 +120,29 @@ class Placement(Int8Copies):
     notes: list[str] = field(default_factory=list)
     quantize_grads: bool = False  # qgZ: int4 all-to-all gradient reduce-scatter
     reduce_in_backward: bool = False  # R reduced per layer in the backward (one micro-batch)
+    defer_update: bool = False  # weights stored over opt_state axes, gathered in the forward
+    replay: bool = False  # train.remat=full: each layer's backward replays its forward
+    xq_weights: bool = False  # the deferred update's cross-node gather in int8
+    xq_grads: str = "none"  # the gradient's cross-node reduce-scatter: none | int8 | int4
+
+    @property
+    def stored_axes(self) -> tuple[str, ...]:
+        """What the step's `params` are stored over: the params axes, or with `defer_update`
+        the opt_state axes (the optimizer's output, cast; the next step's first forward
+        gathers each layer to the params sharding, `update_stages`)."""
+        return self.opt_state_axes if self.defer_update else self.params_axes
+
+    def stored_shardings(self):
+        return self._tree(self.stored_axes)
+
+    def update_stages(self) -> tuple[tuple[str, ...], ...]:
+        """The gathers that take new weights from the opt_state to the params sharding, cross-
+        node part first: O → G → A when A ⊆ G ⊆ O (the cross-node part moves only the node's
+        shard), else O → A."""
+        A, G, O = self.params_axes, self.grads_axes, self.opt_state_axes
+        path = (O, G, A) if set(A) <= set(G) <= set(O) else (O, A)
+        return tuple(tuple(a for a in hi if a not in lo) for hi, lo in zip(path, path[1:])
+                     if set(hi) != set(lo))
 
     # ------------------------------------------------------------------ shardings by role
     def named(self, spec: P) -> NamedSharding:
@@ -201,7 +224,10 @@ class Placement(Int8Copies):
                 "secondary_int8": self.secondary_int8, "quantize_gather": self.quantize_gather,
                 "quantize_grads": self.quantize_grads,
                 "deferred_grad_axes": list(self.deferred_axes),
-                "reduce_in_backward": self.reduce_in_backward}
+                "reduce_in_backward": self.reduce_in_backward,
+                "defer_update": self.defer_update,
+                "quantize_cross_node": {"weights": "int8" if self.xq_weights else "none",
+                                        "grads": self.xq_grads}}
 
     def memory(self) -> dict:
         """Predicted persistent bytes per device by role, with the padding overhead.
@@ -370,6 +396,9 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
         grad_accum_dtype=par.grad_accum_dtype, notes=notes,
         reduce_in_backward=bool(deferred) and cfg.train.micro_batches == 1
         and par.pp_stages == 1)
+    pl.replay = cfg.train.remat == "full"
+    pl.defer_update = _defer_update(par, pl)
+    pl.xq_weights, pl.xq_grads = _cross_node_quantization(par, pl)
     n_batch = axis_size(mesh, batch)
     micro = cfg.train.global_batch // cfg.train.micro_batches
     if micro % n_batch:
@@ -379,6 +408,41 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
     if abstract_params is not None:
         pl.layouts = make_layouts(cfg, mesh, abstract_params, pl)
     return pl
+
+
+def _defer_update(par, pl: Placement) -> bool:
+    """parallel.defer_update resolved: where the weights are sharded over fewer axes than the
+    optimizer state, each role's axes a prefix of the next (the gathers then tile), no
+    pipeline; an explicit true where it cannot apply is an error."""
+    A, G, O = pl.params_axes, pl.grads_axes, pl.opt_state_axes
+    nested = O[:len(A)] == A and (not set(A) <= set(G) <= set(O)
+                                  or (O[:len(G)] == G and G[:len(A)] == A))
+    why = ("the weights are not sharded (nothing to gather)" if not A else
+           "the weights are sharded like the optimizer state (nothing to gather)"
+           if set(A) == set(O) else "pipeline stages fetch per tick" if par.pp_stages > 1
+           else "hpZ cuts its secondary from the forward's gather" if pl.hpz
+           else None if nested and set(A) < set(O) else "its roles do not nest")
+    if par.defer_update and why:
+        raise ConfigError(f"parallel.defer_update=true does not apply to parallel.plan="
+                          f"{par.plan} here: {why}; drop it")
+    return why is None and par.defer_update is not False
+
+
+def _cross_node_quantization(par, pl: Placement) -> tuple[bool, str]:
+    """parallel.quantize_cross_node_{weights,grads}, checked against the legs that exist: the
+    deferred update's gather across nodes, the reduce-scatter over R ∩ opt_state axes across
+    nodes (a one-line error where the plan has none)."""
+    w, g = par.quantize_cross_node_weights, par.quantize_cross_node_grads
+    if w != "none" and not (pl.defer_update and any("global" in st for st in pl.update_stages())):
+        raise ConfigError(f"parallel.quantize_cross_node_weights={w} needs a deferred update "
+                          "that gathers across nodes (parallel.plan=hierarchical with "
+                          "parallel.defer_update); drop it")
+    rs = [a for a in pl.deferred_axes if a in pl.opt_state_axes]
+    if g != "none" and "global" not in rs:
+        raise ConfigError(f"parallel.quantize_cross_node_grads={g} needs a gradient reduce-"
+                          "scatter across nodes outside the micro-batch loop (parallel.plan="
+                          "hierarchical, `global` not a grads axis); drop it")
+    return w == "int8", g
 
 
 def make_layouts(cfg, mesh, abstract_params, pl: Placement):

@@ -6,7 +6,8 @@ and every collective in it is written in one place:
 
     for each micro-batch m (lax.scan):
         each layer fetches its weights just before use          sharding/gather.py
-            (AG over params axes, or over the secondary's, int8 or not; backward re-gathers)
+            (AG over params axes, or over the secondary's, int8 or not; backward re-gathers;
+            hpZ: one flat gather, the secondary cut from it; remat=full)  hpz.py
         the blocks run the forward written once                 layers/forward.py
             (TP layouts add their all-reduces)                  sharding/tp/
         the gradient of this device's rows lands in the grads
@@ -41,7 +42,11 @@ from jax.sharding import PartitionSpec as P
 from boost_jax.backends import cpu as cpu_backend
 from boost_jax.layers import forward
 from boost_jax.mesh import STAGE
-from boost_jax.sharding.gather import LeafFetch, fetch_tree, slot_like
+from boost_jax.sharding.gather import (LeafFetch, fetch_tree, slot_like, to_params_all, to_varying,
+                                      varying_axes)
+from boost_jax.sharding import bucket
+from boost_jax.sharding.deferred import deferred_layers
+from boost_jax.sharding.hpz import hpz_layers
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
 from boost_jax.sharding.parallel import ParallelPlan
 from boost_jax.step.pipeline import Pipeline
@@ -67,6 +72,9 @@ class Engine:
         gathers = any(f.is_gathered for f in jax.tree.leaves(
             self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch)))
         self.checkpoint = plan.checkpoint(gathers)
+        if any(f.is_gathered and f.hpz for f in jax.tree.leaves(
+                self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch))):
+            self.checkpoint = hpz_layers  # one forward gather per layer (sharding/hpz.py)
         self.ops = plan.ops(self.fetch)
         self.typed = plan.typed
         self.tp_size = math.prod(dict(self.sizes)[a] for a in placement.tp_axes)
@@ -95,26 +103,80 @@ class Engine:
 
         return jax.tree.map(one, self.placement.layouts, self.fetches, is_leaf=is_layout)
 
-    def reduce_deferred(self, lay: LeafLayout, acc):
+    def reduce_deferred(self, lay: LeafLayout, acc, f: LeafFetch):
         """Once per step: the accumulator, unreduced over the deferred axes → the opt_state
-        shard (else the grads shard), as Placement.deferred_reduction lists it; nothing left
-        to do when the backward reduced it (Placement.in_backward)."""
+        shard (else the grads shard), as Placement.deferred_reduction lists it (the cross-node
+        reduce-scatter quantized as LeafFetch.cross_node_step says); nothing left to do when
+        the backward reduced it (Placement.in_backward)."""
         if self.placement.in_backward(lay):
             return acc
         ar, rs = self.placement.deferred_reduction(lay)
         if ar:
             acc = jax.lax.psum(acc, ar)
-        if rs:
+        if rs and f.cross_node_step(rs)[0] == "all-to-all":
+            send = f.int4_reduce_scatter(acc, tuple(rs), f.cross_node_step(rs)[2], lay.dim)
+            acc = bucket.run([send])[0]
+        elif rs:
             acc = jax.lax.psum_scatter(acc, rs, scatter_dimension=lay.dim, tiled=True)
         return acc
 
-    def local_loss(self, params, batch, slots=None):
-        return forward.loss(self.ops, self.plan.model, params, batch, slots, self.checkpoint)
+    def local_loss(self, params, batch, slots=None, checkpoint=None):
+        return forward.loss(self.ops, self.plan.model, params, batch, slots,
+                            checkpoint or self.checkpoint)
+
+    # ------------------------------------------------------------------ deferred update
+    def ends_to_params(self, params):
+        """Deferred update: the embedding, final norm and head (outside the layer loop)
+        gathered from their stored shards to the params sharding, once per step; the layer
+        stack stays stored (its first forward gathers it: sharding/deferred.py)."""
+        out = dict(params)
+        for k in params:
+            if k != "blocks":
+                fs, tree = jax.tree.flatten(self.fetches[k],
+                                            is_leaf=lambda v: isinstance(v, LeafFetch))
+                out[k] = tree.unflatten(to_params_all(fs, tree.flatten_up_to(params[k])))
+        return out
+
+    def capture_slots(self, slots, stored_blocks):
+        """The first micro-batch's slots for the layer stack: {"grads": the slots, "params":
+        zeros shaped and typed like the params shards its backward hands back} (per layer when
+        the stack is not scanned)."""
+        pdtype = jnp.dtype(self.placement.param_dtype)
+
+        def zeros(lay, x):
+            z = jnp.zeros(self.local_shape(lay, self.placement.params_axes), pdtype)
+            return to_varying(z, varying_axes(x))
+
+        lays = self.placement.layouts["blocks"]
+        if forward.is_stacked(slots):
+            return {"grads": slots, "params": jax.tree.map(zeros, lays, stored_blocks,
+                                                           is_leaf=is_layout)}
+        return {k: {"grads": slots[k], "params": jax.tree.map(
+            zeros, lays[k], stored_blocks[k], is_leaf=is_layout)} for k in slots}
+
+    def first_micro_batch(self, params, b, scale, micro):
+        """Deferred update, micro-batch 0: (loss, gradient, params with the layer stack's
+        params shards its forward gathered, for the other micro-batches)."""
+        params = self.ends_to_params(params)
+        p = self.barrier(params, b["inputs"])
+        slots = self.slots()
+        capture = micro > 1
+        if capture:
+            slots = dict(slots, blocks=self.capture_slots(slots["blocks"], params["blocks"]))
+        loss, g = jax.value_and_grad(lambda s: self.local_loss(
+            p, b, s, deferred_layers(self.checkpoint, capture)) * scale)(slots)
+        if capture:
+            gb = g["blocks"]
+            stacked = "grads" in gb
+            g = dict(g, blocks=gb["grads"] if stacked else {k: v["grads"] for k, v in gb.items()})
+            params = dict(params, blocks=gb["params"] if stacked else
+                          {k: v["params"] for k, v in gb.items()})
+        return loss, g, params
 
     # ------------------------------------------------------------------ the two programs
     def specs(self):
         placement = self.placement
-        params = jax.tree.map(lambda l: l.spec(placement.params_axes), placement.layouts,
+        params = jax.tree.map(lambda l: l.spec(placement.stored_axes), placement.layouts,
                               is_leaf=is_layout)
         grads = jax.tree.map(
             lambda l: l.spec(placement.opt_state_axes if placement.explicit(l)
@@ -143,16 +205,26 @@ class Engine:
             if self.pipeline is not None:
                 loss, acc = self.pipeline.run(params, mb, self.barrier, scale, True, acc0)
             else:
-                def one(acc, b):
+                def add(acc, g):
+                    return jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
+
+                def one(params, acc, b):
                     p = self.barrier(params, b["inputs"])
                     loss_fn = lambda s: self.local_loss(p, b, s) * scale  # noqa: E731
                     loss, g = jax.value_and_grad(loss_fn)(self.slots())
-                    return jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g), loss
+                    return add(acc, g), loss
 
-                acc, losses = jax.lax.scan(one, acc0, mb)
-                loss = jnp.sum(losses)
+                loss, p = 0.0, params
+                if self.placement.defer_update:  # micro-batch 0 gathers the stored weights
+                    loss, g, p = self.first_micro_batch(
+                        params, jax.tree.map(lambda x: x[0], mb), scale, micro)
+                    acc0, mb = add(acc0, g), jax.tree.map(lambda x: x[1:], mb)
+                acc, losses = acc0, jnp.zeros(())
+                if jax.tree.leaves(mb)[0].shape[0]:
+                    acc, losses = jax.lax.scan(lambda a, b: one(p, a, b), acc0, mb)
+                loss = loss + jnp.sum(losses)
             grads = jax.tree.map(self.reduce_deferred, self.placement.layouts, acc,
-                                 is_leaf=is_layout)
+                                 self.fetches, is_leaf=is_layout)
             if not self.typed:
                 grads = cpu_backend.untyped_tp_grads(grads, self.placement.layouts,
                                                      self.placement.tp_axes, self.tp_size)
@@ -183,6 +255,10 @@ class Engine:
                 mb = jax.tree.map(lambda x: x[None], batch)
                 loss, _ = self.pipeline.run(params, mb, self.barrier, 1.0 / self.n_batch, False)
                 return self.total(loss)
+            if self.placement.defer_update:
+                first = deferred_layers(self.checkpoint, False)
+                return self.total(self.local_loss(self.ends_to_params(params), batch, None,
+                                                  first) / self.n_batch)
             return self.total(self.local_loss(params, batch) / self.n_batch)
 
         return self.smap(body, (pspec, bspec), P())

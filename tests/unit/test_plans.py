@@ -157,6 +157,18 @@ def test_bad_role_overrides_are_config_errors(extra, match):
         resolve_roles(_cfg(*extra))
 
 
+@pytest.mark.parametrize("extra, match", [
+    (["parallel.plan=zeropp", "parallel.defer_update=true"], "sharded like the optimizer"),
+    (["parallel.plan=hierarchical", "parallel.defer_update=false",
+      "parallel.quantize_cross_node_weights=int8"], "needs a deferred update"),
+    (["parallel.plan=zero3", "parallel.quantize_cross_node_grads=int4"], "across nodes"),
+])
+def test_deferred_and_quantized_cross_node_legs_where_absent_are_config_errors(mesh, extra,
+                                                                              match):
+    with pytest.raises(ConfigError, match=match):
+        make_placement(_cfg(*extra), mesh)
+
+
 def test_layouts_divide_or_pad():
     mesh = make_mesh("cpu", (2, 2, 2))
     lay = choose_layout((24, 2048, 5461), 64, layer_axis=True)
@@ -301,7 +313,9 @@ def test_checkpoint_restores_under_another_plan_and_mesh(runs):
     state, data, meta = ck.restore(3, b2.abstract_state)
     assert data == {"pos": 3} and meta["plan"] == "zero3"
     lay = b2.placement.layouts["blocks"]["attn"]["q"]["a"]
-    assert state["params"]["blocks"]["attn"]["q"]["a"].sharding.spec[lay.dim] == "pair"
+    # a deferred update stores the new weights on the optimizer's shards (pair+node here)
+    assert b2.placement.defer_update
+    assert state["params"]["blocks"]["attn"]["q"]["a"].sharding.spec[lay.dim] == ("pair", "node")
     _, losses = _run(b2, state, STEPS - 3)
     np.testing.assert_allclose(losses, runs["zero3"][3:], rtol=1e-5)
 
@@ -322,6 +336,34 @@ def test_checkpoint_restores_under_another_plan_and_mesh(runs):
         assert not a[tuple(slice(n, None) if i == lay.dim else slice(None)
                            for i, n in enumerate(lay.shape))].any()  # the padding is zero
     assert n_padded > 0
+
+
+def test_a_deferred_update_resumes_and_evaluates_the_true_weights(runs, mesh, tmp_path):
+    """hierarchical stores the updated weights on the optimizer's shards (the next step's first
+    forward gathers them): a run saved at step 3 and restored continues exactly as the
+    uninterrupted one, and evaluation on the stored weights is ddp's on the same weights."""
+    from boost_jax.checkpoints.store import Checkpointer
+
+    fast = fast_compile_options()
+    b = build_step(_cfg("parallel.plan=hierarchical", "parallel.secondary_dtype=bfloat16"),
+                   mesh, fast)
+    assert b.placement.defer_update and b.placement.stored_axes == b.placement.opt_state_axes
+    ddp = build_step(_cfg(), mesh, fast)
+    init = jax.device_get(ddp.init_state())
+    st, first = _run(b, jax.device_put(_pad_state(b, init), b.state_shardings), 3)
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
+    ck.save(3, st, {"pos": 3}, {"plan": "hierarchical"})
+    ck.close()
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
+    restored, _, _ = ck.restore(3, b.abstract_state)
+    ck.close()
+    batch = {k: jax.device_put(v, b.batch_sharding) for k, v in _batches().items()}
+    logical = jax.device_put(jax.device_get(b.logical_params(restored)),
+                             ddp.state_shardings["params"])
+    want = float(ddp.eval_step(logical, batch))
+    assert float(b.eval_step(b.eval_params(restored), batch)) == pytest.approx(want, rel=1e-6)
+    _, rest = _run(b, restored, STEPS - 3)
+    np.testing.assert_allclose(first + rest, runs["hierarchical"], rtol=1e-6)
 
 
 def test_tensor_parallel_axes_are_left_out_of_the_plan(mesh):
