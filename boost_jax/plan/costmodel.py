@@ -121,7 +121,7 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
         def role(axes):
             return local / axis_size(sizes, axes) if lay.dim is not None else local
 
-        acc["params"] += role(pl.params_axes)
+        acc["params"] += role(pl.stored_axes)
         acc["grads"] += role(pl.accum_axes(lay))
         acc["opt"] += role(pl.opt_state_axes)
         if keeps_secondary(pl, lay, path[0].key):
@@ -291,6 +291,8 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     q8 = 1.0 + 4.0 / par.quant_block
     # one layer's gathered weights in use and the next one's arriving, with or without TP
     mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
+    if pl.defer_update:  # the params shards the first micro-batch gathers, kept for the step
+        mem["params_shards"] = st.tp_local_padded / axis_size(sizes, pl.params_axes) * pb
     if pl.secondary_axes is not None:
         mem["secondary"] = st.secondary * (q8 if pl.int8_secondary else pb)
     working = sum(o.out_bytes for o in bm.ops)

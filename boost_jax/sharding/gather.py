@@ -428,35 +428,48 @@ def to_params_all(fs, xs) -> list:
     return xs
 
 
-def reduce_all(fs, cts) -> list:
+def _plus(ct, prior):
+    axes = varying_axes(ct) | varying_axes(prior)
+    return to_varying(ct, axes) + to_varying(prior.astype(ct.dtype), axes)
+
+
+def reduce_all(fs, cts, prior=None) -> list:
     """Each weight's cotangent → its slot's: the weights' r-th reduction steps run together
-    (bucket.run: one int4 all-to-all per bucket)."""
+    (bucket.run: one int4 all-to-all per bucket). `prior`: the earlier micro-batches'
+    accumulated gradient (grads shards), added once the grads reduction is done, before the
+    reduction over R (the last micro-batch's backward)."""
     cts = [f.reduce_start(ct) for f, ct in zip(fs, cts)]
     steps = [f.steps() for f in fs]
-    for r in range(max(map(len, steps), default=0)):
-        cts = bucket.run([f.reduce_step(ct, *st[r]) if r < len(st) else ct
-                          for f, ct, st in zip(fs, cts, steps)])
+    at = [len(f.grad_steps()) for f in fs]
+    for r in range(max(map(len, steps), default=0) + 1):
+        if prior is not None:
+            cts = [_plus(ct, p) if r == a else ct for ct, p, a in zip(cts, prior, at)]
+        if r < max(map(len, steps), default=0):
+            cts = bucket.run([f.reduce_step(ct, *st[r]) if r < len(st) else ct
+                              for f, ct, st in zip(fs, cts, steps)])
     return [f.reduce_end(ct) for f, ct in zip(fs, cts)]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _fetch(fs: tuple, ready: tuple, srcs: tuple, slots: tuple, caps=None, kept=None):
-    """The unit's full weights; the cotangents: each slot's its weight's reduced gradient,
-    each of `caps` (a deferred update's capture) the params shard in `kept`."""
-    del slots, caps, kept
+def _fetch(fs: tuple, ready: tuple, srcs: tuple, slots: tuple, caps=None, kept=None,
+           prior=None):
+    """The unit's full weights; the cotangents: each slot's its weight's reduced gradient
+    (`prior` added before the reduction over R), each of `caps` (a deferred update's
+    capture) the params shard in `kept`."""
+    del slots, caps, kept, prior
     return tuple(expand_all(fs, srcs, ready))
 
 
-def _fetch_fwd(fs, ready, srcs, slots, caps=None, kept=None):
-    return _fetch(fs, ready, srcs, slots, caps, kept), (caps, kept)
+def _fetch_fwd(fs, ready, srcs, slots, caps=None, kept=None, prior=None):
+    return _fetch(fs, ready, srcs, slots, caps, kept, prior), (caps, kept, prior)
 
 
 def _fetch_bwd(fs, ready, res, cts):
-    caps, kept = res
+    caps, kept, prior = res
     out = None if caps is None else tuple(
         to_varying(k, varying_axes(c)).astype(c.dtype) for k, c in zip(kept, caps))
-    return (tuple(None for _ in fs), tuple(reduce_all(fs, cts)), out,
-            None if kept is None else tuple(None for _ in kept))
+    nones = lambda t: None if t is None else tuple(None for _ in t)  # noqa: E731
+    return (nones(fs), tuple(reduce_all(fs, cts, prior)), out, nones(kept), nones(prior))
 
 
 _fetch.defvjp(_fetch_fwd, _fetch_bwd)
@@ -493,6 +506,16 @@ class Deferred:
 
 
 @dataclass(frozen=True)
+class WithPrior:
+    """A fetch unit's stored shards in the last of several micro-batches that reduce over R
+    in the backward: `prior` (the earlier micro-batches' gradient, grads shards) joins each
+    weight's gradient before that reduction (step/engine.py)."""
+
+    stored: Any
+    prior: Any
+
+
+@dataclass(frozen=True)
 class HpzBackward:
     """A layer's stored shards and the secondaries its forward kept: fetch_tree re-gathers the
     hpZ weights from these (AG over S) for the backward."""
@@ -525,6 +548,9 @@ def fetch_tree(fetches, stored, slots=None):
     axes) in the slots' cotangents (see the module docstring). slots None: forward only.
     `stored`: the stored shards, or hpZ's HpzForward / HpzBackward wrapping them."""
     fs, tree = jax.tree.flatten(fetches, is_leaf=lambda v: isinstance(v, LeafFetch))
+    prior = None
+    if isinstance(stored, WithPrior):
+        stored, prior = stored.stored, tuple(tree.flatten_up_to(stored.prior))
     wrapped = isinstance(stored, (HpzForward, HpzBackward, Deferred))
     xs = tree.flatten_up_to(stored.stored if wrapped else stored)
     caps = kept = None
@@ -536,7 +562,7 @@ def fetch_tree(fetches, stored, slots=None):
     if slots is None:
         return tree.unflatten(expand_all(fs, srcs, ready))
     return tree.unflatten(_fetch(tuple(fs), ready or (False,) * len(fs), tuple(srcs),
-                                 tuple(tree.flatten_up_to(slots)), caps, kept))
+                                 tuple(tree.flatten_up_to(slots)), caps, kept, prior))
 
 
 def fetch_leaf(f: LeafFetch, x, slot=None):
@@ -552,5 +578,5 @@ def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...], typed: bool =
 
 
 __all__ = ["LeafFetch", "fetch_leaf", "fetch_tree", "slot_like", "to_varying", "varying_axes",
-           "expand_all", "reduce_all", "to_params_all", "Deferred", "HpzForward", "HpzBackward",
+           "expand_all", "reduce_all", "to_params_all", "Deferred", "HpzForward", "HpzBackward", "WithPrior",
            "SECONDARY_NAME"]

@@ -30,10 +30,11 @@ State layout (what `build_step` keeps; "stored" arrays may be padded, see below)
                axes and *unreduced* over the batch axes that grads do not cover (the "deferred"
                axes R = batch − grads): the per-micro-batch reduction stays inside grads axes,
                and R is reduced once per optimizer step (straight into the opt_state sharding).
-               With one micro-batch and no pipeline there is nothing to accumulate:
-               each scanned layer's gradient is then reduced over R in the backward, right
-               after its reduction over grads (`reduce_in_backward`), so the cross-node part
-               runs behind the next layers' backward instead of after the last one. The
+               Without a pipeline the last micro-batch's backward reduces each scanned layer's
+               gradient, its own plus the accumulator's, over R right after its reduction
+               over grads (`reduce_in_backward`; with one micro-batch there is nothing to
+               accumulate), so the cross-node part runs behind the next layers' backward
+               instead of after the last one. The
                embedding, head and final norm (outside the layer loop; the embedding fetched
                twice when tied) keep the once-per-step reduction.
 
@@ -119,7 +120,8 @@ class Placement(Int8Copies):
     grad_accum_dtype: str = "float32"
     notes: list[str] = field(default_factory=list)
     quantize_grads: bool = False  # qgZ: int4 all-to-all gradient reduce-scatter
-    reduce_in_backward: bool = False  # R reduced per layer in the backward (one micro-batch)
+    reduce_in_backward: bool = False  # R reduced per layer in the (last micro-batch's) backward
+    micro_batches: int = 1
     defer_update: bool = False  # weights stored over opt_state axes, gathered in the forward
     replay: bool = False  # train.remat=full: each layer's backward replays its forward
     xq_weights: bool = False  # the deferred update's cross-node gather in int8
@@ -210,8 +212,9 @@ class Placement(Int8Copies):
 
     def accum_axes(self, lay: LeafLayout) -> tuple[str, ...]:
         """Axes the gradient accumulator of `lay` is sharded over: the grads axes, and when
-        reduced in the backward also the reduce-scatter part of R (the opt_state shard)."""
-        if not self.in_backward(lay):
+        reduced in the backward of the only micro-batch also the reduce-scatter part of R
+        (the opt_state shard; with more, the last one's backward adds the accumulator)."""
+        if not self.in_backward(lay) or self.micro_batches > 1:
             return tuple(self.grads_axes)
         return tuple(self.grads_axes) + self.deferred_reduction(lay)[1]
 
@@ -394,8 +397,8 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
         par.quant_block, tuple(a for a in order if a in deferred),
         quantize_grads=r["qgz"], param_dtype=cfg.model.param_dtype,
         grad_accum_dtype=par.grad_accum_dtype, notes=notes,
-        reduce_in_backward=bool(deferred) and cfg.train.micro_batches == 1
-        and par.pp_stages == 1)
+        reduce_in_backward=bool(deferred) and par.pp_stages == 1,
+        micro_batches=cfg.train.micro_batches)
     pl.replay = cfg.train.remat == "full"
     pl.defer_update = _defer_update(par, pl)
     pl.xq_weights, pl.xq_grads = _cross_node_quantization(par, pl)

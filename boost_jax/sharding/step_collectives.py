@@ -25,10 +25,10 @@ whose payload sums its weights', sharding/bucket.py; a weight's TP axes split a 
     grad          RS_G(Ψa) into the grads sharding (AR_G for a leaf that is not sharded);
                   qgZ: an int4 all-to-all per stage, inside the node then across
 Once per step, on the whole leaf (engine.reduce_deferred, step/build.make_step_fn):
-    reduce        AR over R − O, then RS over R ∩ O, of the grads shard — with one
-                  micro-batch and no pipeline, for the scanned layer stack
-                  (Placement.in_backward), per layer and pass instead, right after `grad`,
-                  inside the layer loop
+    reduce        AR over R − O, then RS over R ∩ O, of the grads shard — without a
+                  pipeline, for the scanned layer stack (Placement.in_backward), per layer
+                  in the last micro-batch's backward instead (its gradient plus the
+                  accumulator), right after `grad`, inside the layer loop
     update        AG of the new weights opt_state → grads → params sharding (A ⊆ G ⊆ O: the
                   cross-node part moves only the node's shard), else opt_state → params
                   (Placement.update_stages); with a deferred update (sharding/deferred.py)
@@ -239,7 +239,7 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
             add("grad", kind, axes, psi * a, grad_calls, step=i)
     # the reduction over R: per layer in the backward, or once per step on the whole leaf
     ar, rs = pl.deferred_reduction(lay)
-    per_layer, calls, phase = (1, grad_calls, "dp") if pl.in_backward(lay) else (layers, 1, "step")
+    per_layer, calls, phase = (1, layers, "dp") if pl.in_backward(lay) else (layers, 1, "step")
     payload = psi * per_layer * a / (f.n(pl.grads_axes) if lay.dim is not None else 1)
     i = len(f.grad_steps())  # reduce_all's round of each step (the late ones follow G's)
     add("reduce", "all-reduce", ar, payload, calls, phase, i)

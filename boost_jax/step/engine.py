@@ -31,6 +31,7 @@ Engine(plan) takes the resolved ParallelPlan (sharding/parallel.py), never the C
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -42,8 +43,8 @@ from jax.sharding import PartitionSpec as P
 from boost_jax.backends import cpu as cpu_backend
 from boost_jax.layers import forward
 from boost_jax.mesh import STAGE
-from boost_jax.sharding.gather import (LeafFetch, fetch_tree, slot_like, to_params_all, to_varying,
-                                      varying_axes)
+from boost_jax.sharding.gather import (LeafFetch, WithPrior, fetch_tree, slot_like, to_params_all,
+                                      to_varying, varying_axes)
 from boost_jax.sharding import bucket
 from boost_jax.sharding.deferred import deferred_layers
 from boost_jax.sharding.hpz import hpz_layers
@@ -71,6 +72,10 @@ class Engine:
                                     is_leaf=is_layout)
         gathers = any(f.is_gathered for f in jax.tree.leaves(
             self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch)))
+        # the micro-batches before the last accumulate over the grads axes only
+        self.early = jax.tree.map(lambda f: dataclasses.replace(f, late=((), ())), self.fetches,
+                                  is_leaf=lambda v: isinstance(v, LeafFetch))
+        self.active = self.fetches
         self.checkpoint = plan.checkpoint(gathers)
         if any(f.is_gathered and f.hpz for f in jax.tree.leaves(
                 self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch))):
@@ -83,7 +88,7 @@ class Engine:
 
     # ------------------------------------------------------------------ per-device pieces
     def fetch(self, stored, slots, path):
-        fs = self.fetches
+        fs = self.active  # the last (or only) micro-batch's, or the earlier ones'
         for k in path:
             fs = fs[k]
         return fetch_tree(fs, stored, slots)
@@ -94,14 +99,19 @@ class Engine:
         return tuple(s // math.prod(size[a] for a in tp) // (n if i == lay.dim else 1)
                      for i, (s, tp) in enumerate(zip(lay.padded, lay.tp)))
 
-    def slots(self):
-        """Zero gradient slots: this device's accumulator shard of every leaf (the grads
-        shard, or the opt_state shard when reduced in the backward), typed as the gradient."""
+    def slots(self, late: bool = True):
+        """Zero gradient slots: this device's shard of every leaf's gradient — the grads
+        shard, or the opt_state shard when the backward reduces it over R (`late`: the
+        last, or only, micro-batch) — typed as the gradient."""
+        pl = self.placement
+
         def one(lay, f):
-            return slot_like(f, self.local_shape(lay, self.placement.accum_axes(lay)),
+            rs = pl.deferred_reduction(lay)[1] if late and pl.in_backward(lay) else ()
+            return slot_like(f, self.local_shape(lay, tuple(pl.grads_axes) + rs),
                              _tp_axes(lay), self.typed)
 
-        return jax.tree.map(one, self.placement.layouts, self.fetches, is_leaf=is_layout)
+        fetches = self.fetches if late else self.early
+        return jax.tree.map(one, pl.layouts, fetches, is_leaf=is_layout)
 
     def reduce_deferred(self, lay: LeafLayout, acc, f: LeafFetch):
         """Once per step: the accumulator, unreduced over the deferred axes → the opt_state
@@ -148,29 +158,24 @@ class Engine:
             return to_varying(z, varying_axes(x))
 
         lays = self.placement.layouts["blocks"]
-        if forward.is_stacked(slots):
-            return {"grads": slots, "params": jax.tree.map(zeros, lays, stored_blocks,
-                                                           is_leaf=is_layout)}
-        return {k: {"grads": slots[k], "params": jax.tree.map(
-            zeros, lays[k], stored_blocks[k], is_leaf=is_layout)} for k in slots}
+        return self.pair_blocks(slots, jax.tree.map(zeros, lays, stored_blocks,
+                                                    is_leaf=is_layout), "params")
 
     def first_micro_batch(self, params, b, scale, micro):
         """Deferred update, micro-batch 0: (loss, gradient, params with the layer stack's
         params shards its forward gathered, for the other micro-batches)."""
         params = self.ends_to_params(params)
         p = self.barrier(params, b["inputs"])
-        slots = self.slots()
         capture = micro > 1
+        slots = self.slots(not capture)
         if capture:
             slots = dict(slots, blocks=self.capture_slots(slots["blocks"], params["blocks"]))
         loss, g = jax.value_and_grad(lambda s: self.local_loss(
             p, b, s, deferred_layers(self.checkpoint, capture)) * scale)(slots)
         if capture:
             gb = g["blocks"]
-            stacked = "grads" in gb
-            g = dict(g, blocks=gb["grads"] if stacked else {k: v["grads"] for k, v in gb.items()})
-            params = dict(params, blocks=gb["params"] if stacked else
-                          {k: v["params"] for k, v in gb.items()})
+            g = dict(g, blocks=self.unpair_blocks(gb, "grads"))
+            params = dict(params, blocks=self.unpair_blocks(gb, "params"))
         return loss, g, params
 
     # ------------------------------------------------------------------ the two programs
@@ -201,28 +206,11 @@ class Engine:
         def body(params, batch):
             mb = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]),
                               batch)
-            acc0 = self.slots()  # zeros in grad_accum_dtype
-            if self.pipeline is not None:
-                loss, acc = self.pipeline.run(params, mb, self.barrier, scale, True, acc0)
+            if self.pipeline is not None:  # zeros in grad_accum_dtype to accumulate into
+                loss, acc = self.pipeline.run(params, mb, self.barrier, scale, True,
+                                              self.slots())
             else:
-                def add(acc, g):
-                    return jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
-
-                def one(params, acc, b):
-                    p = self.barrier(params, b["inputs"])
-                    loss_fn = lambda s: self.local_loss(p, b, s) * scale  # noqa: E731
-                    loss, g = jax.value_and_grad(loss_fn)(self.slots())
-                    return add(acc, g), loss
-
-                loss, p = 0.0, params
-                if self.placement.defer_update:  # micro-batch 0 gathers the stored weights
-                    loss, g, p = self.first_micro_batch(
-                        params, jax.tree.map(lambda x: x[0], mb), scale, micro)
-                    acc0, mb = add(acc0, g), jax.tree.map(lambda x: x[1:], mb)
-                acc, losses = acc0, jnp.zeros(())
-                if jax.tree.leaves(mb)[0].shape[0]:
-                    acc, losses = jax.lax.scan(lambda a, b: one(p, a, b), acc0, mb)
-                loss = loss + jnp.sum(losses)
+                loss, acc = self.micro_loop(params, mb, scale, micro)
             grads = jax.tree.map(self.reduce_deferred, self.placement.layouts, acc,
                                  self.fetches, is_leaf=is_layout)
             if not self.typed:
@@ -231,6 +219,78 @@ class Engine:
             return self.total(loss), grads
 
         return self.smap(body, (pspec, bspec), (P(), gspec))
+
+    def micro_loop(self, params, mb, scale, micro):
+        """(Σ loss, gradient) of the micro-batches without a pipeline: a deferred update's
+        first (first_micro_batch), the middle ones (a scan), and, with several, the last,
+        whose backward adds their gradient before reducing each layer's over R."""
+        acc_dtype = jnp.dtype(self.placement.grad_accum_dtype)
+        k = micro
+        late = k == 1 or not self.placement.reduce_in_backward  # no last one to peel off
+
+        def add(acc, g):
+            return jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
+
+        def one(params, acc, b):
+            p = self.barrier(params, b["inputs"])
+            loss, g = jax.value_and_grad(
+                lambda s: self.local_loss(p, b, s) * scale)(self.slots(late))
+            return add(acc, g), loss
+
+        self.active = self.fetches if late else self.early
+        acc, loss, p, start = self.slots(late), 0.0, params, 0
+        if self.placement.defer_update:  # micro-batch 0 gathers the stored weights
+            loss, g, p = self.first_micro_batch(params, jax.tree.map(lambda x: x[0], mb),
+                                                scale, micro)
+            acc, start = add(acc, g), 1
+        stop = k if late else k - 1
+        if stop > start:
+            acc, losses = jax.lax.scan(lambda a, b: one(p, a, b), acc,
+                                       jax.tree.map(lambda x: x[start:stop], mb))
+            loss = loss + jnp.sum(losses)
+        self.active = self.fetches
+        if not late:
+            lloss, acc = self.last_micro_batch(p, jax.tree.map(lambda x: x[k - 1], mb), acc,
+                                               scale)
+            loss = loss + lloss
+        return loss, acc
+
+    def last_micro_batch(self, params, b, acc, scale):
+        """The last of several micro-batches: the layer stack's slots carry the accumulated
+        gradient as a `prior` its backward adds before each layer's reduction over R (the
+        opt_state shards come out); the rest is accumulated as before."""
+        slots = self.slots(True)
+        blocks = self.pair_blocks(slots["blocks"], acc["blocks"], "prior")
+        ck = self.checkpoint
+
+        def wrap(layer):
+            return ck(lambda lp, ls, h, prev: layer(WithPrior(lp, ls["prior"]), ls["grads"],
+                                                    h, prev))
+
+        p = self.barrier(params, b["inputs"])
+        if self.placement.defer_update:  # the ends as the first micro-batch fetched them:
+            zero = (b["inputs"].reshape(-1)[0].astype(jnp.float32) * 0.0)  # not one CSE'd call
+            p = {k: v if k == "blocks" else jax.tree.map(lambda x: x + zero.astype(x.dtype), v)
+                 for k, v in p.items()}
+        loss, g = jax.value_and_grad(lambda s: self.local_loss(p, b, s, wrap) * scale)(
+            dict(slots, blocks=blocks))
+        acc_dtype = jnp.dtype(self.placement.grad_accum_dtype)
+        out = {k: (jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc[k], v)
+                   if k != "blocks" else self.unpair_blocks(v, "grads")) for k, v in g.items()}
+        return loss, out
+
+    @staticmethod
+    def pair_blocks(grads, other, name):
+        """The layer stack's slots {"grads": …, name: …} (per layer when not scanned)."""
+        if forward.is_stacked(grads):
+            return {"grads": grads, name: other}
+        return {k: {"grads": grads[k], name: other[k]} for k in grads}
+
+    @staticmethod
+    def unpair_blocks(tree, name):
+        if "grads" in tree:
+            return tree[name]
+        return {k: v[name] for k, v in tree.items()}
 
     @staticmethod
     def barrier(params, anchor):

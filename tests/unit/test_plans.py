@@ -203,8 +203,14 @@ def test_mixed_precision_state_layout(mesh):
     m = st["master"]["blocks"]["mlp"]["up"]["a"]
     assert w.dtype == jnp.bfloat16 and m.dtype == jnp.float32
     lay = b.placement.layouts["blocks"]["mlp"]["up"]["a"]
-    assert w.sharding.spec[lay.dim] == "pair"
+    # the working weights stored on the optimizer's shards: the deferred update (the next
+    # step's first forward gathers them to the pair shard, parallel.defer_update)
+    assert w.sharding.spec[lay.dim] == ("pair", "node", "global")
     assert m.sharding.spec[lay.dim] == ("pair", "node", "global")
+    b0 = build_step(_cfg("parallel.plan=hierarchical", "model.param_dtype=bfloat16",
+                         "model.dtype=bfloat16", "parallel.defer_update=false"), mesh)
+    assert b0.abstract_state["params"]["blocks"]["mlp"]["up"]["a"].sharding.spec[lay.dim] \
+        == "pair"
     mu = [x for x in jax.tree.leaves(st["opt_state"]) if x.shape == m.shape]
     assert mu and all(x.sharding.spec[lay.dim] == ("pair", "node", "global") for x in mu)
     assert b.n_params < sum(math.prod(x.shape) for x in jax.tree.leaves(st["params"]))
@@ -313,9 +319,10 @@ def test_checkpoint_restores_under_another_plan_and_mesh(runs):
     state, data, meta = ck.restore(3, b2.abstract_state)
     assert data == {"pos": 3} and meta["plan"] == "zero3"
     lay = b2.placement.layouts["blocks"]["attn"]["q"]["a"]
-    # a deferred update stores the new weights on the optimizer's shards (pair+node here)
+    # a deferred update stores the new weights on the optimizer's shards
     assert b2.placement.defer_update
-    assert state["params"]["blocks"]["attn"]["q"]["a"].sharding.spec[lay.dim] == ("pair", "node")
+    assert state["params"]["blocks"]["attn"]["q"]["a"].sharding.spec[lay.dim] == \
+        ("pair", "node", "global")
     _, losses = _run(b2, state, STEPS - 3)
     np.testing.assert_allclose(losses, runs["zero3"][3:], rtol=1e-5)
 
@@ -360,7 +367,8 @@ def test_a_deferred_update_resumes_and_evaluates_the_true_weights(runs, mesh, tm
     batch = {k: jax.device_put(v, b.batch_sharding) for k, v in _batches().items()}
     logical = jax.device_put(jax.device_get(b.logical_params(restored)),
                              ddp.state_shardings["params"])
-    want = float(ddp.eval_step(logical, batch))
+    want = float(ddp.eval_step(logical, {k: jax.device_put(v, ddp.batch_sharding)
+                                         for k, v in _batches().items()}))
     assert float(b.eval_step(b.eval_params(restored), batch)) == pytest.approx(want, rel=1e-6)
     _, rest = _run(b, restored, STEPS - 3)
     np.testing.assert_allclose(first + rest, runs["hierarchical"], rtol=1e-6)

@@ -60,19 +60,22 @@ def _is_backward(module, c) -> bool:
 
 
 def test_hierarchical_keeps_the_microbatch_loop_inside_the_node(compiled):
-    """Across nodes, inside a loop, only the deferred update runs: each layer's gather from
-    the optimizer's sharding, once per layer and step (the first micro-batch's layer loop,
-    not the micro-batch loop); parallel.defer_update=false gathers it after the optimizer."""
+    """Across nodes, inside a loop, only the deferred update and the last micro-batch's
+    reduction run: each layer's gather from the optimizer's sharding and its gradient's
+    reduce-scatter, once per layer and step (the first and the last micro-batch's layer
+    loops, not the micro-batch loop); parallel.defer_update=false gathers after the optimizer."""
     b, r = compiled("hierarchical")
     assert b.placement.defer_update
     looped = [c for c in r.filter(level="global") if c.in_loop]
-    assert looped and all(c.kind == "all-gather" and c.trip_count == 2 for c in looped), \
-        r.table()
+    # the first micro-batch's update gathers and the last one's gradient reduce-scatters
+    assert {c.kind for c in looped} == {"all-gather", "reduce-scatter"}, r.table()
+    assert all(c.trip_count == 2 for c in looped), r.table()
     b0, r0 = compiled("hierarchical", 4, "parallel.defer_update=false")
     assert not b0.placement.defer_update
-    inter = r0.filter(level="global")
-    assert inter, r0.table()
-    assert not [c for c in inter if c.in_loop], r0.table()
+    looped = [c for c in r0.filter(level="global") if c.in_loop]
+    assert {c.kind for c in looped} == {"reduce-scatter"}, r0.table()  # the last backward's
+    assert all(c.trip_count == 2 for c in looped), r0.table()
+    assert "all-gather" in {c.kind for c in r0.filter(level="global", in_loop=False)}
     # and every per-micro-batch collective is present, inside the node
     assert r.filter(level=("pair", "node"), in_loop=True)
 
@@ -98,7 +101,7 @@ def test_zero3_internode_bytes_grow_with_micro_batches(compiled):
 
 
 def test_zeropp_backward_gathers_stay_inside_the_node(compiled):
-    b, r = compiled("zeropp")
+    b, r = compiled("zeropp", 4, "train.remat=full")
     module = H.parse_module(r.hlo_text)
     gathers = [c for c in r.filter(kind="all-gather", in_loop=True)]
     bwd = [c for c in gathers if _is_backward(module, c)]
