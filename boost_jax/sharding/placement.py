@@ -298,6 +298,18 @@ def _secondary_roles(par, preset: dict, params: tuple, tp: tuple, dp: tuple):
     return sec, qwz, sec_dtype
 
 
+def _rehome_params(par, preset: dict, params: tuple, tp: tuple, dp: tuple) -> tuple:
+    """A preset's weights inside the node that tensor parallelism left with no axis (the
+    hierarchical plan with TP over `pair`) move to the innermost intra-node axis left, so
+    they are still gathered inside the node and updated from the optimizer's shards; none
+    left (TP over the whole node): they stay replicated (collapsed_roles says so)."""
+    wanted = preset["params"]
+    if par.params_axes is not None or wanted in (None, ALL) or params or not wanted:
+        return params
+    inner = [a for a in dp if a != "global"]
+    return (inner[0],) if inner else params
+
+
 def _check_sharded_over_batch(roles: dict) -> None:
     for name in ("params", "grads"):
         extra = [a for a in roles[name] if a not in roles["batch"]]
@@ -334,6 +346,9 @@ def resolve_roles(cfg) -> dict:
         "opt_state": _pick_axes("opt_state_axes", par.opt_state_axes, preset["opt_state"],
                                 tp, dp),
     }
+    rehomed = _rehome_params(par, preset, roles["params"], tp, dp)
+    if rehomed != roles["params"]:  # the preset's secondary follows the weights
+        roles["params"], preset = rehomed, dict(preset, secondary=rehomed)
     sec, qwz, sec_dtype = _secondary_roles(par, preset, roles["params"], tp, dp)
     _check_sharded_over_batch(roles)
     qgz = _quantize_grads_role(par, preset, roles["grads"])
@@ -372,8 +387,10 @@ def collapsed_roles(cfg, roles: dict) -> Optional[str]:
             lost.append(f"{name} {_axes_text(preset[name])} -> {_axes_text(roles[name] or ())}")
     if not lost:
         return None
+    inside = roles["grads"] and "global" not in roles["grads"]
     return (f"parallel.plan={par.plan} with parallel.tp_axes={list(par.tp_axes)}: tensor "
-            f"parallelism took the axes of {', '.join(lost)}; this runs as "
+            f"parallelism took the axes of {', '.join(lost)}"
+            f"{' (re-homed: gradients stay inside the node)' if inside else ''}; this runs as "
             f"{effective_plan(roles)} over {_axes_text(roles['dp'])}")
 
 

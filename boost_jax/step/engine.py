@@ -169,7 +169,7 @@ class Engine:
         capture = micro > 1
         slots = self.slots(not capture)
         if capture:
-            slots = dict(slots, blocks=self.capture_slots(slots["blocks"], params["blocks"]))
+            slots = dict(slots, blocks=self.capture_slots(slots["blocks"], p["blocks"]))
         loss, g = jax.value_and_grad(lambda s: self.local_loss(
             p, b, s, deferred_layers(self.checkpoint, capture)) * scale)(slots)
         if capture:

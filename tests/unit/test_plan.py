@@ -331,8 +331,10 @@ def test_roles_tp_takes_are_said_in_one_line():
     line = r["collapsed"]
     assert "\n" not in line and "params pair -> -" in line and "grads pair+node -> -" in line
     assert line.endswith("this runs as zero1 over global")
-    assert "params pair -> -" in roles("parallel.plan=hierarchical",
-                                       "parallel.tp_axes=[pair]")["collapsed"]
+    # TP over pair: the weights re-homed onto the node axis left, gradients inside the node
+    r1 = roles("parallel.plan=hierarchical", "parallel.tp_axes=[pair]")
+    assert "params pair -> node" in r1["collapsed"] and "stay inside the node" in r1["collapsed"]
+    assert (r1["params"], r1["grads"], r1["secondary"]) == (("node",), ("node",), ("node",))
     assert roles("parallel.plan=zero3", "parallel.tp_axes=[pair,node]")["collapsed"] is None
     assert resolve_roles(load_config(None, [*TINY, "parallel.plan=hierarchical"]))[
         "collapsed"] is None
