@@ -134,11 +134,11 @@ def test_presets_map_roles_to_axes():
     assert roles("zero3") == (all3, all3, all3, None, False, False)
     assert roles("zeropp") == (all3, all3, all3, ("pair", "node"), True, True)
     assert roles("hierarchical") == (("pair",), ("pair", "node"), all3, ("pair",), False, True)
-    # TP axes never hold data-parallel roles
+    # TP axes never hold data-parallel roles; the weights TP took pair from re-home to node
     r = resolve_roles(_cfg("parallel.plan=hierarchical", "parallel.tp_mode=btp",
                            "parallel.tp_axes=[pair]"))
     assert (r["params"], r["grads"], r["opt_state"], r["batch"]) == \
-        ((), ("node",), ("node", "global"), ("node", "global"))
+        (("node",), ("node",), ("node", "global"), ("node", "global"))
     # overrides
     r = resolve_roles(_cfg("parallel.plan=hierarchical", "parallel.params_axes=[pair,node]",
                            "parallel.secondary_axes=[pair,node]"))
