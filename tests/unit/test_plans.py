@@ -375,7 +375,7 @@ def test_a_deferred_update_resumes_and_evaluates_the_true_weights(runs, mesh, tm
 
 
 def test_tensor_parallel_axes_are_left_out_of_the_plan(mesh):
-    """hierarchical + BTP over `pair`: weights replicated over DP, grads over node, optimizer
+    """hierarchical + BTP over `pair`: weights and grads over node (re-homed), optimizer
     state over node+global, the cross-node reduction deferred to once a step, TP specs kept —
     and the same losses as plain ddp."""
     tp_ok = ["model.vocab_size=256", "model.d_model=32", "model.rank=8", "model.d_ff=64"]
@@ -384,10 +384,13 @@ def test_tensor_parallel_axes_are_left_out_of_the_plan(mesh):
     init = jax.device_get(ref.init_state())
     _, want = _run(ref, jax.device_put(init, ref.state_shardings), 3)
     b = build_step(_cfg(*tp_ok, "parallel.plan=hierarchical", "parallel.tp_mode=btp",
-                        "parallel.tp_axes=[pair]"), mesh, fast)
+                        "parallel.tp_axes=[pair]", "parallel.secondary_dtype=bfloat16"),
+                   mesh, fast)  # exact: no int8 copy of the re-homed weights
     pl = b.placement
-    assert (pl.params_axes, pl.grads_axes, pl.opt_state_axes) == ((), ("node",),
+    # the weights re-homed from pair (TP's) to node, gathered there from the optimizer's shards
+    assert (pl.params_axes, pl.grads_axes, pl.opt_state_axes) == (("node",), ("node",),
                                                                  ("node", "global"))
+    assert pl.defer_update
     assert pl.deferred_axes == ("global",)  # under TP too: reduced across nodes once a step
     spec = b.abstract_state["opt_state"][0].mu["blocks"]["mlp"]["up"]["b"].sharding.spec
     assert "pair" in str(spec) and "global" in str(spec)
