@@ -75,6 +75,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/plots.py --out benchmarks/results
 	$(PY) benchmarks/partitioning.py
 	$(PY) benchmarks/qgz_demo.py
+	$(PY) benchmarks/cross_node_quant_demo.py
 	$(PY) benchmarks/tensor_parallel.py --out benchmarks/results/tensor_parallel.md
 	$(PY) benchmarks/plan_7b.py
 	$(PY) benchmarks/step_overhead.py --rounds 7

@@ -220,9 +220,10 @@ Reading the table:
   from the compiled step's collectives (analysis/comm.py host_egress) and from the step's
   collective list as the planner times it (plan/collectives.py); per-device `global MB`
   overstates it for groups with several members per node.
-- hierarchical crosses nodes once per step (fp32 reduce-scatter of the node's gradient shard,
-  bf16 all-gather of the updated node shard): 6Ψ(G−1)/(G·D) bytes, independent of the number
-  of micro-batches; ZeRO-3 moves k·(2+2+4)Ψ(N−1)/N (gradients reduced in fp32,
+- hierarchical crosses nodes with one step's worth (fp32 reduce-scatter of the node's gradient
+  shard, per layer in the last micro-batch's backward; bf16 all-gather of the updated node
+  shard, per layer in the next step's first forward): 6Ψ(G−1)/(G·D) bytes, independent of the
+  number of micro-batches; ZeRO-3 moves k·(2+2+4)Ψ(N−1)/N (gradients reduced in fp32,
   parallel.grad_accum_dtype). ZeRO++ (`zeropp`: qwZ int8 forward gather, hpZ backward gather
   inside the node, qgZ int4 gradients) moves k·(q₈(Ψ)(N−1)/N + q₄(Ψ)/D·(G−1)/G) across nodes:
   each micro-batch's gradient is reduced by two all-to-alls of int4 blocks, inside the node
@@ -233,7 +234,8 @@ Reading the table:
 - The BTP rows use d_ff = 5462 (5461 does not divide by the TP degree 2).
 - With BTP over `pair` the same formulas hold for Ψₜ (one device's TP shard) with the
   data-parallel roles on node × global: one engine runs every plan × TP layout
-  (boost_jax/step/engine.py), so hierarchical+btp also reduces across nodes once per step.
+  (boost_jax/step/engine.py), so hierarchical+btp also reduces across nodes once per step;
+  TP took `pair` from its weights, which re-home to `node`.
 - state = bf16 weights over `params` + fp32 master and m, v over `opt_state`: predicted by the
   plan, measured as the compiled program's argument bytes minus the token batch.
 - The backward of the gathered plans recomputes each layer (remat=full) and re-gathers its

@@ -167,6 +167,15 @@ class ParallelConfig:
     # None: the preset (on for zeropp, off for the others). Needs sharded gradients.
     quantize_grads: Optional[bool] = None
     quant_block: int = 256
+    # The updated weights' gather from the optimizer's sharding to the params sharding (the
+    # hierarchical plan's cross-node leg) run per layer in the next step's first forward
+    # (true), or once per step after the optimizer (false). None: wherever it applies.
+    defer_update: Optional[bool] = None
+    # Quantize the plan's cross-node legs (hierarchical): the deferred update's gather across
+    # nodes in int8 blocks with fp32 scales, the gradient's reduce-scatter across nodes (per
+    # layer in the last backward, or once per step) as an all-to-all of int8 or int4 blocks.
+    quantize_cross_node_weights: Literal["none", "int8"] = "none"
+    quantize_cross_node_grads: Literal["none", "int8", "int4"] = "none"
     # dtype of the micro-batch gradient accumulator (sharded over grads axes)
     grad_accum_dtype: Literal["float32", "bfloat16"] = "float32"
     kernels: Literal["auto", "pallas", "xla"] = "auto"

@@ -122,7 +122,7 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
         def role(axes):
             return local / axis_size(sizes, axes) if lay.dim is not None else local
 
-        acc["params"] += role(pl.params_axes)
+        acc["params"] += role(pl.stored_axes)
         acc["grads"] += role(pl.accum_axes(lay))
         acc["opt"] += role(pl.opt_state_axes)
         if keeps_secondary(pl, lay, path[0].key):
@@ -230,6 +230,7 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
 
     Memory bound, as DeepSpeed's fused kernels run them: qwZ / an int8 secondary dequantizes
     every gathered weight (read q, write the working dtype; quantizing a shard is 1/|A| of it;
+    hpZ: the flat gather in the forward, its kept S-block in the backward;
     an int8 copy kept whole quantizes the whole weight once more, unless it is qwZ's gather
     itself, kept as it arrived); qgZ quantizes the gradient
     (read a, write q₄), then per stage dequantizes, sums and requantizes what arrives in one
@@ -246,6 +247,8 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
         gathers = []  # int8 gathers of the whole model per micro-batch
         if pl.keeps_int8_gather:  # the int8 gather kept: dequantized at each use
             gathers += [1, 1]
+        elif pl.hpz:  # the flat gather's (forward), the secondary's (backward)
+            gathers += [1] * (bool(pl.quantize_gather) + bool(pl.int8_secondary))
         elif S is not None:
             if not set(A) <= set(S) and pl.quantize_gather:
                 gathers.append(1)
@@ -291,6 +294,8 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     q8 = 1.0 + 4.0 / par.quant_block
     # one layer's gathered weights in use and the next one's arriving, with or without TP
     mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
+    if pl.defer_update:  # the params shards the first micro-batch gathers, kept for the step
+        mem["params_shards"] = st.tp_local_padded / axis_size(sizes, pl.params_axes) * pb
     if pl.secondary_axes is not None:
         mem["secondary"] = st.secondary * (q8 if pl.int8_secondary else pb)
     working = sum(o.out_bytes for o in bm.ops)
@@ -388,6 +393,9 @@ def stage_sends(cfg, sizes, b: int) -> list[Coll]:
 
 def _notes(cfg, pl, measured, L: int) -> list[str]:
     notes = list(pl.notes)  # roles tensor parallelism took, in one line
+    if pl.secondary_axes and not pl.hpz and set(pl.secondary_axes) < set(pl.params_axes):
+        notes.append("hpZ without train.remat=full: the forward gathers each layer twice "
+                     "(flat, then from its secondary), remat replaying the second")
     notes.append("collectives: measured from the compiled step's HLO" if measured is not None
                  else "collectives: analytic (the step's placement, not compiled)")
     pp, V, micro = cfg.parallel.pp_stages, cfg.parallel.pp_virtual, cfg.train.micro_batches

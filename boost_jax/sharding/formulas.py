@@ -9,9 +9,11 @@ ignored):
     zeropp (qwZ+hpZ over the node, qgZ int4 gradients):
                   global: k·(q₈(Ψ)·(N−1)/N + q₄(Ψ)/D·(G−1)/G) ≈ k·(1.01 + 0.5/D)Ψ
                   node: 2k·q₈(Ψ)·(D−1)/D + k·q₄(Ψ)·(D−1)/D
-    hierarchical  global: 4Ψ/D·(G−1)/G + 2Ψ/D·(G−1)/G = 6Ψ(G−1)/(G·D), once per step
-                  (k = 1, no pipeline: the layers' 4Ψ/D reduce-scatter runs per layer in
-                  the backward instead)
+    hierarchical  global: 4Ψ/D·(G−1)/G + 2Ψ/D·(G−1)/G = 6Ψ(G−1)/(G·D) per step, whatever
+                  k: the layers' 4Ψ/D reduce-scatter per layer in the last micro-batch's
+                  backward, their 2Ψ/D update gather per layer in the first one's forward
+                  (deferred update; no pipeline); int8 / int4 legs with
+                  parallel.quantize_cross_node_{weights,grads}
                   pair: k·2·(Ψw or q(Ψ))·(|pair|−1)/|pair| ; node: k·4Ψ·(D−1)/D + AG node
     ddp           global: 2(N−1)/N·4Ψ once per step (fp32 all-reduce of the accumulator)
     zero1         global: (N−1)/N·(4Ψ + 2Ψ) once per step
@@ -20,7 +22,7 @@ With TP over `pair` the same hold with Ψₜ and D = |node| (e.g. CoLA-1B on 2×
 node+global vs hierarchical's once-per-step reduction across `global`).
 
 Memory per device (stored state + the accumulator + saved secondaries):
-    weights Ψw/|params|   master 4Ψ/|opt| (bf16 weights only)   adam 8Ψ/|opt|
+    weights Ψw/|params| (|opt| with a deferred update: Placement.stored_axes)   master 4Ψ/|opt| (bf16 weights only)   adam 8Ψ/|opt|
     grads   Ψa/|grads|    (k = 1, no pipeline, the layer stack: Ψa/|grads ∪ (R ∩ opt)|,
                           Placement.accum_axes)
     secondary Ψw/|S| or q(Ψ)/|S| of the layer stack (kept from forward to backward)
@@ -39,7 +41,8 @@ from boost_jax.mesh import axis_size
 from boost_jax.names import MESH_AXES
 from boost_jax.sharding.gather import LeafFetch
 from boost_jax.sharding.step_collectives import (Passes, bytes_by_level, int8_payload, itemsize,
-                                                 keeps_secondary, leaves, step_collectives,
+                                                 keeps_secondary, leaves, secondary_payload,
+                                                 step_collectives,
                                                  tp_local)
 
 
@@ -68,7 +71,7 @@ def memory_per_device(pl) -> dict:
         def share(axes, numel):
             return numel / (axis_size(mesh, axes) if sharded else 1)
 
-        roles = {"weights": (pl.params_axes, w), "adam": (pl.opt_state_axes, 8),
+        roles = {"weights": (pl.stored_axes, w), "adam": (pl.opt_state_axes, 8),
                  "grads": (pl.accum_axes(lay), a)}
         if mixed:
             roles["master"] = (pl.opt_state_axes, 4)
@@ -79,7 +82,7 @@ def memory_per_device(pl) -> dict:
         S = pl.secondary_axes
         if keeps_secondary(pl, lay, path[0]):
             if f.int8_secondary:
-                out["secondary"] += layers * int8_payload(f, S) / axis_size(mesh, S)
+                out["secondary"] += layers * secondary_payload(f) / axis_size(mesh, S)
             else:
                 out["secondary"] += local * w / axis_size(mesh, S)
         if not sharded and (pl.params_axes or pl.opt_state_axes):

@@ -9,9 +9,11 @@ secondary axes):
     secondary S    sec  = to_S(x)   [saved, SECONDARY_NAME]  backward re-gathers AG_S(sec)
                    full = AG_S(sec)
         to_S(x): S ⊇ P: a local slice of x (the axes' canonical order makes one role's shard a
-        block of the next, placement.order_axes); otherwise (ZeRO++'s hpZ, S ⊂ P) a slice of
-        the forward's flat gather AG_P(x), as DeepSpeed takes it; S = ∅ under qwZ keeps that
-        int8 gather as it arrived and dequantizes it at each use (keeps_int8_gather).
+        block of the next, placement.order_axes); S = ∅ under qwZ keeps the flat int8 gather
+        AG_P(x) as it arrived and dequantizes it at each use (keeps_int8_gather).
+    hpZ (S a proper prefix of P)   full = AG_P(x) once; sec = this device's S-block of
+                   what arrived (int8 under qwZ: the shards as they arrived), kept by the
+                   layer's custom_vjp (sharding/hpz.py)      backward re-gathers AG_S(sec)
     int8           each shard is quantized locally (blocks along a dim other than the sharded
                    one, so no block straddles a shard), q and its scales packed into one
                    buffer and gathered in one call, then dequantized: every gather under qwZ
@@ -43,7 +45,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +81,23 @@ class Int8Copies:
         return self.secondary_int8 or self.quantize_gather
 
     @property
+    def hpz(self) -> bool:
+        """ZeRO++'s hpZ (S a non-empty proper prefix of the params axes P): the forward gathers
+        over P once and keeps this device's S-block of what arrived as the secondary — no
+        second gather, never quantized again (sharding/hpz.py runs the layer). Only where
+        each layer's backward replays its forward anyway (train.remat=full, `replay`): other
+        remat modes keep activations that a custom_vjp could not, and cut the secondary from
+        the flat gather but gather it again in the forward."""
+        P, S = tuple(self.params_axes), self.secondary_axes
+        return self.replay and bool(S) and len(S) < len(P) and tuple(S) == P[:len(S)]
+
+    @property
+    def packed_secondary(self) -> bool:
+        """An hpZ secondary under qwZ: the int8 shards over P as they arrived (q and scales
+        packed, stacked [|P|/|S|, ...]), gathered over S in backward as they are."""
+        return self.hpz and self.quantize_gather
+
+    @property
     def keeps_int8_gather(self) -> bool:
         """An int8 gather kept whole (qwZ, S = ∅): the packed shards as they arrived are the
         secondary, dequantized at each use — never dequantized and quantized again."""
@@ -102,16 +121,22 @@ class LeafFetch(Int8Copies):
     grad_dtype: str  # what the gradient is reduced and accumulated in
     quantize_grads: bool = False  # qgZ: int4 all-to-all reduce-scatter of the gradient
     late: tuple = ((), ())  # (AR, RS) axes of R reduced in the backward (Placement.in_backward)
+    update: tuple = ()  # deferred update: the gathers stored → params shard (update_stages)
+    replay: bool = False  # train.remat=full: each layer's backward replays its forward
+    xq_weights: bool = False  # the deferred update's cross-node gather in int8
+    xq_grads: str = "none"  # the gradient's cross-node reduce-scatter: none | int8 | int4
     collectives: Policy = FLAT  # flat or two-level (sharding/two_level.py)
 
     @classmethod
     def of(cls, pl, lay: LeafLayout) -> "LeafFetch":
         """The fetch of one leaf of a placement (per-layer layout of a stacked leaf)."""
         late = pl.deferred_reduction(lay) if pl.in_backward(lay) else ((), ())
+        update = pl.update_stages() if pl.defer_update and lay.dim is not None else ()
         return cls(lay.sliced(), tuple((a, int(n)) for a, n in pl.mesh.shape.items()),
                    pl.batch_axes, pl.params_axes, pl.grads_axes, pl.secondary_axes,
                    pl.quantize_gather, pl.secondary_int8, pl.quant_block, pl.param_dtype,
-                   pl.grad_accum_dtype, pl.quantize_grads, late, pl.collectives)
+                   pl.grad_accum_dtype, pl.quantize_grads, late, update, pl.replay,
+                   pl.xq_weights, pl.xq_grads, pl.collectives)
 
     @functools.cached_property
     def _size(self) -> dict:  # (not a field: equality and hashing ignore it)
@@ -227,6 +252,44 @@ class LeafFetch(Int8Copies):
             x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(extra) * k, k, self.dim)
         return self.maybe_quantize(x.astype(self.dtype), self.int8_secondary, S)
 
+    def update_source(self, r: int) -> tuple[str, ...]:
+        """Axes the input of the deferred update's r-th gather is sharded over."""
+        return tuple(self.params_axes) + tuple(a for st in self.update[r:] for a in st)
+
+    def update_gather(self, x, r: int):
+        """The deferred update's r-th gather (sharding/deferred.py): int8 blocks across nodes
+        with parallel.quantize_cross_node_weights=int8, else the working dtype."""
+        axes, src = self.update[r], self.update_source(r)
+        if self.xq_weights and "global" in axes:
+            return self.gather(self.quantize(x, src), axes, src)
+        return self.gather(x, axes, ())
+
+    # ---------------------------------------------------------------- hpZ (sharding/hpz.py)
+    def flat_send(self, x):
+        """The forward's one gather of an hpZ weight over P (int8 under qwZ), as a bucket.Send
+        delivering the stacked shards as they arrive."""
+        P = self.params_axes
+        send = self.gather(self.maybe_quantize(x, self.quantize_gather, P), P, P)
+        return dataclasses.replace(send, finish=lambda a: a)
+
+    def flat_full(self, arrived):
+        """flat_send's stacked shards → the full (padded) weight."""
+        if self.quantize_gather:
+            return self.int8_finish(self.params_axes)(arrived)
+        return merge_stacked(arrived, self.dim)
+
+    def flat_secondary(self, arrived):
+        """flat_send's stacked shards → this device's S-block of them: |P|/|S| consecutive
+        shards (S is a prefix of P), kept packed as they arrived under qwZ; else merged (and
+        quantized once for an int8 secondary of a working-dtype gather)."""
+        S = self.secondary_axes
+        m = self.n(self.params_axes) // self.n(S)
+        x = jax.lax.dynamic_slice_in_dim(arrived, jax.lax.axis_index(S) * m, m, 0)
+        if self.packed_secondary:
+            return x
+        x = merge_stacked(x, self.dim).astype(self.dtype)
+        return self.maybe_quantize(x, self.int8_secondary, S)
+
     def expand(self, src):
         """The saved source (stored shard or secondary) → the gather of the full weight (a
         bucket.Send, or the value when nothing moves); `finish_expand` completes it."""
@@ -234,6 +297,10 @@ class LeafFetch(Int8Copies):
             return src
         if self.keeps_int8_gather:
             return self.int8_finish(self.params_axes)(src)
+        if self.packed_secondary:  # [|S|, |P|/|S|, ...] arrive: the |P| shards in P's order
+            finish = self.int8_finish(self.params_axes)
+            return Send("all-gather", tuple(self.secondary_axes), src,
+                        lambda a: finish(a.reshape(-1, *a.shape[2:])), self.group)
         if self.secondary_axes is None:
             P = self.params_axes
             return self.gather(self.maybe_quantize(src, self.quantize_gather, P), P, P)
@@ -264,11 +331,11 @@ class LeafFetch(Int8Copies):
             ct = jnp.pad(ct, widths)
         return ct
 
-    def reduce_step(self, ct, kind: str, axes) -> Send:
+    def reduce_step(self, ct, kind: str, axes, bits: int = 4) -> Send:
         """One step of `steps()` as a bucket.Send."""
         axes = tuple(axes)
         if kind == "all-to-all":
-            return self.int4_reduce_scatter(ct, axes)
+            return self.int4_reduce_scatter(ct, axes, bits)
         if kind == "all-reduce":
             return Send(kind, axes, ct, group=self.group)
         n, d = self.n(axes), self.dim  # chunk i: rows i·L/n … (i+1)·L/n of dim
@@ -300,13 +367,22 @@ class LeafFetch(Int8Copies):
         """(kind, axes) of the reduction over R that runs in the backward (Placement.in_backward):
         AR over R − O, then RS over R ∩ O, as the once-per-step reduction would."""
         ar, rs = self.late
-        return ([("all-reduce", ar)] if ar else []) + ([("reduce-scatter", rs)] if rs else [])
+        last = [self.cross_node_step(rs)] if rs else []
+        return ([("all-reduce", ar)] if ar else []) + last
 
-    def int4_reduce_scatter(self, ct, axes) -> Send:
+    def cross_node_step(self, rs) -> tuple:
+        """The reduce-scatter over R ∩ O: quantized (an all-to-all of int8 or int4 blocks, with
+        the bits) when it crosses nodes and parallel.quantize_cross_node_grads asks."""
+        if self.xq_grads != "none" and "global" in rs:
+            return ("all-to-all", tuple(rs), 8 if self.xq_grads == "int8" else 4)
+        return ("reduce-scatter", tuple(rs))
+
+    def int4_reduce_scatter(self, ct, axes, bits: int = 4, dim=None) -> Send:
         """ZeRO++'s qgZ step over `axes`: split the sharded dim into one chunk per device,
-        quantize each chunk to int4 blocks, all-to-all, dequantize and sum what arrives (fp32):
-        the reduce-scatter of psum_scatter(tiled) at a quarter of fp32's bytes."""
-        n, d = self.n(axes), self.dim
+        quantize each chunk to int4 (or int8) blocks, all-to-all, dequantize and sum what
+        arrives (fp32): the reduce-scatter of psum_scatter(tiled) at a quarter (a half) of
+        fp32's bytes. `dim`: the sharded dim of `ct` (a whole stacked leaf: layout.dim + 1)."""
+        n, d = self.n(axes), self.dim if dim is None else dim
         x = jnp.moveaxis(ct, d, 0)
         shard = (x.shape[0] // n,) + x.shape[1:]  # chunk i: rows i·L/n … (i+1)·L/n of dim
         x = x.reshape(n, -1)
@@ -314,13 +390,17 @@ class LeafFetch(Int8Copies):
         block = self.qblock(m) + self.qblock(m) % 2  # int4 packs two values a byte
 
         def finish(arrived):
-            q, s = quant.unpack(arrived, jnp.uint8)
-            y = jnp.sum(quant.dequantize_int4(q, s, m), axis=0)
+            if bits == 8:
+                q, s = quant.unpack(arrived)
+                y = jnp.sum(quant.dequantize(q, s, (n, m)), axis=0)
+            else:
+                q, s = quant.unpack(arrived, jnp.uint8)
+                y = jnp.sum(quant.dequantize_int4(q, s, m), axis=0)
             return jnp.moveaxis(y.reshape(shard), 0, d).astype(ct.dtype)
 
-        # packed int4 and scales: one buffer
-        buf = quant.pack(*quant.quantize_int4(x, block))
-        return Send("all-to-all", axes, buf, finish, self.group)
+        # packed int4/int8 and scales: one buffer
+        q = quant.quantize(x, self.qblock(m)) if bits == 8 else quant.quantize_int4(x, block)
+        return Send("all-to-all", axes, quant.pack(*q), finish, self.group)
 
 
 def qgz_stages(G: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -337,59 +417,159 @@ def _run(fs, requests) -> list:
     return bucket.run(requests, fs[0].collectives if fs else FLAT)
 
 
-def expand_all(fs, srcs) -> list:
-    """Each weight's saved source → its full working weight (bucket.run issues the gathers)."""
+def expand_all(fs, srcs, ready=None) -> list:
+    """Each weight's saved source → its full working weight (bucket.run issues the gathers);
+    `ready[i]`: srcs[i] is already the full (padded) weight (hpZ's forward gather)."""
+    ready = ready or (False,) * len(fs)
     return [f.finish_expand(v) for f, v in zip(fs, _run(
-        fs, [f.expand(src) for f, src in zip(fs, srcs)]))]
+        fs, [src if r else f.expand(src) for f, src, r in zip(fs, srcs, ready)]))]
 
 
-def reduce_all(fs, cts) -> list:
+def to_params_all(fs, xs) -> list:
+    """Deferred update: each weight's stored shard (opt_state sharding, working dtype) → its
+    params shard, the weights' r-th gathers (cross-node first) issued together."""
+    xs = [jax.lax.stop_gradient(x) for x in xs]
+    for r in range(max((len(f.update) for f in fs), default=0)):
+        xs = bucket.run([f.update_gather(x, r) if r < len(f.update) else x
+                         for f, x in zip(fs, xs)])
+    return xs
+
+
+def _plus(ct, prior):
+    axes = varying_axes(ct) | varying_axes(prior)
+    return to_varying(ct, axes) + to_varying(prior.astype(ct.dtype), axes)
+
+
+def reduce_all(fs, cts, prior=None) -> list:
     """Each weight's cotangent → its slot's: the weights' r-th reduction steps run together
-    (bucket.run: one int4 all-to-all per bucket)."""
+    (bucket.run: one int4 all-to-all per bucket). `prior`: the earlier micro-batches'
+    accumulated gradient (grads shards), added once the grads reduction is done, before the
+    reduction over R (the last micro-batch's backward)."""
     cts = [f.reduce_start(ct) for f, ct in zip(fs, cts)]
     steps = [f.steps() for f in fs]
-    for r in range(max(map(len, steps), default=0)):
-        cts = _run(fs, [f.reduce_step(ct, *st[r]) if r < len(st) else ct
-                          for f, ct, st in zip(fs, cts, steps)])
+    at = [len(f.grad_steps()) for f in fs]
+    for r in range(max(map(len, steps), default=0) + 1):
+        if prior is not None:
+            cts = [_plus(ct, p) if r == a else ct for ct, p, a in zip(cts, prior, at)]
+        if r < max(map(len, steps), default=0):
+            cts = _run(fs, [f.reduce_step(ct, *st[r]) if r < len(st) else ct
+                              for f, ct, st in zip(fs, cts, steps)])
     return [f.reduce_end(ct) for f, ct in zip(fs, cts)]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _fetch(fs: tuple, srcs: tuple, slots: tuple):
-    del slots
-    return tuple(expand_all(fs, srcs))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fetch(fs: tuple, ready: tuple, srcs: tuple, slots: tuple, caps=None, kept=None,
+           prior=None):
+    """The unit's full weights; the cotangents: each slot's its weight's reduced gradient
+    (`prior` added before the reduction over R), each of `caps` (a deferred update's
+    capture) the params shard in `kept`."""
+    del slots, caps, kept, prior
+    return tuple(expand_all(fs, srcs, ready))
 
 
-def _fetch_fwd(fs, srcs, slots):
-    return _fetch(fs, srcs, slots), None
+def _fetch_fwd(fs, ready, srcs, slots, caps=None, kept=None, prior=None):
+    return _fetch(fs, ready, srcs, slots, caps, kept, prior), (caps, kept, prior)
 
 
-def _fetch_bwd(fs, _, cts):
-    return tuple(None for _ in fs), tuple(reduce_all(fs, cts))
+def _fetch_bwd(fs, ready, res, cts):
+    caps, kept, prior = res
+    out = None if caps is None else tuple(
+        to_varying(k, varying_axes(c)).astype(c.dtype) for k, c in zip(kept, caps))
+    nones = lambda t: None if t is None else tuple(None for _ in t)  # noqa: E731
+    return (nones(fs), tuple(reduce_all(fs, cts, prior)), out, nones(kept), nones(prior))
 
 
 _fetch.defvjp(_fetch_fwd, _fetch_bwd)
 
 
 def secondaries(fs, xs) -> list:
-    """The saved source of each weight: its stored shard, or its secondary block (cut from
-    one bucketed flat gather under hpZ), named for remat to keep."""
-    want = [f.is_gathered and f.secondary_axes is not None for f in fs]
+    """The saved source of each weight: its stored shard, or its secondary block, named for
+    remat to keep (hpZ's weights are sharding/hpz.py's: left as they are here)."""
+    want = [f.is_gathered and f.secondary_axes is not None and not f.hpz for f in fs]
     sources = _run(fs, [f.secondary_source(jax.lax.stop_gradient(x)) if w else x
                           for f, x, w in zip(fs, xs, want)])
     return [checkpoint_name(f.to_secondary(v), SECONDARY_NAME) if w else v
             for f, v, w in zip(fs, sources, want)]
 
 
+@dataclass
+class HpzForward:
+    """A layer's stored shards fetched for the forward under hpZ (sharding/hpz.py): fetch_tree
+    leaves each hpZ weight's secondary in `secs` (None for the others)."""
+
+    stored: Any
+    secs: Optional[list] = None
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A fetch unit's weights as stored under a deferred update (opt_state sharding):
+    fetch_tree gathers them to the params shard first (saved for remat, never gathered
+    again), and hands those back as the cotangent of `capture` (zeros shaped like them) when
+    given (sharding/deferred.py)."""
+
+    stored: Any
+    capture: Any = None
+
+
+@dataclass(frozen=True)
+class WithPrior:
+    """A fetch unit's stored shards in the last of several micro-batches that reduce over R
+    in the backward: `prior` (the earlier micro-batches' gradient, grads shards) joins each
+    weight's gradient before that reduction (step/engine.py)."""
+
+    stored: Any
+    prior: Any
+
+
+@dataclass(frozen=True)
+class HpzBackward:
+    """A layer's stored shards and the secondaries its forward kept: fetch_tree re-gathers the
+    hpZ weights from these (AG over S) for the backward."""
+
+    stored: Any
+    secs: list
+
+
+def _sources(fs, xs, stored):
+    """(sources, ready flags) of a fetch unit's stored shards `xs`: hpZ weights by their one
+    flat gather (the full weight, ready; an HpzForward `stored` keeps their secondaries) or,
+    from an HpzBackward, their saved secondary; the rest by `secondaries`."""
+    hpz = [f.is_gathered and f.hpz for f in fs]
+    srcs = secondaries(fs, xs)
+    if not any(hpz):
+        return srcs, None
+    if isinstance(stored, HpzBackward):
+        return [s if h else v for h, s, v in zip(hpz, stored.secs, srcs)], None
+    arrived = bucket.run([f.flat_send(jax.lax.stop_gradient(x)) if h else None
+                          for f, x, h in zip(fs, xs, hpz)])
+    if isinstance(stored, HpzForward):
+        stored.secs = [f.flat_secondary(a) if h else None for f, a, h in zip(fs, arrived, hpz)]
+    return [f.flat_full(a) if h else v for f, a, v, h in zip(fs, arrived, srcs, hpz)], \
+        tuple(hpz)
+
+
 def fetch_tree(fetches, stored, slots=None):
     """The full working weights of one fetch unit (a layer, the embedding, the head): one
     collective per bucket; with gradient slots, the gradients land (reduced over the grads
-    axes) in the slots' cotangents (see the module docstring). slots None: forward only."""
+    axes) in the slots' cotangents (see the module docstring). slots None: forward only.
+    `stored`: the stored shards, or hpZ's HpzForward / HpzBackward wrapping them."""
     fs, tree = jax.tree.flatten(fetches, is_leaf=lambda v: isinstance(v, LeafFetch))
-    srcs = secondaries(fs, tree.flatten_up_to(stored))
+    prior = None
+    if isinstance(stored, WithPrior):
+        stored, prior = stored.stored, tuple(tree.flatten_up_to(stored.prior))
+    wrapped = isinstance(stored, (HpzForward, HpzBackward, Deferred))
+    xs = tree.flatten_up_to(stored.stored if wrapped else stored)
+    caps = kept = None
+    if isinstance(stored, Deferred):
+        xs = [checkpoint_name(x, SECONDARY_NAME) for x in to_params_all(fs, xs)]
+        if stored.capture is not None:
+            caps, kept = tuple(tree.flatten_up_to(stored.capture)), tuple(xs)
+    srcs, ready = _sources(fs, xs, stored)
     if slots is None:
-        return tree.unflatten(expand_all(fs, srcs))
-    return tree.unflatten(_fetch(tuple(fs), tuple(srcs), tuple(tree.flatten_up_to(slots))))
+        return tree.unflatten(expand_all(fs, srcs, ready))
+    return tree.unflatten(_fetch(tuple(fs), ready or (False,) * len(fs), tuple(srcs),
+                                 tuple(tree.flatten_up_to(slots)), caps, kept, prior))
 
 
 def fetch_leaf(f: LeafFetch, x, slot=None):
@@ -405,4 +585,5 @@ def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...], typed: bool =
 
 
 __all__ = ["LeafFetch", "fetch_leaf", "fetch_tree", "slot_like", "to_varying", "varying_axes",
-           "expand_all", "reduce_all", "SECONDARY_NAME"]
+           "expand_all", "reduce_all", "to_params_all", "Deferred", "HpzForward", "HpzBackward", "WithPrior",
+           "SECONDARY_NAME"]

@@ -30,10 +30,11 @@ State layout (what `build_step` keeps; "stored" arrays may be padded, see below)
                axes and *unreduced* over the batch axes that grads do not cover (the "deferred"
                axes R = batch − grads): the per-micro-batch reduction stays inside grads axes,
                and R is reduced once per optimizer step (straight into the opt_state sharding).
-               With one micro-batch and no pipeline there is nothing to accumulate:
-               each scanned layer's gradient is then reduced over R in the backward, right
-               after its reduction over grads (`reduce_in_backward`), so the cross-node part
-               runs behind the next layers' backward instead of after the last one. The
+               Without a pipeline the last micro-batch's backward reduces each scanned layer's
+               gradient, its own plus the accumulator's, over R right after its reduction
+               over grads (`reduce_in_backward`; with one micro-batch there is nothing to
+               accumulate), so the cross-node part runs behind the next layers' backward
+               instead of after the last one. The
                embedding, head and final norm (outside the layer loop; the embedding fetched
                twice when tied) keep the once-per-step reduction.
 
@@ -120,8 +121,32 @@ class Placement(Int8Copies):
     grad_accum_dtype: str = "float32"
     notes: list[str] = field(default_factory=list)
     quantize_grads: bool = False  # qgZ: int4 all-to-all gradient reduce-scatter
-    reduce_in_backward: bool = False  # R reduced per layer in the backward (one micro-batch)
+    reduce_in_backward: bool = False  # R reduced per layer in the (last micro-batch's) backward
     collectives: Policy = FLAT  # parallel.collectives (sharding/two_level.py)
+    micro_batches: int = 1
+    defer_update: bool = False  # weights stored over opt_state axes, gathered in the forward
+    replay: bool = False  # train.remat=full: each layer's backward replays its forward
+    xq_weights: bool = False  # the deferred update's cross-node gather in int8
+    xq_grads: str = "none"  # the gradient's cross-node reduce-scatter: none | int8 | int4
+
+    @property
+    def stored_axes(self) -> tuple[str, ...]:
+        """What the step's `params` are stored over: the params axes, or with `defer_update`
+        the opt_state axes (the optimizer's output, cast; the next step's first forward
+        gathers each layer to the params sharding, `update_stages`)."""
+        return self.opt_state_axes if self.defer_update else self.params_axes
+
+    def stored_shardings(self):
+        return self._tree(self.stored_axes)
+
+    def update_stages(self) -> tuple[tuple[str, ...], ...]:
+        """The gathers that take new weights from the opt_state to the params sharding, cross-
+        node part first: O → G → A when A ⊆ G ⊆ O (the cross-node part moves only the node's
+        shard), else O → A."""
+        A, G, O = self.params_axes, self.grads_axes, self.opt_state_axes
+        path = (O, G, A) if set(A) <= set(G) <= set(O) else (O, A)
+        return tuple(tuple(a for a in hi if a not in lo) for hi, lo in zip(path, path[1:])
+                     if set(hi) != set(lo))
 
     # ------------------------------------------------------------------ shardings by role
     def named(self, spec: P) -> NamedSharding:
@@ -189,8 +214,9 @@ class Placement(Int8Copies):
 
     def accum_axes(self, lay: LeafLayout) -> tuple[str, ...]:
         """Axes the gradient accumulator of `lay` is sharded over: the grads axes, and when
-        reduced in the backward also the reduce-scatter part of R (the opt_state shard)."""
-        if not self.in_backward(lay):
+        reduced in the backward of the only micro-batch also the reduce-scatter part of R
+        (the opt_state shard; with more, the last one's backward adds the accumulator)."""
+        if not self.in_backward(lay) or self.micro_batches > 1:
             return tuple(self.grads_axes)
         return tuple(self.grads_axes) + self.deferred_reduction(lay)[1]
 
@@ -204,7 +230,10 @@ class Placement(Int8Copies):
                 "quantize_grads": self.quantize_grads,
                 "deferred_grad_axes": list(self.deferred_axes),
                 "reduce_in_backward": self.reduce_in_backward,
-                "collectives": self.collectives.mode}
+                "collectives": self.collectives.mode,
+                "defer_update": self.defer_update,
+                "quantize_cross_node": {"weights": "int8" if self.xq_weights else "none",
+                                        "grads": self.xq_grads}}
 
     def memory(self) -> dict:
         """Predicted persistent bytes per device by role, with the padding overhead.
@@ -272,6 +301,18 @@ def _secondary_roles(par, preset: dict, params: tuple, tp: tuple, dp: tuple):
     return sec, qwz, sec_dtype
 
 
+def _rehome_params(par, preset: dict, params: tuple, tp: tuple, dp: tuple) -> tuple:
+    """A preset's weights inside the node that tensor parallelism left with no axis (the
+    hierarchical plan with TP over `pair`) move to the innermost intra-node axis left, so
+    they are still gathered inside the node and updated from the optimizer's shards; none
+    left (TP over the whole node): they stay replicated (collapsed_roles says so)."""
+    wanted = preset["params"]
+    if par.params_axes is not None or wanted in (None, ALL) or params or not wanted:
+        return params
+    inner = [a for a in dp if a != "global"]
+    return (inner[0],) if inner else params
+
+
 def _check_sharded_over_batch(roles: dict) -> None:
     for name in ("params", "grads"):
         extra = [a for a in roles[name] if a not in roles["batch"]]
@@ -308,6 +349,9 @@ def resolve_roles(cfg) -> dict:
         "opt_state": _pick_axes("opt_state_axes", par.opt_state_axes, preset["opt_state"],
                                 tp, dp),
     }
+    rehomed = _rehome_params(par, preset, roles["params"], tp, dp)
+    if rehomed != roles["params"]:  # the preset's secondary follows the weights
+        roles["params"], preset = rehomed, dict(preset, secondary=rehomed)
     sec, qwz, sec_dtype = _secondary_roles(par, preset, roles["params"], tp, dp)
     _check_sharded_over_batch(roles)
     qgz = _quantize_grads_role(par, preset, roles["grads"])
@@ -346,8 +390,10 @@ def collapsed_roles(cfg, roles: dict) -> Optional[str]:
             lost.append(f"{name} {_axes_text(preset[name])} -> {_axes_text(roles[name] or ())}")
     if not lost:
         return None
+    inside = roles["grads"] and "global" not in roles["grads"]
     return (f"parallel.plan={par.plan} with parallel.tp_axes={list(par.tp_axes)}: tensor "
-            f"parallelism took the axes of {', '.join(lost)}; this runs as "
+            f"parallelism took the axes of {', '.join(lost)}"
+            f"{' (re-homed: gradients stay inside the node)' if inside else ''}; this runs as "
             f"{effective_plan(roles)} over {_axes_text(roles['dp'])}")
 
 
@@ -371,8 +417,11 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
         par.quant_block, tuple(a for a in order if a in deferred),
         quantize_grads=r["qgz"], param_dtype=cfg.model.param_dtype,
         grad_accum_dtype=par.grad_accum_dtype, notes=notes,
-        reduce_in_backward=bool(deferred) and cfg.train.micro_batches == 1
-        and par.pp_stages == 1, collectives=collectives_policy(cfg, mesh))
+        reduce_in_backward=bool(deferred) and par.pp_stages == 1,
+        micro_batches=cfg.train.micro_batches, collectives=collectives_policy(cfg, mesh))
+    pl.replay = cfg.train.remat == "full"
+    pl.defer_update = _defer_update(par, pl)
+    pl.xq_weights, pl.xq_grads = _cross_node_quantization(par, pl)
     n_batch = axis_size(mesh, batch)
     micro = cfg.train.global_batch // cfg.train.micro_batches
     if micro % n_batch:
@@ -389,6 +438,41 @@ def collectives_policy(cfg, mesh) -> Policy:
     mode = cfg.parallel.collectives
     topo = get_topology(cfg.mesh.topology) if mode == "auto" else None
     return Policy.of(mode, dict(mesh.shape), topo)
+
+
+def _defer_update(par, pl: Placement) -> bool:
+    """parallel.defer_update resolved: where the weights are sharded over fewer axes than the
+    optimizer state, each role's axes a prefix of the next (the gathers then tile), no
+    pipeline; an explicit true where it cannot apply is an error."""
+    A, G, O = pl.params_axes, pl.grads_axes, pl.opt_state_axes
+    nested = O[:len(A)] == A and (not set(A) <= set(G) <= set(O)
+                                  or (O[:len(G)] == G and G[:len(A)] == A))
+    why = ("the weights are not sharded (nothing to gather)" if not A else
+           "the weights are sharded like the optimizer state (nothing to gather)"
+           if set(A) == set(O) else "pipeline stages fetch per tick" if par.pp_stages > 1
+           else "hpZ cuts its secondary from the forward's gather" if pl.hpz
+           else None if nested and set(A) < set(O) else "its roles do not nest")
+    if par.defer_update and why:
+        raise ConfigError(f"parallel.defer_update=true does not apply to parallel.plan="
+                          f"{par.plan} here: {why}; drop it")
+    return why is None and par.defer_update is not False
+
+
+def _cross_node_quantization(par, pl: Placement) -> tuple[bool, str]:
+    """parallel.quantize_cross_node_{weights,grads}, checked against the legs that exist: the
+    deferred update's gather across nodes, the reduce-scatter over R ∩ opt_state axes across
+    nodes (a one-line error where the plan has none)."""
+    w, g = par.quantize_cross_node_weights, par.quantize_cross_node_grads
+    if w != "none" and not (pl.defer_update and any("global" in st for st in pl.update_stages())):
+        raise ConfigError(f"parallel.quantize_cross_node_weights={w} needs a deferred update "
+                          "that gathers across nodes (parallel.plan=hierarchical with "
+                          "parallel.defer_update); drop it")
+    rs = [a for a in pl.deferred_axes if a in pl.opt_state_axes]
+    if g != "none" and "global" not in rs:
+        raise ConfigError(f"parallel.quantize_cross_node_grads={g} needs a gradient reduce-"
+                          "scatter across nodes outside the micro-batch loop (parallel.plan="
+                          "hierarchical, `global` not a grads axis); drop it")
+    return w == "int8", g
 
 
 def make_layouts(cfg, mesh, abstract_params, pl: Placement):

@@ -16,21 +16,28 @@ weight that is gathered (A ≠ ∅), as sharding/gather.py's LeafFetch runs it (
 all-to-alls: one call per fetch unit — a layer, the embedding, the final norm, the head —
 whose payload sums its weights', sharding/bucket.py; a weight's TP axes split a unit):
     gather        no secondary: AG_A(Ψw, or int8 q(Ψ) under qwZ)
-                  secondary S:  [AG_A(Ψw or q) when S ⊂ A: hpZ slices it] + AG_S(Ψw or q)
+                  secondary S:  AG_S(Ψw or q) from the stored shard (S ⊇ A)
+                  hpZ (S a proper prefix of A): AG_A only — the secondary is its S-block
+                  (int8 under qwZ: the A-shards as they arrived, q over A), sharding/hpz.py
     regather      the layers re-fetch in backward (remat never saves a gathered weight):
                   AG_A, or AG_S from the saved secondary; the embedding and head do not
+                  (and keep no secondary: hpZ's ends gather over A once)
     grad          RS_G(Ψa) into the grads sharding (AR_G for a leaf that is not sharded);
                   qgZ: an int4 all-to-all per stage, inside the node then across
 Once per step, on the whole leaf (engine.reduce_deferred, step/build.make_step_fn):
-    reduce        AR over R − O, then RS over R ∩ O, of the grads shard — with one
-                  micro-batch and no pipeline, for the scanned layer stack
-                  (Placement.in_backward), per layer and pass instead, right after `grad`,
-                  inside the layer loop
+    reduce        AR over R − O, then RS over R ∩ O, of the grads shard — without a
+                  pipeline, for the scanned layer stack (Placement.in_backward), per layer
+                  in the last micro-batch's backward instead (its gradient plus the
+                  accumulator), right after `grad`, inside the layer loop
     update        AG of the new weights opt_state → grads → params sharding (A ⊆ G ⊆ O: the
                   cross-node part moves only the node's shard), else opt_state → params
+                  (Placement.update_stages); with a deferred update (sharding/deferred.py)
+                  the layer stack's run per layer in the first micro-batch's forward
     grad norm     one fp32 partial sum per leaf, all-reduced over every axis
 int8 payloads are q(Ψ) = Ψ + 4·blocks (one fp32 scale per block of ≤ quant_block); qgZ's int4
-payloads Ψ/2 + 4·blocks.
+payloads Ψ/2 + 4·blocks. parallel.quantize_cross_node_{weights,grads} turn the cross-node
+`update` gather into int8 blocks of its source shards, the cross-node `reduce` into an
+all-to-all of int8 / int4 blocks (payloads as above).
 
 Under parallel.collectives two_level / auto, each collective above whose group spans hosts and
 a node is listed as the stages that run instead (sharding/two_level.py, Policy.stages): an
@@ -126,6 +133,27 @@ def int8_payload(f: LeafFetch, axes) -> float:
     return float(f.n(axes) * quant.payload_bytes(shape, f.qblock(shape[qa]), qa))
 
 
+def secondary_payload(f: LeafFetch) -> float:
+    """Bytes of one layer's secondary gathered over S (the whole weight's): hpZ under qwZ keeps
+    the int8 shards over the params axes as they arrived; else int8 blocks of the S-shards, or
+    the working dtype."""
+    if f.packed_secondary:
+        return int8_payload(f, f.params_axes)
+    if f.int8_secondary:
+        return int8_payload(f, f.secondary_axes)
+    return float(math.prod(f.local_shape(())) * itemsize(f.dtype))
+
+
+def quantized_rs_payload(f: LeafFetch, axes, elems: float, bits: int) -> float:
+    """Bytes of the all-to-all buffer of a quantized reduce-scatter over `axes` of `elems`
+    elements (LeafFetch.int4_reduce_scatter: n chunks of int8 or int4 blocks + fp32 scales)."""
+    n = f.n(axes)
+    m = int(elems) // n
+    if bits == 8:
+        return float(n * quant.payload_bytes((m,), f.qblock(m)))
+    return float(n * quant.payload_bytes_int4(m, f.qblock(m) + f.qblock(m) % 2))
+
+
 def qgz_payloads(f: LeafFetch) -> list[tuple[tuple[str, ...], float]]:
     """(axes, all-to-all buffer bytes) of each qgZ stage for one layer of a leaf: each
     device's n chunks of int4 blocks + fp32 scales (LeafFetch.int4_reduce_scatter)."""
@@ -199,8 +227,11 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
         if S is None:
             add("gather", "all-gather", A, prim, fwd)
             add("regather", "all-gather", A, prim, bwd)
+        elif f.hpz:  # one flat gather; the backward's from its S-block (sharding/hpz.py)
+            add("gather", "all-gather", A, prim, fwd)
+            add("regather(S)", "all-gather", S, secondary_payload(f), bwd)
         else:
-            sec = int8_payload(f, S) if f.int8_secondary else psi * w
+            sec = secondary_payload(f)
             if f.secondary_from_flat:
                 add("gather", "all-gather", A, prim, fwd)
             add("gather(S)", "all-gather", S, sec, fwd)
@@ -213,19 +244,30 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
             add("grad", kind, axes, psi * a, grad_calls, step=i)
     # the reduction over R: per layer in the backward, or once per step on the whole leaf
     ar, rs = pl.deferred_reduction(lay)
-    per_layer, calls, phase = (1, grad_calls, "dp") if pl.in_backward(lay) else (layers, 1, "step")
+    per_layer, calls, phase = (1, layers, "dp") if pl.in_backward(lay) else (layers, 1, "step")
     payload = psi * per_layer * a / (f.n(pl.grads_axes) if lay.dim is not None else 1)
     i = len(f.grad_steps())  # reduce_all's round of each step (the late ones follow G's)
     add("reduce", "all-reduce", ar, payload, calls, phase, i)
-    add("reduce", "reduce-scatter", rs, payload, calls, phase, i + bool(ar))
+    step = f.cross_node_step(rs) if rs and lay.dim is not None else ("reduce-scatter", rs)
+    if step[0] == "all-to-all":  # quantized across nodes (parallel.quantize_cross_node_grads)
+        add(f"reduce(int{step[2]})", "all-to-all", rs,
+            quantized_rs_payload(f, rs, payload / a, step[2]), calls, phase, i + bool(ar))
+    else:
+        add("reduce", "reduce-scatter", rs, payload, calls, phase, i + bool(ar))
     if lay.dim is not None:
-        O, G = pl.opt_state_axes, pl.grads_axes
-        leaf_w = psi * layers * w
-        if update_via_grads(pl):
-            add("update", "all-gather", [x for x in O if x not in G], leaf_w / f.n(G), 1, "step")
-            add("update", "all-gather", [x for x in G if x not in A], leaf_w / f.n(A), 1, "step")
-        else:
-            add("update", "all-gather", [x for x in O if x not in A], leaf_w / f.n(A), 1, "step")
+        # the new weights to the params sharding: once per step after the optimizer, or
+        # deferred, per layer in the next step's first forward (the ends: at its start)
+        deferred = pl.defer_update and block
+        per, calls, phase = (1, layers, "dp") if deferred else (layers, 1, "step")
+        left = tuple(pl.opt_state_axes)
+        for r, axes in enumerate(pl.update_stages()):
+            src, left = left, tuple(x for x in left if x not in axes)  # the result's sharding
+            if pl.xq_weights and "global" in axes:  # int8 blocks of each source shard
+                add("update(int8)", "all-gather", axes,
+                    per * int8_payload(f, src) / f.n(left), calls, phase, ("u", r))
+            else:
+                add("update", "all-gather", axes, psi * per * w / f.n(left), calls, phase,
+                    ("u", r))
     return out
 
 

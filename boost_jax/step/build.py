@@ -4,6 +4,7 @@ State is a plain pytree (orbax and optax see ordinary arrays):
 
     {"step":      int32, replicated
      "params":    working weights, model.param_dtype, sharded over the plan's params axes
+                  (over its opt_state axes with a deferred update: Placement.stored_axes)
      "master":    fp32 master weights over opt_state axes (only when param_dtype=bfloat16)
      "opt_state": the optax state; param-shaped moments over opt_state axes, the rest
                   (counters, Adafactor's factored statistics) replicated}
@@ -19,7 +20,9 @@ One optimizer step, top to bottom in step_fn:
     2. clip by global norm
     3. the optimizer (optim.name, step/optim.py) on the fp32 master shard (opt_state sharding)
     4. the new working weights gathered back in stages (opt_state → grads → params sharding),
-       so the cross-node part moves only the node's shard
+       so the cross-node part moves only the node's shard — or, with parallel.defer_update,
+       stored cast on the opt_state shard: the next step's first micro-batch gathers each
+       layer just before use (step/engine.py), behind the previous layer's compute
 Under parallel.collectives two_level / auto, 2 and 4 run in two levels too
 (sharding/step_two_level.py).
 """
@@ -107,7 +110,7 @@ def state_layout(pl: Placement, tx, pdtype):
     stored32 = jax.tree.map(lambda l: jax.ShapeDtypeStruct(l.padded, jnp.float32), lay,
                             is_leaf=is_layout)
     abs_opt = jax.eval_shape(tx.init, stored32)
-    state_sh = {"step": pl.replicated(), "params": pl.params_shardings(),
+    state_sh = {"step": pl.replicated(), "params": pl.stored_shardings(),
                 "opt_state": pl.opt_state_shardings(abs_opt)}
     abs_tree = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": stored,
                 "opt_state": abs_opt}
@@ -139,6 +142,13 @@ def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
             return step_two_level.update_gather(pl, tree, src, dst)
         return jax.tree.map(reshard_bits, tree, dst_sh, src_sh)
 
+    def gather_update(new_params):
+        src, src_sh = pl.opt_state_axes, master_sh
+        if grads_stage:
+            new_params = move(new_params, src, pl.grads_axes, src_sh, grads_sh)
+            src, src_sh = pl.grads_axes, grads_sh
+        return move(new_params, src, pl.params_axes, src_sh, params_sh)
+
     def step_fn(state, batch):
         params = state["params"]
         # 1. loss and gradient (micro-batches, per-layer gathers, TP, deferred reduction)
@@ -156,11 +166,8 @@ def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
         new_master = constrain_tree(optax.apply_updates(master, updates), master_sh)
         # 4. the new working weights, cast on the opt_state shard so the gathers move pdtype
         new_params = constrain_tree(jax.tree.map(lambda x: x.astype(pdtype), new_master), master_sh)
-        src, src_sh = pl.opt_state_axes, master_sh
-        if grads_stage:
-            new_params = move(new_params, src, pl.grads_axes, src_sh, grads_sh)
-            src, src_sh = pl.grads_axes, grads_sh
-        new_params = move(new_params, src, pl.params_axes, src_sh, params_sh)
+        if not pl.defer_update:  # else stored as cast: the next forward gathers each layer
+            new_params = gather_update(new_params)
         finite = jnp.isfinite(loss) & jnp.isfinite(gnorm)
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
         if mixed:

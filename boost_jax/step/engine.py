@@ -6,7 +6,8 @@ and every collective in it is written in one place:
 
     for each micro-batch m (lax.scan):
         each layer fetches its weights just before use          sharding/gather.py
-            (AG over params axes, or over the secondary's, int8 or not; backward re-gathers)
+            (AG over params axes, or over the secondary's, int8 or not; backward re-gathers;
+            hpZ: one flat gather, the secondary cut from it; remat=full)  hpz.py
         the blocks run the forward written once                 layers/forward.py
             (TP layouts add their all-reduces)                  sharding/tp/
         the gradient of this device's rows lands in the grads
@@ -32,6 +33,7 @@ Engine(plan) takes the resolved ParallelPlan (sharding/parallel.py), never the C
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -43,7 +45,11 @@ from jax.sharding import PartitionSpec as P
 from boost_jax.backends import cpu as cpu_backend
 from boost_jax.layers import forward
 from boost_jax.mesh import STAGE
-from boost_jax.sharding.gather import LeafFetch, fetch_tree, slot_like
+from boost_jax.sharding.gather import (LeafFetch, WithPrior, fetch_tree, slot_like, to_params_all,
+                                      to_varying, varying_axes)
+from boost_jax.sharding import bucket
+from boost_jax.sharding.deferred import deferred_layers
+from boost_jax.sharding.hpz import hpz_layers
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
 from boost_jax.sharding import two_level
 from boost_jax.sharding.parallel import ParallelPlan
@@ -69,7 +75,14 @@ class Engine:
                                     is_leaf=is_layout)
         gathers = any(f.is_gathered for f in jax.tree.leaves(
             self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch)))
+        # the micro-batches before the last accumulate over the grads axes only
+        self.early = jax.tree.map(lambda f: dataclasses.replace(f, late=((), ())), self.fetches,
+                                  is_leaf=lambda v: isinstance(v, LeafFetch))
+        self.active = self.fetches
         self.checkpoint = plan.checkpoint(gathers)
+        if any(f.is_gathered and f.hpz for f in jax.tree.leaves(
+                self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch))):
+            self.checkpoint = hpz_layers  # one forward gather per layer (sharding/hpz.py)
         self.ops = plan.ops(self.fetch)
         self.typed = plan.typed
         self.tp_size = math.prod(dict(self.sizes)[a] for a in placement.tp_axes)
@@ -78,7 +91,7 @@ class Engine:
 
     # ------------------------------------------------------------------ per-device pieces
     def fetch(self, stored, slots, path):
-        fs = self.fetches
+        fs = self.active  # the last (or only) micro-batch's, or the earlier ones'
         for k in path:
             fs = fs[k]
         return fetch_tree(fs, stored, slots)
@@ -89,36 +102,90 @@ class Engine:
         return tuple(s // math.prod(size[a] for a in tp) // (n if i == lay.dim else 1)
                      for i, (s, tp) in enumerate(zip(lay.padded, lay.tp)))
 
-    def slots(self):
-        """Zero gradient slots: this device's accumulator shard of every leaf (the grads
-        shard, or the opt_state shard when reduced in the backward), typed as the gradient."""
+    def slots(self, late: bool = True):
+        """Zero gradient slots: this device's shard of every leaf's gradient — the grads
+        shard, or the opt_state shard when the backward reduces it over R (`late`: the
+        last, or only, micro-batch) — typed as the gradient."""
+        pl = self.placement
+
         def one(lay, f):
-            return slot_like(f, self.local_shape(lay, self.placement.accum_axes(lay)),
+            rs = pl.deferred_reduction(lay)[1] if late and pl.in_backward(lay) else ()
+            return slot_like(f, self.local_shape(lay, tuple(pl.grads_axes) + rs),
                              _tp_axes(lay), self.typed)
 
-        return jax.tree.map(one, self.placement.layouts, self.fetches, is_leaf=is_layout)
+        fetches = self.fetches if late else self.early
+        return jax.tree.map(one, pl.layouts, fetches, is_leaf=is_layout)
 
-    def reduce_deferred(self, lay: LeafLayout, acc):
+    def reduce_deferred(self, lay: LeafLayout, acc, f: LeafFetch):
         """Once per step: the accumulator, unreduced over the deferred axes → the opt_state
-        shard (else the grads shard), as Placement.deferred_reduction lists it; nothing left
-        to do when the backward reduced it (Placement.in_backward)."""
+        shard (else the grads shard), as Placement.deferred_reduction lists it (the cross-node
+        reduce-scatter quantized as LeafFetch.cross_node_step says); nothing left to do when
+        the backward reduced it (Placement.in_backward)."""
         if self.placement.in_backward(lay):
             return acc
         ar, rs = self.placement.deferred_reduction(lay)
         policy = self.placement.collectives  # flat, or in two levels (sharding/two_level.py)
         if ar:
             acc = two_level.all_reduce(acc, ar, policy)
-        if rs:
+        if rs and f.cross_node_step(rs)[0] == "all-to-all":
+            send = f.int4_reduce_scatter(acc, tuple(rs), f.cross_node_step(rs)[2], lay.dim)
+            acc = bucket.run([send])[0]
+        elif rs:
             acc = two_level.psum_scatter(acc, rs, lay.dim, policy)
         return acc
 
-    def local_loss(self, params, batch, slots=None):
-        return forward.loss(self.ops, self.plan.model, params, batch, slots, self.checkpoint)
+    def local_loss(self, params, batch, slots=None, checkpoint=None):
+        return forward.loss(self.ops, self.plan.model, params, batch, slots,
+                            checkpoint or self.checkpoint)
+
+    # ------------------------------------------------------------------ deferred update
+    def ends_to_params(self, params):
+        """Deferred update: the embedding, final norm and head (outside the layer loop)
+        gathered from their stored shards to the params sharding, once per step; the layer
+        stack stays stored (its first forward gathers it: sharding/deferred.py)."""
+        out = dict(params)
+        for k in params:
+            if k != "blocks":
+                fs, tree = jax.tree.flatten(self.fetches[k],
+                                            is_leaf=lambda v: isinstance(v, LeafFetch))
+                out[k] = tree.unflatten(to_params_all(fs, tree.flatten_up_to(params[k])))
+        return out
+
+    def capture_slots(self, slots, stored_blocks):
+        """The first micro-batch's slots for the layer stack: {"grads": the slots, "params":
+        zeros shaped and typed like the params shards its backward hands back} (per layer when
+        the stack is not scanned)."""
+        pdtype = jnp.dtype(self.placement.param_dtype)
+
+        def zeros(lay, x):
+            z = jnp.zeros(self.local_shape(lay, self.placement.params_axes), pdtype)
+            return to_varying(z, varying_axes(x))
+
+        lays = self.placement.layouts["blocks"]
+        return self.pair_blocks(slots, jax.tree.map(zeros, lays, stored_blocks,
+                                                    is_leaf=is_layout), "params")
+
+    def first_micro_batch(self, params, b, scale, micro):
+        """Deferred update, micro-batch 0: (loss, gradient, params with the layer stack's
+        params shards its forward gathered, for the other micro-batches)."""
+        params = self.ends_to_params(params)
+        p = self.barrier(params, b["inputs"])
+        capture = micro > 1
+        slots = self.slots(not capture)
+        if capture:
+            slots = dict(slots, blocks=self.capture_slots(slots["blocks"], p["blocks"]))
+        loss, g = jax.value_and_grad(lambda s: self.local_loss(
+            p, b, s, deferred_layers(self.checkpoint, capture)) * scale)(slots)
+        if capture:
+            gb = g["blocks"]
+            g = dict(g, blocks=self.unpair_blocks(gb, "grads"))
+            params = dict(params, blocks=self.unpair_blocks(gb, "params"))
+        return loss, g, params
 
     # ------------------------------------------------------------------ the two programs
     def specs(self):
         placement = self.placement
-        params = jax.tree.map(lambda l: l.spec(placement.params_axes), placement.layouts,
+        params = jax.tree.map(lambda l: l.spec(placement.stored_axes), placement.layouts,
                               is_leaf=is_layout)
         grads = jax.tree.map(
             lambda l: l.spec(placement.opt_state_axes if placement.explicit(l)
@@ -143,26 +210,91 @@ class Engine:
         def body(params, batch):
             mb = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]),
                               batch)
-            acc0 = self.slots()  # zeros in grad_accum_dtype
-            if self.pipeline is not None:
-                loss, acc = self.pipeline.run(params, mb, self.barrier, scale, True, acc0)
+            if self.pipeline is not None:  # zeros in grad_accum_dtype to accumulate into
+                loss, acc = self.pipeline.run(params, mb, self.barrier, scale, True,
+                                              self.slots())
             else:
-                def one(acc, b):
-                    p = self.barrier(params, b["inputs"])
-                    loss_fn = lambda s: self.local_loss(p, b, s) * scale  # noqa: E731
-                    loss, g = jax.value_and_grad(loss_fn)(self.slots())
-                    return jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g), loss
-
-                acc, losses = jax.lax.scan(one, acc0, mb)
-                loss = jnp.sum(losses)
+                loss, acc = self.micro_loop(params, mb, scale, micro)
             grads = jax.tree.map(self.reduce_deferred, self.placement.layouts, acc,
-                                 is_leaf=is_layout)
+                                 self.fetches, is_leaf=is_layout)
             if not self.typed:
                 grads = cpu_backend.untyped_tp_grads(grads, self.placement.layouts,
                                                      self.placement.tp_axes, self.tp_size)
             return self.total(loss), grads
 
         return self.smap(body, (pspec, bspec), (P(), gspec))
+
+    def micro_loop(self, params, mb, scale, micro):
+        """(Σ loss, gradient) of the micro-batches without a pipeline: a deferred update's
+        first (first_micro_batch), the middle ones (a scan), and, with several, the last,
+        whose backward adds their gradient before reducing each layer's over R."""
+        acc_dtype = jnp.dtype(self.placement.grad_accum_dtype)
+        k = micro
+        late = k == 1 or not self.placement.reduce_in_backward  # no last one to peel off
+
+        def add(acc, g):
+            return jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
+
+        def one(params, acc, b):
+            p = self.barrier(params, b["inputs"])
+            loss, g = jax.value_and_grad(
+                lambda s: self.local_loss(p, b, s) * scale)(self.slots(late))
+            return add(acc, g), loss
+
+        self.active = self.fetches if late else self.early
+        acc, loss, p, start = self.slots(late), 0.0, params, 0
+        if self.placement.defer_update:  # micro-batch 0 gathers the stored weights
+            loss, g, p = self.first_micro_batch(params, jax.tree.map(lambda x: x[0], mb),
+                                                scale, micro)
+            acc, start = add(acc, g), 1
+        stop = k if late else k - 1
+        if stop > start:
+            acc, losses = jax.lax.scan(lambda a, b: one(p, a, b), acc,
+                                       jax.tree.map(lambda x: x[start:stop], mb))
+            loss = loss + jnp.sum(losses)
+        self.active = self.fetches
+        if not late:
+            lloss, acc = self.last_micro_batch(p, jax.tree.map(lambda x: x[k - 1], mb), acc,
+                                               scale)
+            loss = loss + lloss
+        return loss, acc
+
+    def last_micro_batch(self, params, b, acc, scale):
+        """The last of several micro-batches: the layer stack's slots carry the accumulated
+        gradient as a `prior` its backward adds before each layer's reduction over R (the
+        opt_state shards come out); the rest is accumulated as before."""
+        slots = self.slots(True)
+        blocks = self.pair_blocks(slots["blocks"], acc["blocks"], "prior")
+        ck = self.checkpoint
+
+        def wrap(layer):
+            return ck(lambda lp, ls, h, prev: layer(WithPrior(lp, ls["prior"]), ls["grads"],
+                                                    h, prev))
+
+        p = self.barrier(params, b["inputs"])
+        if self.placement.defer_update:  # the ends as the first micro-batch fetched them:
+            zero = (b["inputs"].reshape(-1)[0].astype(jnp.float32) * 0.0)  # not one CSE'd call
+            p = {k: v if k == "blocks" else jax.tree.map(lambda x: x + zero.astype(x.dtype), v)
+                 for k, v in p.items()}
+        loss, g = jax.value_and_grad(lambda s: self.local_loss(p, b, s, wrap) * scale)(
+            dict(slots, blocks=blocks))
+        acc_dtype = jnp.dtype(self.placement.grad_accum_dtype)
+        out = {k: (jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc[k], v)
+                   if k != "blocks" else self.unpair_blocks(v, "grads")) for k, v in g.items()}
+        return loss, out
+
+    @staticmethod
+    def pair_blocks(grads, other, name):
+        """The layer stack's slots {"grads": …, name: …} (per layer when not scanned)."""
+        if forward.is_stacked(grads):
+            return {"grads": grads, name: other}
+        return {k: {"grads": grads[k], name: other[k]} for k in grads}
+
+    @staticmethod
+    def unpair_blocks(tree, name):
+        if "grads" in tree:
+            return tree[name]
+        return {k: v[name] for k, v in tree.items()}
 
     @staticmethod
     def barrier(params, anchor):
@@ -187,6 +319,10 @@ class Engine:
                 mb = jax.tree.map(lambda x: x[None], batch)
                 loss, _ = self.pipeline.run(params, mb, self.barrier, 1.0 / self.n_batch, False)
                 return self.total(loss)
+            if self.placement.defer_update:
+                first = deferred_layers(self.checkpoint, False)
+                return self.total(self.local_loss(self.ends_to_params(params), batch, None,
+                                                  first) / self.n_batch)
             return self.total(self.local_loss(params, batch) / self.n_batch)
 
         return self.smap(body, (pspec, bspec), P())

@@ -10,7 +10,8 @@ from train_proc import ROOT
 
 TESTS = os.path.join(ROOT, "tests")
 # helpers that start a process, by the module they come from
-PROCESS_HELPERS = {"TrainProcess": "train_proc", "run_pair": "benchmarks.qgz_demo"}
+PROCESS_HELPERS = {"TrainProcess": "train_proc", "run_pair": "benchmarks.qgz_demo",
+                   "run_all": "benchmarks.cross_node_quant_demo"}
 
 
 def _files(folder):

@@ -134,11 +134,11 @@ def test_presets_map_roles_to_axes():
     assert roles("zero3") == (all3, all3, all3, None, False, False)
     assert roles("zeropp") == (all3, all3, all3, ("pair", "node"), True, True)
     assert roles("hierarchical") == (("pair",), ("pair", "node"), all3, ("pair",), False, True)
-    # TP axes never hold data-parallel roles
+    # TP axes never hold data-parallel roles; the weights TP took pair from re-home to node
     r = resolve_roles(_cfg("parallel.plan=hierarchical", "parallel.tp_mode=btp",
                            "parallel.tp_axes=[pair]"))
     assert (r["params"], r["grads"], r["opt_state"], r["batch"]) == \
-        ((), ("node",), ("node", "global"), ("node", "global"))
+        (("node",), ("node",), ("node", "global"), ("node", "global"))
     # overrides
     r = resolve_roles(_cfg("parallel.plan=hierarchical", "parallel.params_axes=[pair,node]",
                            "parallel.secondary_axes=[pair,node]"))
@@ -155,6 +155,18 @@ def test_presets_map_roles_to_axes():
 def test_bad_role_overrides_are_config_errors(extra, match):
     with pytest.raises(ConfigError, match=match):
         resolve_roles(_cfg(*extra))
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["parallel.plan=zeropp", "parallel.defer_update=true"], "sharded like the optimizer"),
+    (["parallel.plan=hierarchical", "parallel.defer_update=false",
+      "parallel.quantize_cross_node_weights=int8"], "needs a deferred update"),
+    (["parallel.plan=zero3", "parallel.quantize_cross_node_grads=int4"], "across nodes"),
+])
+def test_deferred_and_quantized_cross_node_legs_where_absent_are_config_errors(mesh, extra,
+                                                                              match):
+    with pytest.raises(ConfigError, match=match):
+        make_placement(_cfg(*extra), mesh)
 
 
 def test_layouts_divide_or_pad():
@@ -191,8 +203,14 @@ def test_mixed_precision_state_layout(mesh):
     m = st["master"]["blocks"]["mlp"]["up"]["a"]
     assert w.dtype == jnp.bfloat16 and m.dtype == jnp.float32
     lay = b.placement.layouts["blocks"]["mlp"]["up"]["a"]
-    assert w.sharding.spec[lay.dim] == "pair"
+    # the working weights stored on the optimizer's shards: the deferred update (the next
+    # step's first forward gathers them to the pair shard, parallel.defer_update)
+    assert w.sharding.spec[lay.dim] == ("pair", "node", "global")
     assert m.sharding.spec[lay.dim] == ("pair", "node", "global")
+    b0 = build_step(_cfg("parallel.plan=hierarchical", "model.param_dtype=bfloat16",
+                         "model.dtype=bfloat16", "parallel.defer_update=false"), mesh)
+    assert b0.abstract_state["params"]["blocks"]["mlp"]["up"]["a"].sharding.spec[lay.dim] \
+        == "pair"
     mu = [x for x in jax.tree.leaves(st["opt_state"]) if x.shape == m.shape]
     assert mu and all(x.sharding.spec[lay.dim] == ("pair", "node", "global") for x in mu)
     assert b.n_params < sum(math.prod(x.shape) for x in jax.tree.leaves(st["params"]))
@@ -301,7 +319,10 @@ def test_checkpoint_restores_under_another_plan_and_mesh(runs):
     state, data, meta = ck.restore(3, b2.abstract_state)
     assert data == {"pos": 3} and meta["plan"] == "zero3"
     lay = b2.placement.layouts["blocks"]["attn"]["q"]["a"]
-    assert state["params"]["blocks"]["attn"]["q"]["a"].sharding.spec[lay.dim] == "pair"
+    # a deferred update stores the new weights on the optimizer's shards
+    assert b2.placement.defer_update
+    assert state["params"]["blocks"]["attn"]["q"]["a"].sharding.spec[lay.dim] == \
+        ("pair", "node", "global")
     _, losses = _run(b2, state, STEPS - 3)
     np.testing.assert_allclose(losses, runs["zero3"][3:], rtol=1e-5)
 
@@ -324,8 +345,37 @@ def test_checkpoint_restores_under_another_plan_and_mesh(runs):
     assert n_padded > 0
 
 
+def test_a_deferred_update_resumes_and_evaluates_the_true_weights(runs, mesh, tmp_path):
+    """hierarchical stores the updated weights on the optimizer's shards (the next step's first
+    forward gathers them): a run saved at step 3 and restored continues exactly as the
+    uninterrupted one, and evaluation on the stored weights is ddp's on the same weights."""
+    from boost_jax.checkpoints.store import Checkpointer
+
+    fast = fast_compile_options()
+    b = build_step(_cfg("parallel.plan=hierarchical", "parallel.secondary_dtype=bfloat16"),
+                   mesh, fast)
+    assert b.placement.defer_update and b.placement.stored_axes == b.placement.opt_state_axes
+    ddp = build_step(_cfg(), mesh, fast)
+    init = jax.device_get(ddp.init_state())
+    st, first = _run(b, jax.device_put(_pad_state(b, init), b.state_shardings), 3)
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
+    ck.save(3, st, {"pos": 3}, {"plan": "hierarchical"})
+    ck.close()
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
+    restored, _, _ = ck.restore(3, b.abstract_state)
+    ck.close()
+    batch = {k: jax.device_put(v, b.batch_sharding) for k, v in _batches().items()}
+    logical = jax.device_put(jax.device_get(b.logical_params(restored)),
+                             ddp.state_shardings["params"])
+    want = float(ddp.eval_step(logical, {k: jax.device_put(v, ddp.batch_sharding)
+                                         for k, v in _batches().items()}))
+    assert float(b.eval_step(b.eval_params(restored), batch)) == pytest.approx(want, rel=1e-6)
+    _, rest = _run(b, restored, STEPS - 3)
+    np.testing.assert_allclose(first + rest, runs["hierarchical"], rtol=1e-6)
+
+
 def test_tensor_parallel_axes_are_left_out_of_the_plan(mesh):
-    """hierarchical + BTP over `pair`: weights replicated over DP, grads over node, optimizer
+    """hierarchical + BTP over `pair`: weights and grads over node (re-homed), optimizer
     state over node+global, the cross-node reduction deferred to once a step, TP specs kept —
     and the same losses as plain ddp."""
     tp_ok = ["model.vocab_size=256", "model.d_model=32", "model.rank=8", "model.d_ff=64"]
@@ -334,10 +384,13 @@ def test_tensor_parallel_axes_are_left_out_of_the_plan(mesh):
     init = jax.device_get(ref.init_state())
     _, want = _run(ref, jax.device_put(init, ref.state_shardings), 3)
     b = build_step(_cfg(*tp_ok, "parallel.plan=hierarchical", "parallel.tp_mode=btp",
-                        "parallel.tp_axes=[pair]"), mesh, fast)
+                        "parallel.tp_axes=[pair]", "parallel.secondary_dtype=bfloat16"),
+                   mesh, fast)  # exact: no int8 copy of the re-homed weights
     pl = b.placement
-    assert (pl.params_axes, pl.grads_axes, pl.opt_state_axes) == ((), ("node",),
+    # the weights re-homed from pair (TP's) to node, gathered there from the optimizer's shards
+    assert (pl.params_axes, pl.grads_axes, pl.opt_state_axes) == (("node",), ("node",),
                                                                  ("node", "global"))
+    assert pl.defer_update
     assert pl.deferred_axes == ("global",)  # under TP too: reduced across nodes once a step
     spec = b.abstract_state["opt_state"][0].mu["blocks"]["mlp"]["up"]["b"].sharding.spec
     assert "pair" in str(spec) and "global" in str(spec)
