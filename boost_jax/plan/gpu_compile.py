@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from boost_jax.analysis import hlo as H
 from boost_jax.analysis import schedule as S
 from boost_jax.mesh import Topology, axis_size
-from boost_jax.plan import dryrun, gpu_kernels, gpu_target
+from boost_jax.plan import dryrun, gpu_target, overlap
 from boost_jax.plan.collectives import CommSummary, Coll, coll_time, colls_from_report
 from boost_jax.plan.costmodel import Assumptions, predict, state_sizes, tp_info
 from boost_jax.plan.roofline import block_kernels, block_model
@@ -107,8 +107,8 @@ def roofline_kernels_per_layer(cfg, sizes, a: Assumptions) -> float:
 
 def analytic_kernels_per_layer(cfg, sizes, a: Assumptions) -> float:
     """Launches of one block per micro-batch the cost model charges: the roofline's list plus
-    what the measured table (plan/gpu_kernels.py) adds for the arch x family x TP x remat."""
-    return roofline_kernels_per_layer(cfg, sizes, a) + gpu_kernels.extra_per_block(cfg)
+    what the measured tables add for the block and the plan (overlap.extra_kernels)."""
+    return roofline_kernels_per_layer(cfg, sizes, a) + overlap.extra_kernels(cfg)
 
 
 def layer_points(L: int) -> tuple[int, int]:
@@ -225,7 +225,8 @@ def judged(pred, g: GpuCompile, a: Assumptions, hbm_bytes: float):
     total = rest + t["dp_exposed"]
     t["total"] = total
     mem = dict(pred.memory, analytic_total=pred.memory["total"], total=g.memory["total"])
-    mem["fits"] = mem["total"] <= a.hbm_usable * hbm_bytes
+    mem["limit"] = a.hbm_usable * hbm_bytes  # the program's heap as packed: no margin
+    mem["fits"] = mem["total"] <= mem["limit"]
     tflops = pred.flops_per_device / total / 1e12
     return dataclasses.replace(
         pred, time=t, memory=mem, step_time=total, tokens_per_s=pred.tokens_per_step / total,

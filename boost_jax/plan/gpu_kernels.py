@@ -1,10 +1,10 @@
 """Kernels one block launches per micro-batch on the GPU, as XLA emits them: the table the cost
 model counts launch overhead with.
 
-benchmarks/gpu_kernels.py compiles a 3-layer CoLA-1B-shaped step for the A100 (compile-only
+benchmarks/gpu_kernels.py compiles CoLA-1B's step (8 micro-batches) for the A100 (compile-only
 devices, the launcher's XLA flags) per arch × family × TP mode × remat mode and writes
 gpu_kernels.json: the GPU program's kernel launches per layer per micro-batch (forward,
-backward, remat replay: the 3-layer program's launches less the 2-layer one's) next to the
+backward, remat replay: the 24-layer program's launches less the 23-layer one's) next to the
 roofline's list (roofline.block_kernels). The roofline costs each GEMM and attention launch
 and `elem_kernels` fused elementwise kernels per block and pass; XLA emits about twice as
 many (copies, transposes, reductions, layout changes), whose launches `extra_launches` adds.

@@ -4,9 +4,10 @@ Each term is a buffer (or set of buffers) one can name in the GPU program's buff
 (benchmarks/README.md section 11 says where each was found). The peak falls inside the
 micro-batch loop, during the backward layer scan. The launcher's XLA flags
 (mesh.GPU_XLA_SCHEDULE, --xla_gpu_enable_while_loop_double_buffering) unroll that loop by two,
-so the next micro-batch's zero gradient slots already exist while this one's backward runs.
+so the next micro-batch's zero gradient slots already exist while this one's backward runs
+(one micro-batch: no loop, nothing of it double-buffered).
 
-Arguments: weights, fp32 master, Adam m+v, the batch, the secondary copy (int8 or not).
+State: weights, fp32 master, Adam m+v, the batch, the secondary copy (int8 or not).
 Temporaries, by name (TERMS):
   grads                 the gradient accumulator, carried by the micro-batch loop
   micro_grads           this micro-batch's block gradients, written layer by layer by the
