@@ -60,10 +60,12 @@ gpu-compile-test: $(GPUC_VENV)/.installed
 	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu $(GPUC_VENV)/bin/python -m pytest \
 		tests/unit/test_gpu_compile.py tests/unit/test_pallas_gpu.py -p no:xdist $(ARGS)
 
-# Analytic model vs the GPU-compiled step, CoLA-1B and CoLA-7B on Perlmutter, and what the GPU
-# schedule hides per plan x TP mode (benchmarks/README.md sections 11 and 12); not part of
-# `make bench`, which runs without the extra.
+# Kernels per block as XLA emits them (the table the cost model reads), the analytic model vs
+# the GPU-compiled step (CoLA-1B, CoLA-7B on Perlmutter, CoLA-GPT-NeoX-20B on Frontier), and
+# what the GPU schedule hides per plan x TP mode (benchmarks/README.md sections 11-13); not
+# part of `make bench`, which runs without the extra.
 gpu-compile-bench: $(GPUC_VENV)/.installed
+	$(GPUC_VENV)/bin/python benchmarks/gpu_kernels.py
 	$(GPUC_VENV)/bin/python benchmarks/gpu_compile.py $(ARGS)
 	$(GPUC_VENV)/bin/python benchmarks/gpu_overlap.py
 

@@ -1,19 +1,24 @@
-"""CoLA-1B and CoLA-7B on Perlmutter: the analytic model against the training step compiled for
-the A100 (python -m boost_jax.plan --gpu-compile), on a machine without a GPU.
+"""CoLA-1B and CoLA-7B on Perlmutter, CoLA-GPT-NeoX-20B on 48 Frontier nodes: the analytic model
+against the training step compiled for the A100 (python -m boost_jax.plan --gpu-compile), on a
+machine without a GPU.
 
     make gpu-compile-bench     # .venv-gpuc/bin/python benchmarks/gpu_compile.py
 
 Each layout's step is compiled for compile-only A100-SXM4-40GB devices (XLA's target config,
 the launcher's GPU_XLA_FLAGS) by the CUDA plugin of the gpu-compile extra; the figures are read
 off the scheduled GPU program (boost_jax.plan.gpu_compile) and the analytic model
-(boost_jax.plan.costmodel). Writes benchmarks/results/gpu_compile.md and copies it into
-benchmarks/README.md.
+(boost_jax.plan.costmodel). The Frontier layout is compiled for the 80 GB A100 (no plugin
+compiles for the MI250X without one), on 2 of its 48 nodes (the dry run's reduction). Writes
+benchmarks/results/gpu_compile.md (copied into benchmarks/README.md) and gpu_compile.json: each
+layout's GPU figures, which tests/unit/test_memory_model.py holds the analytic model to.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import os
 import sys
 import time
@@ -29,41 +34,59 @@ from benchmarks.common import load_note, markdown_table, write_result  # noqa: E
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import get_topology  # noqa: E402
 from boost_jax.plan import dryrun  # noqa: E402
-from boost_jax.plan.costmodel import Assumptions  # noqa: E402
+from boost_jax.plan.costmodel import Assumptions, predict  # noqa: E402
 from boost_jax.plan.gpu_compile import gpu_compile  # noqa: E402
+from boost_jax.plan.memory import DOUBLE_BUFFERED  # noqa: E402
 
 GiB = 2 ** 30
-# (config, nodes, overrides): the planner's example layout for each model
+MEMORY_RTOL = 0.10  # the analytic total is held to within 10% of the GPU program's
+# (config, nodes, overrides, topology, GPU target or None for the profile's, devices compiled)
 LAYOUTS = [
-    ("cola-1b", 4, ["parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.d_ff=5462"]),
+    ("cola-1b", 4, ["parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.d_ff=5462"],
+     "perlmutter", None, 512),
     ("cola-1b", 4, ["parallel.plan=hierarchical", "parallel.tp_mode=btp",
                     "parallel.tp_axes=[pair]", "model.d_ff=5462", "train.global_batch=64",
-                    "train.micro_batches=4"]),
+                    "train.micro_batches=4"], "perlmutter", None, 512),
     ("cola-7b", 8, ["parallel.plan=hierarchical", "parallel.tp_mode=btp",
-                    "parallel.tp_axes=[pair]"]),
+                    "parallel.tp_axes=[pair]"], "perlmutter", None, 512),
+    ("cola-gpt-neox-20b", 48, [], "frontier", "a100_sxm_80", 16),
 ]
 
 
-def one(name: str, nodes: int, overrides: list, topo):
+def one(name: str, nodes: int, overrides: list, topo, target, max_devices: int):
     cfg = load_config(os.path.join(ROOT, "configs", f"{name}.yaml"), overrides)
     full = dryrun.full_sizes(cfg, topo, nodes)
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
         cfg.mesh, topology=topo.name, shape=dryrun.mesh_hosts(full), nodes=None))
     t0 = time.perf_counter()
-    g = gpu_compile(cfg, topo, full, Assumptions(), 512)
+    g = gpu_compile(cfg, topo, full, Assumptions(), max_devices, target)
     return cfg, g, time.perf_counter() - t0
 
 
-def row(name, nodes, overrides, cfg, g, secs) -> list:
+def record(name, nodes, overrides, topo, target, g, pred) -> dict:
+    """The layout and its GPU figures, as the compile-free test reads them back."""
+    return {"config": name, "nodes": nodes, "overrides": overrides, "topology": topo.name,
+            "target": g.target, "device": g.device_kind, "gpu_memory_total": g.memory["total"],
+            "gpu_memory_temp": g.memory["temp"], "analytic_memory_total": pred.memory["total"],
+            "analytic_terms": {k: v for k, v in pred.memory.items()
+                               if isinstance(v, float) and k not in ("total", "hbm", "limit")},
+            "gpu_kernels_per_layer": g.kernels_per_layer}
+
+
+def row(name, nodes, topo, cfg, g, secs) -> list:
     r = {x["what"]: x for x in g.comparison}
     e = g.exposed
-    lay = f"{cfg.parallel.plan}, {cfg.parallel.tp_mode} {'+'.join(cfg.parallel.tp_axes)}, " \
-          f"{cfg.train.micro_batches} micro"
+    tp = f"{cfg.parallel.tp_mode} {'+'.join(cfg.parallel.tp_axes)}" \
+        if cfg.parallel.tp_mode != "none" else "no TP"
+    lay = f"{cfg.parallel.plan}, {tp}, {cfg.train.micro_batches} micro"
     mem, tmp = r["memory total"], r["memory temporaries"]
     kl, ex = r["kernels per layer"], r["exposed collective time"]
     flags = [w for w, x in r.items() if x["differs"]]
-    return [name, f"{nodes} x 4", lay,
-            f"{mem['analytic'] / GiB:.2f} / {mem['gpu'] / GiB:.2f}",
+    per_node = math.prod(v for k, v in dryrun.full_sizes(cfg, topo, nodes).items()
+                         if k != "global")
+    return [name, f"{topo.name} {nodes} x {per_node}", lay, g.device_kind.replace("NVIDIA ", ""),
+            f"{mem['analytic'] / GiB:.2f} / {mem['gpu'] / GiB:.2f} "
+            f"({mem['analytic'] / mem['gpu'] - 1:+.0%})",
             f"{tmp['analytic'] / GiB:.2f} / {tmp['gpu'] / GiB:.2f}",
             f"{kl['analytic']:.0f} / {kl['gpu']:.0f}",
             f"{e['of'] - e['count']} ({e['overlap_gemm']}) of {e['of']}",
@@ -76,29 +99,39 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
                                                    "gpu_compile.md"))
     args = ap.parse_args()
-    topo = get_topology("perlmutter")
-    rows = []
-    for name, nodes, ov in LAYOUTS:
-        cfg, g, secs = one(name, nodes, ov, topo)
-        rows.append(row(name, nodes, ov, cfg, g, secs))
+    rows, recs = [], []
+    for name, nodes, ov, topo_name, target, max_dev in LAYOUTS:
+        topo = get_topology(topo_name)
+        cfg, g, secs = one(name, nodes, ov, topo, target, max_dev)
+        rows.append(row(name, nodes, topo, cfg, g, secs))
+        recs.append(record(name, nodes, ov, topo, target, g,
+                           predict(cfg, topo, dryrun.full_sizes(cfg, topo, nodes), Assumptions())))
         print(rows[-1], flush=True)
-    head = ["model", "nodes x GPUs", "layout", "memory GiB (analytic / GPU)",
+    with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
+        json.dump({"memory_rtol": MEMORY_RTOL, "layouts": recs}, f, indent=1)
+    head = ["model", "nodes x GPUs", "layout", "compiled for", "memory GiB (analytic / GPU)",
             "temporaries GiB (analytic / GPU)", "kernels per layer (analytic / GPU)",
             "collectives overlapping compute (GPU)", "exposed collective ms (analytic / GPU)",
             "differ by > 25%", "compile s"]
     text = "\n".join([
-        "## CoLA-1B and CoLA-7B on Perlmutter: analytic model vs the step compiled for the A100",
+        "## CoLA-1B, CoLA-7B and CoLA-GPT-NeoX-20B: analytic model vs the step compiled for "
+        "the A100",
         "",
         "Written by `benchmarks/gpu_compile.py` (`make gpu-compile-bench`): each layout's "
-        "training step compiled for compile-only A100-SXM4-40GB devices (the CUDA plugin of "
+        "training step compiled for compile-only A100 devices (the CUDA plugin of "
         "the gpu-compile extra, XLA's target config, the launcher's GPU_XLA_FLAGS) on a "
-        f"machine without a GPU ({load_note()}).",
+        f"machine without a GPU ({load_note()}); the Frontier layout for the 80 GB A100 "
+        "(its MI250X has no compile-only target), on 2 of its 48 nodes. The figures "
+        "tests/unit/test_memory_model.py holds the model to are in gpu_compile.json.",
         "",
         markdown_table(head, rows),
         "",
-        "- memory: analytic = the cost model's total per device; GPU = memory_analysis() of "
-        "the program compiled with all the model's layers (arguments + temporaries + "
-        "unaliased outputs).",
+        "- memory: analytic = the cost model's total per device (boost_jax/plan/memory.py; "
+        "its double-buffered terms: " + ", ".join(DOUBLE_BUFFERED) + "); GPU = "
+        "memory_analysis() of the program compiled with all the model's layers (arguments "
+        "+ temporaries + unaliased outputs; arguments from the placement formula when "
+        "compiled on fewer nodes); in brackets the analytic total's difference, held to "
+        f"{MEMORY_RTOL:.0%}.",
         "- kernels per layer: per micro-batch, forward + backward + remat replay; analytic = "
         "the roofline's kernel list; GPU = kernel launches per step (fusions, Triton GEMMs, "
         "our Pallas kernels, copies) of the L-layer program minus the (L-1)-layer one, over "

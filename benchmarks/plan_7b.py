@@ -29,6 +29,7 @@ from benchmarks.common import markdown_table, sync_readme  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import get_topology, make_mesh  # noqa: E402
 from boost_jax.plan.dryrun import dry_run  # noqa: E402
+from boost_jax.plan.memory import TERMS  # noqa: E402
 from boost_jax.plan.search import search  # noqa: E402
 from boost_jax.sharding.formulas import comm_per_step  # noqa: E402
 from boost_jax.sharding.placement import make_placement  # noqa: E402
@@ -55,17 +56,13 @@ def run(cfg, topo):
     return dr, time.perf_counter() - t0
 
 
-TEMP_PARTS = {"grads": "gradient accumulator", "micro_grads": "this micro-batch's gradient",
-              "gathered_weights": "two layers' gathered weights",
-              "activations": "saved activations", "layer_grads": "one layer's gradient",
-              "embed_head": "embedding and head, fetched whole, with their gradients",
-              "logits": "logits"}
+TEMP_PARTS = {k: v for k, v in TERMS.items() if k not in ("secondary", "stage_inputs")}
 
 
 def temp_formula(p) -> tuple[float, dict]:
-    """Temporaries of the step by the cost model (costmodel.memory_estimate): the step's own
-    gradient buffers, two layers' gathered weights, activations, embedding/head, logits."""
-    parts = {k: p.memory[k] for k in TEMP_PARTS}
+    """Temporaries of the step by the cost model (plan/memory.py): the step's gradient
+    buffers, two layers' gathered weights, activations, embedding/head, logits."""
+    parts = {k: p.memory[k] for k in TEMP_PARTS if p.memory.get(k)}
     return sum(parts.values()), parts
 
 
@@ -112,7 +109,10 @@ def section_layout(topo, mesh, lines):
         "per layer under TP too, so the gathered weights in the temporaries are two layers', "
         f"{parts['gathered_weights'] / GiB:.2f} GiB, not the whole TP-local model "
         f"({dr.memory['weights'] * 2 / GiB:.2f} GiB in the working dtype); the temporaries "
-        "are dominated by the step's two gradient buffers:", "",
+        "are dominated by the step's gradient buffers. The formula is the GPU program's "
+        "(benchmarks/README.md section 11: the launcher's flags double-buffer the "
+        "micro-batch loop, so the next micro-batch's zero slots are live too); the CPU "
+        "program compiled here has no such flags:", "",
         markdown_table(["part of the temporaries (formula)", "GiB"],
                        [[TEMP_PARTS[k], f"{v / GiB:.3f}"] for k, v in parts.items()]
                        + [["total (formula)", f"{tf / GiB:.3f}"],

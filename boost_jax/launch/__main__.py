@@ -83,7 +83,8 @@ def _slurm(args, command: str) -> int:
     p = job.predicted
     if not p["fits"]:
         print(f"warning: the planner estimates {p['memory'] / 2**30:.1f} GiB per device, more "
-              f"than {p['hbm_usable']:.0%} of {topo.hbm_bytes / 2**30:.0f} GiB; check with "
+              f"than the {p['limit'] / 2**30:.1f} GiB that fit ({p['hbm_usable']:.0%} of "
+              f"{topo.hbm_bytes / 2**30:.0f} GiB, less the model's safety margin); check with "
               "python -m boost_jax.plan before submitting", file=sys.stderr)
     if job.profile.platform != "cpu":
         _warn_cpu_only(job.python)

@@ -131,7 +131,8 @@ def check_layout(cfg: Config, topo: Topology, sizes: dict) -> dict:
     except (ConfigError, ValueError) as e:
         raise UserError(str(e).splitlines()[0]) from None
     return {"memory": p.memory["total"], "fits": p.memory["fits"], "step_time": p.step_time,
-            "hbm_usable": p.assumptions.hbm_usable, "layout": p.layout,
+            "hbm_usable": p.assumptions.hbm_usable, "limit": p.memory["limit"],
+            "layout": p.layout,
             "notes": list(p.notes)}
 
 

@@ -211,8 +211,9 @@ def _memory_lines(p, dr, topo, compiled: bool) -> list:
     if compiled:
         L += _compiled_memory_lines(m, dr)
     else:
-        L.append(f"  activations {_bytes(m['activations'])}, gathered weights "
-                 f"{_bytes(m['gathered_weights'])}, logits {_bytes(m['logits'])}")
+        from boost_jax.plan.memory import report_lines
+
+        L += report_lines(m, p.assumptions, topo.hbm_bytes)
     verdict = "FITS" if m["fits"] else "DOES NOT FIT (add --search for the layouts that do)"
     L.append(f"  total {_bytes(m['total'])} of {_bytes(topo.hbm_bytes)} -> {verdict}")
     return L
@@ -460,7 +461,9 @@ def _emit_layout(args, pred, cfg, topo, failure: Optional[str], command: str) ->
     if failure or not pred.memory["fits"]:
         why = "the step does not compile" if failure else (
             f"it needs {pred.memory['total'] / 2**30:.1f} GiB per device, more than "
-            f"{pred.assumptions.hbm_usable:.0%} of {topo.hbm_bytes / 2**30:.0f} GiB")
+            f"{pred.memory.get('limit', pred.assumptions.hbm_usable * topo.hbm_bytes) / 2**30:.1f}"
+            f" GiB that fit ({pred.assumptions.hbm_usable:.0%} of {topo.hbm_bytes / 2**30:.0f} "
+            "GiB, less the model's safety margin)")
         raise UserError(f"this layout does not fit ({why}), so --emit-config "
                         f"{args.emit_config} was not written; --search lists layouts "
                         "that fit")

@@ -12,9 +12,10 @@ overlap   as the step compiles with the launcher's XLA flags (mesh.GPU_XLA_SCHED
           `overlap_exposed`): tensor-parallel collectives and pipeline sends on the critical
           path, per-layer weight gathers and gradient reduce-scatters behind the neighbouring
           layers' compute, once-per-step work exposed.
-memory    persistent state from the placement's layouts (exact, padding included) + gradient
-          accumulator + gathered weights + saved activations by remat policy + one block's
-          working set + logits; "fits" when it is ≤ `hbm_usable` × the device's HBM.
+memory    boost_jax.plan.memory: persistent state from the placement's layouts (exact, padding
+          included) + the buffers the GPU program keeps live at its peak (the gradient
+          buffers of the double-buffered micro-batch loop, two layers' gathered weights,
+          activations, logits); "fits" below its `fit_limit`.
 
 This module puts them together for a plan × TP layout: the state sizes from the placement's own
 layouts, the data-parallel / ZeRO collectives the step compiles, the memory estimate and the
@@ -33,10 +34,9 @@ from boost_jax.analysis.flops import flops_per_token, param_count
 from boost_jax.errors import ConfigError
 from boost_jax.mesh import AXES, STAGE, Topology, axis_size, level_of
 from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split
-from boost_jax.plan import overlap
+from boost_jax.plan import memory, overlap
 from boost_jax.plan.overlap import gpu_exposed, gpu_launch_seconds, overlap_exposed
 from boost_jax.sharding.gather import qgz_stages
-from boost_jax.step.optim import STATE_PER_PARAM
 from boost_jax.sharding.step_collectives import (Passes, bucketed, keeps_secondary,
                                                  step_collectives)
 from boost_jax.sharding.stages import layers_per_stage
@@ -98,6 +98,7 @@ class StateSizes:
     n_leaves: int
     n_block_leaves: int
     outside_tp_local: float = 0.0  # TP-local elements outside the blocks (embedding, head)
+    outside_grads: float = 0.0  # of `grads`, the elements outside the blocks
 
 
 def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
@@ -111,7 +112,7 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
     pl = make_placement(cfg, mesh, abstract_param_shapes(cfg))
     lays = jax.tree_util.tree_flatten_with_path(pl.layouts, is_leaf=is_layout)[0]
     acc = dict(tp=0.0, tpp=0.0, params=0.0, grads=0.0, opt=0.0, sec=0.0, rep=0.0, layer=0.0,
-               out=0.0)
+               out=0.0, out_grads=0.0)
     nb = 0
     for path, lay in lays:
         tp = math.prod(axis_size(sizes, t) for t in lay.tp)
@@ -136,8 +137,10 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
                 nb += 1
         else:
             acc["out"] += local
+            acc["out_grads"] += role(pl.accum_axes(lay))
     return StateSizes(acc["tp"], acc["tpp"], acc["params"], acc["grads"], acc["opt"],
-                      acc["sec"], acc["rep"], acc["layer"], len(lays), nb, acc["out"]), pl
+                      acc["sec"], acc["rep"], acc["layer"], len(lays), nb, acc["out"],
+                      acc["out_grads"]), pl
 
 
 # --------------------------------------------------------------------------- the model
@@ -274,49 +277,17 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
 
 
 def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockModel,
-                    b: int, usable: float) -> dict:
-    m, par = cfg.model, cfg.parallel
-    pb = DTYPE_BYTES[m.param_dtype]
-    mixed = m.param_dtype != "float32"
-    pp = par.pp_stages
-    L = stage_layers(cfg)
-    mem = {"weights": st.params * pb, "master": st.opt * 4 if mixed else 0.0,
-           # fp32 optimizer moments ("adam" for every optimizer: the key the reports read)
-           "adam": st.opt * 4 * STATE_PER_PARAM[cfg.optim.name],
-           "batch": 2 * 4 * b * cfg.data.seq_len * cfg.train.micro_batches}
-    mem["arguments"] = mem["weights"] + mem["master"] + mem["adam"] + mem["batch"]
-    gb = DTYPE_BYTES[par.grad_accum_dtype]
-    mem["grads"] = st.grads * gb
-    # the step engine: this micro-batch's gradient before it joins the accumulator, and the
-    # embedding/head fetched whole (working dtype) with their dense gradient
-    mem["micro_grads"] = st.grads * gb
-    mem["embed_head"] = st.outside_tp_local * (pb + gb)
-    q8 = 1.0 + 4.0 / par.quant_block
-    # one layer's gathered weights in use and the next one's arriving, with or without TP
-    mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
-    if pl.defer_update:  # the params shards the first micro-batch gathers, kept for the step
-        mem["params_shards"] = st.tp_local_padded / axis_size(sizes, pl.params_axes) * pb
-    if pl.secondary_axes is not None:
-        mem["secondary"] = st.secondary * (q8 if pl.int8_secondary else pb)
-    working = sum(o.out_bytes for o in bm.ops)
-    remat = cfg.train.remat
-    if remat == "none":
-        acts = L * working
-    elif remat == "full":
-        acts = L * bm.residual_bytes + working
-    else:
-        acts = L * (bm.residual_bytes + bm.latent_bytes) + working
-    mem["activations"] = acts
+                    b: int, limit: float) -> dict:
+    """Per-device bytes by named term (boost_jax.plan.memory); fits when total <= limit."""
+    pp = cfg.parallel.pp_stages
+    stage = 0.0
     if pp > 1:  # the stage inputs a device keeps (step/pipeline.py: Schedule.depth + 1)
         from boost_jax.step.pipeline import Schedule
 
+        par = cfg.parallel
         depth = Schedule(par.pp_schedule, pp, cfg.train.micro_batches, par.pp_virtual).depth + 1
-        mem["stage_inputs"] = depth * stage_send_bytes(cfg, sizes, b)
-    mem["logits"] = sum(o.out_bytes for o in hm.ops) * 2
-    mem["layer_grads"] = st.per_layer_tp_local * 4
-    mem["total"] = sum(v for k, v in mem.items() if k not in ("arguments",))
-    mem["fits"] = mem["total"] <= usable  # the device's HBM less what the runtime keeps
-    return mem
+        stage = depth * stage_send_bytes(cfg, sizes, b)
+    return memory.estimate(cfg, st, pl, bm, hm, b, stage_layers(cfg), stage, limit)
 
 
 def stage_send_bytes(cfg, sizes, b: int) -> float:
@@ -471,7 +442,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     total_overlap = t_compute + t_quant + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt
     tokens = cfg.train.global_batch * s
     model_flops = flops_per_token(m, s)["train"] * tokens / n_dev
-    mem = memory_estimate(cfg, sizes, st, pl, bm, hm, b, topo.hbm_bytes * a.hbm_usable)
+    mem = memory_estimate(cfg, sizes, st, pl, bm, hm, b, memory.fit_limit(topo.hbm_bytes, a))
     mem["hbm"] = topo.hbm_bytes
     tflops = model_flops / total / 1e12
     return Prediction(

@@ -305,7 +305,9 @@ def _dry_run_memory(fit: _LayerFit, form_full: dict, topo: Topology, a: Assumpti
            "grads_accumulator": form_full["grads"]}
     mem["total"] = form_full["arguments"] + temp_b
     mem["hbm"] = topo.hbm_bytes
-    mem["fits"] = mem["total"] <= a.hbm_usable * topo.hbm_bytes
+    # compiled temporaries: the heap as packed, so no margin for it (plan/memory.py)
+    mem["limit"] = a.hbm_usable * topo.hbm_bytes
+    mem["fits"] = mem["total"] <= mem["limit"]
     mem["largest_temporaries"] = largest_buffers(fit.progs[-1].report) if keep_report else []
     return mem
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from boost_jax.analysis import hlo as H
 from boost_jax.analysis import schedule as S
 from boost_jax.mesh import Topology, axis_size
-from boost_jax.plan import dryrun, gpu_target
+from boost_jax.plan import dryrun, gpu_target, overlap
 from boost_jax.plan.collectives import CommSummary, Coll, coll_time, colls_from_report
 from boost_jax.plan.costmodel import Assumptions, predict, state_sizes, tp_info
 from boost_jax.plan.roofline import block_kernels, block_model
@@ -97,12 +97,18 @@ def read_program(comp: dryrun.Compiled, cfg, sizes, full, topo, a: Assumptions) 
                    exposed, comp.compile_s)
 
 
-def analytic_kernels_per_layer(cfg, sizes, a: Assumptions) -> float:
-    """Launches of one block per micro-batch in the roofline model (roofline.block_kernels)."""
+def roofline_kernels_per_layer(cfg, sizes, a: Assumptions) -> float:
+    """Launches of one block per micro-batch in the roofline's list (roofline.block_kernels)."""
     mode, t = tp_info(cfg, sizes)
     _, pl = state_sizes(cfg, sizes)
     b = cfg.train.global_batch // cfg.train.micro_batches // axis_size(sizes, pl.batch_axes)
     return block_kernels(cfg, block_model(cfg.model, b, cfg.data.seq_len, mode, t, a.attention))
+
+
+def analytic_kernels_per_layer(cfg, sizes, a: Assumptions) -> float:
+    """Launches of one block per micro-batch the cost model charges: the roofline's list plus
+    what the measured tables add for the block and the plan (overlap.extra_kernels)."""
+    return roofline_kernels_per_layer(cfg, sizes, a) + overlap.extra_kernels(cfg)
 
 
 def layer_points(L: int) -> tuple[int, int]:
@@ -110,11 +116,12 @@ def layer_points(L: int) -> tuple[int, int]:
     return (L - 1, L) if L >= 2 else (1, 2)
 
 
-def compile_programs(cfg, topo: Topology, full: dict, small: dict, a: Assumptions):
+def compile_programs(cfg, topo: Topology, full: dict, small: dict, a: Assumptions,
+                     target: str | None = None):
     """(programs at the two layer points, layers per pipeline chunk, the GPU's name)."""
     from boost_jax.pallas import dispatch
 
-    devices = gpu_target.compile_devices(topo, small)
+    devices = gpu_target.compile_devices(topo, small, target)
     chunks = cfg.parallel.pp_stages * cfg.parallel.pp_virtual
     L = -(-cfg.model.n_layers // chunks)
     progs = []
@@ -176,10 +183,13 @@ def exposed_summary(p: Program) -> dict:
                         for k in sorted({c["kind"] for c in p.collectives})}}
 
 
-def gpu_compile(cfg, topo: Topology, full: dict, a: Assumptions, max_devices: int) -> GpuCompile:
-    name = gpu_target.target_name(topo)
+def gpu_compile(cfg, topo: Topology, full: dict, a: Assumptions, max_devices: int,
+                target: str | None = None) -> GpuCompile:
+    """The layout compiled for the profile's GPU, or for `target` (a gpu_targets/ name: e.g.
+    an A100 standing in for a GPU no plugin compiles for without one)."""
+    name = target or gpu_target.target_name(topo)
     small = dryrun.compile_sizes(full, max_devices)
-    progs, L, kind = compile_programs(cfg, topo, full, small, a)
+    progs, L, kind = compile_programs(cfg, topo, full, small, a, target)
     p1, p2 = progs
     prog = p2 if L >= 2 else p1
     # one layer fewer per chunk: a device runs V chunks of its stage per micro-batch
@@ -215,7 +225,8 @@ def judged(pred, g: GpuCompile, a: Assumptions, hbm_bytes: float):
     total = rest + t["dp_exposed"]
     t["total"] = total
     mem = dict(pred.memory, analytic_total=pred.memory["total"], total=g.memory["total"])
-    mem["fits"] = mem["total"] <= a.hbm_usable * hbm_bytes
+    mem["limit"] = a.hbm_usable * hbm_bytes  # the program's heap as packed: no margin
+    mem["fits"] = mem["total"] <= mem["limit"]
     tflops = pred.flops_per_device / total / 1e12
     return dataclasses.replace(
         pred, time=t, memory=mem, step_time=total, tokens_per_s=pred.tokens_per_step / total,

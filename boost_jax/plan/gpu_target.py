@@ -70,13 +70,14 @@ def compiler_options() -> dict:
     return out
 
 
-def compile_devices(topo: Topology, sizes: dict) -> list:
-    """Compile-only devices for the mesh `sizes`: hosts x (pair x node) devices per host."""
+def compile_devices(topo: Topology, sizes: dict, target: str | None = None) -> list:
+    """Compile-only devices for the mesh `sizes`: hosts x (pair x node) devices per host, of
+    the profile's GPU or of `target` (a gpu_targets/ name)."""
     from jax.experimental import topologies
 
     hosts = sizes["global"] * sizes.get(STAGE, 1)
     per_host = sizes["pair"] * sizes["node"]
     desc = topologies.get_topology_desc(
         "", "cuda", topology=f"1 x {hosts} x {per_host}",
-        target_config=target_config(target_name(topo)))
+        target_config=target_config(target or target_name(topo)))
     return list(desc.devices)

@@ -19,6 +19,7 @@ import json
 import os
 from typing import Optional
 
+from boost_jax.plan import gpu_kernels
 from boost_jax.plan.roofline import Assumptions, BlockModel, block_kernels
 
 # XLA's GPU combiners merge a layer's independent all-gathers, reduce-scatters and all-reduces
@@ -92,15 +93,32 @@ def overlap_exposed(t_dp: float, t_compute: float, layers: int, a: Assumptions,
 
 
 def gpu_launch_seconds(cfg, bm: BlockModel, blocks: float, a: Assumptions) -> float:
-    """overlap="gpu": the launches the GPU program makes beyond the roofline's kernel list
-    (GPU / analytic kernels per layer, measured per plan x TP mode), at launch_s each, for
-    `blocks` block passes; 0 when the table lacks the layout, or with other overlap modes."""
-    if a.overlap != "gpu":
+    """The launches the GPU program makes beyond the roofline's kernel list, at launch_s each,
+    for `blocks` block passes: under overlap="gpu" the plan x TP mode's ratio (GPU / analytic
+    kernels per layer, gpu_overlap.json), otherwise the arch x family x TP mode x remat
+    mode's count plus the plan's own (extra_kernels); 0 where the tables lack the layout."""
+    if a.overlap == "gpu":
+        ratio = kernel_ratio(cfg.parallel.plan, cfg.parallel.tp_mode, cfg.train.micro_batches)
+        if ratio is not None:
+            return max(ratio - 1.0, 0.0) * block_kernels(cfg, bm) * a.launch_s * blocks
+    return extra_kernels(cfg) * a.launch_s * blocks
+
+
+def plan_kernels(cfg) -> float:
+    """Kernels per layer a plan launches beyond DDP's at the same TP mode (its gathers,
+    (de)quantization, per-layer reductions), from gpu_overlap.json; 0 if not measured."""
+    plan, mode, micro = cfg.parallel.plan, cfg.parallel.tp_mode, cfg.train.micro_batches
+    row, ddp = measured(plan, mode, micro), measured("ddp", mode, micro)
+    if row is None or ddp is None:
         return 0.0
-    ratio = kernel_ratio(cfg.parallel.plan, cfg.parallel.tp_mode, cfg.train.micro_batches)
-    if ratio is None:
-        return 0.0
-    return max(ratio - 1.0, 0.0) * block_kernels(cfg, bm) * a.launch_s * blocks
+    return max(row["kernels_per_layer"] - ddp["kernels_per_layer"], 0.0)
+
+
+def extra_kernels(cfg) -> float:
+    """Kernels per block and micro-batch the GPU program launches beyond the roofline's list:
+    the block's as measured per arch x family x TP mode x remat mode (plan/gpu_kernels.py,
+    under DDP), plus what the plan adds (plan_kernels)."""
+    return gpu_kernels.extra_per_block(cfg) + plan_kernels(cfg)
 
 
 def gpu_exposed(cfg, phase: str, t: float, a: Assumptions) -> float:

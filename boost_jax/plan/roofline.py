@@ -66,7 +66,10 @@ class Assumptions:
     # schedule shows (plan/overlap.py) | none
     overlap: str = "xla"
     attention: str = "auto"  # auto: the config's model.attention, else flash on GPUs
-    hbm_usable: float = 0.9  # usable fraction of HBM (allocator, runtime, fragmentation)
+    hbm_usable: float = 0.9  # usable fraction of HBM (what the CUDA/ROCm runtime keeps)
+    # safety margin on the memory estimate for what it does not model (XLA's heap packing);
+    # fits when estimate x (1 + margin) <= hbm_usable x HBM (plan/memory.py: fit_limit)
+    memory_margin: float = 0.1
 
     def describe(self) -> list[str]:
         from boost_jax.mesh import GPU_XLA_SCHEDULE
@@ -101,7 +104,9 @@ class Assumptions:
                          "the compute stays exposed)")
         else:
             lines.append("overlap: none (every collective on the critical path)")
-        lines.append(f"memory: fits when the estimate is <= {self.hbm_usable:.0%} of device HBM")
+        lines.append(f"memory: fits when the estimate + {self.memory_margin:.0%} (what the model "
+                     f"does not count: XLA's heap packing) is <= {self.hbm_usable:.0%} of device "
+                     "HBM")
         return lines
 
 

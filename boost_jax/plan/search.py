@@ -236,11 +236,14 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
 
 def compile_on_gpu(res: SearchResult, cfg, topo: Topology, k: int, max_devices: int,
                    a: Assumptions) -> None:
-    """The best k that fit, compiled for the GPU and re-costed from the GPU program."""
+    """The best k that fit, and the k fitting ones closest to the memory limit, compiled for
+    the GPU and re-costed from the GPU program (no layout near the limit fits on the analytic
+    figure alone)."""
     from boost_jax.plan.dryrun import StepCompileError
     from boost_jax.plan.gpu_compile import gpu_compile, judged
 
-    for c in list(res.fitting[:k]):
+    best = list(res.fitting[:k])
+    for c in best + near_limit(res.fitting, k, best):
         try:
             g = gpu_compile(c.config(cfg), topo, c.sizes, a, max_devices)
         except StepCompileError as e:
@@ -248,8 +251,16 @@ def compile_on_gpu(res: SearchResult, cfg, topo: Topology, k: int, max_devices: 
             continue
         c.prediction = judged(c.prediction, g, a, topo.hbm_bytes)
         c.compiled, c.compiled_fits, c.gpu = True, c.prediction.memory["fits"], g.device_kind
-    res.notes.append(f"the best {k} were compiled for the GPU ({topo.name}) and re-ranked by "
-                     "the GPU program's exposed collectives and memory")
+    res.notes.append(f"the best {k} and the {k} closest to the memory limit were compiled for "
+                     f"the GPU ({topo.name}) and re-ranked by the GPU program's exposed "
+                     "collectives and memory")
+
+
+def near_limit(fitting: list, k: int, skip: list) -> list:
+    """The k layouts of `fitting` (not in `skip`) whose analytic memory is nearest the limit."""
+    rest = [c for c in fitting if all(c is not s for s in skip)]
+    return sorted(rest, key=lambda c: c.prediction.memory["total"] / c.prediction.memory["limit"],
+                  reverse=True)[:k]
 
 
 def _precision(c: Candidate, cfg) -> str:

@@ -189,8 +189,9 @@ def test_search_without_compile_top_is_one_line_and_exit_2(capsys):
 
 
 def test_search_reranks_the_best_layouts_by_the_gpu_program(monkeypatch, capsys):
-    """--search --gpu-compile --compile-top 2: the two best layouts are compiled for the GPU
-    and re-costed from the program's exposed collectives and memory (runs without the extra:
+    """--search --gpu-compile --compile-top 2: the two best layouts, and the two fitting ones
+    nearest the memory limit, are compiled for the GPU and re-costed from the program's
+    exposed collectives and memory (runs without the extra:
     the compile is replaced by one whose schedule leaves 1 s exposed in the analytically best
     layout, which then drops below the second)."""
     from boost_jax.plan import gpu_compile
@@ -214,7 +215,10 @@ def test_search_reranks_the_best_layouts_by_the_gpu_program(monkeypatch, capsys)
     main(SEARCH + ["--gpu-compile", "--compile-top", "2"])
     after = json.loads(capsys.readouterr().out)
     ranked = after["ranked"]
-    assert len(seen) == 2
+    assert len(seen) == 4
+    edge = max(before, key=lambda r: r["memory"])["key"]
+    assert next(r for r in ranked if r["key"] == edge)["gpu"]
+    assert sum(bool(r["gpu"]) for r in ranked) == 4
     assert ranked[0]["key"] == second and ranked[0]["gpu"] == "NVIDIA A100-SXM4-40GB"
     demoted = next(r for r in ranked if r["key"] == best)
     assert demoted["gpu"] and demoted["critical_path"]["exposed DP"] == pytest.approx(1.0)

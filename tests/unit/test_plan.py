@@ -485,8 +485,11 @@ def test_overlap_gpu_costs_the_shares_the_gpu_schedule_hides(monkeypatch):
     # twice the roofline's kernels: one more launch per kernel, every block of every pass
     bm = R.block_model(cfg.model, gpu.micro_batch_per_device, cfg.data.seq_len, "btp", 2,
                        gpu.assumptions.attention)
-    extra = R.block_kernels(cfg, bm) * 4e-6 * cfg.model.n_layers * cfg.train.micro_batches
-    assert g["compute"] == pytest.approx(t["compute"] + extra)
+    blocks = 4e-6 * cfg.model.n_layers * cfg.train.micro_batches
+    extra = R.block_kernels(cfg, bm) * blocks
+    # in place of what the xla assumption charges (plan/gpu_kernels.json + the plan's own)
+    assert g["compute"] == pytest.approx(
+        t["compute"] - gpu_overlap.extra_kernels(cfg) * blocks + extra)
     compute = g["compute"] - g["bubble"]
     assert g["dp_exposed"] == pytest.approx(t["dp"] * 0.5 + max(t["dp"] * 0.5 - compute, 0.0))
     assert g["dp_exposed"] != pytest.approx(t["dp_exposed"])

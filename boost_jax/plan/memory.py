@@ -1,0 +1,121 @@
+"""Per-device memory of one training step: the buffers the compiled program keeps live at its peak.
+
+Each term is a buffer (or set of buffers) one can name in the GPU program's buffer assignment
+(benchmarks/README.md section 11 says where each was found). The peak falls inside the
+micro-batch loop, during the backward layer scan. The launcher's XLA flags
+(mesh.GPU_XLA_SCHEDULE, --xla_gpu_enable_while_loop_double_buffering) unroll that loop by two,
+so the next micro-batch's zero gradient slots already exist while this one's backward runs
+(one micro-batch: no loop, nothing of it double-buffered).
+
+State: weights, fp32 master, Adam m+v, the batch, the secondary copy (int8 or not).
+Temporaries, by name (TERMS):
+  grads                 the gradient accumulator, carried by the micro-batch loop
+  micro_grads           this micro-batch's block gradients, written layer by layer by the
+                        backward layer scan (its carried stack)
+  grad_slots            the zero gradient slots the layer scan reads (Engine.slots())
+  grad_slots_next       the same for the next micro-batch: the double-buffered micro-batch loop
+  gathered_weights      the gathered weights of two layers (the double-buffered layer loop)
+  activations           saved layer inputs by remat policy + one block's working set (flash
+                        attention's saved max/sum statistics included)
+  logits, embed_head, layer_grads, stage_inputs   as named
+Heap fragmentation (what XLA's packing leaves between buffers) cannot be modelled from the
+layout: it is left to the margin of `fit_limit`.
+"""
+
+from __future__ import annotations
+
+from boost_jax.mesh import axis_size
+from boost_jax.plan.roofline import DTYPE_BYTES
+from boost_jax.step.optim import STATE_PER_PARAM
+
+TERMS = {
+    "grads": "gradient accumulator (micro-batch loop carry)",
+    "micro_grads": "this micro-batch's block gradients (backward layer-scan carry)",
+    "grad_slots": "zero gradient slots the layer scan reads",
+    "grad_slots_next": "next micro-batch's zero gradient slots (double-buffered micro-batch loop)",
+    "gathered_weights": "two layers' gathered weights (double-buffered layer loop)",
+    "params_shards": "the stored weights' params shards, gathered by the first micro-batch "
+                     "(parallel.defer_update)",
+    "secondary": "secondary weight copy",
+    "activations": "saved activations + one block's working set (flash statistics included)",
+    "stage_inputs": "pipeline stage inputs",
+    "logits": "logits and their gradient (fp32)",
+    "embed_head": "embedding and head, fetched whole, with their gradients",
+    "layer_grads": "one layer's fp32 gradient",
+}
+DOUBLE_BUFFERED = ("grad_slots_next", "gathered_weights")
+
+
+def fit_limit(hbm_bytes: float, a) -> float:
+    """Bytes a layout may be estimated at and still fit: `hbm_usable` of HBM (what the
+    runtime and allocator leave) less the safety `memory_margin` for what is not modelled."""
+    return hbm_bytes * a.hbm_usable / (1.0 + a.memory_margin)
+
+
+def gradient_terms(cfg, st, gb: int) -> dict:
+    """The gradient buffers of the micro-batch loop (see the module docstring)."""
+    blocks = (st.grads - st.outside_grads) * gb
+    micro = cfg.train.micro_batches
+    loop = cfg.parallel.pp_stages == 1 and micro > 1  # XLA drops a one-trip loop
+    return {"grads": st.grads * gb, "micro_grads": blocks, "grad_slots": blocks,
+            "grad_slots_next": blocks if loop else 0.0}
+
+
+def activation_bytes(cfg, bm, L: int) -> float:
+    """Saved layer inputs (and low-rank latents) by remat policy, plus one block's working
+    set: every kernel's output, flash attention's row statistics among them."""
+    working = sum(o.out_bytes for o in bm.ops)
+    remat = cfg.train.remat
+    if remat == "none":
+        return L * working
+    if remat == "full":
+        return L * bm.residual_bytes + working
+    return L * (bm.residual_bytes + bm.latent_bytes) + working
+
+
+def estimate(cfg, st, pl, bm, hm, b: int, L: int, stage_inputs: float, limit: float) -> dict:
+    """Per-device bytes by term; `total`, the `limit` (fit_limit) and `fits` (total <= limit)."""
+    m, par = cfg.model, cfg.parallel
+    pb = DTYPE_BYTES[m.param_dtype]
+    mem = {"weights": st.params * pb, "master": st.opt * 4 if m.param_dtype != "float32" else 0.0,
+           # fp32 optimizer moments ("adam" for every optimizer: the key the reports read)
+           "adam": st.opt * 4 * STATE_PER_PARAM[cfg.optim.name],
+           "batch": 2 * 4 * b * cfg.data.seq_len * cfg.train.micro_batches}
+    mem["arguments"] = mem["weights"] + mem["master"] + mem["adam"] + mem["batch"]
+    gb = DTYPE_BYTES[par.grad_accum_dtype]
+    mem.update(gradient_terms(cfg, st, gb))
+    mem["embed_head"] = st.outside_tp_local * (pb + gb)
+    mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
+    if pl.defer_update:  # the params shards the first micro-batch gathers, kept for the step
+        mem["params_shards"] = st.tp_local_padded / axis_size(dict(pl.mesh.shape),
+                                                              pl.params_axes) * pb
+    if pl.secondary_axes is not None:
+        q8 = 1.0 + 4.0 / par.quant_block
+        mem["secondary"] = st.secondary * (q8 if pl.int8_secondary else pb)
+    mem["activations"] = activation_bytes(cfg, bm, L)
+    if stage_inputs:
+        mem["stage_inputs"] = stage_inputs
+    mem["logits"] = sum(o.out_bytes for o in hm.ops) * 2
+    mem["layer_grads"] = st.per_layer_tp_local * 4
+    mem["total"] = sum(v for k, v in mem.items() if k != "arguments")
+    mem["limit"], mem["fits"] = limit, mem["total"] <= limit
+    return mem
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def report_lines(mem: dict, a, hbm_bytes: float) -> list[str]:
+    """The planner's memory report: every temporary by name, the double-buffered ones apart,
+    and the fit rule (threshold and margin, one setting)."""
+    temps = [k for k in TERMS if mem.get(k) and k not in DOUBLE_BUFFERED + ("secondary", "grads")]
+    dbl = [k for k in DOUBLE_BUFFERED if mem.get(k)]
+    out = ["  other temporaries: " + ", ".join(f"{k} {_gib(mem[k])}" for k in temps)]
+    if dbl:
+        out.append("  double-buffered by the launcher's XLA flags: "
+                   + ", ".join(f"{k} {_gib(mem[k])} ({TERMS[k]})" for k in dbl))
+    out.append(f"  fits when total + {a.memory_margin:.0%} margin (XLA's heap packing, not "
+               f"modelled) <= {a.hbm_usable:.0%} of HBM: limit "
+               f"{_gib(fit_limit(hbm_bytes, a))}")
+    return out

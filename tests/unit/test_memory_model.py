@@ -1,0 +1,95 @@
+"""The analytic memory model against the figures recorded from the GPU compile, without compiling.
+
+benchmarks/gpu_compile.py (make gpu-compile-bench) writes each layout's GPU program memory to
+benchmarks/results/gpu_compile.json; the model must stay within its `memory_rtol` of them.
+"""
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from boost_jax.config import load_config
+from boost_jax.mesh import get_topology
+from boost_jax.plan import dryrun, memory
+from boost_jax.plan.costmodel import Assumptions, predict
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RECORDED = os.path.join(ROOT, "benchmarks", "results", "gpu_compile.json")
+
+
+def recorded():
+    with open(RECORDED) as f:
+        return json.load(f)
+
+
+def analytic(rec: dict, a: Assumptions = Assumptions()):
+    cfg = load_config(os.path.join(ROOT, "configs", f"{rec['config']}.yaml"), rec["overrides"])
+    topo = get_topology(rec["topology"])
+    return predict(cfg, topo, dryrun.full_sizes(cfg, topo, rec["nodes"]), a)
+
+
+LAYOUTS = recorded()["layouts"]
+
+
+@pytest.mark.parametrize("rec", LAYOUTS, ids=[f"{r['config']}-{r['nodes']}" for r in LAYOUTS])
+def test_analytic_memory_within_10pct_of_the_gpu_program(rec):
+    tol = recorded()["memory_rtol"]
+    assert tol <= 0.10
+    total = analytic(rec).memory["total"]
+    assert abs(total / rec["gpu_memory_total"] - 1) <= tol, (
+        f"{rec['config']}: analytic {total / 2**30:.2f} GiB vs GPU "
+        f"{rec['gpu_memory_total'] / 2**30:.2f} GiB")
+
+
+def test_the_bound_fails_without_the_double_buffered_micro_batch_loop():
+    """The check can fail: CoLA-7B (8 micro-batches) without the next micro-batch's slots."""
+    rec = next(r for r in LAYOUTS if r["config"] == "cola-7b")
+    mem = analytic(rec).memory
+    assert mem["grad_slots_next"] > 0
+    without = mem["total"] - mem["grad_slots_next"]
+    assert abs(without / rec["gpu_memory_total"] - 1) > recorded()["memory_rtol"]
+
+
+def test_double_buffered_terms_are_named_in_the_report():
+    rec = next(r for r in LAYOUTS if r["config"] == "cola-7b")
+    p = analytic(rec)
+    text = "\n".join(memory.report_lines(p.memory, p.assumptions, 40e9))
+    for term in memory.DOUBLE_BUFFERED:
+        if p.memory.get(term):
+            assert term in text and memory.TERMS[term] in text
+    assert "grad_slots_next" in text and "margin" in text
+
+
+def test_one_trip_micro_batch_loop_is_not_double_buffered():
+    rec = next(r for r in LAYOUTS if r["config"] == "cola-7b")
+    one = dict(rec, overrides=[*rec["overrides"], "train.micro_batches=1"])
+    assert analytic(one).memory["grad_slots_next"] == 0.0
+
+
+def test_fits_holds_the_margin_back():
+    """fits <=> total x (1 + margin) <= usable x HBM: one setting, both numbers in it."""
+    rec = next(r for r in LAYOUTS if r["config"] == "cola-7b")
+    p = analytic(rec)
+    total, hbm = p.memory["total"], p.memory["hbm"]
+    a = p.assumptions
+    assert memory.fit_limit(hbm, a) == pytest.approx(hbm * a.hbm_usable / (1 + a.memory_margin))
+    tight = dataclasses.replace(a, hbm_usable=total * (1 + a.memory_margin) / hbm * 0.999)
+    assert not analytic(rec, tight).fits
+    loose = dataclasses.replace(tight, memory_margin=0.0)
+    assert analytic(rec, loose).fits
+
+
+def test_search_also_compiles_the_layouts_nearest_the_limit():
+    from types import SimpleNamespace as NS
+
+    from boost_jax.plan.search import near_limit
+
+    def cand(total):
+        return NS(prediction=NS(memory={"total": total, "limit": 100.0}))
+
+    fast, mid, edge, low = cand(50.0), cand(80.0), cand(99.0), cand(10.0)
+    fitting = [fast, mid, edge, low]  # fastest first
+    assert near_limit(fitting, 2, [fast]) == [edge, mid]
+    assert near_limit(fitting, 1, [edge]) == [mid]
