@@ -47,13 +47,15 @@ def _pieces(shards: Shards, first: int, last: int) -> list[tuple[int, int, int]]
 
 
 class _Tokenize:
-    """A piece → its ids (EOS after every document); picklable for grain's worker processes."""
+    """A piece → the bytes of its int32 ids (EOS after every document); picklable for grain's
+    worker processes. Bytes, not an array: grain would pass an array through a shared-memory
+    segment that an unread prefetched piece leaks at exit."""
 
     def __init__(self, shards: Shards, tokenizer):
         self.shards, self.tok = shards, tokenizer
 
-    def __call__(self, piece) -> np.ndarray:
-        return encode(self.tok, self.shards.texts(*piece))
+    def __call__(self, piece) -> bytes:
+        return encode(self.tok, self.shards.texts(*piece)).tobytes()
 
 
 def encode(tok, texts: list[str]) -> np.ndarray:
@@ -61,6 +63,14 @@ def encode(tok, texts: list[str]) -> np.ndarray:
         return np.zeros((0,), np.int32)
     ids = np.asarray(tok.encode_documents(texts), np.int32)
     return np.concatenate([ids, np.array([tok.eos_id], np.int32)])
+
+
+def _worker_init(index: int, count: int) -> None:
+    """A grain worker dies with the trainer, however it ends (SIGKILL included)."""
+    from boost_jax.data.prepare import _tied_to_parent
+
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the worker count is the parallelism
+    _tied_to_parent()
 
 
 class StreamIterator:
@@ -101,12 +111,13 @@ class StreamIterator:
 
                 if not flags.FLAGS.is_parsed():  # grain's workers read its absl flags
                     flags.FLAGS.mark_as_parsed()
-                ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self._workers))
+                ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self._workers),
+                                    worker_init_fn=_worker_init)
                 atexit.register(self.close)  # before the interpreter tears grain down
             self._parent = iter(ds)
-            self._buf.append(np.array(next(self._parent)[self._offset:]))
-        else:  # a copy: a worker's shared-memory array is freed at once
-            self._buf.append(np.array(next(self._parent)))
+            self._buf.append(np.frombuffer(next(self._parent), np.int32)[self._offset:])
+        else:
+            self._buf.append(np.frombuffer(next(self._parent), np.int32))
         self._have += len(self._buf[-1])
 
     def _window(self) -> np.ndarray:
