@@ -134,6 +134,9 @@ def test_bad_shards_are_one_line(tmp_path):
 
 def test_config_refuses_a_streamed_mixture_and_bpe(tmp_path):
     shards(tmp_path / "s")
+    with pytest.raises(UserError, match=r"holds parquet/arrow shards, which data.source does "
+                                        r"not read; stream them with data.sources=\[\{path: "):
+        build_data(load_config(None, [f"data.source={tmp_path / 's'}"]))
     two = f"data.sources=[{{path: {tmp_path / 's'}}}, {{path: {tmp_path / 's'}}}]"
     with pytest.raises(ConfigError, match=r"possible for a single source only"):
         load_config(None, [two])
