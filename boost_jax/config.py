@@ -230,6 +230,7 @@ class DataConfig:
     max_bytes: Optional[int] = 8_000_000  # cap on corpus bytes read (None: everything)
     bin_dtype: Literal["uint16", "uint32", "int32"] = "uint16"
     seed: int = 0
+    workers: int = 0  # grain processes tokenizing a streaming source (0: two threads)
 
     def validate(self) -> None:
         if self.sources is not None:
@@ -245,6 +246,9 @@ class DataConfig:
             _positive("data.max_bytes", self.max_bytes)
         if self.seed < 0:
             raise ConfigError(f"data.seed={self.seed} must be >= 0")
+        if self.workers < 0:
+            raise ConfigError(f"data.workers={self.workers} must be >= 0 (0: tokenize a "
+                              "streaming source in two threads of the training process)")
         self._check_input_kinds()
 
     def _check_input_kinds(self) -> None:
@@ -274,13 +278,20 @@ class DataConfig:
             raise ConfigError(f"data.source={self.source!r} and data.sources are both set; keep "
                               "one (a single corpus is data.sources with one entry)")
         if self.tokenizer == "bpe":
-            raise ConfigError("data.sources are pre-tokenized, so data.tokenizer=bpe cannot be "
-                              "trained on them; set data.tokenizer to the tokenizer.json they "
-                              "were prepared with (or byte)")
+            raise ConfigError("data.sources are pre-tokenized or streamed, so data.tokenizer=bpe "
+                              "cannot be trained on them; set data.tokenizer to a tokenizer.json "
+                              "(the one they were prepared with) or byte")
+        from boost_jax.data.shards import is_streaming
+
         for i, s in enumerate(self.sources):
-            if not s.path.endswith(".bin"):
-                raise ConfigError(f"data.sources[{i}].path={s.path!r} is not a .bin; prepare it "
-                                  "with python -m boost_jax.data.prepare SOURCE OUT.bin")
+            if is_streaming(s.path) and len(self.sources) > 1:
+                raise ConfigError(f"data.sources[{i}].path={s.path!r} streams parquet/arrow "
+                                  "shards, which is possible for a single source only; prepare "
+                                  "each source of a mixture with python -m boost_jax.data.prepare")
+            if not s.path.endswith(".bin") and not is_streaming(s.path):
+                raise ConfigError(f"data.sources[{i}].path={s.path!r} is neither a .bin nor "
+                                  "parquet/arrow shards; prepare it with python -m "
+                                  "boost_jax.data.prepare SOURCE OUT.bin")
             if not s.weight > 0:
                 raise ConfigError(f"data.sources[{i}].weight={s.weight} must be > 0, {example}")
         total = sum(s.weight for s in self.sources)

@@ -6,8 +6,8 @@ data.tokenizer, or data).
 A file's identity is its size and the SHA-256 of its bytes: all of them up to `FULL` (for a
 folder, its first `FULL` bytes of text files), beyond that `SAMPLES` blocks spread evenly (a
 prepared .bin of many GB is fingerprinted in milliseconds; its metadata, fully hashed, changes
-whenever prepare writes it). A folder's is that of every text file training reads from it, with
-their relative paths. Modification
+whenever prepare writes it). A folder's is that of every file training reads from it (its text
+files, or the parquet / arrow shards of a streaming source), with their relative paths. Modification
 times are left out: a copy or a touch is the same corpus.
 """
 
@@ -39,13 +39,15 @@ def _file(path: str, h, budget: list) -> None:
             h.update(f.read(BLOCK))
 
 
-def source_identity(path: str) -> str:
+def source_identity(path: str, streamed: bool = False) -> str:
     """"sha256:..." of a corpus: a file (a .bin with its metadata and BPE file) or a folder."""
+    from boost_jax.data.shards import STREAM_EXTS
     from boost_jax.data.sources import TEXT_EXTS, _walk
 
     h, budget = hashlib.sha256(), [FULL]
     if os.path.isdir(path):
-        for rel in _walk(path, TEXT_EXTS, {"__pycache__"}):
+        exts = STREAM_EXTS if streamed else TEXT_EXTS
+        for rel in _walk(path, exts, {"__pycache__"}):
             h.update(f"{rel}\0".encode())
             _file(os.path.join(path, rel), h, budget)
     else:
@@ -70,7 +72,10 @@ def input_files(cfg) -> dict:
 
 def identities(cfg) -> dict:
     """{config key: identity} of every input file (saved in each checkpoint's meta)."""
-    return {key: source_identity(path) for key, path in input_files(cfg).items()}
+    from boost_jax.data.shards import is_streaming
+
+    return {key: source_identity(path, key.startswith("data.sources") and is_streaming(path))
+            for key, path in input_files(cfg).items()}
 
 
 def check_unchanged(saved: Optional[dict], now: dict, cfg, step: int, where: str) -> None:

@@ -21,6 +21,7 @@ import grain
 import numpy as np
 
 from boost_jax.data.sources import load_corpus
+from boost_jax.data.streaming import Stream
 from boost_jax.data.tokenizers import Tokenizer
 from boost_jax.errors import UserError
 
@@ -135,6 +136,13 @@ class DataBundle:
     n_train_tokens: int
     n_val_tokens: int
     n_train_sequences: int = 0  # windows per epoch, all processes together
+    n_streamed_docs: int = 0  # a streaming source: its train documents (tokens not counted)
+
+    @property
+    def size(self) -> str:
+        if self.n_streamed_docs:
+            return f"streaming {self.n_streamed_docs:,} train documents"
+        return f"{self.n_train_tokens / 1e6:.2f}M train tokens"
 
 
 def load_splits(cfg, cache_dir: Optional[str] = None):
@@ -145,9 +153,13 @@ def load_splits(cfg, cache_dir: Optional[str] = None):
         corpus = load_corpus(d, cache_dir)
         return corpus.tokenizer, [corpus.train], [corpus.val], [1.0]
     from boost_jax.data.mixture import load_sources
+    from boost_jax.data.shards import is_streaming
     from boost_jax.data.tokenizers import get_tokenizer
 
     tok = get_tokenizer(d, list, cache_dir)
+    if is_streaming(d.sources[0].path):  # the train side is a Stream (data/streaming.py)
+        stream = Stream(d.sources[0].path, d, tok)
+        return tok, [stream], [stream.val], [1.0]
     trains, vals = load_sources(d, tok)
     return tok, trains, vals, [s.weight for s in d.sources]
 
@@ -183,7 +195,11 @@ def build_data(cfg, process_index: int = 0, process_count: int = 1,
             f"{tok.vocab_size} tokens; set model.vocab_size={tok.vocab_size} or leave it unset "
             "to follow the tokenizer")
     per = t.global_batch // process_count
-    if len(trains) == 1:
+    streamed = isinstance(trains[0], Stream)
+    if streamed:
+        train_iter = trains[0].iterator(d.seq_len, t.global_batch, d.seed, d.workers,
+                                        process_index, process_count)
+    elif len(trains) == 1:
         train_iter = make_train_iterator(trains[0], d.seq_len, per, d.seed, process_index,
                                          process_count)
     else:
@@ -191,6 +207,9 @@ def build_data(cfg, process_index: int = 0, process_count: int = 1,
                                            process_index, process_count)
     evals = eval_batches(vals, weights, d.seq_len, t.global_batch, t.eval_batches)
     local = [{k: v[process_index::process_count] for k, v in b.items()} for b in evals]
+    if streamed:
+        return DataBundle(train_iter, local, tok, tok.vocab_size, 0, len(vals[0]),
+                          n_streamed_docs=trains[0].n_train_docs)
     return DataBundle(train_iter, local, tok, tok.vocab_size, sum(len(x) for x in trains),
                       sum(len(x) for x in vals),
                       sum(len(PackedSequences(x, d.seq_len)) for x in trains))

@@ -187,6 +187,11 @@ def read_documents(source: str, max_bytes: Optional[int],
                 return _jsonl_docs(source, name, budget, f"{option} {source!r}")
             return _file_docs(source, name, budget, f"{option} {source!r}")
         rels = _walk(source, TEXT_EXTS, {"__pycache__"})
+        if not rels and _walk(source, (".parquet", ".arrow"), {"__pycache__"}):
+            raise UserError(
+                f"{option} {source!r} holds parquet/arrow shards, which {option} does not read; "
+                f"stream them with data.sources=[{{path: {source}, weight: 1}}] or prepare "
+                "them with python -m boost_jax.data.prepare")
         if not rels:
             raise UserError(
                 f"{option} {source!r} contains no {'/'.join(TEXT_EXTS)} files; "

@@ -282,7 +282,7 @@ def _throughput(cfg: Config, mesh, topo, bundle, data, logger: MetricsLogger) ->
                 f"plan={cfg.parallel.plan}"
                 f"{f' ({KEPT_SECONDARY})' if bundle.placement.secondary_axes == () else ''}"
                 f" tp={cfg.parallel.tp_mode} attention={attn} | "
-                f"{data.n_train_tokens / 1e6:.2f}M train tokens | "
+                f"{data.size} | "
                 f"{tokens_per_step} tokens/step")
     return thr
 
