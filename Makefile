@@ -83,6 +83,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/step_overhead.py --rounds 7
 	$(PY) benchmarks/cola_vs_full.py --rounds 5
 	$(PY) benchmarks/prepare_speed.py --mib 16 --rounds 3
+	$(PY) benchmarks/stream_speed.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/bench_time.py --since $(BENCH_START)
 

