@@ -255,20 +255,24 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     else:
         add("reduce", "reduce-scatter", rs, payload, calls, phase, i + bool(ar))
     if lay.dim is not None:
-        # the new weights to the params sharding: once per step after the optimizer, or
-        # deferred, per layer in the next step's first forward (the ends: at its start)
-        deferred = pl.defer_update and block
-        per, calls, phase = (1, layers, "dp") if deferred else (layers, 1, "step")
-        left = tuple(pl.opt_state_axes)
-        for r, axes in enumerate(pl.update_stages()):
-            src, left = left, tuple(x for x in left if x not in axes)  # the result's sharding
-            if pl.xq_weights and "global" in axes:  # int8 blocks of each source shard
-                add("update(int8)", "all-gather", axes,
-                    per * int8_payload(f, src) / f.n(left), calls, phase, ("u", r))
-            else:
-                add("update", "all-gather", axes, psi * per * w / f.n(left), calls, phase,
-                    ("u", r))
+        _update(pl, f, block, layers, psi * w, add)
     return out
+
+
+def _update(pl, f: LeafFetch, block: bool, layers: int, layer_bytes: float, add) -> None:
+    """The new weights to the params sharding: once per step after the optimizer, or deferred,
+    per layer in the next step's first forward (the ends: at its start)."""
+    deferred = pl.defer_update and block
+    per, calls, phase = (1, layers, "dp") if deferred else (layers, 1, "step")
+    left = tuple(pl.opt_state_axes)
+    for r, axes in enumerate(pl.update_stages()):
+        src, left = left, tuple(x for x in left if x not in axes)  # the result's sharding
+        if pl.xq_weights and "global" in axes:  # int8 blocks of each source shard
+            add("update(int8)", "all-gather", axes,
+                per * int8_payload(f, src) / f.n(left), calls, phase, ("u", r))
+        else:
+            add("update", "all-gather", axes, layer_bytes * per / f.n(left), calls, phase,
+                ("u", r))
 
 
 def step_collectives(pl, passes: Passes, tied: bool = False) -> list[Collective]:

@@ -21,8 +21,7 @@ collectives here (bucket.run, engine.reduce_deferred, step/build.py) and the ste
 per-level latency and bandwidth (boost_jax/mesh.py): n = n_in·g members, P bytes,
     flat       (n−1)·α_global + (n−1)/n·P / min(n_in·β_global, β_in)
     two-level  (g−1)·α_global + (g−1)/g·P / (n_in·β_global) + (n_in−1)·α_in + (n_in−1)/n_in·P / β_in
-(all-reduce: twice each). The flat ring's every step waits on its slowest link, and the node's
-members share the NICs in both (benchmarks/README.md, section 13).
+(all-reduce: twice each; derivation in benchmarks/README.md, section 13).
 """
 
 from __future__ import annotations
