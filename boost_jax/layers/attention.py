@@ -34,6 +34,10 @@ KINDS = ("auto", "dense", "flash")
 CPU_FLASH_FROM = 256
 
 
+# Dense attention's score GEMM: fp32 output, so its backward runs in fp32 (kept: the fused
+# kernels that a GPU picks are not affected, and tests name it as the one fp32 GEMM)
+SCORES = "bqkgd,bskd->bkgqs"
+
 def attention_impl(kind: str, seq_len: int, platform: str, dtype="float32", head_dim: int = 64,
                    offset: bool = False) -> str:
     """'dense' | 'blockwise' | 'cudnn' | 'pallas' for `model.attention=kind` on `platform`
@@ -83,7 +87,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset=None) -> ja
     b, sq, H, hd = q.shape
     sk, K = k.shape[1], k.shape[2]
     qg = q.reshape(b, sq, K, H // K, hd)
-    scores = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+    scores = jnp.einsum(SCORES, qg, k, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / math.sqrt(hd))
     offset = sk - sq if offset is None else offset
     mask = (jnp.arange(sq)[:, None] + offset) >= jnp.arange(sk)[None, :]

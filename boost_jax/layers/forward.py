@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.layers.attention import causal_attention
-from boost_jax.layers.linear import lowrank_apply
+from boost_jax.layers.linear import logits_matmul, lowrank_apply
 from boost_jax.layers.norms import apply_norm
 from boost_jax.layers.rope import apply_rotary
 from boost_jax.names import RESIDUAL_NAME
@@ -126,8 +126,7 @@ class Local:
 
     def logits(self, h, norm, w):
         x = apply_norm(h, norm, self.eps, self.dtype)
-        return jnp.einsum("bsd,dv->bsv", x, w.astype(self.dtype),
-                          preferred_element_type=jnp.float32)
+        return logits_matmul(x, w)
 
     def head_loss(self, h, norm, w, targets):
         return cross_entropy(self.logits(h, norm, w), targets)

@@ -32,6 +32,32 @@ from boost_jax.names import ARCHS, LATENT_NAME
 KINDS = ARCHS  # the projection kind is the model's arch
 
 
+
+@jax.custom_vjp
+def logits_matmul(x, w):
+    """x [..., d] @ w [d, V] -> fp32 logits: the GEMM in x's (compute) dtype with fp32
+    accumulation. Its backward rounds the fp32 cotangent to x's dtype once, so both backward
+    GEMMs run in the compute dtype too (plain autodiff runs them in fp32: on an H200 they took
+    13 of a CoLA-1B step's 58 ms, benchmarks/README.md §7); dw comes back in w's dtype."""
+    return jnp.einsum("...d,dv->...v", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _logits_fwd(x, w):
+    return logits_matmul(x, w), (x, w)
+
+
+def _logits_bwd(res, g):
+    x, w = res
+    g = g.astype(x.dtype)
+    dx = jnp.einsum("...v,dv->...d", g, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    # one contracting dim: XLA:CPU runs no bf16 x bf16 = f32 dot over several
+    dw = jnp.einsum("td,tv->dv", x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]),
+                    preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+logits_matmul.defvjp(_logits_fwd, _logits_bwd)
+
 def lowrank_init_std(d_in: int, d_out: int, r: int) -> float:
     """CoLA init scale for both factors: r^-1/4 · (d_in + d_out)^-1/4."""
     return r ** -0.25 * (d_in + d_out) ** -0.25

@@ -1,7 +1,10 @@
 """Pick Pallas kernels or their XLA twins: the `parallel.kernels` setting (auto | pallas | xla).
 
 resolve(kind) -> "pallas" | "xla":
-  auto   -> pallas on GPU backends (CUDA; ROCm, where JAX's Triton lowering runs), xla elsewhere.
+  auto   -> xla everywhere. Measured on an H200 (benchmarks/README.md §7), the XLA twins train
+            a CoLA-1B BTP step faster than these kernels (242 ms against 889 ms, and 5.5 s once
+            the kernels were handed bf16 weights), and are as fast or faster kernel by kernel
+            but for the norm alone; `pallas` stays a choice, tested on every backend.
   pallas -> pallas; on CPU the same kernels run with interpret=True (slow, for tests);
             on TPU it is an error (these are Triton kernels).
   xla    -> pure jnp references (same math, same signatures).
@@ -66,7 +69,7 @@ def resolve(kind: str = "auto") -> str:
         raise ConfigError(f"parallel.kernels={kind!r}; choose one of {list(KINDS)}")
     plat = platform()
     if kind == "auto":
-        return "pallas" if plat in ("cuda", "rocm") else "xla"
+        return "xla"
     if kind == "pallas" and plat == "tpu":
         raise ConfigError("parallel.kernels=pallas: these are Triton (GPU) kernels and do not "
                           "run on TPU; use parallel.kernels=xla or auto")

@@ -25,7 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from boost_jax.pallas.common import F32, align_vma, flat, mm, pow2, sds, triton_params
+from boost_jax.pallas.common import (F32, align_vma, flat, mm, pow2, sds, triton_params,
+                                     xla_mm)
 
 
 def _blocks(M, N, K):
@@ -144,8 +145,10 @@ def grouped_up_ref(z, b, *, interpret: bool = False):
     zz, bb, _, lead, is_list = _stack_groups(z, b)
     cdt = jnp.promote_types(zz.dtype, bb.dtype)
     prec = lax.Precision.HIGHEST if cdt == F32 else None
+    # output in cdt (the GEMM still accumulates in fp32): an fp32 output would make the
+    # backward's cotangent fp32 and both backward GEMMs fp32 ones
     y = jnp.einsum("gtr,grn->gtn", zz.astype(cdt), bb.astype(cdt), precision=prec,
-                   preferred_element_type=F32).astype(cdt)
+                   preferred_element_type=cdt)
     return _unstack(y, b, lead, is_list)
 
 
@@ -175,7 +178,7 @@ def concat_down_ref(x, a_list, sizes: Optional[Sequence[int]] = None, *,
     del interpret
     a, sizes = _concat(a_list, sizes)
     cdt = jnp.promote_types(x.dtype, a.dtype)
-    y = mm(flat(x).astype(cdt), a.astype(cdt)).astype(cdt)
+    y = xla_mm(flat(x).astype(cdt), a.astype(cdt))
     return _split(y, sizes, x.shape[:-1])
 
 

@@ -27,7 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from boost_jax.pallas.common import (F32, flat, local_norm, mm, norm_blocks, norm_call, norm_vjp,
+from boost_jax.pallas.common import (F32, flat, local_norm, norm_blocks, norm_call, norm_vjp,
+                                     xla_mm,
                                      sds, tile_masks)
 from boost_jax.pallas.grouped import norm_matmul
 
@@ -104,7 +105,7 @@ def norm_matmul_ref(x, gamma, a, *, out_dtype=None, eps: float = 1e-6, interpret
     del interpret
     xh, s, rms = local_rmsnorm_ref(x, gamma, eps)
     cdt = jnp.promote_types(x.dtype, a.dtype)
-    u = rms[:, None] * mm(xh.astype(cdt), a.astype(cdt))
+    u = rms[:, None] * xla_mm(xh.astype(cdt), a.astype(cdt))
     return jnp.concatenate([u, s[:, None]], axis=-1).astype(out_dtype or x.dtype)
 
 

@@ -135,7 +135,8 @@ def test_frontier_says_it_has_no_gpu_target_before_asking_for_the_install(monkey
 
 TINY = ["--config", "configs/demo.yaml", "--topology", "perlmutter", "--nodes", "2",
         "parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.n_layers=3", "model.d_ff=170",
-        "train.micro_batches=2", "data.seq_len=64", "--gpu-compile", "--json"]
+        "train.micro_batches=2", "data.seq_len=64", "parallel.kernels=pallas", "--gpu-compile",
+        "--json"]
 
 
 @needs_plugin

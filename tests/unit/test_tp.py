@@ -11,6 +11,7 @@ are cached per model config.
 
 import functools
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +24,7 @@ from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import Config, ModelConfig, ParallelConfig
 from boost_jax.errors import ConfigError
 from boost_jax.layers import forward
+from boost_jax.layers.attention import SCORES
 from boost_jax.layers.model import LlamaModel
 from boost_jax.layers.norms import layer_norm, rms_norm
 from boost_jax.mesh import make_mesh
@@ -236,6 +238,30 @@ def test_btp_bf16_matches_single_device_bf16(mesh):
     assert abs(lt - l32) <= 2 * abs(l16 - l32) + 1e-3
     for a, b, c in zip(jax.tree.leaves(g32), jax.tree.leaves(g16), jax.tree.leaves(gt)):
         assert rel(a, c) <= 1.5 * rel(a, b) + 0.02
+
+
+
+@pytest.mark.parametrize("mode,arch", [("none", "cola"), ("btp", "cola"), ("btp", "lax"),
+                                       ("megatron", "full"), ("vanilla", "svd")])
+def test_bf16_step_multiplies_in_bf16(mesh, mode, arch):
+    """A bf16 model's loss-and-gradient program runs every GEMM on bf16 operands (fp32
+    accumulation): neither the fp32 master weights nor an fp32-output GEMM's cotangent may turn
+    a projection, Online-RMSNorm's A or the head into an fp32 GEMM (on an H200 that made a BTP
+    step 2.4x slower, benchmarks/README.md §7). Dense attention's scores are the one exception."""
+    cfg = make_cfg(mode, arch, AXES[2] if mode != "none" else (), model=WIDE)
+    cfg.model.dtype = "bfloat16"
+    params, batch = _params_and_batch(_model_key(cfg))
+    bundle = build_step(cfg, mesh, FAST)
+    pl = bundle.placement
+    stored = jax.jit(lambda p: pad_tree(pl.layouts, p), out_shardings=pl.params_shardings())(
+        params)
+    with jax.set_mesh(mesh):
+        txt = jax.jit(bundle.engine.grads_fn(2)).lower(stored, batch).as_text(debug_info=True)
+    locs = dict(re.findall(r"^(#loc\d+) = (loc\(.*\))$", txt, re.M))
+    dots = [line for line in txt.splitlines() if "stablehlo.dot_general" in line]
+    fp32 = [line for line in dots if re.search(r"xf32>[,)]", line.split(" : ")[-1].split("->")[0])
+            and SCORES not in locs.get(re.findall(r"loc\((#loc\d+)\)", line)[-1], "")]
+    assert len(dots) > 20 and not fp32, "\n".join(fp32)
 
 
 # --------------------------------------------------------------------------- Online-RMSNorm

