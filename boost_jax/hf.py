@@ -2,8 +2,8 @@
 
 Our LLaMA is Hugging Face's LlamaForCausalLM: pre-norm RMSNorm blocks, SwiGLU, RoPE in the
 half-split rotate_half convention (layers/rope.py), GQA with query head h reading kv head
-h // (H/K) (HF's repeat_kv). Only the storage differs: we keep a projection as w [d_in, d_out]
-(y = x @ w), torch keeps nn.Linear.weight [d_out, d_in], so every matrix is transposed (exact).
+h // (H/K) (HF's repeat_kv). Only the storage differs: a projection is w [d_in, d_out] here
+(y = x @ w), nn.Linear.weight [d_out, d_in] in torch, so every matrix is transposed (exact):
 
     ours                                  safetensors name (layer i)
     embed/embedding [V, d]                model.embed_tokens.weight
@@ -14,25 +14,15 @@ h // (H/K) (HF's repeat_kv). Only the storage differs: we keep a projection as w
     final_norm/scale                      model.norm.weight
     lm_head/w [d, V]                      lm_head.weight (.T; absent when tied)
 
-Low-rank projections (P = any of the seven prefixes above) store their factors as two Linear
-weights: a [d_in, r] as P.down.weight (.T), b [r, d_out] as P.up.weight (.T); lax adds
-P.latent_scale [r] and, with lax_gate=gate, g as P.cross.weight (.T).
-
-    arch=full   model.safetensors is a LlamaForCausalLM checkpoint.
-    arch=svd    model.safetensors is a LlamaForCausalLM checkpoint with each W = a @ b merged
-                (fp32), and lowrank.safetensors keeps the factors, so import is exact.
-    cola, lax   model.safetensors holds the factors; y = silu(z) @ b with z = x @ a (cola) or
-                z = RMSNorm_r(x @ a + G(z of the same projection in the previous block)) (lax)
-                is not a LLaMA, so config.json names model_type boost_jax_<arch> and the
-                export carries its PyTorch modeling code for every family (hf_remote/,
-                transformers' remote-code convention: `auto_map` in config.json), which
-                AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True) loads.
+Low-rank projections (P = any of the seven prefixes above) store a [d_in, r] as P.down.weight
+(.T), b [r, d_out] as P.up.weight (.T); lax adds P.latent_scale [r] and, with lax_gate=gate, g
+as P.cross.weight (.T). arch=full and svd export LlamaForCausalLM checkpoints (svd's factors
+kept beside), cola and lax a model_type boost_jax_<arch> with its PyTorch code (see `write`).
 
 The GPT families (model.family gpt_neox, gpt2) are GPTNeoXForCausalLM and GPT2LMHeadModel:
-boost_jax/hf_gpt.py names their tensors; the functions here dispatch on the family.
-
-config.json carries the LLaMA fields and a "boost_jax" section with the full ModelConfig, the
-run, step and tokenizer, which is what `model.init_from=DIR` reads back.
+boost_jax/hf_gpt.py names their tensors; the functions here dispatch on the family. config.json
+carries the LLaMA fields and a "boost_jax" section with the full ModelConfig, the run, step and
+tokenizer, which is what `model.init_from=DIR` reads back.
 """
 
 from __future__ import annotations
@@ -204,7 +194,16 @@ def remote_code_map(arch: str, family: str = "llama") -> dict:
 
 
 def write(out: str, cfg, params: dict, extra: dict, top: Optional[dict] = None) -> list[str]:
-    """model.safetensors (+ lowrank.safetensors for svd) and config.json into `out`."""
+    """model.safetensors (+ lowrank.safetensors for svd) and config.json into `out`.
+
+    arch=full: model.safetensors is a LlamaForCausalLM checkpoint. svd: the same with each
+    W = a @ b merged (fp32), and lowrank.safetensors keeps the factors, so import is exact.
+    cola, lax: model.safetensors holds the factors; y = silu(z) @ b with z = x @ a (cola) or
+    z = RMSNorm_r(x @ a + G(z of the same projection in the previous block)) (lax) is not a
+    LLaMA, so config.json names model_type boost_jax_<arch> and the export carries its PyTorch
+    modeling code for every family (hf_remote/, transformers' remote-code convention: `auto_map`
+    in config.json), which AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)
+    loads."""
     from safetensors.numpy import save_file
 
     from boost_jax.safe_write import file_mode

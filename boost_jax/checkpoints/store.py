@@ -1,35 +1,28 @@
 """Checkpoints with orbax: train state, data-iterator state and run metadata, saved together.
 
-Restoring into abstract arrays that carry shardings reshards on the fly, so a checkpoint written
-under one plan, mesh shape or process count restores under another. With several processes
-every process calls save/restore (orbax writes and reads each process's shards and finalises
-the step from process 0 once all are done).
+A restore into abstract arrays with shardings reshards on the fly: a checkpoint written under one
+plan, mesh shape or process count restores under another. Every process calls save/restore (orbax
+writes and reads each process's shards; process 0 finalises the step once all are done).
 
 Crash safety:
-
-* orbax writes a step into ``<step>.orbax-checkpoint-tmp`` and renames it to ``<step>`` only
-  when every item of every process is written, so a process killed mid-save (SIGKILL, node
-  loss) leaves a tmp directory and never a half-written ``<step>``. Such leftovers are reported
-  when the next run opens the directory and then removed; the run resumes from the last
+* orbax writes ``<step>.orbax-checkpoint-tmp`` and renames it ``<step>`` once every item of every
+  process is written, so a process killed mid-save (SIGKILL, node loss) leaves a tmp directory,
+  never a half-written ``<step>``: the next run reports and removes it, resuming from the last
   finalised step.
-* Any changed byte is caught, twice over. Every save records exact checksums of each array
-  of the state as it is on the devices (``state_checksums``: integer sums of the bit patterns,
-  the same under any sharding) in the step's metadata, and refuses to write a state with a
-  non-finite value; before the step is renamed into place it is sealed with the CRC-32 of
-  every file written (seal.py). A restore checks the files against the seal, then the
-  restored arrays against the checksums; a step that cannot be read or does not match is
-  reported, moved to ``checkpoints_unusable/`` next to the checkpoint directory (nothing is
-  deleted) and the previous step is tried. generate/evaluate/export make the same checks and
-  refuse such a step. Cost, measured on the 2-core development VM under load: the checksums
-  0.17 s per GiB of state, the seal's CRC-32 0.75-1.5 s per GiB of files per core; on the demo
-  (4.3 MiB state, 1.4 MiB of files, one CPU device) 2-4 ms and 3-7 ms of a 250-490 ms save,
-  about 2-3% together.
-* A save that fails (disk full, permission denied, …) raises :class:`CheckpointSaveError`
-  naming the step, the reason and the earlier checkpoints, which stay intact (orbax prunes
-  old steps only after a save has finalised). Async saves report their failure at the next
-  save or at close (the last step's too: train/loop.py closes inside its error handling). The
-  failed step's tmp directory is removed once the run has stopped (``discard_failed``), or
-  else by the next start.
+* Any changed byte is caught, twice over: every save records exact checksums of each array as it
+  is on the devices in the step's metadata (``state_checksums``: integer sums of the bit patterns,
+  the same under any sharding), refuses to write a non-finite value, and seals the step with the
+  CRC-32 of every file written before it is renamed into place (seal.py). A restore checks both; a
+  step that cannot be read or does not match is reported, moved to ``checkpoints_unusable/`` next
+  to the checkpoint directory (nothing is deleted) and the previous step is tried;
+  generate/evaluate/export refuse it. Cost (2-core VM, loaded): checksums 0.17 s/GiB of state,
+  CRC-32 0.75-1.5 s/GiB of files per core; on the demo (4.3 MiB state, 1.4 MiB of files, one CPU
+  device) 2-4 + 3-7 ms of a 250-490 ms save, about 2-3%.
+* A failed save (disk full, permission denied, …) raises :class:`CheckpointSaveError` naming the
+  step, the reason and the earlier checkpoints, which stay intact (orbax prunes old steps only
+  after a save has finalised); async saves report it at the next save or at close (the last step's
+  too: train/loop.py closes inside its error handling). The failed step's tmp directory is removed
+  once the run has stopped (``discard_failed``), or else by the next start.
 """
 
 from __future__ import annotations

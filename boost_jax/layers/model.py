@@ -2,36 +2,27 @@
 LowRankLinear of `cfg.arch` (7 with SwiGLU; 6 in the GPT families, which have no gate).
 
 Param tree (`nnx.state(model, nnx.Param)`, paths joined with "/"):
-
     embed/embedding                 [V, d]       full rank, normal(init_std)
     blocks/attn_norm/scale          [L, d]
-    blocks/attn/{q,k,v,o}/...       [L, ...]     projection params, see below
+    blocks/attn/{q,k,v,o}/...       [L, ...]     q d→H·hd, k/v d→K·hd, o H·hd→d
     blocks/mlp_norm/scale           [L, d]
-    blocks/mlp/{gate,up,down}/...   [L, ...]
+    blocks/mlp/{gate,up,down}/...   [L, ...]     gate/up d→d_ff, down d_ff→d
     final_norm/scale                [d]
     lm_head/w                       [d, V]       absent when tie_embeddings (uses embed.T)
-
-GPT families: every norm also has `bias` [d] (LayerNorm), every projection `bias` [d_out],
-mlp has no gate, and gpt2 adds embed/positions [max_seq_len, d] (learned absolute positions).
-
 Projection params (linear.py): full `w` [d_in, d_out]; svd/cola `a` [d_in, r], `b` [r, d_out];
-lax adds `latent_scale` [r] and, with lax_gate="gate", `g` [r, r].
-Projection shapes: q d→H·hd, k/v d→K·hd, o H·hd→d, gate/up d→d_ff, down d_ff→d.
-
-With scan_layers=True every block param carries a leading layer axis L (as listed). With
-scan_layers=False the blocks are an nnx.List and paths gain the index instead:
-`blocks/0/attn/q/a` [d, r]. Integer path elements stay ints in the flattened state.
-
-Flatten with `nnx.to_flat_state(nnx.state(model, nnx.Param))`: path tuples of str (and int
-list indices), e.g. ('blocks', 'attn', 'q', 'a').
+lax adds `latent_scale` [r] and, with lax_gate="gate", `g` [r, r]. GPT families: every norm also
+has `bias` [d] (LayerNorm), every projection `bias` [d_out], mlp has no gate, and gpt2 adds
+embed/positions [max_seq_len, d] (learned absolute positions). Block params carry a leading layer
+axis L with scan_layers=True; with False the blocks are an nnx.List and paths gain the index
+instead (`blocks/0/attn/q/a` [d, r]). `nnx.to_flat_state(nnx.state(model, nnx.Param))` gives path
+tuples of str and int, e.g. ('blocks', 'attn', 'q', 'a').
 
 Init: embedding, lm_head and full-rank projections normal(init_std); low-rank a, b normal with
-std r^-1/4·(d_in+d_out)^-1/4 (CoLA); norm scales and lax latent_scale ones; lax gate g = I.
-
-The forward itself is boost_jax.layers.forward (written once; LlamaModel runs it with the
-single-device ops). remat: "none"; "full" (whole-block recompute, only block inputs saved);
-"lowrank" (save the rank-r latents tagged "lowrank_latent" and the residual stream).
-Residual stream and matmuls run in cfg.dtype; norms, softmax and logits in fp32.
+std r^-1/4·(d_in+d_out)^-1/4 (CoLA); norm scales and lax latent_scale ones; lax gate g = I. The
+forward is boost_jax.layers.forward (written once; LlamaModel runs it with the single-device
+ops); remat "none", "full" (whole-block recompute, only block inputs saved) or "lowrank" (saves
+the rank-r latents tagged "lowrank_latent" and the residual stream). Residual stream and matmuls
+run in cfg.dtype; norms, softmax and logits in fp32.
 """
 
 from __future__ import annotations

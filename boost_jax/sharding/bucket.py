@@ -6,17 +6,13 @@ kinds in BUCKETED are grouped per fetch unit by (kind, axes, dtype, group), conc
 in one call and split exactly (every element lands where the weight's own collective would
 put it). A cross-node all-to-all costs a latency per peer whatever its size, so a CoLA-7B
 layer's sixteen weights (fourteen factors and two norm scales) in one call save fifteen of
-them per layer and pass.
+them per layer and pass. Under parallel.collectives=two_level (or auto) each call whose group
+spans hosts and a node runs as rank-aligned stages (sharding/two_level.py), its result the same.
 
-Under parallel.collectives=two_level (or auto) each call whose group spans hosts and a node runs
-as rank-aligned stages (sharding/two_level.py), its result the same.
-
-All-gathers, reduce-scatters and all-reduces stay one per weight: XLA's GPU combiners merge a
-layer's independent ones into calls of up to 30 MiB (xla/service/collective_utils.h) and keep
-them pipelinable across the layer loop. Concatenating them here measured worse in the step
-compiled for the A100 (`--gpu-compile`, benchmarks/README.md section 11's CoLA-1B
-`hierarchical` layout: 69 ms of collectives left exposed instead of 63); the planner counts
-their calls as the combiners issue them (plan/costmodel.py).
+All-gathers, reduce-scatters and all-reduces stay one per weight, for XLA's GPU combiners to
+merge; concatenating them here measured worse, and the planner counts their calls as the
+combiners issue them (plan/costmodel.py). Why: benchmarks/README.md §3, "Derivations moved
+from the code".
 
 Buffer conventions (n devices over the axes):
     all-gather      any shape; arrives stacked [n, *shape] (shard i from the i-th device)

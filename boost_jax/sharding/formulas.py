@@ -2,27 +2,14 @@
 
 Communication is the sum of the step's own list of collectives (sharding/step_collectives.py:
 what the engine runs, with its ring costs), by level; a collective belongs to the slowest level
-among the axes its group spans (mesh.level_of). Closed forms for Ψ bf16 weights (w = 2, a = 4),
-k micro-batches, N devices, a node of D = |pair·node| devices, G nodes (embedding and head
-ignored):
-    zero3         global: k·(2 + 2 + 4)Ψ·(N−1)/N
-    zeropp (qwZ+hpZ over the node, qgZ int4 gradients):
-                  global: k·(q₈(Ψ)·(N−1)/N + q₄(Ψ)/D·(G−1)/G) ≈ k·(1.01 + 0.5/D)Ψ
-                  node: 2k·q₈(Ψ)·(D−1)/D + k·q₄(Ψ)·(D−1)/D
-    hierarchical  global: 4Ψ/D·(G−1)/G + 2Ψ/D·(G−1)/G = 6Ψ(G−1)/(G·D) per step, whatever
-                  k: the layers' 4Ψ/D reduce-scatter per layer in the last micro-batch's
-                  backward, their 2Ψ/D update gather per layer in the first one's forward
-                  (deferred update; no pipeline); int8 / int4 legs with
-                  parallel.quantize_cross_node_{weights,grads}
-                  pair: k·2·(Ψw or q(Ψ))·(|pair|−1)/|pair| ; node: k·4Ψ·(D−1)/D + AG node
-    ddp           global: 2(N−1)/N·4Ψ once per step (fp32 all-reduce of the accumulator)
-    zero1         global: (N−1)/N·(4Ψ + 2Ψ) once per step
-so zero3/hierarchical ≈ (4/3)·k·D·(N−1)/N / ((G−1)/G), zeropp/hierarchical ≈ k·D/6 + k/12.
-With TP over `pair` the same hold with Ψₜ and D = |node| (e.g. CoLA-1B on 2×2×2: zero3 over
-node+global vs hierarchical's once-per-step reduction across `global`).
+among the axes its group spans (mesh.level_of). For Ψ bf16 weights, k micro-batches, N devices,
+a node of D devices and G nodes, the bytes across nodes are k·8Ψ·(N−1)/N for zero3 and
+6Ψ(G−1)/(G·D) per step, whatever k, for hierarchical: zero3/hierarchical ≈
+(4/3)·k·D·(N−1)/N / ((G−1)/G).
 
 Memory per device (stored state + the accumulator + saved secondaries):
-    weights Ψw/|params| (|opt| with a deferred update: Placement.stored_axes)   master 4Ψ/|opt| (bf16 weights only)   adam 8Ψ/|opt|
+    weights Ψw/|params| (|opt| with a deferred update: Placement.stored_axes)
+    master  4Ψ/|opt| (bf16 weights only)      adam 8Ψ/|opt|
     grads   Ψa/|grads|    (k = 1, no pipeline, the layer stack: Ψa/|grads ∪ (R ∩ opt)|,
                           Placement.accum_axes)
     secondary Ψw/|S| or q(Ψ)/|S| of the layer stack (kept from forward to backward)
@@ -32,6 +19,9 @@ report lists it separately. A leaf that could not be sharded counts at full size
 Compiled CPU programs are compared through boost_jax.analysis.comm, whose bytes already undo
 the XLA:CPU artifacts (bf16 reductions run in fp32; reduce-scatter lowered as all-reduce +
 dynamic-slice), so they are what a GPU would move.
+
+Closed forms for every plan and level: benchmarks/README.md §3, "Derivations moved from the
+code".
 """
 
 from __future__ import annotations

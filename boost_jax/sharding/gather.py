@@ -2,41 +2,27 @@
 the gradient's reduce-scatter into the grads sharding.
 
 Runs inside the step's shard_map, manual over every mesh axis: x is this device's stored shard
-(padded, TP-local, split over the params axes P on `layout.dim`). Forward, by plan (S =
-secondary axes):
+(padded, TP-local, split over the params axes P on `layout.dim`). Forward by plan, S the
+secondary axes:
 
     no secondary   full = AG_P(x)                            backward re-gathers AG_P(x)
     secondary S    sec  = to_S(x)   [saved, SECONDARY_NAME]  backward re-gathers AG_S(sec)
                    full = AG_S(sec)
-        to_S(x): S ⊇ P: a local slice of x (the axes' canonical order makes one role's shard a
-        block of the next, placement.order_axes); S = ∅ under qwZ keeps the flat int8 gather
-        AG_P(x) as it arrived and dequantizes it at each use (keeps_int8_gather).
-    hpZ (S a proper prefix of P)   full = AG_P(x) once; sec = this device's S-block of
-                   what arrived (int8 under qwZ: the shards as they arrived), kept by the
-                   layer's custom_vjp (sharding/hpz.py)      backward re-gathers AG_S(sec)
-    int8           each shard is quantized locally (blocks along a dim other than the sharded
-                   one, so no block straddles a shard), q and its scales packed into one
-                   buffer and gathered in one call, then dequantized: every gather under qwZ
-                   (quantize_gather), AG_S of an int8 secondary.
+    hpZ (S a proper prefix of P)   full = AG_P(x) once; sec = this device's S-block of it
+    int8           each shard quantized locally, q and its scales gathered in one buffer
 
-Every collective here is described as a bucket.Send and issued by bucket.run for the whole
-fetch unit (fetch_tree: a layer, the embedding, the final norm, the head), the gradient's
-steps round by round across the unit's weights: the unit's int4 all-to-alls of one step move
-in one call, the rest one per weight for XLA's combiners to merge (sharding/bucket.py).
-
-The backward re-gather falls out of remat: each layer runs under jax.checkpoint with a policy
-that saves SECONDARY_NAME and never the gathered weight (layers/remat.py).
+Every collective is described as a bucket.Send and issued by bucket.run for the whole fetch
+unit (fetch_tree). The backward re-gather falls out of remat: each layer's jax.checkpoint
+policy saves SECONDARY_NAME and never the gathered weight (layers/remat.py).
 
 Gradient: the fetch is a custom_vjp whose primal ignores the slots (zeros shaped like this
-device's accumulator shard, Placement.accum_axes) and whose backward turns each full weight's
-cotangent — this device's rows only — into its slot's cotangent: cast to grad_accum_dtype,
-zero-pad, then reduce-scatter over the grads axes G on `layout.dim` (an all-reduce over G for
-a leaf that is not sharded). The step differentiates with respect to the slots, so each
-micro-batch's gradient lands in the grads sharding, reduced in grad_accum_dtype. The full
-weight is marked varying over the batch axes so that JAX does not insert its own reduction of
-the cotangent over them: what G leaves out (the deferred axes R) stays unreduced until the
-end of the step — or, for the layer stack with one micro-batch and no pipeline
-(Placement.in_backward), is reduced right here after G (`late_steps`).
+device's accumulator shard) and whose backward turns each full weight's cotangent into its
+slot's: cast to grad_accum_dtype, zero-pad, reduce-scatter over the grads axes G on
+`layout.dim`. The full weight is marked varying over the batch axes so that JAX does not reduce
+its cotangent over them: what G leaves out (the deferred axes R) stays unreduced until the end
+of the step, or is reduced right here after G (`late_steps`, Placement.in_backward).
+
+Derivation (to_S, hpZ and int8 in full, the fetch units): benchmarks/README.md §3.
 """
 
 from __future__ import annotations

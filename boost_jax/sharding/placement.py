@@ -11,44 +11,18 @@ role; every role below is taken from the remaining (data-parallel) axes, `all` =
     zeropp        all         all          all        pair+node (hpZ)        int8 (qwZ)
     hierarchical  pair        pair+node    all        pair, int8             int8 (secondary)
 
-(qwZ makes every gather of a weight int8, so zeropp's secondary is int8 too. Without qwZ, a
-bf16 secondary over exactly the params axes is the primary itself and is dropped.)
+Every role is overridable (`parallel.params_axes=[pair,node]`, `parallel.secondary_axes=[]`,
+...). The gradient is accumulated over the grads axes and left unreduced over the deferred
+axes R = batch − grads, which are reduced once per optimizer step (or per layer in the last
+micro-batch's backward, `reduce_in_backward`) straight into the opt_state sharding.
 
-Every role is overridable (`parallel.params_axes=[pair,node]`, `parallel.secondary_axes=[pair,
-node]`, `parallel.secondary_dtype=bfloat16`, `parallel.quantize_gather=true`, ...). A secondary
-over no axes (`parallel.secondary_axes=[]`) keeps each layer's forward gather whole for the
-backward, as FSDP's reshard_after_forward=False: no backward re-gather, at the price of the
-whole (TP-local) working weights held through the step, bf16 or int8.
+Layout of one array (`LeafLayout`): all roles shard the *same* dimension (the largest that
+divides by the product of all role axes; if none does, the largest, zero-padded at its end and
+kept zero through training), with the axes in one canonical order, so a finer role's shard is a
+sub-block of a coarser role's: a pure slice one way, a gather over the extra axes the other.
 
-State layout (what `build_step` keeps; "stored" arrays may be padded, see below):
-    params     working weights in model.param_dtype, sharded over params axes (the forward
-               gathers them; backward re-gathers from them or from the secondary partition)
-    master     fp32 master weights over opt_state axes — only when param_dtype is bfloat16
-               (with fp32 params the params themselves are the master copy)
-    opt_state  AdamW moments (fp32) over opt_state axes; counters replicated
-    gradient   accumulated over micro-batches in parallel.grad_accum_dtype, sharded over grads
-               axes and *unreduced* over the batch axes that grads do not cover (the "deferred"
-               axes R = batch − grads): the per-micro-batch reduction stays inside grads axes,
-               and R is reduced once per optimizer step (straight into the opt_state sharding).
-               Without a pipeline the last micro-batch's backward reduces each scanned layer's
-               gradient, its own plus the accumulator's, over R right after its reduction
-               over grads (`reduce_in_backward`; with one micro-batch there is nothing to
-               accumulate), so the cross-node part runs behind the next layers' backward
-               instead of after the last one. The
-               embedding, head and final norm (outside the layer loop; the embedding fetched
-               twice when tied) keep the once-per-step reduction.
-
-Layout of one array (`LeafLayout`): all roles shard the *same* dimension, with the axes in one
-canonical order (axes shared by more roles first) so a finer role's shard is a sub-block of a
-coarser role's shard: moving between roles is a pure slice (no traffic) one way and a gather
-over the extra axes the other way. The dimension is the largest one that divides by the
-product of all role axes (never a scanned layer axis, never a TP-sharded dim unless nothing
-else fits); if none divides, the largest dim is zero-padded at its end to the next multiple,
-like DeepSpeed's flat buffers (CoLA-1B's d_ff=5461 over 64 devices, vocab 32000 over 384).
-Padding stays zero through training (zero gradient, zero Adam moments, zero decay), is sliced
-off after each gather, and is reported by `Placement.memory()`. Orbax restores a padded
-checkpoint into another padding with `StandardRestore(..., strict=False)` (it pads/truncates
-zeros at the end of each dim).
+Derivation (qwZ and the secondary, the state arrays, which dim, padding and its restore):
+benchmarks/README.md §3, "Derivations moved from the code".
 """
 
 from __future__ import annotations

@@ -4,46 +4,24 @@ runs, the formulas count (sharding/formulas.py) and the planner times (plan/cost
 Notation: Ψ the elements of one device's TP shard of a weight (one layer of a stacked leaf);
 w bytes per working-weight element (2 bf16, 4 fp32), a per gradient element (grad_accum_dtype);
 A params axes, S secondary axes, G grads axes, O opt_state axes, R = batch axes − G (the
-deferred axes). Ring costs, bytes *sent by one device* per call (`ring_bytes`):
+deferred axes). Ring costs, bytes *sent by one device* per call over n devices (`ring_bytes`):
+(n−1)/n · P for an all-gather of a P-byte result, a reduce-scatter of a P-byte input or an
+all-to-all of a P-byte buffer; 2(n−1)/n · P for an all-reduce of P bytes.
 
-    all-gather over n devices of a result of P bytes      (n−1)/n · P
-    reduce-scatter over n devices of an input of P bytes  (n−1)/n · P
-    all-reduce over n devices of P bytes                  2(n−1)/n · P
-    all-to-all over n devices of a buffer of P bytes      (n−1)/n · P
-
-Per pass over the weights (`Passes`: once per micro-batch; more with pipeline ticks), every
-weight that is gathered (A ≠ ∅), as sharding/gather.py's LeafFetch runs it (the int4
-all-to-alls: one call per fetch unit — a layer, the embedding, the final norm, the head —
-whose payload sums its weights', sharding/bucket.py; a weight's TP axes split a unit):
-    gather        no secondary: AG_A(Ψw, or int8 q(Ψ) under qwZ)
-                  secondary S:  AG_S(Ψw or q) from the stored shard (S ⊇ A)
-                  hpZ (S a proper prefix of A): AG_A only — the secondary is its S-block
-                  (int8 under qwZ: the A-shards as they arrived, q over A), sharding/hpz.py
-    regather      the layers re-fetch in backward (remat never saves a gathered weight):
-                  AG_A, or AG_S from the saved secondary; the embedding and head do not
-                  (and keep no secondary: hpZ's ends gather over A once)
-    grad          RS_G(Ψa) into the grads sharding (AR_G for a leaf that is not sharded);
-                  qgZ: an int4 all-to-all per stage, inside the node then across
+Per pass over the weights (`Passes`: once per micro-batch; more with pipeline ticks):
+    gather     AG_A(Ψw, or int8 q(Ψ) under qwZ); with a secondary AG_S (hpZ: AG_A only)
+    regather   the layers re-fetch in backward: AG_A, or AG_S from the saved secondary
+    grad       RS_G(Ψa) into the grads sharding (AR_G if not sharded); qgZ: int4 all-to-alls
 Once per step, on the whole leaf (engine.reduce_deferred, step/build.make_step_fn):
-    reduce        AR over R − O, then RS over R ∩ O, of the grads shard — without a
-                  pipeline, for the scanned layer stack (Placement.in_backward), per layer
-                  in the last micro-batch's backward instead (its gradient plus the
-                  accumulator), right after `grad`, inside the layer loop
-    update        AG of the new weights opt_state → grads → params sharding (A ⊆ G ⊆ O: the
-                  cross-node part moves only the node's shard), else opt_state → params
-                  (Placement.update_stages); with a deferred update (sharding/deferred.py)
-                  the layer stack's run per layer in the first micro-batch's forward
-    grad norm     one fp32 partial sum per leaf, all-reduced over every axis
+    reduce     AR over R − O, then RS over R ∩ O (per layer in backward: Placement.in_backward)
+    update     AG of the new weights opt_state → grads → params (Placement.update_stages)
+    grad norm  one fp32 partial sum per leaf, all-reduced over every axis
 int8 payloads are q(Ψ) = Ψ + 4·blocks (one fp32 scale per block of ≤ quant_block); qgZ's int4
-payloads Ψ/2 + 4·blocks. parallel.quantize_cross_node_{weights,grads} turn the cross-node
-`update` gather into int8 blocks of its source shards, the cross-node `reduce` into an
-all-to-all of int8 / int4 blocks (payloads as above).
+payloads Ψ/2 + 4·blocks. Under parallel.collectives two_level / auto, a collective whose group
+spans hosts and a node is listed as the stages that run instead (Policy.stages).
 
-Under parallel.collectives two_level / auto, each collective above whose group spans hosts and
-a node is listed as the stages that run instead (sharding/two_level.py, Policy.stages): an
-all-gather of P as AG_global(P/n_in) + AG_node(P), a reduce-scatter as RS_node(P) +
-RS_global(P/n_in), an all-reduce as RS_node(P') + AR_global(P'/n_in) + AG_node(P') (P'
-padded to a multiple of the n_in node members' elements).
+Derivation (every case of each row, bucketing, the quantized cross-node legs, the two-level
+stages): benchmarks/README.md §3, "Derivations moved from the code".
 """
 
 from __future__ import annotations

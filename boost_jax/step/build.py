@@ -1,6 +1,8 @@
 """The compiled training step: placement by plan, micro-batch accumulation, clipping, optimizer.
 
-State is a plain pytree (orbax and optax see ordinary arrays):
+State is a plain pytree (orbax and optax see ordinary arrays), each array stored in the plan's
+layout (boost_jax.sharding.placement: one dim sharded, padded with zeros at its end when it
+does not divide — `bundle.placement.layouts` says which):
 
     {"step":      int32, replicated
      "params":    working weights, model.param_dtype, sharded over the plan's params axes
@@ -8,9 +10,6 @@ State is a plain pytree (orbax and optax see ordinary arrays):
      "master":    fp32 master weights over opt_state axes (only when param_dtype=bfloat16)
      "opt_state": the optax state; param-shaped moments over opt_state axes, the rest
                   (counters, Adafactor's factored statistics) replicated}
-
-Arrays are stored in the plan's layout (boost_jax.sharding.placement): one dim sharded, padded
-with zeros at its end when it does not divide — `bundle.placement.layouts` says which.
 
 One optimizer step, top to bottom in step_fn:
     1. loss and gradient: boost_jax.step.engine (one shard_map over every mesh axis: the
@@ -23,8 +22,7 @@ One optimizer step, top to bottom in step_fn:
        so the cross-node part moves only the node's shard — or, with parallel.defer_update,
        stored cast on the opt_state shard: the next step's first micro-batch gathers each
        layer just before use (step/engine.py), behind the previous layer's compute
-Under parallel.collectives two_level / auto, 2 and 4 run in two levels too
-(sharding/step_two_level.py).
+2 and 4 run in two levels under parallel.collectives two_level / auto (sharding/step_two_level.py).
 """
 
 from __future__ import annotations

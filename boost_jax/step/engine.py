@@ -8,27 +8,21 @@ and every collective in it is written in one place:
         each layer fetches its weights just before use          sharding/gather.py
             (AG over params axes, or over the secondary's, int8 or not; backward re-gathers;
             hpZ: one flat gather, the secondary cut from it; remat=full)  hpz.py
-        the blocks run the forward written once                 layers/forward.py
-            (TP layouts add their all-reduces)                  sharding/tp/
+        the blocks run the forward written once (+ TP all-reduces) layers/forward.py, sharding/tp/
         the gradient of this device's rows lands in the grads
             sharding (reduce-scatter over grads axes, in
             grad_accum_dtype) and is added to the accumulator   gather.reduce_all
-    once per step: the accumulator, unreduced over the batch
-        axes R that grads do not cover, is reduced straight
-        into the opt_state sharding (AR over R − opt, RS over R ∩ opt)      reduce_deferred
-        — with one micro-batch and no pipeline each scanned layer's
+    once per step (reduce_deferred): the accumulator, unreduced over the batch axes R that
+        grads do not cover, is reduced straight into the opt_state sharding (AR over R − opt,
+        RS over R ∩ opt) — with one micro-batch and no pipeline each scanned layer's
         backward does it right after the reduction over grads      Placement.in_backward
 
 Every data-parallel collective above is listed, with its bytes and calls, by
-sharding/step_collectives.py: the formulas and the planner count and time that list. Under
-parallel.collectives=two_level (or auto) each one spanning hosts and a node runs as rank-aligned
-stages over `global` and inside the node (sharding/two_level.py), and is listed so.
-
-The loss each device differentiates is its rows' mean CE / (data-parallel devices × micro-
-batches), so the reductions above sum to the gradient of the global mean. GSPMD only places
-the step's inputs and outputs; the optimizer (step/build.py) runs on the opt_state shards.
-
-Engine(plan) takes the resolved ParallelPlan (sharding/parallel.py), never the Config.
+sharding/step_collectives.py (two_level / auto: as rank-aligned stages over `global` and inside
+the node, sharding/two_level.py). Each device differentiates its rows' mean CE / (data-parallel
+devices × micro-batches), so the reductions sum to the gradient of the global mean. GSPMD only
+places the step's inputs and outputs; the optimizer (step/build.py) runs on the opt_state
+shards. Engine(plan) takes the resolved ParallelPlan (sharding/parallel.py), never the Config.
 """
 
 from __future__ import annotations

@@ -11,26 +11,18 @@ micro-batch b(t, s):
            f = t − s,  b = t − (m+P−1) − (P−1−s)
            stage s holds the inputs of all m micro-batches
 
-A tick costs the time of one F plus (in the steady phase) one B whatever a stage does, so both
-keep every stage busy m of m+P−1 tick-slots: bubble (P−1)/(m+P−1).
+Both keep every stage busy m of m+P−1 tick-slots: bubble (P−1)/(m+P−1). Interleaved virtual
+stages (parallel.pp_virtual = V): stage s holds the chunks v·P + s (v < V) of P·V, the formulas
+hold with m → N = V·m (except 1f1b's b and depth), and the bubble is (P−1)/(V·m+P−1).
 
-Interleaved virtual stages (parallel.pp_virtual = V, Megatron's interleaved schedule): the
-layers split into P·V chunks, stage s holding chunks v·P + s (v < V). A stage's forward order
-runs micro-batches in groups of P through chunk 0, then 1, …, V−1 (index k → group k//(PV),
-chunk (k mod PV)//P, micro-batch group·P + k mod P; backward: chunks in reverse), over
-N = V·m units of a chunk each; the formulas above hold with m → N, except 1f1b's backward
-b = t − (VP−1) − (P−1−s) and its depth min(N, 2VP−1). Sends wrap round (stage P−1's output
-feeds stage 0's next chunk), so ticks are V times shorter and the bubble (P−1)/(V·m+P−1).
+F runs the stage forward on the activation received from s−1, sends its output to s+1 and
+saves its input. B is `jax.vjp` of the same stage forward, re-run from the saved input, with
+the gradient received from s+1; the input's gradient goes to s−1, the weights' gradients
+(reduce-scattered by sharding/gather.py as without stages) to the accumulator. A tick outside
+a stage's range of micro-batches is masked: the only collectives that cross stages are these
+sends (and the step's scalar loss).
 
-F: the stage forward (the embedding on stage 0, its layers, the final norm + head + loss on
-stage P−1) on the activation received from s−1; its output goes to s+1 and its input is saved.
-B: `jax.vjp` of the same stage forward, re-run from the saved input (GPipe's re-materialization:
-a stage keeps only [rows, s, d] per micro-batch in flight; the layer remat policy applies
-inside) with the gradient received from s+1 (stage P−1: the loss's); the input's gradient goes
-to s−1, and the weights' gradients, reduce-scattered into the grads sharding by
-sharding/gather.py as without stages, are added to the accumulator. A tick outside a stage's
-range of micro-batches computes on stale data and is masked: the only collectives that cross
-stages are these sends (and the step's scalar loss).
+Derivation (the virtual-stage order, its 1f1b formulas, what F and B run): benchmarks/README.md §9.
 """
 
 from __future__ import annotations

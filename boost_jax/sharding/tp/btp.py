@@ -16,27 +16,13 @@ Parameter split (leading layer axis L omitted): every A [d_in, r] is split along
 every B [r, d_out] along d_out (columns); attn_norm/mlp_norm scale [d] along d; LaX
 latent_scale/g replicated.
 
-Online-RMSNorm (boost_jax.pallas.dispatch.online_rmsnorm_matmul, the code base's one
-implementation): RMSNorm(x)·A = ((x⊙γ)·A) / rms(x). Rank i normalises its shard locally,
-computes u_i = (x_i⊙γ_i)·A_i and s_i = Σ x_i² (fp32); ONE all-reduce carries [u_i, s_i] (fp32
-compute: one [b,s,n+1] buffer; bf16: the bf16 latent and the fp32 statistic, merged into one
-variadic all-reduce by XLA's combiner), then z = U·rsqrt(S/d + ε) — exactly RMSNorm followed by A.
+Online-RMSNorm (boost_jax.pallas.dispatch.online_rmsnorm_matmul): RMSNorm(x)·A = ((x⊙γ)·A) /
+rms(x), so rank i sends u_i = (x_i⊙γ_i)·A_i and s_i = Σ x_i² (fp32) in ONE all-reduce. Per
+layer (elements, b·s tokens): forward 4 all-reduces, b·s·(7r + 2); backward 4, b·s·7r. GPT
+families (Online-LayerNorm): forward b·s·(6r + 2(1 + t)) + (t+1)·4r, backward b·s·6r.
 
-Communication per layer (elements; b·s tokens; t-way all-reduce ring bytes = 2(t-1)/t × payload):
-    forward   4 all-reduces: b·s·(3r + 1 + r + 2r + 1 + r) = b·s·(7r + 2)  (the +2 are fp32 Σx²)
-    backward  4 all-reduces: b·s·7r — the cotangents of σ(z_qkv), σ(z_o), σ(z_gu), σ(z_down)
-              enter per-rank B GEMMs (pcast → psum on transpose); dS is computed from the
-              replicated dz, no statistic travels backward.
-    remat=full replays the 4 forward all-reduces in backward; remat=lowrank saves the reduced
-    latents (U_qkv, S, z_o, U_gu, S, z_down — 7r + 2 per token, replicated) and the residual
-    shard (d/t per token) and replays none.
-
-GPT families (LayerNorm with bias, GELU MLP without gate, biases laid out like B's columns):
-Online-LayerNorm (boost_jax/pallas/layernorm.py) replaces Online-RMSNorm. Its statistics are
-this rank's centred M2 and its mean in slot i of t (Chan's exact combination, no Σx² − dμ²),
-1 + t fp32 per token, and the weights-only γ·A, β·A ((t+1)·n per layer) ride in the same
-flat buffer. Still 4 all-reduces forward (b·s·(6r + 2(1 + t)) + (t+1)·4r) and 4 backward
-(b·s·6r); the parallel residual (gpt_neox) only changes which h the MLP's norm reads.
+Derivation (the statistics, remat's replays, the GPT families): benchmarks/README.md §4,
+"Derivations moved from the code".
 """
 
 from __future__ import annotations
