@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 ARGS ?=
 
-.PHONY: train test test-unit test-e2e bench convergence clean gpu-dry-run gpu-compile-test gpu-compile-bench
+.PHONY: train test test-unit test-e2e bench convergence clean gpu-dry-run gpu-compile-test gpu-compile-bench hf-live-test
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,20 @@ gpu-compile-test: $(GPUC_VENV)/.installed
 # the GPU-compiled step (CoLA-1B, CoLA-7B on Perlmutter, CoLA-GPT-NeoX-20B on Frontier), and
 # what the GPU schedule hides per plan x TP mode (benchmarks/README.md sections 11-13); not
 # part of `make bench`, which runs without the extra.
+# Every export loaded in transformers (torch on the CPU) against boost_jax's logits and greedy
+# tokens, and the README's "Use your model in transformers" run as written: a separate venv.
+HF_VENV ?= .venv-hf
+
+$(HF_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(HF_VENV)
+	$(HF_VENV)/bin/pip install -q --upgrade pip
+	$(HF_VENV)/bin/pip install -q -e '.[test,hf-live]'
+	touch $@
+
+hf-live-test: $(HF_VENV)/.installed
+	$(HF_VENV)/bin/python -m pytest tests/unit/test_hf.py -k "live or readme_transformers" \
+		-p no:xdist -rs $(ARGS)
+
 gpu-compile-bench: $(GPUC_VENV)/.installed
 	$(GPUC_VENV)/bin/python benchmarks/gpu_kernels.py
 	$(GPUC_VENV)/bin/python benchmarks/gpu_compile.py $(ARGS)
