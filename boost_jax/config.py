@@ -315,6 +315,12 @@ class OptimConfig:
     eps: float = 1e-8
     clip_norm: float = 0.5  # 0 disables clipping
 
+    @property
+    def state_per_param(self) -> int:
+        """fp32 optimizer-state elements per weight element. Adafactor: its unfactored leaves'
+        full second moment, an upper bound (a factored one keeps rows + cols)."""
+        return {"adamw": 2, "lion": 1, "sgd": 0, "sgd-momentum": 1, "adafactor": 1}[self.name]
+
     def validate(self) -> None:
         _positive("optim.lr", self.lr)
         _positive("optim.eps", self.eps)

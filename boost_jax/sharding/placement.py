@@ -98,6 +98,7 @@ class Placement(Int8Copies):
     reduce_in_backward: bool = False  # R reduced per layer in the (last micro-batch's) backward
     collectives: Policy = FLAT  # parallel.collectives (sharding/two_level.py)
     micro_batches: int = 1
+    opt_state_per_param: int = 2  # fp32 optimizer-state elements per weight (optim.name)
     defer_update: bool = False  # weights stored over opt_state axes, gathered in the forward
     replay: bool = False  # train.remat=full: each layer's backward replays its forward
     xq_weights: bool = False  # the deferred update's cross-node gather in int8
@@ -392,7 +393,8 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
         quantize_grads=r["qgz"], param_dtype=cfg.model.param_dtype,
         grad_accum_dtype=par.grad_accum_dtype, notes=notes,
         reduce_in_backward=bool(deferred) and par.pp_stages == 1,
-        micro_batches=cfg.train.micro_batches, collectives=collectives_policy(cfg, mesh))
+        micro_batches=cfg.train.micro_batches, collectives=collectives_policy(cfg, mesh),
+        opt_state_per_param=cfg.optim.state_per_param)
     pl.replay = cfg.train.remat == "full"
     pl.defer_update = _defer_update(par, pl)
     pl.xq_weights, pl.xq_grads = _cross_node_quantization(par, pl)

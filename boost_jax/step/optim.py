@@ -18,6 +18,7 @@ from __future__ import annotations
 import optax
 
 from boost_jax.config import OptimConfig
+from boost_jax.names import OPTIMIZERS
 from boost_jax.errors import ConfigError
 
 
@@ -59,9 +60,8 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
                        weight_decay=cfg.weight_decay, mask=_decay_mask)
 
 
-# fp32 optimizer-state elements per weight element (the planner's memory model). Adafactor:
-# its unfactored leaves' full second moment, an upper bound (a factored one keeps rows + cols).
-STATE_PER_PARAM = {"adamw": 2, "lion": 1, "sgd": 0, "sgd-momentum": 1, "adafactor": 1}
+# fp32 optimizer-state elements per weight element (the planner's memory model)
+STATE_PER_PARAM = {n: OptimConfig(name=n).state_per_param for n in OPTIMIZERS}
 
 
 def check_factoring(cfg: OptimConfig, layouts) -> None:

@@ -162,11 +162,13 @@ def test_hierarchical_crosses_nodes_far_less_than_zero3_and_zeropp(compiled):
     assert g["hierarchical"] <= g["zeropp"] / 4
 
 
-def test_argument_memory_matches_the_role_formula(compiled):
+@pytest.mark.parametrize("optim", ["adamw", "lion", "sgd"])
+def test_argument_memory_matches_the_role_formula(compiled, optim):
+    """The state's bytes per device by role, for optimizers that keep 2, 1 and 0 moments."""
     from boost_jax.analysis.comm import compare_memory
 
     for plan in ("hierarchical", "zero3"):
-        b, r = compiled(plan)
+        b, r = compiled(plan, 4, f"optim.name={optim}")
         pred = b.placement.memory()
         batch = 2 * b.cfg.train.global_batch * b.cfg.data.seq_len * 4 / 8
         pred = {"weights": pred["weights"], "master": pred["master"], "adam": pred["adam"],
