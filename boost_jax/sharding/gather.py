@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from boost_jax.mesh import axis_size
 from boost_jax.names import SECONDARY_NAME
 from boost_jax.sharding import bucket, quant
 from boost_jax.sharding.bucket import Send, merge_stacked
@@ -143,10 +144,7 @@ class LeafFetch(Int8Copies):
         return dict(self.sizes)
 
     def n(self, axes) -> int:
-        if not axes:
-            return 1
-        size = self._size
-        return int(math.prod([size[a] for a in axes]))
+        return axis_size(self._size, axes)
 
     @property
     def dim(self):

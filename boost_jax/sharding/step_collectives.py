@@ -286,7 +286,7 @@ def step_collectives(pl, passes: Passes, tied: bool = False) -> list[Collective]
         out += leaf_collectives(pl, path, lay, passes, uses)
     out = bucketed(out)
     every = tuple(a for a, n in pl.mesh.shape.items() if int(n) > 1)
-    n_all = int(math.prod(int(pl.mesh.shape[a]) for a in every))
+    n_all = axis_size(pl.mesh, every)
     if n_all > 1:  # the clip's global norm: one fp32 partial sum per leaf
         out.extend(Collective("*", "grad norm", k, ax, axis_size(pl.mesh, ax), float(p), 1,
                               "step") for k, ax, p in

@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 from boost_jax.backends import cpu as cpu_backend
 from boost_jax.layers import forward
-from boost_jax.mesh import STAGE
+from boost_jax.mesh import STAGE, axis_size
 from boost_jax.sharding.gather import (LeafFetch, WithPrior, fetch_tree, slot_like, to_params_all,
                                       to_varying, varying_axes)
 from boost_jax.sharding import bucket
@@ -70,7 +70,7 @@ class Engine:
         plan, placement = self.plan, self.plan.placement
         self.mesh, self.placement = plan.mesh, placement
         self.sizes = tuple((a, int(n)) for a, n in self.mesh.shape.items())
-        self.n_batch = math.prod(dict(self.sizes)[a] for a in placement.batch_axes)
+        self.n_batch = axis_size(self.mesh, placement.batch_axes)
         self.fetches = jax.tree.map(lambda lay: LeafFetch.of(placement, lay), placement.layouts,
                                     is_leaf=is_layout)
         gathers = any(f.is_gathered for f in jax.tree.leaves(
@@ -85,7 +85,7 @@ class Engine:
             self.checkpoint = hpz_layers  # one forward gather per layer (sharding/hpz.py)
         self.ops = plan.ops(self.fetch)
         self.typed = plan.typed
-        self.tp_size = math.prod(dict(self.sizes)[a] for a in placement.tp_axes)
+        self.tp_size = axis_size(self.mesh, placement.tp_axes)
         self.pipeline = None if plan.pipeline is None else Pipeline(
             plan.pipeline, plan.model, self.ops, self.checkpoint, self.slots, self.typed)
 

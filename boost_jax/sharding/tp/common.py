@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.layers.forward import latent_keys
 from boost_jax.backends.cpu import check_vma
+from boost_jax.mesh import axis_size
 from boost_jax.names import LATENT_NAME, REDUCED_NAME
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.gather import to_varying as _to_varying
@@ -50,7 +50,7 @@ def make_context(cfg, mesh) -> TPContext:
     m, par = cfg.model, cfg.parallel
     axes = tuple(par.tp_axes)
     return TPContext(
-        mode=par.tp_mode, kind=m.arch, axes=axes, t=int(np.prod([mesh.shape[a] for a in axes])),
+        mode=par.tp_mode, kind=m.arch, axes=axes, t=axis_size(mesh, axes),
         d=m.d_model, r=m.r, eps=m.norm_eps, dtype=jnp.dtype(m.dtype), tie=m.tie_embeddings,
         kernels=dispatch.resolve(par.kernels), typed=check_vma(cfg),
         latent_keys=latent_keys(m))
