@@ -57,6 +57,7 @@ import jax
 import numpy as np
 
 from boost_jax.mesh import axis_size, level_of
+from boost_jax.names import path_keys
 from boost_jax.sharding import quant
 from boost_jax.sharding.bucket import BUCKETED
 from boost_jax.sharding.gather import LeafFetch, qgz_stages
@@ -170,7 +171,7 @@ def qgz_payloads(f: LeafFetch) -> list[tuple[tuple[str, ...], float]]:
 def leaves(pl) -> list[tuple[tuple, LeafLayout]]:
     """(path, layout) of every weight of a placement."""
     flat = jax.tree_util.tree_flatten_with_path(pl.layouts, is_leaf=is_layout)[0]
-    return [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), lay) for p, lay in flat]
+    return [(path_keys(p), lay) for p, lay in flat]
 
 
 def device_layers(f: LeafFetch, lay: LeafLayout) -> int:
