@@ -155,11 +155,9 @@ class LeafFetch(Int8Copies):
         """Stored sharded over the params axes, so gathered before each use."""
         return self.dim is not None and bool(self.params_axes)
 
-    def local_shape(self, axes) -> list[int]:
+    def local_shape(self, axes) -> tuple[int, ...]:
         """This device's block of the (per-layer, padded) leaf when dim is split over `axes`."""
-        lay = self.layout
-        return [s // self.n(tp) // (self.n(axes) if i == lay.dim else 1)
-                for i, (s, tp) in enumerate(zip(lay.padded, lay.tp))]
+        return self.layout.local_shape(self._size, axes)
 
     def quant_axis(self, src_axes) -> int:
         """The dim int8 blocks run along in a shard over `src_axes`: its longest (the sharded

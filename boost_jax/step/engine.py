@@ -34,7 +34,6 @@ Engine(plan) takes the resolved ParallelPlan (sharding/parallel.py), never the C
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -69,7 +68,6 @@ class Engine:
     def __post_init__(self):
         plan, placement = self.plan, self.plan.placement
         self.mesh, self.placement = plan.mesh, placement
-        self.sizes = tuple((a, int(n)) for a, n in self.mesh.shape.items())
         self.n_batch = axis_size(self.mesh, placement.batch_axes)
         self.fetches = jax.tree.map(lambda lay: LeafFetch.of(placement, lay), placement.layouts,
                                     is_leaf=is_layout)
@@ -96,12 +94,6 @@ class Engine:
             fs = fs[k]
         return fetch_tree(fs, stored, slots)
 
-    def local_shape(self, lay: LeafLayout, axes) -> tuple[int, ...]:
-        size = dict(self.sizes)
-        n = math.prod(size[a] for a in axes)
-        return tuple(s // math.prod(size[a] for a in tp) // (n if i == lay.dim else 1)
-                     for i, (s, tp) in enumerate(zip(lay.padded, lay.tp)))
-
     def slots(self, late: bool = True):
         """Zero gradient slots: this device's shard of every leaf's gradient — the grads
         shard, or the opt_state shard when the backward reduces it over R (`late`: the
@@ -110,7 +102,7 @@ class Engine:
 
         def one(lay, f):
             rs = pl.deferred_reduction(lay)[1] if late and pl.in_backward(lay) else ()
-            return slot_like(f, self.local_shape(lay, tuple(pl.grads_axes) + rs),
+            return slot_like(f, lay.local_shape(self.mesh, tuple(pl.grads_axes) + rs),
                              _tp_axes(lay), self.typed)
 
         fetches = self.fetches if late else self.early
@@ -158,7 +150,7 @@ class Engine:
         pdtype = jnp.dtype(self.placement.param_dtype)
 
         def zeros(lay, x):
-            z = jnp.zeros(self.local_shape(lay, self.placement.params_axes), pdtype)
+            z = jnp.zeros(lay.local_shape(self.mesh, self.placement.params_axes), pdtype)
             return to_varying(z, varying_axes(x))
 
         lays = self.placement.layouts["blocks"]

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.layers.forward import latent_keys
+from boost_jax.layers.linear import matmul  # the layouts' matmul is the model's
 from boost_jax.backends.cpu import check_vma
 from boost_jax.mesh import axis_size
 from boost_jax.names import LATENT_NAME, REDUCED_NAME
@@ -86,10 +87,6 @@ def local_slice(ctx: TPContext, x, axis: int):
     """This rank's 1/t slice of a replicated x (backward: all-reduce through the pcast)."""
     n = x.shape[axis] // ctx.t
     return jax.lax.dynamic_slice_in_dim(to_varying(ctx, x), rank_index(ctx) * n, n, axis)
-
-
-def matmul(x, w, dtype):
-    return jnp.matmul(x.astype(dtype), w.astype(dtype))
 
 
 def name_latent(x):
