@@ -25,6 +25,13 @@ SECONDARY_NAME = "zero_secondary"  # every saved secondary (hpZ) partition
 # how reports name parallel.secondary_axes=[] (planner, job header, run line)
 KEPT_SECONDARY = "the forward's gather kept"
 
+
+
+def path_keys(path) -> tuple:
+    """The keys of a jax tree path: dict keys, attribute names and sequence indices."""
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+
+
 # what a run writes under out_dir
 CHECKPOINTS_DIR = "checkpoints"
 UNUSABLE_DIR = "checkpoints_unusable"  # steps that failed their checks, moved aside

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from boost_jax.names import path_keys
 from boost_jax.sharding.layout import interleave
 from boost_jax.sharding.stages import ENDS, owner
 
@@ -30,18 +31,14 @@ def saved_stages(meta: Optional[dict]) -> tuple[int, int]:
     return int(par.get("pp_stages", 1) or 1), int(par.get("pp_virtual", 1) or 1)
 
 
-def _names(path) -> list:
-    return [getattr(k, "key", getattr(k, "name", None)) for k in path]
-
-
 def _blocks_move(path, old: tuple, new: tuple) -> bool:
     """A block-stack leaf whose layer order differs between the two splits."""
-    return (old[1] > 1 or new[1] > 1) and "blocks" in _names(path)
+    return (old[1] > 1 or new[1] > 1) and "blocks" in path_keys(path)
 
 
 def end_of(path) -> Optional[str]:
     """The end weight (embed, final_norm, lm_head) a state leaf belongs to, if any."""
-    return next((key for key in _names(path) if key in ENDS), None)
+    return next((key for key in path_keys(path) if key in ENDS), None)
 
 
 def _replicated(sds):
@@ -52,7 +49,7 @@ def _replicated(sds):
 
 
 def _key(path) -> tuple:
-    return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+    return tuple(map(str, path_keys(path)))
 
 
 def shapes_by_path(tree: Any) -> dict:

@@ -38,6 +38,7 @@ from typing import Iterator
 import numpy as np
 
 from boost_jax.cli import Parser
+from boost_jax.data.shards import list_shards
 from boost_jax.data.token_bin import FORMAT, meta_path
 from boost_jax.errors import UserError, cli_main
 from boost_jax.plain_text import lone_surrogate
@@ -135,22 +136,10 @@ def _table_file(path: str, field: str) -> Iterator[tuple]:
 
 
 def source_files(source: str) -> list[str]:
-    from boost_jax.file_kind import check_input
-
-    check_input(source, "SOURCE")
     if not os.path.exists(source):
         raise UserError(f"SOURCE {source!r} does not exist; pass a text/.jsonl/.parquet file, a "
                         "saved Hugging Face dataset or a folder of them")
-    if os.path.isfile(source):
-        return [source]
-    if os.path.exists(os.path.join(source, "dataset_dict.json")):
-        raise UserError(f"{source!r} is a Hugging Face DatasetDict; pass one split, e.g. "
-                        f"{os.path.join(source, 'train')}")
-    from boost_jax.data.sources import _walk
-
-    files = [os.path.join(source, r) for r in _walk(source, EXTS, {"__pycache__"})]
-    for f in files:  # a FIFO in the folder would block the read for ever
-        check_input(f, "SOURCE file")
+    files = list_shards(source, "SOURCE", EXTS)
     if not files:
         raise UserError(f"SOURCE {source!r} contains no {'/'.join(EXTS)} files")
     return files

@@ -26,7 +26,7 @@ def is_streaming(path: str) -> bool:
     return os.path.isdir(path) and bool(_walk(path, STREAM_EXTS, {"__pycache__"}))
 
 
-def list_shards(path: str, label: str) -> list[str]:
+def list_shards(path: str, label: str, exts: tuple = STREAM_EXTS) -> list[str]:
     """The shard files of a streaming source, in sorted order (FIFOs and devices refused)."""
     from boost_jax.data.sources import _walk
     from boost_jax.file_kind import check_input
@@ -37,8 +37,8 @@ def list_shards(path: str, label: str) -> list[str]:
     if os.path.exists(os.path.join(path, "dataset_dict.json")):
         raise UserError(f"{label} {path!r} is a Hugging Face DatasetDict; point it at one split, "
                         f"e.g. {os.path.join(path, 'train')}")
-    files = [os.path.join(path, r) for r in _walk(path, STREAM_EXTS, {"__pycache__"})]
-    for f in files:
+    files = [os.path.join(path, r) for r in _walk(path, exts, {"__pycache__"})]
+    for f in files:  # a FIFO in the folder would block the read for ever
         check_input(f, f"{label} file")
     return files
 

@@ -95,6 +95,30 @@ def norm_call(x, eps, interpret, kernel, ins, outs, name):
                    interpret=interpret, name=name)
 
 
+def norm_calls(fwd_kernel, bwd_kernel, stats: int, name: str):
+    """(fwd_call, bwd_call) for norm_vjp: the forward kernel writes x̂ and `stats` per-row fp32
+    statistics; the backward reads x, γ, gx̂ and the statistics' cotangents and writes dx and
+    dγ partials per token block, summed here (deterministic, no atomics)."""
+    vecs = ("vec",) * stats
+
+    def fwd_call(x, g, eps, interpret):
+        T, d = x.shape
+        call = norm_call(x, eps, interpret, fwd_kernel, ("row", "gam"), ("row", *vecs),
+                         f"{name}_fwd")
+        return call(out_shape=(sds((T, d), x.dtype, x), *(sds((T,), F32, x),) * stats))(x, g)
+
+    def bwd_call(x, g, *args):
+        *cts, eps, interpret = args
+        T, d = x.shape
+        nb = pl.cdiv(T, norm_blocks(T, d)[0])
+        call = norm_call(x, eps, interpret, bwd_kernel, ("row", "gam", "row", *vecs),
+                         ("row", "part"), f"{name}_bwd")
+        dx, dgp = call(out_shape=(sds((T, d), x.dtype, x), sds((nb, d), F32, x)))(x, g, *cts)
+        return dx, jnp.sum(dgp, axis=0).astype(g.dtype)
+
+    return fwd_call, bwd_call
+
+
 def norm_vjp(fwd_call, bwd_call):
     """fwd_call(x, g, eps, interpret) -> (x̂, *per-row statistics) as a custom_vjp (eps and
     interpret static) whose backward is bwd_call(x, g, gx̂, *statistics' cotangents in fp32,

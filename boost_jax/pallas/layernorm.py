@@ -26,11 +26,9 @@ from typing import Callable, Optional
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from boost_jax.pallas.common import (F32, local_norm, mm, norm_blocks, norm_call, norm_vjp, sds,
-                                     tile_masks)
+from boost_jax.pallas.common import F32, local_norm, mm, norm_calls, norm_vjp, tile_masks
 
 
 # ---------------------------------------------------------------- kernels
@@ -68,24 +66,7 @@ def _bwd_kernel(x_ref, g_ref, gxh_ref, gm_ref, gq_ref, gr_ref, dx_ref, dg_ref, *
     plt.store(dg_ref, jnp.sum(gxh * c * inv[:, None], axis=0), mask=cm)
 
 
-def _fwd_call(x, g, eps, interpret):
-    T, d = x.shape
-    call = norm_call(x, eps, interpret, _fwd_kernel, ("row", "gam"),
-                     ("row", "vec", "vec", "vec"), "online_layernorm_fwd")
-    return call(out_shape=(sds((T, d), x.dtype, x), *(sds((T,), F32, x),) * 3))(x, g)
-
-
-def _bwd_call(x, g, gxh, gm, gq, gr, eps, interpret):
-    T, d = x.shape
-    nb = pl.cdiv(T, norm_blocks(T, d)[0])
-    call = norm_call(x, eps, interpret, _bwd_kernel, ("row", "gam", "row", "vec", "vec", "vec"),
-                     ("row", "part"), "online_layernorm_bwd")
-    dx, dgp = call(out_shape=(sds((T, d), x.dtype, x), sds((nb, d), F32, x)))(
-        x, g, gxh, gm, gq, gr)
-    return dx, jnp.sum(dgp, axis=0).astype(g.dtype)  # per-block partials: no atomics
-
-
-_norm_pallas = norm_vjp(_fwd_call, _bwd_call)
+_norm_pallas = norm_vjp(*norm_calls(_fwd_kernel, _bwd_kernel, 3, "online_layernorm"))
 
 
 # ---------------------------------------------------------------- local statistics

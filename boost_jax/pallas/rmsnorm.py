@@ -24,12 +24,10 @@ from typing import Callable, Optional
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from boost_jax.pallas.common import (F32, flat, local_norm, norm_blocks, norm_call, norm_vjp,
-                                     xla_mm,
-                                     sds, tile_masks)
+from boost_jax.pallas.common import (F32, flat, local_norm, norm_calls, norm_vjp, tile_masks,
+                                     xla_mm)
 from boost_jax.pallas.grouped import norm_matmul
 
 
@@ -44,13 +42,6 @@ def _fwd_kernel(x_ref, g_ref, xh_ref, s_ref, r_ref, *, T, d, eps, bt, bd):
     plt.store(xh_ref, xh.astype(xh_ref.dtype), mask=m)
     plt.store(s_ref, s, mask=rm)
     plt.store(r_ref, rms, mask=rm)
-
-
-def _fwd_call(x, g, eps, interpret):
-    T, d = x.shape
-    call = norm_call(x, eps, interpret, _fwd_kernel, ("row", "gam"), ("row", "vec", "vec"),
-                     "online_rmsnorm_fwd")
-    return call(out_shape=(sds((T, d), x.dtype, x), sds((T,), F32, x), sds((T,), F32, x)))(x, g)
 
 
 # ---------------------------------------------------------------- backward kernel
@@ -71,17 +62,7 @@ def _bwd_kernel(x_ref, g_ref, gxh_ref, gs_ref, gr_ref, dx_ref, dg_ref, *, T, d, 
     plt.store(dg_ref, jnp.sum(gxh * x * inv[:, None], axis=0), mask=cm)  # per-block partial
 
 
-def _bwd_call(x, g, gxh, gs, gr, eps, interpret):
-    T, d = x.shape
-    nb = pl.cdiv(T, norm_blocks(T, d)[0])
-    call = norm_call(x, eps, interpret, _bwd_kernel, ("row", "gam", "row", "vec", "vec"),
-                     ("row", "part"), "online_rmsnorm_bwd")
-    dx, dgp = call(out_shape=(sds((T, d), x.dtype, x), sds((nb, d), F32, x)))(x, g, gxh, gs, gr)
-    # partials per token block, summed here: deterministic, no atomics
-    return dx, jnp.sum(dgp, axis=0).astype(g.dtype)
-
-
-_norm_pallas = norm_vjp(_fwd_call, _bwd_call)
+_norm_pallas = norm_vjp(*norm_calls(_fwd_kernel, _bwd_kernel, 2, "online_rmsnorm"))
 
 
 # ---------------------------------------------------------------- public API

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from boost_jax.errors import UserError
-from boost_jax.mesh import STAGE, Topology
+from boost_jax.mesh import STAGE, Topology, axis_size
 from boost_jax.plan.collectives import CommSummary, colls_from_report
 from boost_jax.plan.costmodel import Assumptions, Prediction, predict, state_sizes
 from boost_jax.plan.roofline import DTYPE_BYTES
@@ -232,11 +232,9 @@ def argument_formula(cfg, sizes: dict) -> dict:
     st, _ = state_sizes(cfg, sizes)
     pb = DTYPE_BYTES[cfg.model.param_dtype]
     mixed = cfg.model.param_dtype != "float32"
-    n_batch = 1
     from boost_jax.sharding.placement import resolve_roles
 
-    for ax in resolve_roles(cfg)["batch"]:
-        n_batch *= sizes[ax]
+    n_batch = axis_size(sizes, resolve_roles(cfg)["batch"])
     d = {"weights": st.params * pb, "master": st.opt * 4 if mixed else 0.0,
          "adam": st.opt * 4 * STATE_PER_PARAM[cfg.optim.name], "batch": 2 * 4 * cfg.train.global_batch * cfg.data.seq_len / n_batch}
     d["arguments"] = sum(d.values())

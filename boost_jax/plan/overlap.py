@@ -14,8 +14,6 @@ layouts the table lacks fall back to the `xla` assumption.
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 from typing import Optional
 
@@ -36,13 +34,9 @@ def key(plan: str, tp_mode: str) -> str:
     return f"{plan}/{tp_mode}"
 
 
-@functools.lru_cache(maxsize=None)
 def table(path: str = TABLE_PATH) -> dict:
     """The measured table ({} when it was never written)."""
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        return json.load(f)
+    return gpu_kernels.table(path)  # the same cached reader
 
 
 def measured(plan: str, tp_mode: str, micro_batches: int) -> Optional[dict]:

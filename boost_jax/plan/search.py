@@ -19,7 +19,7 @@ from typing import Optional
 
 from boost_jax import names
 from boost_jax.errors import ConfigError, UserError
-from boost_jax.mesh import AXES, Topology
+from boost_jax.mesh import AXES, Topology, axis_size
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor, floor_text
 from boost_jax.plan.costmodel import (Assumptions, Prediction, SizesMesh,
                                      predict)
@@ -178,10 +178,7 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
         if pp > 1:
             sz["stage"] = pp
         for mode in (modes if axes else ("none",)):
-            n_dp = 1
-            for a in AXES:
-                if a not in axes:
-                    n_dp *= sz[a]
+            n_dp = axis_size(sz, [a for a in AXES if a not in axes])
             for b, remat in itertools.product(MICRO_SIZES, remats):
                 per = b * n_dp
                 m = cfg.train.global_batch // per

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from boost_jax.mesh import axis_size
 from boost_jax.names import SECONDARY_NAME
 from boost_jax.sharding import bucket, quant
 from boost_jax.sharding.bucket import Send, merge_stacked
@@ -129,10 +130,7 @@ class LeafFetch(Int8Copies):
         return dict(self.sizes)
 
     def n(self, axes) -> int:
-        if not axes:
-            return 1
-        size = self._size
-        return int(math.prod([size[a] for a in axes]))
+        return axis_size(self._size, axes)
 
     @property
     def dim(self):
@@ -143,11 +141,9 @@ class LeafFetch(Int8Copies):
         """Stored sharded over the params axes, so gathered before each use."""
         return self.dim is not None and bool(self.params_axes)
 
-    def local_shape(self, axes) -> list[int]:
+    def local_shape(self, axes) -> tuple[int, ...]:
         """This device's block of the (per-layer, padded) leaf when dim is split over `axes`."""
-        lay = self.layout
-        return [s // self.n(tp) // (self.n(axes) if i == lay.dim else 1)
-                for i, (s, tp) in enumerate(zip(lay.padded, lay.tp))]
+        return self.layout.local_shape(self._size, axes)
 
     def quant_axis(self, src_axes) -> int:
         """The dim int8 blocks run along in a shard over `src_axes`: its longest (the sharded

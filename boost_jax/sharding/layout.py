@@ -75,6 +75,12 @@ class LeafLayout:
             entries.append(spec_entry(ax))
         return P(*entries)
 
+    def local_shape(self, mesh, axes: Sequence[str] = ()) -> tuple[int, ...]:
+        """One device's block of the padded array: each dim split over its TP axes, and `dim`
+        also over `axes` (`mesh`: a mesh or an {axis: size} dict)."""
+        return tuple(s // axis_size(mesh, tp) // (axis_size(mesh, axes) if i == self.dim else 1)
+                     for i, (s, tp) in enumerate(zip(self.padded, self.tp)))
+
     def sliced(self) -> "LeafLayout":
         """The layout of one layer of a stacked (scanned) array."""
         if not self.layer_axis:

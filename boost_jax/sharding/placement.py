@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.errors import ConfigError
 from boost_jax.mesh import AXES, axis_size, get_topology
+from boost_jax.names import path_keys
 from boost_jax.sharding import stages
 from boost_jax.sharding.gather import Int8Copies
 from boost_jax.sharding.layout import LeafLayout, choose_layout, spec_entry
@@ -70,10 +71,6 @@ def order_axes(roles: Sequence[Sequence[str]], dp_axes: Sequence[str]) -> tuple[
     """
     count = {a: sum(a in r for r in roles) for a in dp_axes}
     return tuple(sorted(dp_axes, key=lambda a: (-count[a], AXES.index(a))))
-
-
-def _path_key(path) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
 @dataclass
@@ -149,11 +146,11 @@ class Placement(Int8Copies):
 
     def opt_state_shardings(self, opt_state, tx=None):
         """Param-shaped leaves of an optax state over opt_state axes; the rest replicated."""
-        by_path = {_path_key(p): lay for p, lay in jax.tree_util.tree_flatten_with_path(
+        by_path = {path_keys(p): lay for p, lay in jax.tree_util.tree_flatten_with_path(
             self.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))[0]}
 
         def one(path, x):
-            key = _path_key(path)
+            key = path_keys(path)
             # optax nests param trees inside its states: match the longest param path suffix
             for start in range(len(key)):
                 lay = by_path.get(key[start:])
@@ -462,7 +459,7 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
     scan = cfg.train.scan_layers
 
     def one(path, x, spec=None):
-        key = _path_key(path)
+        key = path_keys(path)
         layer = scan and bool(key) and key[0] == "blocks" and len(x.shape) >= 1
         tp = [()] * len(x.shape)
         if spec is not None:
@@ -479,7 +476,7 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
     if n_stages == 1:
         return layouts
     return jax.tree_util.tree_map_with_path(
-        lambda path, lay: stages.stage_layout(_path_key(path), lay, cfg.model.n_layers, n_stages,
+        lambda path, lay: stages.stage_layout(path_keys(path), lay, cfg.model.n_layers, n_stages,
                                               cfg.parallel.pp_virtual),
         layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
 

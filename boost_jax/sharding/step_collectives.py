@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from boost_jax.mesh import axis_size, level_of
+from boost_jax.names import path_keys
 from boost_jax.sharding import quant
 from boost_jax.sharding.bucket import BUCKETED
 from boost_jax.sharding.gather import LeafFetch, qgz_stages
@@ -148,7 +149,7 @@ def qgz_payloads(f: LeafFetch) -> list[tuple[tuple[str, ...], float]]:
 def leaves(pl) -> list[tuple[tuple, LeafLayout]]:
     """(path, layout) of every weight of a placement."""
     flat = jax.tree_util.tree_flatten_with_path(pl.layouts, is_leaf=is_layout)[0]
-    return [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in p), lay) for p, lay in flat]
+    return [(path_keys(p), lay) for p, lay in flat]
 
 
 def device_layers(f: LeafFetch, lay: LeafLayout) -> int:
@@ -264,7 +265,7 @@ def step_collectives(pl, passes: Passes, tied: bool = False) -> list[Collective]
         out += leaf_collectives(pl, path, lay, passes, uses)
     out = bucketed(out)
     every = tuple(a for a, n in pl.mesh.shape.items() if int(n) > 1)
-    n_all = int(math.prod(int(pl.mesh.shape[a]) for a in every))
+    n_all = axis_size(pl.mesh, every)
     if n_all > 1:  # the clip's global norm: one fp32 partial sum per leaf
         out.extend(Collective("*", "grad norm", k, ax, axis_size(pl.mesh, ax), float(p), 1,
                               "step") for k, ax, p in

@@ -28,7 +28,6 @@ shards. Engine(plan) takes the resolved ParallelPlan (sharding/parallel.py), nev
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from boost_jax.backends import cpu as cpu_backend
 from boost_jax.layers import forward
-from boost_jax.mesh import STAGE
+from boost_jax.mesh import STAGE, axis_size
 from boost_jax.sharding.gather import (LeafFetch, WithPrior, fetch_tree, slot_like, to_params_all,
                                       to_varying, varying_axes)
 from boost_jax.sharding import bucket
@@ -63,8 +62,7 @@ class Engine:
     def __post_init__(self):
         plan, placement = self.plan, self.plan.placement
         self.mesh, self.placement = plan.mesh, placement
-        self.sizes = tuple((a, int(n)) for a, n in self.mesh.shape.items())
-        self.n_batch = math.prod(dict(self.sizes)[a] for a in placement.batch_axes)
+        self.n_batch = axis_size(self.mesh, placement.batch_axes)
         self.fetches = jax.tree.map(lambda lay: LeafFetch.of(placement, lay), placement.layouts,
                                     is_leaf=is_layout)
         gathers = any(f.is_gathered for f in jax.tree.leaves(
@@ -79,7 +77,7 @@ class Engine:
             self.checkpoint = hpz_layers  # one forward gather per layer (sharding/hpz.py)
         self.ops = plan.ops(self.fetch)
         self.typed = plan.typed
-        self.tp_size = math.prod(dict(self.sizes)[a] for a in placement.tp_axes)
+        self.tp_size = axis_size(self.mesh, placement.tp_axes)
         self.pipeline = None if plan.pipeline is None else Pipeline(
             plan.pipeline, plan.model, self.ops, self.checkpoint, self.slots, self.typed)
 
@@ -90,12 +88,6 @@ class Engine:
             fs = fs[k]
         return fetch_tree(fs, stored, slots)
 
-    def local_shape(self, lay: LeafLayout, axes) -> tuple[int, ...]:
-        size = dict(self.sizes)
-        n = math.prod(size[a] for a in axes)
-        return tuple(s // math.prod(size[a] for a in tp) // (n if i == lay.dim else 1)
-                     for i, (s, tp) in enumerate(zip(lay.padded, lay.tp)))
-
     def slots(self, late: bool = True):
         """Zero gradient slots: this device's shard of every leaf's gradient — the grads
         shard, or the opt_state shard when the backward reduces it over R (`late`: the
@@ -104,7 +96,7 @@ class Engine:
 
         def one(lay, f):
             rs = pl.deferred_reduction(lay)[1] if late and pl.in_backward(lay) else ()
-            return slot_like(f, self.local_shape(lay, tuple(pl.grads_axes) + rs),
+            return slot_like(f, lay.local_shape(self.mesh, tuple(pl.grads_axes) + rs),
                              _tp_axes(lay), self.typed)
 
         fetches = self.fetches if late else self.early
@@ -152,7 +144,7 @@ class Engine:
         pdtype = jnp.dtype(self.placement.param_dtype)
 
         def zeros(lay, x):
-            z = jnp.zeros(self.local_shape(lay, self.placement.params_axes), pdtype)
+            z = jnp.zeros(lay.local_shape(self.mesh, self.placement.params_axes), pdtype)
             return to_varying(z, varying_axes(x))
 
         lays = self.placement.layouts["blocks"]

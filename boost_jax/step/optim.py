@@ -20,6 +20,7 @@ import optax
 from boost_jax.config import OptimConfig
 from boost_jax.names import OPTIMIZERS
 from boost_jax.errors import ConfigError
+from boost_jax.names import path_keys
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
@@ -92,8 +93,5 @@ NO_DECAY = ("scale", "latent_scale")  # norm gains
 def _decay_mask(params):
     import jax
 
-    def leaf_name(path) -> str:
-        last = path[-1]
-        return str(getattr(last, "key", getattr(last, "name", last)))
-
-    return jax.tree_util.tree_map_with_path(lambda path, _: leaf_name(path) not in NO_DECAY, params)
+    return jax.tree_util.tree_map_with_path(lambda path, _: path_keys(path)[-1] not in NO_DECAY,
+                                            params)

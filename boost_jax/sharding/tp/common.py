@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.layers.forward import latent_keys
+from boost_jax.layers.linear import matmul  # the layouts' matmul is the model's
 from boost_jax.backends.cpu import check_vma
+from boost_jax.mesh import axis_size
 from boost_jax.names import LATENT_NAME, REDUCED_NAME
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.gather import to_varying as _to_varying
@@ -50,7 +51,7 @@ def make_context(cfg, mesh) -> TPContext:
     m, par = cfg.model, cfg.parallel
     axes = tuple(par.tp_axes)
     return TPContext(
-        mode=par.tp_mode, kind=m.arch, axes=axes, t=int(np.prod([mesh.shape[a] for a in axes])),
+        mode=par.tp_mode, kind=m.arch, axes=axes, t=axis_size(mesh, axes),
         d=m.d_model, r=m.r, eps=m.norm_eps, dtype=jnp.dtype(m.dtype), tie=m.tie_embeddings,
         kernels=dispatch.resolve(par.kernels), typed=check_vma(cfg),
         latent_keys=latent_keys(m))
@@ -86,10 +87,6 @@ def local_slice(ctx: TPContext, x, axis: int):
     """This rank's 1/t slice of a replicated x (backward: all-reduce through the pcast)."""
     n = x.shape[axis] // ctx.t
     return jax.lax.dynamic_slice_in_dim(to_varying(ctx, x), rank_index(ctx) * n, n, axis)
-
-
-def matmul(x, w, dtype):
-    return jnp.matmul(x.astype(dtype), w.astype(dtype))
 
 
 def name_latent(x):

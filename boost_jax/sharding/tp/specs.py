@@ -25,10 +25,11 @@ from __future__ import annotations
 from typing import Any, Optional, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.errors import ConfigError
+from boost_jax.mesh import axis_size
+from boost_jax.names import path_keys
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.tp.btp import BTPOps
 from boost_jax.sharding.tp.megatron import MegatronOps
@@ -42,8 +43,7 @@ LOWRANK_ARCHS = ("svd", "cola", "lax")
 
 
 def tp_degree(cfg, mesh) -> int:
-    return int(np.prod([mesh.shape[a] for a in cfg.parallel.tp_axes])) if cfg.parallel.tp_axes \
-        else 1
+    return axis_size(mesh, cfg.parallel.tp_axes)
 
 
 def validate_tp(cfg, mesh) -> None:
@@ -123,12 +123,7 @@ def _split_dim(mode: str, names: Sequence[str], tie: bool) -> Optional[int]:
 
 
 def _path_names(path) -> list[str]:
-    out = []
-    for k in path:
-        key = getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))
-        if isinstance(key, str):
-            out.append(key)
-    return out
+    return [key for key in path_keys(path) if isinstance(key, str)]
 
 
 def tp_param_specs(cfg, params) -> Any:
