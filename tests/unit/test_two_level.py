@@ -172,8 +172,9 @@ def test_two_level_step_keeps_groups_apart_counts_what_it_lists_and_equals_flat(
             assert mc[key] == lc[key], (key, r.table())
     two = _losses(c, b, init)
     np.testing.assert_allclose(two[:, 0], flat[:, 0], rtol=1e-6)  # the losses
-    # the norms: one sum of per-leaf partial sums, not the partitioner's order
-    np.testing.assert_allclose(two[:, 1], flat[:, 1], rtol=1e-5)
+    # the norms: one sum of per-leaf partial sums, not the partitioner's order; zeropp's qgZ
+    # rounds partial sums to int4 blocks, where another sum order can pick the next level
+    np.testing.assert_allclose(two[:, 1], flat[:, 1], rtol=1e-4 if plan == "zeropp" else 1e-5)
 
 
 def test_one_micro_batch_reduces_in_two_levels_inside_the_backward(mesh):
