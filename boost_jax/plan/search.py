@@ -161,6 +161,13 @@ def keeps(plan: str, tp_axes: tuple, sz: dict) -> tuple:
     return KEEP.get(plan, (False,)) if spans(params) and not kept else (False,)
 
 
+def collapses(plan: str, tp_axes: tuple, sizes: dict) -> bool:
+    """hierarchical with TP over every axis inside the node keeps no role in the node: it runs
+    as zero1 (Placement notes say so), already a candidate of its own."""
+    inside = [a for a in ("pair", "node") if sizes[a] > 1]
+    return plan == "hierarchical" and bool(inside) and set(inside) <= set(tp_axes)
+
+
 def candidates(cfg, sizes: dict) -> list[Candidate]:
     lowrank = cfg.model.arch != "full"
     modes = ("vanilla", "btp") if lowrank else ("megatron",)
@@ -172,7 +179,8 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
     precisions = (False, True) if wide else (False,)
     out = []
     for pp, plan, axes in itertools.product(PP_STAGES, PLANS, TP_AXES):
-        if hosts % pp or pp > cfg.model.n_layers or any(sizes[a] <= 1 for a in axes):
+        if (hosts % pp or pp > cfg.model.n_layers or any(sizes[a] <= 1 for a in axes)
+                or collapses(plan, axes, sizes)):
             continue
         sz = {"pair": sizes["pair"], "node": sizes["node"], "global": hosts // pp}
         if pp > 1:
@@ -213,6 +221,9 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
     res = SearchResult(cands, len(cands), invalid)
     res.notes.append(f"{len(cands)} candidates costed analytically; {invalid} rejected by the "
                      "plan/TP validation (divisibility)")
+    if any(collapses("hierarchical", axes, sizes) for axes in TP_AXES):
+        res.notes.append("hierarchical with TP over the whole node is not listed: no role is "
+                         "left inside the node, so it runs as zero1 (listed as zero1)")
     if compile_top and gpu:
         compile_on_gpu(res, cfg, topo, compile_top, max_devices, a)
     elif compile_top:

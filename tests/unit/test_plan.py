@@ -168,6 +168,24 @@ def test_search_ranks_fitting_layouts_best_first():
         assert keep.memory["secondary"] > base.memory.get("secondary", 0.0)
 
 
+def test_search_skips_hierarchical_that_runs_as_zero1():
+    """TP over pair and node leaves hierarchical no role inside the node: its layouts would be
+    zero1's again, so the search lists zero1's and says why hierarchical's are missing."""
+    from boost_jax.plan.costmodel import SizesMesh
+    from boost_jax.plan.search import candidates, search
+    from boost_jax.sharding.parallel import resolve
+
+    cfg = load_config(None, [*TINY, "train.global_batch=64"])
+    sizes = {"pair": 2, "node": 2, "global": 2}
+    cands = candidates(cfg, sizes)
+    assert {c.tp_axes for c in cands if c.plan == "hierarchical"} == {(), ("pair",), ("node",)}
+    assert any(c.plan == "zero1" and c.tp_axes == ("pair", "node") for c in cands)
+    skipped = load_config(None, [*TINY, "parallel.plan=hierarchical", "parallel.tp_mode=btp",
+                                 "parallel.tp_axes=[pair,node]"])
+    assert "runs as zero1" in " ".join(resolve(skipped, SizesMesh(sizes)).placement.notes)
+    assert any("runs as zero1" in n for n in search(cfg, get_topology("frontier"), sizes).notes)
+
+
 def test_search_table_rows_show_what_separates_them():
     """No two rows of the --search table read the same: bf16 weights and gradient sums have
     their own column (the same layout in the config's fp32 prints fp32/fp32)."""
