@@ -14,7 +14,7 @@ head. gpt2: sequential residual, learned absolute positions added to the embeddi
 Whatever depends on where an array lives or which collective runs is a call on `ops`, an
 `Ops` (the protocol below lists its methods).
 
-`Local` below is the single-device implementation (LlamaModel uses it; the training step gives
+`Local` below is the single-device implementation (CausalLM uses it; the training step gives
 it a per-layer fetch for the plans without TP); the tensor-parallel
 ones (megatron, vanilla, btp) live in boost_jax/sharding/tp/, and the training step gives any
 of them a `fetch` that gathers a layer's weights just before use (boost_jax/sharding/gather.py).

@@ -50,11 +50,11 @@ from boost_jax.step.optim import check_factoring, lr_schedule, make_optimizer
 
 def model_factory(cfg: Config) -> Callable[[], nnx.Module]:
     """() -> the model, built in place (traceable: usable under jit and nnx.eval_shape)."""
-    from boost_jax.layers.model import LlamaModel
+    from boost_jax.layers.model import CausalLM
 
     def make():
         cfg.model.validate()
-        return LlamaModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.train.remat,
+        return CausalLM(cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.train.remat,
                           scan_layers=cfg.train.scan_layers)
 
     return make
