@@ -61,11 +61,7 @@ def to_varying(x, axes):
 class Int8Copies:
     """Which saved weight copies are int8, asked the same way by the engine (a leaf's fetch),
     the byte formulas and the cost model (a placement): both carry secondary_axes,
-    quantize_gather (qwZ) and secondary_int8."""
-
-    @property
-    def int8_secondary(self) -> bool:
-        return self.secondary_int8 or self.quantize_gather
+    quantize_gather (qwZ) and int8_secondary."""
 
     @property
     def hpz(self) -> bool:
@@ -102,7 +98,7 @@ class LeafFetch(Int8Copies):
     grads_axes: tuple[str, ...]
     secondary_axes: Optional[tuple[str, ...]]
     quantize_gather: bool
-    secondary_int8: bool
+    int8_secondary: bool  # Placement.int8_secondary
     block: int
     dtype: str  # working-weight dtype: what the gathers move (before int8)
     grad_dtype: str  # what the gradient is reduced and accumulated in
@@ -121,7 +117,7 @@ class LeafFetch(Int8Copies):
         update = pl.update_stages() if pl.defer_update and lay.dim is not None else ()
         return cls(lay.sliced(), tuple((a, int(n)) for a, n in pl.mesh.shape.items()),
                    pl.batch_axes, pl.params_axes, pl.grads_axes, pl.secondary_axes,
-                   pl.quantize_gather, pl.secondary_int8, pl.quant_block, pl.param_dtype,
+                   pl.quantize_gather, pl.int8_secondary, pl.quant_block, pl.param_dtype,
                    pl.grad_accum_dtype, pl.quantize_grads, late, update, pl.replay,
                    pl.xq_weights, pl.xq_grads, pl.collectives)
 

@@ -83,7 +83,7 @@ class Placement(Int8Copies):
     opt_state_axes: tuple[str, ...]
     tp_axes: tuple[str, ...] = ()
     secondary_axes: Optional[tuple[str, ...]] = None  # None: no secondary partition
-    secondary_int8: bool = False
+    int8_secondary: bool = False  # the secondary copy is int8 (secondary_dtype=int8, or qwZ)
     quantize_gather: bool = False
     quant_block: int = 256
     deferred_axes: tuple[str, ...] = ()  # R: batch axes the per-micro-batch grads stay unreduced on
@@ -198,7 +198,7 @@ class Placement(Int8Copies):
                 "params": list(self.params_axes), "grads": list(self.grads_axes),
                 "opt_state": list(self.opt_state_axes), "tp": list(self.tp_axes),
                 "secondary": None if self.secondary_axes is None else list(self.secondary_axes),
-                "secondary_int8": self.secondary_int8, "quantize_gather": self.quantize_gather,
+                "int8_secondary": self.int8_secondary, "quantize_gather": self.quantize_gather,
                 "quantize_grads": self.quantize_grads,
                 "deferred_grad_axes": list(self.deferred_axes),
                 "reduce_in_backward": self.reduce_in_backward,
