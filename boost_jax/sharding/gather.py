@@ -555,11 +555,12 @@ def fetch_leaf(f: LeafFetch, x, slot=None):
     return fetch_tree(f, x, slot)
 
 
-def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...], typed: bool = True):
+def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...],
+              check_vma: bool = True):
     """Zeros shaped like this device's grads shard, typed (under check_vma) as the backward's
     result."""
     z = jnp.zeros(local_shape, jnp.dtype(f.grad_dtype))
-    return to_varying(z, f.slot_axes() + tp_axes) if typed else z
+    return to_varying(z, f.slot_axes() + tp_axes) if check_vma else z
 
 
 __all__ = ["LeafFetch", "fetch_leaf", "fetch_tree", "slot_like", "to_varying", "varying_axes",

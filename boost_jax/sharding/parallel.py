@@ -58,7 +58,7 @@ class ParallelPlan:
     remat: str  # train.remat
     pipeline: Optional[PipelineSettings]  # None: no `stage` mesh axis
     micro_batches: int
-    typed: bool  # the step's shard_map check_vma (False only for interpreted kernels)
+    check_vma: bool  # the step's shard_map's (False only for interpreted kernels)
 
     def ops(self, fetch: Optional[Callable] = None):
         """The forward's ops (layers/forward.py): single-device, or the TP layout's; `fetch`
@@ -86,7 +86,7 @@ def _plan(cfg, mesh, placement: Optional[Placement]) -> ParallelPlan:
         model=cfg.model, mesh=mesh, placement=placement,
         tp=make_context(cfg, mesh) if par.tp_mode != "none" else None,
         remat=cfg.train.remat, pipeline=pipeline, micro_batches=cfg.train.micro_batches,
-        typed=check_vma(cfg))
+        check_vma=check_vma(cfg))
 
 
 def resolve(cfg, mesh, abstract_params=None) -> ParallelPlan:

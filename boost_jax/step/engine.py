@@ -76,10 +76,10 @@ class Engine:
                 self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch))):
             self.checkpoint = hpz_layers  # one forward gather per layer (sharding/hpz.py)
         self.ops = plan.ops(self.fetch)
-        self.typed = plan.typed
+        self.check_vma = plan.check_vma
         self.tp_size = axis_size(self.mesh, placement.tp_axes)
         self.pipeline = None if plan.pipeline is None else Pipeline(
-            plan.pipeline, plan.model, self.ops, self.checkpoint, self.slots, self.typed)
+            plan.pipeline, plan.model, self.ops, self.checkpoint, self.slots, self.check_vma)
 
     # ------------------------------------------------------------------ per-device pieces
     def fetch(self, stored, slots, path):
@@ -97,7 +97,7 @@ class Engine:
         def one(lay, f):
             rs = pl.deferred_reduction(lay)[1] if late and pl.in_backward(lay) else ()
             return slot_like(f, lay.local_shape(self.mesh, tuple(pl.grads_axes) + rs),
-                             _tp_axes(lay), self.typed)
+                             _tp_axes(lay), self.check_vma)
 
         fetches = self.fetches if late else self.early
         return jax.tree.map(one, pl.layouts, fetches, is_leaf=is_layout)
@@ -182,7 +182,7 @@ class Engine:
 
     def smap(self, body, in_specs, out_specs):
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=self.typed)
+                             check_vma=self.check_vma)
 
     def grads_fn(self, micro: int) -> Callable:
         """(params, batch) -> (mean loss, gradient in the opt_state sharding, accum dtype)."""
@@ -203,7 +203,7 @@ class Engine:
                 loss, acc = self.micro_loop(params, mb, scale, micro)
             grads = jax.tree.map(self.reduce_deferred, self.placement.layouts, acc,
                                  self.fetches, is_leaf=is_layout)
-            if not self.typed:
+            if not self.check_vma:
                 grads = cpu_backend.untyped_tp_grads(grads, self.placement.layouts,
                                                      self.placement.tp_axes, self.tp_size)
             return self.total(loss), grads

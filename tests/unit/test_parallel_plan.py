@@ -65,7 +65,7 @@ def test_resolve_holds_what_the_engine_needs(mesh):
     assert plan.placement.layouts is not None and plan.placement.tp_axes == ("pair",)
     assert plan.tp.mode == "btp" and plan.tp.t == 2 and isinstance(plan.ops(), BTPOps)
     assert (plan.remat, plan.micro_batches, plan.pipeline) == ("lowrank", 2, None)
-    assert plan.typed == cpu_backend.check_vma(cfg)
+    assert plan.check_vma == cpu_backend.check_vma(cfg)
     local = parallel.resolve(_cfg(), mesh)
     assert local.tp is None and isinstance(local.ops(), forward.Local)
     assert parallel.resolve_layers(cfg, mesh).placement is None
