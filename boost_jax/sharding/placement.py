@@ -161,7 +161,7 @@ class Placement(Int8Copies):
         return jax.tree_util.tree_map_with_path(one, opt_state)
 
     # ------------------------------------------------------------------ the gradient's path
-    def explicit(self, lay: LeafLayout) -> bool:
+    def reduces_into_opt_state(self, lay: LeafLayout) -> bool:
         """Whether the opt_state shard of `lay` is a reduce-scatter over R ∩ O of its grads
         shard (true for every preset: the canonical axis order nests the roles)."""
         if lay.dim is None:
@@ -173,7 +173,7 @@ class Placement(Int8Copies):
         """(all-reduce axes, reduce-scatter axes) of the reduction of one leaf's gradient over
         the deferred axes R: once per step, or per layer with `reduce_in_backward`."""
         R = self.deferred_axes
-        if lay.dim is None or not self.explicit(lay):
+        if lay.dim is None or not self.reduces_into_opt_state(lay):
             return R, ()
         rs = tuple(a for a in R if a in self.opt_state_axes)
         return tuple(a for a in R if a not in rs), rs
