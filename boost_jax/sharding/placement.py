@@ -76,7 +76,7 @@ def order_axes(roles: Sequence[Sequence[str]], dp_axes: Sequence[str]) -> tuple[
 @dataclass
 class Placement(Int8Copies):
     mesh: Any
-    plan: str
+    preset: str  # parallel.plan: the preset the roles start from
     batch_axes: tuple[str, ...]
     params_axes: tuple[str, ...]
     grads_axes: tuple[str, ...]
@@ -194,7 +194,7 @@ class Placement(Int8Copies):
 
     # ------------------------------------------------------------------ reporting
     def describe(self) -> dict:
-        return {"plan": self.plan, "batch": list(self.batch_axes),
+        return {"plan": self.preset, "batch": list(self.batch_axes),
                 "params": list(self.params_axes), "grads": list(self.grads_axes),
                 "opt_state": list(self.opt_state_axes), "tp": list(self.tp_axes),
                 "secondary": None if self.secondary_axes is None else list(self.secondary_axes),

@@ -22,7 +22,7 @@ sharding/step_collectives.py (two_level / auto: as rank-aligned stages over `glo
 the node, sharding/two_level.py). Each device differentiates its rows' mean CE / (data-parallel
 devices × micro-batches), so the reductions sum to the gradient of the global mean. GSPMD only
 places the step's inputs and outputs; the optimizer (step/build.py) runs on the opt_state
-shards. Engine(plan) takes the resolved ParallelPlan (sharding/parallel.py), never the Config.
+shards. Engine(layout) takes the resolved ParallelLayout (sharding/parallel.py), never the Config.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from boost_jax.sharding.deferred import deferred_layers
 from boost_jax.sharding.hpz import hpz_layers
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
 from boost_jax.sharding import two_level
-from boost_jax.sharding.parallel import ParallelPlan
+from boost_jax.sharding.parallel import ParallelLayout
 from boost_jax.step.pipeline import Pipeline
 
 
@@ -55,13 +55,13 @@ def _tp_axes(lay: LeafLayout) -> tuple[str, ...]:
 
 @dataclass
 class Engine:
-    """The step's loss and gradient programs for one resolved plan (sharding/parallel.py)."""
+    """The step's loss and gradient programs for one ParallelLayout (sharding/parallel.py)."""
 
-    plan: ParallelPlan
+    layout: ParallelLayout
 
     def __post_init__(self):
-        plan, placement = self.plan, self.plan.placement
-        self.mesh, self.placement = plan.mesh, placement
+        layout, placement = self.layout, self.layout.placement
+        self.mesh, self.placement = layout.mesh, placement
         self.n_batch = axis_size(self.mesh, placement.batch_axes)
         self.fetches = jax.tree.map(lambda lay: LeafFetch.of(placement, lay), placement.layouts,
                                     is_leaf=is_layout)
@@ -72,15 +72,15 @@ class Engine:
             lambda f: dataclasses.replace(f, backward_reduction=((), ())), self.fetches,
             is_leaf=lambda v: isinstance(v, LeafFetch))
         self.active = self.fetches
-        self.checkpoint = plan.checkpoint(gathers)
+        self.checkpoint = layout.checkpoint(gathers)
         if any(f.is_gathered and f.hpz for f in jax.tree.leaves(
                 self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch))):
             self.checkpoint = hpz_layers  # one forward gather per layer (sharding/hpz.py)
-        self.ops = plan.ops(self.fetch)
-        self.check_vma = plan.check_vma
+        self.ops = layout.ops(self.fetch)
+        self.check_vma = layout.check_vma
         self.tp_size = axis_size(self.mesh, placement.tp_axes)
-        self.pipeline = None if plan.pipeline is None else Pipeline(
-            plan.pipeline, plan.model, self.ops, self.checkpoint, self.slots, self.check_vma)
+        self.pipeline = None if layout.pipeline is None else Pipeline(
+            layout.pipeline, layout.model, self.ops, self.checkpoint, self.slots, self.check_vma)
 
     # ------------------------------------------------------------------ per-device pieces
     def fetch(self, stored, slots, path):
@@ -122,7 +122,7 @@ class Engine:
         return acc
 
     def local_loss(self, params, batch, slots=None, checkpoint=None):
-        return forward.loss(self.ops, self.plan.model, params, batch, slots,
+        return forward.loss(self.ops, self.layout.model, params, batch, slots,
                             checkpoint or self.checkpoint)
 
     # ------------------------------------------------------------------ deferred update
@@ -187,9 +187,9 @@ class Engine:
 
     def grads_fn(self, micro: int) -> Callable:
         """(params, batch) -> (mean loss, gradient in the opt_state sharding, accum dtype)."""
-        if micro != self.plan.micro_batches:  # the placement's gradient path depends on it
-            raise ValueError(f"grads_fn({micro}) on a plan resolved for "
-                             f"train.micro_batches={self.plan.micro_batches}")
+        if micro != self.layout.micro_batches:  # the placement's gradient path depends on it
+            raise ValueError(f"grads_fn({micro}) on a layout resolved for "
+                             f"train.micro_batches={self.layout.micro_batches}")
         pspec, bspec, gspec = self.specs()
         scale = 1.0 / (self.n_batch * micro)
         acc_dtype = jnp.dtype(self.placement.grad_accum_dtype)

@@ -131,7 +131,7 @@ def send(tree, stages: int, step: int, cyclic: bool = False):
 class Pipeline:
     """The loss and gradient of one device's stage over a schedule (used by step/engine.py).
 
-    `settings` the plan's pipeline (sharding/parallel.py); the stage forward's pieces: `model`
+    `settings` the layout's pipeline (sharding/parallel.py); the stage forward's pieces: `model`
     the model config, `ops` the forward's ops (weights fetched), `checkpoint` the per-layer
     remat wrapper, `slots()` zero gradient slots, `check_vma` the step's shard_map's
     flag (whether JAX types values as varying or invariant)."""
