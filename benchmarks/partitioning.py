@@ -102,7 +102,7 @@ def _roles(r) -> str:
         return "+".join(a) if a else "rep"
     sec = ax(r["secondary"])
     if r["secondary"] is not None:
-        sec += " int8" if r["secondary_int8"] else " bf16"
+        sec += " int8" if r["int8_secondary"] else " bf16"
     q = " qwZ" if r["quantize_gather"] else ""
     q += " qgZ" if r.get("quantize_grads") else ""
     return f"{ax(r['params'])} / {ax(r['grads'])} / {ax(r['opt_state'])} / {sec}{q}"

@@ -1,4 +1,4 @@
-"""Analytic FLOPs and parameter count for LlamaModel (boost_jax.layers.model).
+"""Analytic FLOPs and parameter count for CausalLM (boost_jax.layers.model).
 
 Conventions (chosen to match XLA's cost_analysis, which counts a dot as 2·M·N·K):
 - per token, forward, matmuls only: norms, RoPE, softmax, SiLU and adds are ignored (they are
@@ -74,7 +74,7 @@ def flops_per_token(cfg, seq_len: int, attention: str = "dense") -> dict:
 
 
 def param_count(cfg) -> int:
-    """Exact parameter count of LlamaModel(cfg) (== layers.model.count_params)."""
+    """Exact parameter count of CausalLM(cfg) (== layers.model.count_params)."""
     d, V = cfg.d_model, cfg.vocab_size
     shapes = projection_shapes(cfg).values()
     norm = 2 * d if cfg.bias else d  # LayerNorm scale and bias (GPT families)

@@ -1,7 +1,7 @@
 """The decoder stack alone under a TP layout, for per-layer communication and memory analysis.
 
 The same forward the step runs (layers/forward.run_blocks with the layout's ops and the step's
-remat wrapper, both from the parallel plan: sharding/parallel.resolve_layers), inside a
+remat wrapper, both from the parallel layout: sharding/parallel.resolve_layers), inside a
 shard_map manual over every mesh axis, without embedding, head or weight gathers, so the
 compiled program's collectives are the layers' own:
 
@@ -34,22 +34,22 @@ def residual_spec(cfg) -> P:
     return P(None, None, tp) if cfg.parallel.tp_mode == "btp" else P()
 
 
-def _stack(plan, h, blocks):
-    ops = plan.ops()
+def _stack(layout, h, blocks):
+    ops = layout.ops()
     positions = jnp.arange(h.shape[1], dtype=jnp.int32)
     tokens = jnp.zeros(h.shape[:2], jnp.int32)
-    return forward.run_blocks(ops, plan.model, blocks, None, h, positions, ops.init_prev(tokens),
-                              plan.checkpoint(gathers=False))[0]
+    return forward.run_blocks(ops, layout.model, blocks, None, h, positions, ops.init_prev(tokens),
+                              layout.checkpoint(gathers=False))[0]
 
 
 def layers_fn(cfg, mesh):
     """layers(blocks, h) -> h for stacked block params [L, ...] under the TP layout."""
-    plan = parallel.resolve_layers(cfg, mesh)
+    layout = parallel.resolve_layers(cfg, mesh)
     hspec = residual_spec(cfg)
 
     def fn(blocks, h):
         specs = tp_param_specs(cfg, {"blocks": blocks})["blocks"]
-        body = lambda b, x: _stack(plan, x, b)  # noqa: E731
+        body = lambda b, x: _stack(layout, x, b)  # noqa: E731
         return jax.shard_map(body, mesh=mesh, in_specs=(specs, hspec), out_specs=hspec)(blocks, h)
 
     return fn
@@ -85,7 +85,7 @@ def block_saved_residuals(cfg, mesh, batch: int, seq: int) -> list[tuple[str, in
     compiled."""
     from jax.ad_checkpoint import print_saved_residuals
 
-    plan = parallel.resolve_layers(cfg, mesh)
+    layout = parallel.resolve_layers(cfg, mesh)
     blocks = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
                           abstract_params(cfg)[1]["blocks"])
     specs = tp_param_specs(cfg, {"blocks": blocks})["blocks"]
@@ -93,10 +93,10 @@ def block_saved_residuals(cfg, mesh, batch: int, seq: int) -> list[tuple[str, in
     buf = io.StringIO()
 
     def body(p, h):
-        ops = plan.ops()
+        ops = layout.ops()
         positions = jnp.arange(seq, dtype=jnp.int32)
-        layer = plan.checkpoint(gathers=False)(
-            lambda p, h, prev: forward.block(ops, plan.model, p, h, positions, prev))
+        layer = layout.checkpoint(gathers=False)(
+            lambda p, h, prev: forward.block(ops, layout.model, p, h, positions, prev))
         prev = ops.init_prev(jnp.zeros(h.shape[:2], jnp.int32))
         with contextlib.redirect_stdout(buf):
             print_saved_residuals(layer, p, h, prev)

@@ -119,7 +119,7 @@ def job_sizes(cfg: Config, topo: Topology, nodes: Optional[int]) -> dict:
 
 
 def check_layout(cfg: Config, topo: Topology, sizes: dict) -> dict:
-    """The checks train.py would make on the cluster, made now: the parallel plan's (TP cut,
+    """The checks train.py would make on the cluster, made now: the parallel layout's (TP cut,
     pipeline split), the batch over the data-parallel devices; returns the planner's analytic
     memory and step time."""
     from boost_jax.plan.costmodel import SizesMesh, predict

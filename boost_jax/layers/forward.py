@@ -14,7 +14,7 @@ head. gpt2: sequential residual, learned absolute positions added to the embeddi
 Whatever depends on where an array lives or which collective runs is a call on `ops`, an
 `Ops` (the protocol below lists its methods).
 
-`Local` below is the single-device implementation (LlamaModel uses it; the training step gives
+`Local` below is the single-device implementation (CausalLM uses it; the training step gives
 it a per-layer fetch for the plans without TP); the tensor-parallel
 ones (megatron, vanilla, btp) live in boost_jax/sharding/tp/, and the training step gives any
 of them a `fetch` that gathers a layer's weights just before use (boost_jax/sharding/gather.py).
@@ -99,7 +99,7 @@ class Local:
 
     def __init__(self, cfg, fetch=None):
         self._fetch = fetch
-        self.kind, self.eps = cfg.arch, cfg.norm_eps
+        self.arch, self.eps = cfg.arch, cfg.norm_eps
         self.dtype = jnp.dtype(cfg.dtype)
         self.rank, self.tie = cfg.r, cfg.tie_embeddings
         self.latent_keys = latent_keys(cfg)
@@ -111,18 +111,18 @@ class Local:
         return jnp.take(table, tokens, axis=0).astype(self.dtype)
 
     def init_prev(self, tokens) -> Optional[dict]:
-        if self.kind != "lax":
+        if self.arch != "lax":
             return None
         return first_latents(tokens, self.rank, self.dtype, self.latent_keys)
 
     def project_in(self, h, norm, projs, prevs):
         x = apply_norm(h, norm, self.eps, self.dtype)
-        outs = [lowrank_apply(self.kind, p, x, z, eps=self.eps, dtype=self.dtype)
+        outs = [lowrank_apply(self.arch, p, x, z, eps=self.eps, dtype=self.dtype)
                 for p, z in zip(projs, prevs)]
         return [y for y, _ in outs], [z for _, z in outs]
 
     def project_out(self, x, proj, prev):
-        return lowrank_apply(self.kind, proj, x, prev, eps=self.eps, dtype=self.dtype)
+        return lowrank_apply(self.arch, proj, x, prev, eps=self.eps, dtype=self.dtype)
 
     def logits(self, h, norm, w):
         x = apply_norm(h, norm, self.eps, self.dtype)

@@ -19,7 +19,7 @@ tuples of str and int, e.g. ('blocks', 'attn', 'q', 'a').
 
 Init: embedding, lm_head and full-rank projections normal(init_std); low-rank a, b normal with
 std r^-1/4·(d_in+d_out)^-1/4 (CoLA); norm scales and lax latent_scale ones; lax gate g = I. The
-forward is boost_jax.layers.forward (written once; LlamaModel runs it with the single-device
+forward is boost_jax.layers.forward (written once; CausalLM runs it with the single-device
 ops); remat "none", "full" (whole-block recompute, only block inputs saved) or "lowrank" (saves
 the rank-r latents tagged "lowrank_latent" and the residual stream). Residual stream and matmuls
 run in cfg.dtype; norms, softmax and logits in fp32.
@@ -79,7 +79,7 @@ class LMHead(nnx.Module):
         self.w = nnx.Param(init(rngs.params(), (dim, vocab), jnp.dtype(param_dtype)))
 
 
-class LlamaModel(nnx.Module):
+class CausalLM(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs, remat: str = "none", scan_layers: bool = True):
         if remat not in REMAT_MODES:
             raise ValueError(f"remat={remat!r}; expected one of {REMAT_MODES}")
@@ -137,18 +137,18 @@ def jit_init(make: Callable[[], nnx.Module]) -> nnx.Module:
 
 
 def build_model(cfg, seed: int = 0, remat: str = "none", scan_layers: bool = True
-                ) -> LlamaModel:
-    """Initialised LlamaModel on the default device."""
+                ) -> CausalLM:
+    """Initialised CausalLM on the default device."""
     cfg.validate()
     return jit_init(
-        lambda: LlamaModel(cfg, rngs=nnx.Rngs(seed), remat=remat, scan_layers=scan_layers))
+        lambda: CausalLM(cfg, rngs=nnx.Rngs(seed), remat=remat, scan_layers=scan_layers))
 
 
 def abstract_model(cfg, seed: int = 0, remat: str = "none", scan_layers: bool = True):
     """(graphdef, state of jax.ShapeDtypeStruct) without allocating: for lowering big shapes."""
     cfg.validate()
     model = nnx.eval_shape(
-        lambda: LlamaModel(cfg, rngs=nnx.Rngs(seed), remat=remat, scan_layers=scan_layers))
+        lambda: CausalLM(cfg, rngs=nnx.Rngs(seed), remat=remat, scan_layers=scan_layers))
     return nnx.split(model)
 
 

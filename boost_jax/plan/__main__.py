@@ -150,7 +150,7 @@ def _layout_line(p, cfg) -> str:
     sec = KEPT_SECONDARY if pl["secondary"] == [] else pl["secondary"] or "-"
     return (f"layout: plan {lay['plan']} (params {pl['params'] or '-'}, grads {pl['grads'] or '-'}"
             f"{late}, opt_state {pl['opt_state'] or '-'}, secondary {sec}"
-            f"{' int8' if pl['secondary_int8'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''})"
+            f"{' int8' if pl['int8_secondary'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''})"
             f"; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; "
             + (f"{lay['pipeline_stages']} pipeline stages ({lay['pp_schedule']}"
                + (f", {lay['pp_virtual']} virtual" if (lay.get("pp_virtual") or 1) > 1 else "")

@@ -261,7 +261,7 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
             gathers += [1, 1]
         nbytes += k * len(gathers) * W * (q8 + pb + (pb + q8) / axis_size(sizes, A))
         kernels += 2 * len(gathers)
-        if S == () and not pl.keeps_int8_gather and pl.secondary_int8:  # quantize it whole
+        if S == () and not pl.keeps_int8_gather and pl.int8_secondary:  # quantize it whole
             nbytes, kernels = nbytes + k * W * (pb + q8), kernels + 1
     if pl.quantize_grads:
         w_in = W

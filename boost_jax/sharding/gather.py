@@ -20,7 +20,7 @@ device's accumulator shard) and whose backward turns each full weight's cotangen
 slot's: cast to grad_accum_dtype, zero-pad, reduce-scatter over the grads axes G on
 `layout.dim`. The full weight is marked varying over the batch axes so that JAX does not reduce
 its cotangent over them: what G leaves out (the deferred axes R) stays unreduced until the end
-of the step, or is reduced right here after G (`late_steps`, Placement.in_backward).
+of the step, or is reduced right here after G (`backward_reduction_steps`, Placement.in_backward).
 
 Derivation (to_S, hpZ and int8 in full, the fetch units): benchmarks/README.md §3.
 """
@@ -61,11 +61,7 @@ def to_varying(x, axes):
 class Int8Copies:
     """Which saved weight copies are int8, asked the same way by the engine (a leaf's fetch),
     the byte formulas and the cost model (a placement): both carry secondary_axes,
-    quantize_gather (qwZ) and secondary_int8."""
-
-    @property
-    def int8_secondary(self) -> bool:
-        return self.secondary_int8 or self.quantize_gather
+    quantize_gather (qwZ) and int8_secondary."""
 
     @property
     def hpz(self) -> bool:
@@ -102,12 +98,12 @@ class LeafFetch(Int8Copies):
     grads_axes: tuple[str, ...]
     secondary_axes: Optional[tuple[str, ...]]
     quantize_gather: bool
-    secondary_int8: bool
+    int8_secondary: bool  # Placement.int8_secondary
     block: int
     dtype: str  # working-weight dtype: what the gathers move (before int8)
     grad_dtype: str  # what the gradient is reduced and accumulated in
     quantize_grads: bool = False  # qgZ: int4 all-to-all reduce-scatter of the gradient
-    late: tuple = ((), ())  # (AR, RS) axes of R reduced in the backward (Placement.in_backward)
+    backward_reduction: tuple = ((), ())  # (AR, RS) axes of R reduced in the backward
     update: tuple = ()  # deferred update: the gathers stored → params shard (update_stages)
     replay: bool = False  # train.remat=full: each layer's backward replays its forward
     xq_weights: bool = False  # the deferred update's cross-node gather in int8
@@ -117,12 +113,12 @@ class LeafFetch(Int8Copies):
     @classmethod
     def of(cls, pl, lay: LeafLayout) -> "LeafFetch":
         """The fetch of one leaf of a placement (per-layer layout of a stacked leaf)."""
-        late = pl.deferred_reduction(lay) if pl.in_backward(lay) else ((), ())
+        in_bwd = pl.deferred_reduction(lay) if pl.in_backward(lay) else ((), ())
         update = pl.update_stages() if pl.defer_update and lay.dim is not None else ()
         return cls(lay.sliced(), tuple((a, int(n)) for a, n in pl.mesh.shape.items()),
                    pl.batch_axes, pl.params_axes, pl.grads_axes, pl.secondary_axes,
-                   pl.quantize_gather, pl.secondary_int8, pl.quant_block, pl.param_dtype,
-                   pl.grad_accum_dtype, pl.quantize_grads, late, update, pl.replay,
+                   pl.quantize_gather, pl.int8_secondary, pl.quant_block, pl.param_dtype,
+                   pl.grad_accum_dtype, pl.quantize_grads, in_bwd, update, pl.replay,
                    pl.xq_weights, pl.xq_grads, pl.collectives)
 
     @functools.cached_property
@@ -274,7 +270,7 @@ class LeafFetch(Int8Copies):
 
     def expand(self, src):
         """The saved source (stored shard or secondary) → the gather of the full weight (a
-        bucket.Send, or the value when nothing moves); `finish_expand` completes it."""
+        bucket.Send, or the value when nothing moves); `working_weight` completes it."""
         if not self.is_gathered:
             return src
         if self.keeps_int8_gather:
@@ -288,7 +284,7 @@ class LeafFetch(Int8Copies):
             return self.gather(self.maybe_quantize(src, self.quantize_gather, P), P, P)
         return self.gather(src, self.secondary_axes, self.secondary_axes)
 
-    def finish_expand(self, full):
+    def working_weight(self, full):
         """The gathered weight → the full, unpadded working weight, typed as the batch's."""
         full = unpad(self.layout, full.astype(self.dtype))
         return to_varying(full, self.batch_axes)
@@ -296,7 +292,9 @@ class LeafFetch(Int8Copies):
     # ---------------------------------------------------------------- backward
     def slot_axes(self) -> tuple[str, ...]:
         """Batch axes the gradient slot varies over (what is all-reduced is invariant)."""
-        summed = set(self.late[0]) | (set(self.grads_axes) if self.dim is None else set())
+        summed = set(self.backward_reduction[0])
+        if self.dim is None:
+            summed |= set(self.grads_axes)
         return tuple(a for a in self.batch_axes if a not in summed)
 
     def reduce(self, ct):
@@ -330,7 +328,7 @@ class LeafFetch(Int8Copies):
 
     def steps(self) -> list[tuple[str, tuple[str, ...]]]:
         """Every collective of a micro-batch's gradient, in order."""
-        return self.grad_steps() + self.late_steps()
+        return self.grad_steps() + self.backward_reduction_steps()
 
     def grad_steps(self) -> list[tuple[str, tuple[str, ...]]]:
         """(kind, axes) of each collective that reduces a micro-batch's gradient over G: qgZ's
@@ -345,10 +343,10 @@ class LeafFetch(Int8Copies):
             return [("all-to-all", axes) for axes in qgz_stages(G)]
         return [("reduce-scatter", G)]
 
-    def late_steps(self) -> list[tuple[str, tuple[str, ...]]]:
+    def backward_reduction_steps(self) -> list[tuple[str, tuple[str, ...]]]:
         """(kind, axes) of the reduction over R that runs in the backward (Placement.in_backward):
         AR over R − O, then RS over R ∩ O, as the once-per-step reduction would."""
-        ar, rs = self.late
+        ar, rs = self.backward_reduction
         last = [self.cross_node_step(rs)] if rs else []
         return ([("all-reduce", ar)] if ar else []) + last
 
@@ -403,7 +401,7 @@ def expand_all(fs, srcs, ready=None) -> list:
     """Each weight's saved source → its full working weight (bucket.run issues the gathers);
     `ready[i]`: srcs[i] is already the full (padded) weight (hpZ's forward gather)."""
     ready = ready or (False,) * len(fs)
-    return [f.finish_expand(v) for f, v in zip(fs, _run(
+    return [f.working_weight(v) for f, v in zip(fs, _run(
         fs, [src if r else f.expand(src) for f, src, r in zip(fs, srcs, ready)]))]
 
 
@@ -559,11 +557,12 @@ def fetch_leaf(f: LeafFetch, x, slot=None):
     return fetch_tree(f, x, slot)
 
 
-def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...], typed: bool = True):
+def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...],
+              check_vma: bool = True):
     """Zeros shaped like this device's grads shard, typed (under check_vma) as the backward's
     result."""
     z = jnp.zeros(local_shape, jnp.dtype(f.grad_dtype))
-    return to_varying(z, f.slot_axes() + tp_axes) if typed else z
+    return to_varying(z, f.slot_axes() + tp_axes) if check_vma else z
 
 
 __all__ = ["LeafFetch", "fetch_leaf", "fetch_tree", "slot_like", "to_varying", "varying_axes",

@@ -1,11 +1,11 @@
-"""The parallel plan: how one run is cut over its mesh, checked once and resolved into one value.
+"""The parallel layout: how one run is cut over its mesh, checked once and resolved into one value.
 
     check(cfg, mesh)                          every check a parallel layout must pass, as a
                                               one-line ConfigError (pipeline stages, TP cut)
-    resolve(cfg, mesh, abstract_params)       check, then the ParallelPlan
+    resolve(cfg, mesh, abstract_params)       check, then the ParallelLayout
     resolve_layers(cfg, mesh)                 the same for the decoder stack alone (no placement)
 
-A ParallelPlan holds what the step's engine needs that a Config would otherwise give: the model
+A ParallelLayout holds what the step's engine needs that a Config would otherwise give: the model
 config, the mesh, the Placement (roles → axes, per-leaf layouts) and with it the step's
 data-parallel collectives (`collectives()`), the TP context (None without TP), the remat mode,
 the pipeline settings (None without a `stage` mesh axis), micro-batches and whether the step's
@@ -50,7 +50,7 @@ class PipelineSettings:
 
 
 @dataclass(frozen=True)
-class ParallelPlan:
+class ParallelLayout:
     model: Any  # ModelConfig
     mesh: Any
     placement: Optional[Placement]  # None: the decoder stack alone (resolve_layers)
@@ -58,7 +58,7 @@ class ParallelPlan:
     remat: str  # train.remat
     pipeline: Optional[PipelineSettings]  # None: no `stage` mesh axis
     micro_batches: int
-    typed: bool  # the step's shard_map check_vma (False only for interpreted kernels)
+    check_vma: bool  # the step's shard_map's (False only for interpreted kernels)
 
     def ops(self, fetch: Optional[Callable] = None):
         """The forward's ops (layers/forward.py): single-device, or the TP layout's; `fetch`
@@ -78,29 +78,29 @@ class ParallelPlan:
         return remat_wrapper(self.remat, gathers)
 
 
-def _plan(cfg, mesh, placement: Optional[Placement]) -> ParallelPlan:
+def _layout(cfg, mesh, placement: Optional[Placement]) -> ParallelLayout:
     par = cfg.parallel
     pipeline = (PipelineSettings(int(mesh.shape[STAGE]), par.pp_schedule, par.pp_virtual)
                 if STAGE in mesh.shape else None)
-    return ParallelPlan(
+    return ParallelLayout(
         model=cfg.model, mesh=mesh, placement=placement,
         tp=make_context(cfg, mesh) if par.tp_mode != "none" else None,
         remat=cfg.train.remat, pipeline=pipeline, micro_batches=cfg.train.micro_batches,
-        typed=check_vma(cfg))
+        check_vma=check_vma(cfg))
 
 
-def resolve(cfg, mesh, abstract_params=None) -> ParallelPlan:
-    """`check`, then the plan; with `abstract_params` (pure dict of shapes) its placement
+def resolve(cfg, mesh, abstract_params=None) -> ParallelLayout:
+    """`check`, then the layout; with `abstract_params` (pure dict of shapes) its placement
     carries the per-leaf layouts the engine needs."""
     check(cfg, mesh)
-    return _plan(cfg, mesh, make_placement(cfg, mesh, abstract_params))
+    return _layout(cfg, mesh, make_placement(cfg, mesh, abstract_params))
 
 
-def resolve_layers(cfg, mesh) -> ParallelPlan:
-    """`check`, then the plan of the decoder stack alone (analysis/tp_layers.py): no placement,
+def resolve_layers(cfg, mesh) -> ParallelLayout:
+    """`check`, then the layout of the decoder stack alone (analysis/tp_layers.py): no placement,
     no weight gathers."""
     check(cfg, mesh)
-    return _plan(cfg, mesh, None)
+    return _layout(cfg, mesh, None)
 
 
-__all__ = ["check", "resolve", "resolve_layers", "ParallelPlan", "PipelineSettings"]
+__all__ = ["check", "resolve", "resolve_layers", "ParallelLayout", "PipelineSettings"]

@@ -76,14 +76,14 @@ def order_axes(roles: Sequence[Sequence[str]], dp_axes: Sequence[str]) -> tuple[
 @dataclass
 class Placement(Int8Copies):
     mesh: Any
-    plan: str
+    preset: str  # parallel.plan: the preset the roles start from
     batch_axes: tuple[str, ...]
     params_axes: tuple[str, ...]
     grads_axes: tuple[str, ...]
     opt_state_axes: tuple[str, ...]
     tp_axes: tuple[str, ...] = ()
     secondary_axes: Optional[tuple[str, ...]] = None  # None: no secondary partition
-    secondary_int8: bool = False
+    int8_secondary: bool = False  # the secondary copy is int8 (secondary_dtype=int8, or qwZ)
     quantize_gather: bool = False
     quant_block: int = 256
     deferred_axes: tuple[str, ...] = ()  # R: batch axes the per-micro-batch grads stay unreduced on
@@ -161,7 +161,7 @@ class Placement(Int8Copies):
         return jax.tree_util.tree_map_with_path(one, opt_state)
 
     # ------------------------------------------------------------------ the gradient's path
-    def explicit(self, lay: LeafLayout) -> bool:
+    def reduces_into_opt_state(self, lay: LeafLayout) -> bool:
         """Whether the opt_state shard of `lay` is a reduce-scatter over R ∩ O of its grads
         shard (true for every preset: the canonical axis order nests the roles)."""
         if lay.dim is None:
@@ -173,7 +173,7 @@ class Placement(Int8Copies):
         """(all-reduce axes, reduce-scatter axes) of the reduction of one leaf's gradient over
         the deferred axes R: once per step, or per layer with `reduce_in_backward`."""
         R = self.deferred_axes
-        if lay.dim is None or not self.explicit(lay):
+        if lay.dim is None or not self.reduces_into_opt_state(lay):
             return R, ()
         rs = tuple(a for a in R if a in self.opt_state_axes)
         return tuple(a for a in R if a not in rs), rs
@@ -194,11 +194,11 @@ class Placement(Int8Copies):
 
     # ------------------------------------------------------------------ reporting
     def describe(self) -> dict:
-        return {"plan": self.plan, "batch": list(self.batch_axes),
+        return {"plan": self.preset, "batch": list(self.batch_axes),
                 "params": list(self.params_axes), "grads": list(self.grads_axes),
                 "opt_state": list(self.opt_state_axes), "tp": list(self.tp_axes),
                 "secondary": None if self.secondary_axes is None else list(self.secondary_axes),
-                "secondary_int8": self.secondary_int8, "quantize_gather": self.quantize_gather,
+                "int8_secondary": self.int8_secondary, "quantize_gather": self.quantize_gather,
                 "quantize_grads": self.quantize_grads,
                 "deferred_grad_axes": list(self.deferred_axes),
                 "reduce_in_backward": self.reduce_in_backward,

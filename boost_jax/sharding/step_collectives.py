@@ -225,7 +225,7 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     ar, rs = pl.deferred_reduction(lay)
     per_layer, calls, phase = (1, layers, "dp") if pl.in_backward(lay) else (layers, 1, "step")
     payload = psi * per_layer * a / (f.n(pl.grads_axes) if lay.dim is not None else 1)
-    i = len(f.grad_steps())  # reduce_all's round of each step (the late ones follow G's)
+    i = len(f.grad_steps())  # reduce_all's round of each step (R's in the backward after G's)
     add("reduce", "all-reduce", ar, payload, calls, phase, i)
     step = f.cross_node_step(rs) if rs and lay.dim is not None else ("reduce-scatter", rs)
     if step[0] == "all-to-all":  # quantized across nodes (parallel.quantize_cross_node_grads)

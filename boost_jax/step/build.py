@@ -50,11 +50,11 @@ from boost_jax.step.optim import check_factoring, lr_schedule, make_optimizer
 
 def model_factory(cfg: Config) -> Callable[[], nnx.Module]:
     """() -> the model, built in place (traceable: usable under jit and nnx.eval_shape)."""
-    from boost_jax.layers.model import LlamaModel
+    from boost_jax.layers.model import CausalLM
 
     def make():
         cfg.model.validate()
-        return LlamaModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.train.remat,
+        return CausalLM(cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.train.remat,
                           scan_layers=cfg.train.scan_layers)
 
     return make
@@ -201,16 +201,16 @@ def make_init(cfg: Config, pl: Placement, tx, state_sh) -> Callable:
 
 
 def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepBundle:
-    """The plan's StepBundle, built from the ParallelPlan resolved once here (its checks fail
+    """The plan's StepBundle, built from the ParallelLayout resolved once here (its checks fail
     before anything is built; nothing compiles until the first call). `compiler_options` go
     to the train/eval jits (tests pass boost_jax.backends.cpu.fast_compile_options() to cut
     CPU compile time ~4x); the one-off init program always compiles with the fast options."""
-    plan = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])  # one-line ConfigErrors first
-    pl = plan.placement
+    layout = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])  # one-line ConfigErrors first
+    pl = layout.placement
     check_factoring(cfg.optim, pl.layouts)
     tx = make_optimizer(cfg.optim, cfg.train.steps)
     abstract_state, state_sh = state_layout(pl, tx, jnp.dtype(cfg.model.param_dtype))
-    engine = Engine(plan)
+    engine = Engine(layout)
     batch_sh, rep = pl.batch_sharding(), pl.replicated()
     copts = dict(compiler_options or {}) or None
     train_step = jax.jit(make_step_fn(cfg, pl, engine, tx), in_shardings=(state_sh, batch_sh),

@@ -22,7 +22,7 @@ sharding/step_collectives.py (two_level / auto: as rank-aligned stages over `glo
 the node, sharding/two_level.py). Each device differentiates its rows' mean CE / (data-parallel
 devices × micro-batches), so the reductions sum to the gradient of the global mean. GSPMD only
 places the step's inputs and outputs; the optimizer (step/build.py) runs on the opt_state
-shards. Engine(plan) takes the resolved ParallelPlan (sharding/parallel.py), never the Config.
+shards. Engine(layout) takes the resolved ParallelLayout (sharding/parallel.py), never the Config.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from boost_jax.sharding.deferred import deferred_layers
 from boost_jax.sharding.hpz import hpz_layers
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
 from boost_jax.sharding import two_level
-from boost_jax.sharding.parallel import ParallelPlan
+from boost_jax.sharding.parallel import ParallelLayout
 from boost_jax.step.pipeline import Pipeline
 
 
@@ -55,31 +55,32 @@ def _tp_axes(lay: LeafLayout) -> tuple[str, ...]:
 
 @dataclass
 class Engine:
-    """The step's loss and gradient programs for one resolved plan (sharding/parallel.py)."""
+    """The step's loss and gradient programs for one ParallelLayout (sharding/parallel.py)."""
 
-    plan: ParallelPlan
+    layout: ParallelLayout
 
     def __post_init__(self):
-        plan, placement = self.plan, self.plan.placement
-        self.mesh, self.placement = plan.mesh, placement
+        layout, placement = self.layout, self.layout.placement
+        self.mesh, self.placement = layout.mesh, placement
         self.n_batch = axis_size(self.mesh, placement.batch_axes)
         self.fetches = jax.tree.map(lambda lay: LeafFetch.of(placement, lay), placement.layouts,
                                     is_leaf=is_layout)
         gathers = any(f.is_gathered for f in jax.tree.leaves(
             self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch)))
         # the micro-batches before the last accumulate over the grads axes only
-        self.early = jax.tree.map(lambda f: dataclasses.replace(f, late=((), ())), self.fetches,
-                                  is_leaf=lambda v: isinstance(v, LeafFetch))
+        self.early = jax.tree.map(
+            lambda f: dataclasses.replace(f, backward_reduction=((), ())), self.fetches,
+            is_leaf=lambda v: isinstance(v, LeafFetch))
         self.active = self.fetches
-        self.checkpoint = plan.checkpoint(gathers)
+        self.checkpoint = layout.checkpoint(gathers)
         if any(f.is_gathered and f.hpz for f in jax.tree.leaves(
                 self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch))):
             self.checkpoint = hpz_layers  # one forward gather per layer (sharding/hpz.py)
-        self.ops = plan.ops(self.fetch)
-        self.typed = plan.typed
+        self.ops = layout.ops(self.fetch)
+        self.check_vma = layout.check_vma
         self.tp_size = axis_size(self.mesh, placement.tp_axes)
-        self.pipeline = None if plan.pipeline is None else Pipeline(
-            plan.pipeline, plan.model, self.ops, self.checkpoint, self.slots, self.typed)
+        self.pipeline = None if layout.pipeline is None else Pipeline(
+            layout.pipeline, layout.model, self.ops, self.checkpoint, self.slots, self.check_vma)
 
     # ------------------------------------------------------------------ per-device pieces
     def fetch(self, stored, slots, path):
@@ -88,18 +89,18 @@ class Engine:
             fs = fs[k]
         return fetch_tree(fs, stored, slots)
 
-    def slots(self, late: bool = True):
+    def slots(self, last: bool = True):
         """Zero gradient slots: this device's shard of every leaf's gradient — the grads
-        shard, or the opt_state shard when the backward reduces it over R (`late`: the
+        shard, or the opt_state shard when the backward reduces it over R (`last`: the
         last, or only, micro-batch) — typed as the gradient."""
         pl = self.placement
 
         def one(lay, f):
-            rs = pl.deferred_reduction(lay)[1] if late and pl.in_backward(lay) else ()
+            rs = pl.deferred_reduction(lay)[1] if last and pl.in_backward(lay) else ()
             return slot_like(f, lay.local_shape(self.mesh, tuple(pl.grads_axes) + rs),
-                             _tp_axes(lay), self.typed)
+                             _tp_axes(lay), self.check_vma)
 
-        fetches = self.fetches if late else self.early
+        fetches = self.fetches if last else self.early
         return jax.tree.map(one, pl.layouts, fetches, is_leaf=is_layout)
 
     def reduce_deferred(self, lay: LeafLayout, acc, f: LeafFetch):
@@ -121,7 +122,7 @@ class Engine:
         return acc
 
     def local_loss(self, params, batch, slots=None, checkpoint=None):
-        return forward.loss(self.ops, self.plan.model, params, batch, slots,
+        return forward.loss(self.ops, self.layout.model, params, batch, slots,
                             checkpoint or self.checkpoint)
 
     # ------------------------------------------------------------------ deferred update
@@ -174,7 +175,7 @@ class Engine:
         params = jax.tree.map(lambda l: l.spec(placement.stored_axes), placement.layouts,
                               is_leaf=is_layout)
         grads = jax.tree.map(
-            lambda l: l.spec(placement.opt_state_axes if placement.explicit(l)
+            lambda l: l.spec(placement.opt_state_axes if placement.reduces_into_opt_state(l)
                              else placement.grads_axes),
             placement.layouts, is_leaf=is_layout)
         rows = P(spec_entry(placement.batch_axes))
@@ -182,13 +183,13 @@ class Engine:
 
     def smap(self, body, in_specs, out_specs):
         return jax.shard_map(body, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs,
-                             check_vma=self.typed)
+                             check_vma=self.check_vma)
 
     def grads_fn(self, micro: int) -> Callable:
         """(params, batch) -> (mean loss, gradient in the opt_state sharding, accum dtype)."""
-        if micro != self.plan.micro_batches:  # the placement's gradient path depends on it
-            raise ValueError(f"grads_fn({micro}) on a plan resolved for "
-                             f"train.micro_batches={self.plan.micro_batches}")
+        if micro != self.layout.micro_batches:  # the placement's gradient path depends on it
+            raise ValueError(f"grads_fn({micro}) on a layout resolved for "
+                             f"train.micro_batches={self.layout.micro_batches}")
         pspec, bspec, gspec = self.specs()
         scale = 1.0 / (self.n_batch * micro)
         acc_dtype = jnp.dtype(self.placement.grad_accum_dtype)
@@ -203,10 +204,10 @@ class Engine:
                 loss, acc = self.micro_loop(params, mb, scale, micro)
             grads = jax.tree.map(self.reduce_deferred, self.placement.layouts, acc,
                                  self.fetches, is_leaf=is_layout)
-            if not self.typed:
+            if not self.check_vma:
                 grads = cpu_backend.untyped_tp_grads(grads, self.placement.layouts,
                                                      self.placement.tp_axes, self.tp_size)
-            return self.total(loss), grads
+            return self.sum_over_devices(loss), grads
 
         return self.smap(body, (pspec, bspec), (P(), gspec))
 
@@ -216,7 +217,7 @@ class Engine:
         whose backward adds their gradient before reducing each layer's over R."""
         acc_dtype = jnp.dtype(self.placement.grad_accum_dtype)
         k = micro
-        late = k == 1 or not self.placement.reduce_in_backward  # no last one to peel off
+        peel_last = k > 1 and self.placement.reduce_in_backward  # the last runs apart
 
         def add(acc, g):
             return jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc, g)
@@ -224,22 +225,22 @@ class Engine:
         def one(params, acc, b):
             p = self.barrier(params, b["inputs"])
             loss, g = jax.value_and_grad(
-                lambda s: self.local_loss(p, b, s) * scale)(self.slots(late))
+                lambda s: self.local_loss(p, b, s) * scale)(self.slots(not peel_last))
             return add(acc, g), loss
 
-        self.active = self.fetches if late else self.early
-        acc, loss, p, start = self.slots(late), 0.0, params, 0
+        self.active = self.early if peel_last else self.fetches
+        acc, loss, p, start = self.slots(not peel_last), 0.0, params, 0
         if self.placement.defer_update:  # micro-batch 0 gathers the stored weights
             loss, g, p = self.first_micro_batch(params, jax.tree.map(lambda x: x[0], mb),
                                                 scale, micro)
             acc, start = add(acc, g), 1
-        stop = k if late else k - 1
+        stop = k - 1 if peel_last else k
         if stop > start:
             acc, losses = jax.lax.scan(lambda a, b: one(p, a, b), acc,
                                        jax.tree.map(lambda x: x[start:stop], mb))
             loss = loss + jnp.sum(losses)
         self.active = self.fetches
-        if not late:
+        if peel_last:
             lloss, acc = self.last_micro_batch(p, jax.tree.map(lambda x: x[k - 1], mb), acc,
                                                scale)
             loss = loss + lloss
@@ -290,7 +291,7 @@ class Engine:
         axes, and a TP-replicated weight must stay invariant over TP."""
         return jax.tree.map(lambda x: jax.lax.optimization_barrier((x, anchor))[0], params)
 
-    def total(self, loss):
+    def sum_over_devices(self, loss):
         """Σ of per-device scaled losses over the data-parallel devices (identical over TP;
         with pipeline stages only the last stage's is not zero)."""
         axes = self.placement.batch_axes + ((STAGE,) if self.pipeline is not None else ())
@@ -304,11 +305,11 @@ class Engine:
             if self.pipeline is not None:
                 mb = jax.tree.map(lambda x: x[None], batch)
                 loss, _ = self.pipeline.run(params, mb, self.barrier, 1.0 / self.n_batch, False)
-                return self.total(loss)
+                return self.sum_over_devices(loss)
             if self.placement.defer_update:
                 first = deferred_layers(self.checkpoint, False)
-                return self.total(self.local_loss(self.ends_to_params(params), batch, None,
-                                                  first) / self.n_batch)
-            return self.total(self.local_loss(params, batch) / self.n_batch)
+                loss = self.local_loss(self.ends_to_params(params), batch, None, first)
+                return self.sum_over_devices(loss / self.n_batch)
+            return self.sum_over_devices(self.local_loss(params, batch) / self.n_batch)
 
         return self.smap(body, (pspec, bspec), P())

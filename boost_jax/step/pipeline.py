@@ -131,15 +131,15 @@ def send(tree, stages: int, step: int, cyclic: bool = False):
 class Pipeline:
     """The loss and gradient of one device's stage over a schedule (used by step/engine.py).
 
-    `settings` the plan's pipeline (sharding/parallel.py); the stage forward's pieces: `model`
+    `settings` the layout's pipeline (sharding/parallel.py); the stage forward's pieces: `model`
     the model config, `ops` the forward's ops (weights fetched), `checkpoint` the per-layer
-    remat wrapper, `slots()` zero gradient slots, `typed` whether the step's shard_map is
-    typed (check_vma)."""
+    remat wrapper, `slots()` zero gradient slots, `check_vma` the step's shard_map's
+    flag (whether JAX types values as varying or invariant)."""
 
     def __init__(self, settings: PipelineSettings, model, ops, checkpoint: Callable,
-                 slots: Callable, typed: bool):
+                 slots: Callable, check_vma: bool):
         self.model, self.ops, self.checkpoint = model, ops, checkpoint
-        self.slots, self.typed = slots, typed
+        self.slots, self.check_vma = slots, check_vma
         self.n_stages = settings.stages
         self.n_layers = model.n_layers
         self.virtual = settings.virtual
@@ -167,7 +167,7 @@ class Pipeline:
             first = (stage == 0) & (v == 0)
             h = jnp.where(first, h, x[0])
             prev = jax.tree.map(lambda a, b: jnp.where(first, a, b), prev, x[1])
-        elif self.typed:  # typing only (zeros_like_outputs): latents pass stage-varying weights
+        elif self.check_vma:  # typing only (zeros_like_outputs): latents pass stage-varying weights
             prev = jax.tree.map(lambda a: to_varying(a, (STAGE,)), prev)
         active = (v * self.n_stages + stage) * k + jnp.arange(k) < self.n_layers
         h, prev = forward.run_blocks(ops, model, p["blocks"], part("blocks"), h, positions,
@@ -179,7 +179,7 @@ class Pipeline:
         """Zero (activation, latents) and loss typed as the stage forward's outputs."""
         def typed(sds):
             z = jnp.zeros(sds.shape, sds.dtype)
-            return to_varying(z, tuple(_varying(sds))) if self.typed else z
+            return to_varying(z, tuple(_varying(sds))) if self.check_vma else z
 
         x = prev_out = None
         for _ in range(3):  # the carry's type: a fixed point of the stage forward

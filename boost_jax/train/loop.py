@@ -194,7 +194,7 @@ def _build(cfg: Config, out_dir: str, pid: int, nproc: int, compiler_options: Op
     from boost_jax.data import build_data
 
     mesh = mesh_from_config(cfg)
-    # the parallel plan's checks (TP cut, pipeline split, batch over the data-parallel
+    # the parallel layout's checks (TP cut, pipeline split, batch over the data-parallel
     # devices) fail before reading data; build_step is lazy: jax.jit compiles on first call
     copts = _compiler_options(compiler_options)
     bundle = build_step(cfg, mesh, copts) if copts else build_step(cfg, mesh)

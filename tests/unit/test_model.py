@@ -1,4 +1,4 @@
-"""LlamaModel: shapes, scan == loop, remat invariance, bf16 vs fp32, param count.
+"""CausalLM: shapes, scan == loop, remat invariance, bf16 vs fp32, param count.
 
 Most tests fill an abstract model with NumPy values (no init program to compile) and jit with
 fast_compile_options(); XLA CPU compile time dominates this file.
@@ -16,7 +16,7 @@ from flax import nnx
 from boost_jax.analysis.flops import param_count
 from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
-from boost_jax.layers.model import (LATENT_KEYS, LlamaModel, abstract_model, build_model,
+from boost_jax.layers.model import (LATENT_KEYS, CausalLM, abstract_model, build_model,
                                     count_params)
 
 from weights import random_weights
@@ -202,4 +202,4 @@ def test_tied_embeddings_and_bad_remat():
     np.testing.assert_array_equal(np.asarray(model.head_weight()),
                                   np.asarray(model.embed.embedding[...]).T)
     with pytest.raises(ValueError, match="remat"):
-        LlamaModel(cfg, rngs=nnx.Rngs(0), remat="some")
+        CausalLM(cfg, rngs=nnx.Rngs(0), remat="some")

@@ -1,4 +1,4 @@
-"""The parallel plan (boost_jax/sharding/parallel.py): checked once, resolved into one value that
+"""The parallel layout (boost_jax/sharding/parallel.py): checked once, resolved into one value that
 the engine and the pipeline take instead of the Config."""
 
 import ast
@@ -60,12 +60,12 @@ def test_resolve_rejects_a_bad_pipeline_split(mesh):
 def test_resolve_holds_what_the_engine_needs(mesh):
     cfg = _cfg("parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.arch=cola",
                "train.micro_batches=2", "train.remat=lowrank")
-    plan = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])
-    assert plan.model is cfg.model and plan.mesh is mesh
-    assert plan.placement.layouts is not None and plan.placement.tp_axes == ("pair",)
-    assert plan.tp.mode == "btp" and plan.tp.t == 2 and isinstance(plan.ops(), BTPOps)
-    assert (plan.remat, plan.micro_batches, plan.pipeline) == ("lowrank", 2, None)
-    assert plan.typed == cpu_backend.check_vma(cfg)
+    layout = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])
+    assert layout.model is cfg.model and layout.mesh is mesh
+    assert layout.placement.layouts is not None and layout.placement.tp_axes == ("pair",)
+    assert layout.tp.mode == "btp" and layout.tp.t == 2 and isinstance(layout.ops(), BTPOps)
+    assert (layout.remat, layout.micro_batches, layout.pipeline) == ("lowrank", 2, None)
+    assert layout.check_vma == cpu_backend.check_vma(cfg)
     local = parallel.resolve(_cfg(), mesh)
     assert local.tp is None and isinstance(local.ops(), forward.Local)
     assert parallel.resolve_layers(cfg, mesh).placement is None
@@ -75,7 +75,7 @@ def test_engine_and_pipeline_take_no_config():
     def params(f):
         return inspect.signature(f).parameters
 
-    assert list(params(Engine)) == ["plan"]
+    assert list(params(Engine)) == ["layout"]
     for name, p in {**params(Engine), **params(Pipeline),
                     **params(cpu_backend.untyped_tp_grads)}.items():
         assert name not in ("cfg", "config", "engine"), name
@@ -100,12 +100,12 @@ def test_validate_tp_is_called_from_parallel_check_only():
 
 
 def test_the_plan_lists_the_collectives_the_formulas_count(mesh):
-    """plan.collectives() is the list sharding/formulas.py sums: the same bytes per level."""
+    """layout.collectives() is the list sharding/formulas.py sums: the same bytes per level."""
     from boost_jax.sharding import formulas, step_collectives
 
     cfg = _cfg("parallel.plan=hierarchical", "train.micro_batches=2", "train.global_batch=16")
-    plan = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])
-    got = step_collectives.bytes_by_level(plan.collectives())
-    want = formulas.comm_per_step(plan.placement, 2, tied=cfg.model.tie_embeddings)
+    layout = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])
+    got = step_collectives.bytes_by_level(layout.collectives())
+    want = formulas.comm_per_step(layout.placement, 2, tied=cfg.model.tie_embeddings)
     assert got and all(got[k] == pytest.approx(want[k]) for k in got), (got, want)
-    assert any(c.kind == "all-gather" for c in plan.collectives())
+    assert any(c.kind == "all-gather" for c in layout.collectives())

@@ -25,7 +25,7 @@ from boost_jax.config import Config, ModelConfig, ParallelConfig
 from boost_jax.errors import ConfigError
 from boost_jax.layers import forward
 from boost_jax.layers.attention import SCORES
-from boost_jax.layers.model import LlamaModel
+from boost_jax.layers.model import CausalLM
 from boost_jax.layers.norms import layer_norm, rms_norm
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding.layout import pad_tree, unpad_tree
@@ -365,7 +365,7 @@ def test_param_specs_per_mode():
 def test_param_specs_unstacked():
     cfg = make_cfg("btp", "cola", AXES[2], model=WIDE)
     cfg.train.scan_layers = False
-    model = nnx.eval_shape(lambda: LlamaModel(cfg.model, rngs=nnx.Rngs(0), scan_layers=False))
+    model = nnx.eval_shape(lambda: CausalLM(cfg.model, rngs=nnx.Rngs(0), scan_layers=False))
     specs = tp_param_specs(cfg, nnx.to_pure_dict(nnx.split(model, nnx.Param)[1]))
     assert specs["blocks"][1]["attn"]["q"]["a"] == P(("pair",), None)
 

@@ -104,7 +104,7 @@ class BTPOps(TPOps):
         """σ, then the column-parallel B projections as one batched GEMM. The σ'd latents enter
         per-rank compute through ONE pcast, so backward all-reduces the group's cotangent once."""
         ctx = self.ctx
-        a = latent_activation(ctx.kind, jnp.concatenate(zs, axis=-1) if len(zs) > 1 else zs[0])
+        a = latent_activation(ctx.arch, jnp.concatenate(zs, axis=-1) if len(zs) > 1 else zs[0])
         a = to_varying(ctx, a)
         if len(zs) == 1:
             return [matmul(a, ws[0], ctx.dtype)]

@@ -30,7 +30,7 @@ from boost_jax.sharding.gather import to_varying as _to_varying
 @dataclass(frozen=True)
 class TPContext:
     mode: str  # megatron | vanilla | btp
-    kind: str  # model arch: full | svd | cola | lax
+    arch: str  # model.arch: full | svd | cola | lax
     axes: tuple[str, ...]  # TP mesh axes
     t: int  # TP degree
     d: int
@@ -39,21 +39,21 @@ class TPContext:
     dtype: jnp.dtype  # compute dtype
     tie: bool
     kernels: str  # resolved implementation of the fused kernels: xla | pallas
-    typed: bool = True  # check_vma (False only for interpreted kernels: backends/cpu.py)
+    check_vma: bool = True  # shard_map flag (False only for interpreted kernels: backends/cpu.py)
     latent_keys: tuple = ()  # LaX: the latents a block passes on (layers/forward.latent_keys)
 
     @property
     def lax(self) -> bool:
-        return self.kind == "lax"
+        return self.arch == "lax"
 
 
 def make_context(cfg, mesh) -> TPContext:
     m, par = cfg.model, cfg.parallel
     axes = tuple(par.tp_axes)
     return TPContext(
-        mode=par.tp_mode, kind=m.arch, axes=axes, t=axis_size(mesh, axes),
+        mode=par.tp_mode, arch=m.arch, axes=axes, t=axis_size(mesh, axes),
         d=m.d_model, r=m.r, eps=m.norm_eps, dtype=jnp.dtype(m.dtype), tie=m.tie_embeddings,
-        kernels=dispatch.resolve(par.kernels), typed=check_vma(cfg),
+        kernels=dispatch.resolve(par.kernels), check_vma=check_vma(cfg),
         latent_keys=latent_keys(m))
 
 
@@ -79,7 +79,7 @@ def all_gather(ctx: TPContext, x, axis: int):
     """Tiled all-gather over the TP axes with a replicated (invariant) result: its transpose
     is this rank's slice of the cotangent, with no communication. (Untyped, the plain
     all-gather, whose transpose is the reduce-scatter an untyped cotangent needs.)"""
-    to = "invarying" if ctx.typed else "varying"
+    to = "invarying" if ctx.check_vma else "varying"
     return jax.lax.all_gather(x, ctx.axes, axis=axis % x.ndim, tiled=True, to=to)
 
 

@@ -39,7 +39,7 @@ class VanillaOps(TPOps):
             lat = lax_cross(all_gather(ctx, z, axis=-1), prev, p, ctx.eps)
             z = local_slice(ctx, lat, axis=-1)
         z = name_latent(z)
-        y = psum(ctx, matmul(latent_activation(ctx.kind, z), p["b"], ctx.dtype))
+        y = psum(ctx, matmul(latent_activation(ctx.arch, z), p["b"], ctx.dtype))
         return name_reduced(y), lat
 
     def project_in(self, h, norm, projs, prevs):
