@@ -9,7 +9,7 @@ a node of D devices and G nodes, the bytes across nodes are k·8Ψ·(N−1)/N fo
 
 Memory per device (stored state + the accumulator + saved secondaries):
     weights Ψw/|params| (|opt| with a deferred update: Placement.stored_axes)
-    master  4Ψ/|opt| (bf16 weights only)      adam 8Ψ/|opt|
+    master  4Ψ/|opt| (bf16 weights only)      adam 4mΨ/|opt| (m moments: optim.name)
     grads   Ψa/|grads|    (k = 1, no pipeline, the layer stack: Ψa/|grads ∪ (R ∩ opt)|,
                           Placement.accum_axes)
     secondary Ψw/|S| or q(Ψ)/|S| of the layer stack (kept from forward to backward)
@@ -61,7 +61,8 @@ def memory_per_device(pl) -> dict:
         def share(axes, numel):
             return numel / (axis_size(mesh, axes) if sharded else 1)
 
-        roles = {"weights": (pl.stored_axes, w), "adam": (pl.opt_state_axes, 8),
+        roles = {"weights": (pl.stored_axes, w), "adam": (pl.opt_state_axes,
+                                                             4 * pl.opt_state_per_param),
                  "grads": (pl.accum_axes(lay), a)}
         if mixed:
             roles["master"] = (pl.opt_state_axes, 4)
