@@ -46,7 +46,7 @@ def config(*extra):
 
 def formula_global(cfg, mesh) -> float:
     """Cross-node bytes per device per step of the plan's collectives (formulas.py)."""
-    pl = make_placement(cfg, mesh, abstract_params(cfg)[1])
+    pl = make_placement(cfg, mesh, abstract_params(cfg.model, cfg.train)[1])
     return comm_per_step(pl, cfg.train.micro_batches, tied=cfg.model.tie_embeddings)["global"]
 
 

@@ -71,7 +71,7 @@ def framework_step(cfg, batch):
 
 def hand_step(cfg, batch):
     """The minimal step: what one would write by hand with flax + optax."""
-    model = model_factory(cfg)()
+    model = model_factory(cfg.model, cfg.train)()
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
     tx = optax.chain(optax.clip_by_global_norm(cfg.optim.clip_norm),

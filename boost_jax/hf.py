@@ -383,15 +383,14 @@ def init_state_from(bundle, state: dict, path: str) -> dict:
 
     from boost_jax.sharding.layout import pad_tree
 
-    cfg = bundle.cfg
-    params = load_init(path, cfg.model, cfg.train.scan_layers)
+    params = load_init(path, bundle.model, bundle.train.scan_layers)
     lay = bundle.placement.layouts
 
     def put(dtype, shardings):
         cast = lambda p: pad_tree(lay, jax.tree.map(lambda x: x.astype(dtype), p))  # noqa: E731
         return jax.jit(cast, out_shardings=shardings)(params)
 
-    state = dict(state, params=put(jnp.dtype(cfg.model.param_dtype),
+    state = dict(state, params=put(jnp.dtype(bundle.model.param_dtype),
                                    bundle.state_shardings["params"]))
     if "master" in state:
         state["master"] = put(jnp.float32, bundle.state_shardings["master"])

@@ -60,7 +60,7 @@ def layers_program(cfg, mesh, batch: int, seq: int, backward: bool = False):
     forward+backward (blocks, h, cotangent) -> (dblocks, dh) via jax.vjp. Lower with
     `fn.lower(*args)` under `jax.set_mesh(mesh)`; no real arrays are needed."""
     fn = layers_fn(cfg, mesh)
-    blocks = abstract_params(cfg)[1]["blocks"]
+    blocks = abstract_params(cfg.model, cfg.train)[1]["blocks"]
     specs = tp_param_specs(cfg, {"blocks": blocks})["blocks"]
     blocks = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
         x.shape, x.dtype, sharding=NamedSharding(mesh, s)), blocks, specs)
@@ -87,7 +87,7 @@ def block_saved_residuals(cfg, mesh, batch: int, seq: int) -> list[tuple[str, in
 
     layout = parallel.resolve_layers(cfg, mesh)
     blocks = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
-                          abstract_params(cfg)[1]["blocks"])
+                          abstract_params(cfg.model, cfg.train)[1]["blocks"])
     specs = tp_param_specs(cfg, {"blocks": blocks})["blocks"]
     hspec = residual_spec(cfg)
     buf = io.StringIO()

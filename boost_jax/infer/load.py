@@ -92,7 +92,7 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
     from boost_jax.step.build import abstract_params
 
     sharding = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
-    _, logical = abstract_params(cfg)
+    _, logical = abstract_params(cfg.model, cfg.train)
     dtype = cfg.model.param_dtype
     want = {"params": jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, dtype, sharding=sharding), logical)}

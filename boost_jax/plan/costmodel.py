@@ -79,7 +79,7 @@ def abstract_param_shapes(cfg):
     if key not in _ABSTRACT_CACHE:
         from boost_jax.step.build import abstract_params
 
-        _ABSTRACT_CACHE[key] = abstract_params(cfg)[1]
+        _ABSTRACT_CACHE[key] = abstract_params(cfg.model, cfg.train)[1]
     return _ABSTRACT_CACHE[key]
 
 

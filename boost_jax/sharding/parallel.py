@@ -1,7 +1,9 @@
 """The parallel layout: how one run is cut over its mesh, checked once and resolved into one value.
 
     check(cfg, mesh)                          every check a parallel layout must pass, as a
-                                              one-line ConfigError (pipeline stages, TP cut)
+                                              one-line ConfigError (the parallel section,
+                                              pipeline stages, TP cut): the only caller of
+                                              stages.validate and tp.specs.validate_tp
     resolve(cfg, mesh, abstract_params)       check, then the ParallelLayout
     resolve_layers(cfg, mesh)                 the same for the decoder stack alone (no placement)
 
@@ -33,10 +35,11 @@ from boost_jax.sharding.tp.specs import MODES, validate_tp
 
 def check(cfg, mesh) -> None:
     """Raise a one-line ConfigError if the model or the run can't take the parallel layout:
-    the pipeline split (parallel.pp_stages > 1), then the TP cut. `mesh` may be a stand-in
-    carrying only axis names and sizes (plan/costmodel.SizesMesh)."""
-    if cfg.parallel.pp_stages > 1:
-        stages.validate(cfg)
+    the parallel section on its own (the same check config loading runs, so a config edited
+    after loading is caught too), the pipeline split, then the TP cut. `mesh` may be a
+    stand-in carrying only axis names and sizes (plan/costmodel.SizesMesh)."""
+    cfg.parallel.validate()
+    stages.validate(cfg)
     validate_tp(cfg, mesh)
 
 

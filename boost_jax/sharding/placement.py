@@ -308,9 +308,6 @@ def _quantize_grads_role(par, preset: dict, grads: tuple) -> bool:
 def resolve_roles(cfg) -> dict:
     """Role → axes (unordered) after presets, overrides and TP exclusion; validated."""
     par = cfg.parallel
-    if par.plan not in PRESETS:
-        raise ConfigError(f"parallel.plan={par.plan!r} is not available; choose one of "
-                          f"{sorted(PRESETS)}")
     tp = tuple(par.tp_axes)
     dp = dp_axes_of(tp)
     preset = PRESETS[par.plan]
@@ -372,7 +369,6 @@ def collapsed_roles(cfg, roles: dict) -> Optional[str]:
 def make_placement(cfg, mesh, abstract_params=None) -> Placement:
     """The plan's Placement; with `abstract_params` (pure dict of shapes) it carries layouts."""
     par = cfg.parallel
-    stages.validate(cfg)
     r = resolve_roles(cfg)
     tp, dp = r["tp"], r["dp"]
     deferred = tuple(a for a in r["batch"] if a not in r["grads"])

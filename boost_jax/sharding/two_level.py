@@ -37,7 +37,6 @@ from boost_jax.backends.cpu import all_gather_bits
 from boost_jax.mesh import level_of
 from boost_jax.names import STAGE_AXIS
 
-MODES = ("flat", "two_level", "auto")
 OUTER = ("global", STAGE_AXIS)  # axes whose groups cross hosts
 SPLIT_KINDS = ("all-gather", "reduce-scatter", "all-reduce")
 
@@ -52,8 +51,6 @@ class Policy:
 
     @classmethod
     def of(cls, mode: str, mesh_shape, topology=None) -> "Policy":
-        if mode not in MODES:
-            raise ValueError(f"parallel.collectives={mode!r}: choose one of {list(MODES)}")
         links = () if topology is None else tuple(
             (lv, float(topology.latency(lv)), float(topology.bandwidth(lv)))
             for lv in ("pair", "node", "global"))
@@ -192,5 +189,5 @@ def psum_scatter(x, axes, dim: int, policy: Policy = FLAT):
     return jnp.moveaxis(y, 0, dim)
 
 
-__all__ = ["MODES", "Policy", "FLAT", "all_gather", "reduce_scatter", "all_reduce",
+__all__ = ["Policy", "FLAT", "all_gather", "reduce_scatter", "all_reduce",
            "tiled_all_gather", "psum_scatter"]

@@ -38,7 +38,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from boost_jax.backends.cpu import fast_compile_options, reshard_bits
-from boost_jax.config import Config
+from boost_jax.config import ModelConfig, OptimConfig, TrainConfig
 from boost_jax.sharding.layout import is_layout, pad_tree, unpad_tree
 from boost_jax.sharding import parallel
 from boost_jax.sharding import step_two_level
@@ -48,28 +48,31 @@ from boost_jax.step.engine import Engine
 from boost_jax.step.optim import check_factoring, lr_schedule, make_optimizer
 
 
-def model_factory(cfg: Config) -> Callable[[], nnx.Module]:
-    """() -> the model, built in place (traceable: usable under jit and nnx.eval_shape)."""
+def model_factory(model: ModelConfig, train: TrainConfig) -> Callable[[], nnx.Module]:
+    """() -> the model, built in place (traceable: usable under jit and nnx.eval_shape);
+    `train` gives the seed, remat and scan_layers."""
     from boost_jax.layers.model import CausalLM
 
     def make():
-        cfg.model.validate()
-        return CausalLM(cfg.model, rngs=nnx.Rngs(cfg.train.seed), remat=cfg.train.remat,
-                          scan_layers=cfg.train.scan_layers)
+        model.validate()
+        return CausalLM(model, rngs=nnx.Rngs(train.seed), remat=train.remat,
+                        scan_layers=train.scan_layers)
 
     return make
 
 
-def abstract_params(cfg: Config):
+def abstract_params(model: ModelConfig, train: TrainConfig):
     """(graphdef, params as a pure dict of ShapeDtypeStruct) without allocating anything."""
-    model = nnx.eval_shape(model_factory(cfg))
-    graphdef, params = nnx.split(model, nnx.Param)
+    module = nnx.eval_shape(model_factory(model, train))
+    graphdef, params = nnx.split(module, nnx.Param)
     return graphdef, nnx.to_pure_dict(params)
 
 
 @dataclass
 class StepBundle:
-    cfg: Config
+    model: ModelConfig
+    train: TrainConfig
+    seq_len: int  # data.seq_len: the batch's sequence length
     mesh: Any
     placement: Placement
     engine: Engine
@@ -83,9 +86,8 @@ class StepBundle:
     n_params: int  # logical parameter count (without padding)
 
     def abstract_batch(self, batch_size: int | None = None):
-        b = batch_size or self.cfg.train.global_batch
-        s = self.cfg.data.seq_len
-        spec = jax.ShapeDtypeStruct((b, s), jnp.int32, sharding=self.batch_sharding)
+        b = batch_size or self.train.global_batch
+        spec = jax.ShapeDtypeStruct((b, self.seq_len), jnp.int32, sharding=self.batch_sharding)
         return {"inputs": spec, "targets": spec}
 
     def eval_params(self, state):
@@ -120,15 +122,15 @@ def state_layout(pl: Placement, tx, pdtype):
     return abstract, state_sh
 
 
-def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
+def make_step_fn(train: TrainConfig, optim: OptimConfig, pl: Placement, engine: Engine,
+                 tx) -> Callable:
     """(state, batch) -> (state, metrics): one optimizer step, top to bottom."""
-    pdtype = jnp.dtype(cfg.model.param_dtype)
+    pdtype = jnp.dtype(pl.param_dtype)
     mixed = pdtype != jnp.float32
     params_sh, grads_sh, master_sh = (pl.params_shardings(), pl.grads_shardings(),
                                       pl.master_shardings())
-    grads_fn = engine.grads_fn(cfg.train.micro_batches)
-    schedule = lr_schedule(cfg.optim, cfg.train.steps)
-    clip = cfg.optim.clip_norm
+    grads_fn = engine.grads_fn(train.micro_batches)
+    schedule, clip = lr_schedule(optim, train.steps), optim.clip_norm
     # the updated weights go back opt_state → grads → params sharding, so the cross-node part
     # moves only the node's shard
     grads_stage = update_via_grads(pl)
@@ -170,7 +172,7 @@ def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
         new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
         if mixed:
             new_state["master"] = new_master
-        if cfg.train.skip_nonfinite:
+        if train.skip_nonfinite:
             # A bad batch leaves the weights and moments untouched; the step counter advances.
             kept = dict(state, step=state["step"] + 1)
             new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, kept)
@@ -181,11 +183,11 @@ def make_step_fn(cfg: Config, pl: Placement, engine: Engine, tx) -> Callable:
     return step_fn
 
 
-def make_init(cfg: Config, pl: Placement, tx, state_sh) -> Callable:
+def make_init(model: ModelConfig, train: TrainConfig, pl: Placement, tx,
+              state_sh) -> Callable:
     """() -> the initial state, sharded (one jitted program, fast-compile options)."""
-    pdtype = jnp.dtype(cfg.model.param_dtype)
-    cfg32 = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, param_dtype="float32"))
-    factory32 = model_factory(cfg32)
+    pdtype = jnp.dtype(model.param_dtype)
+    factory32 = model_factory(dataclasses.replace(model, param_dtype="float32"), train)
 
     def init():
         p32 = pad_tree(pl.layouts, nnx.to_pure_dict(nnx.split(factory32(), nnx.Param)[1]))
@@ -200,30 +202,35 @@ def make_init(cfg: Config, pl: Placement, tx, state_sh) -> Callable:
                            compiler_options=fast_compile_options() or None)()
 
 
-def build_step(cfg: Config, mesh, compiler_options: dict | None = None) -> StepBundle:
-    """The plan's StepBundle, built from the ParallelLayout resolved once here (its checks fail
-    before anything is built; nothing compiles until the first call). `compiler_options` go
-    to the train/eval jits (tests pass boost_jax.backends.cpu.fast_compile_options() to cut
-    CPU compile time ~4x); the one-off init program always compiles with the fast options."""
-    layout = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])  # one-line ConfigErrors first
+def build_step(cfg, mesh, compiler_options: dict | None = None) -> StepBundle:
+    """The plan's StepBundle from the loaded run config: the ParallelLayout resolved once here
+    (sharding/parallel.resolve, whose checks fail before anything is built; nothing compiles
+    until the first call), then the builders below, each given only the sections it reads.
+    `compiler_options` go to the train/eval jits (tests pass
+    boost_jax.backends.cpu.fast_compile_options() to cut CPU compile time ~4x); the one-off
+    init program always compiles with the fast options."""
+    model, train, optim = cfg.model, cfg.train, cfg.optim
+    layout = parallel.resolve(cfg, mesh, abstract_params(model, train)[1])
     pl = layout.placement
-    check_factoring(cfg.optim, pl.layouts)
-    tx = make_optimizer(cfg.optim, cfg.train.steps)
-    abstract_state, state_sh = state_layout(pl, tx, jnp.dtype(cfg.model.param_dtype))
+    check_factoring(optim, pl.layouts)
+    tx = make_optimizer(optim, train.steps)
+    abstract_state, state_sh = state_layout(pl, tx, jnp.dtype(model.param_dtype))
     engine = Engine(layout)
     batch_sh, rep = pl.batch_sharding(), pl.replicated()
     copts = dict(compiler_options or {}) or None
-    train_step = jax.jit(make_step_fn(cfg, pl, engine, tx), in_shardings=(state_sh, batch_sh),
+    train_step = jax.jit(make_step_fn(train, optim, pl, engine, tx),
+                         in_shardings=(state_sh, batch_sh),
                          out_shardings=(state_sh, rep), donate_argnums=(0,),
                          compiler_options=copts)
     eval_step = jax.jit(engine.loss_fn(), in_shardings=(state_sh["params"], batch_sh),
                         out_shardings=rep, compiler_options=copts)
     n_params = sum(l.numel for l in jax.tree.leaves(pl.layouts, is_leaf=is_layout))
-    return StepBundle(cfg, mesh, pl, engine, tx, abstract_state, state_sh, batch_sh,
-                      train_step, eval_step, make_init(cfg, pl, tx, state_sh), n_params)
+    return StepBundle(model, train, cfg.data.seq_len, mesh, pl, engine, tx, abstract_state,
+                      state_sh, batch_sh, train_step, eval_step,
+                      make_init(model, train, pl, tx, state_sh), n_params)
 
 
-def build_step_for_analysis(cfg: Config, mesh, compiler_options: dict | None = None):
+def build_step_for_analysis(cfg, mesh, compiler_options: dict | None = None):
     """(jitted step, abstract args) for lowering without real arrays (comm analyzer, planner)."""
     bundle = build_step(cfg, mesh, compiler_options)
     return bundle.train_step, (bundle.abstract_state, bundle.abstract_batch())

@@ -60,7 +60,7 @@ def test_resolve_rejects_a_bad_pipeline_split(mesh):
 def test_resolve_holds_what_the_engine_needs(mesh):
     cfg = _cfg("parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.arch=cola",
                "train.micro_batches=2", "train.remat=lowrank")
-    layout = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])
+    layout = parallel.resolve(cfg, mesh, abstract_params(cfg.model, cfg.train)[1])
     assert layout.model is cfg.model and layout.mesh is mesh
     assert layout.placement.layouts is not None and layout.placement.tp_axes == ("pair",)
     assert layout.tp.mode == "btp" and layout.tp.t == 2 and isinstance(layout.ops(), BTPOps)
@@ -104,7 +104,7 @@ def test_the_plan_lists_the_collectives_the_formulas_count(mesh):
     from boost_jax.sharding import formulas, step_collectives
 
     cfg = _cfg("parallel.plan=hierarchical", "train.micro_batches=2", "train.global_batch=16")
-    layout = parallel.resolve(cfg, mesh, abstract_params(cfg)[1])
+    layout = parallel.resolve(cfg, mesh, abstract_params(cfg.model, cfg.train)[1])
     got = step_collectives.bytes_by_level(layout.collectives())
     want = formulas.comm_per_step(layout.placement, 2, tied=cfg.model.tie_embeddings)
     assert got and all(got[k] == pytest.approx(want[k]) for k in got), (got, want)

@@ -185,7 +185,7 @@ def test_layouts_divide_or_pad():
 def test_padding_is_reported_in_memory(mesh):
     pl = make_placement(_cfg("parallel.plan=zero3"), mesh,
                         __import__("boost_jax.step.build", fromlist=["x"]).abstract_params(
-                            _cfg())[1])
+                            _cfg().model, _cfg().train)[1])
     mem = pl.memory()
     assert mem["padded_params"] > mem["params"] and mem["padding"] > 0
     # zero3: every role sharded over all 8 devices (fp32 weights: no master copy)

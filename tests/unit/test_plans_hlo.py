@@ -170,7 +170,7 @@ def test_argument_memory_matches_the_role_formula(compiled, optim):
     for plan in ("hierarchical", "zero3"):
         b, r = compiled(plan, 4, f"optim.name={optim}")
         pred = b.placement.memory()
-        batch = 2 * b.cfg.train.global_batch * b.cfg.data.seq_len * 4 / 8
+        batch = 2 * b.train.global_batch * b.seq_len * 4 / 8
         pred = {"weights": pred["weights"], "master": pred["master"], "adam": pred["adam"],
                 "batch": batch}
         rows = compare_memory(r.memory, pred, rtol=0.10,
@@ -288,7 +288,8 @@ def test_quantized_cross_node_legs_leave_the_node_less_than_zeropp(compiled):
     out = {}
     for plan, extra in (("hierarchical", XQ), ("zeropp", ()), ("hierarchical", ())):
         b, r = compiled(plan, 4, *extra)
-        listed = sum(predict(b.cfg, get_topology("cpu"), dict(b.mesh.shape)).node_egress.values())
+        cfg = load_config(None, TINY + [f"parallel.plan={plan}", "train.micro_batches=4", *extra])
+        listed = sum(predict(cfg, get_topology("cpu"), dict(b.mesh.shape)).node_egress.values())
         assert r.node_egress == pytest.approx(listed, rel=0.10), (plan, extra, r.table())
         out[(plan, extra)] = r.node_egress
     assert out[("hierarchical", XQ)] <= out[("zeropp", ())]

@@ -74,7 +74,7 @@ def _params_and_batch(key):
     """Random NumPy weights (norm scales/gates near init, so every code path is exercised)."""
     cfg = Config()
     cfg.model = ModelConfig(**dict(key))
-    params = random_weights(abstract_params(cfg)[1], 0, np.float32)
+    params = random_weights(abstract_params(cfg.model, cfg.train)[1], 0, np.float32)
     toks = np.asarray(jax.random.randint(jax.random.key(1), (B, S + 1), 0, cfg.model.vocab_size))
     return params, {"inputs": toks[:, :-1], "targets": toks[:, 1:]}
 
@@ -336,7 +336,7 @@ def test_online_norm_inside_btp(mesh, dtype, norm):
 def test_param_specs_per_mode():
     def spec_of(mode, arch, path, **kw):
         cfg = make_cfg(mode, arch, AXES[4], model=WIDE, **kw)
-        node = tp_param_specs(cfg, abstract_params(cfg)[1])
+        node = tp_param_specs(cfg, abstract_params(cfg.model, cfg.train)[1])
         for k in path.split("/"):
             node = node[k]
         return node

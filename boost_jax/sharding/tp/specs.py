@@ -47,16 +47,13 @@ def tp_degree(cfg, mesh) -> int:
 
 
 def validate_tp(cfg, mesh) -> None:
-    """Raise ConfigError naming the offending value and the fix if the model can't be cut."""
+    """Raise ConfigError naming the offending value and the fix if the model can't be cut.
+    The parallel section itself (tp_mode set with tp_axes) is ParallelConfig.validate's."""
     par, m = cfg.parallel, cfg.model
     mode = par.tp_mode
     if mode == "none":
         return
-    if mode not in MODES:
-        raise ConfigError(f"parallel.tp_mode={mode!r} is not one of {['none', *MODES]}")
     axes = list(par.tp_axes)
-    if not axes:
-        raise ConfigError(f"parallel.tp_mode={mode} needs parallel.tp_axes, e.g. [pair]")
     bad = [a for a in axes if a not in mesh.axis_names]
     if bad or len(set(axes)) != len(axes):
         raise ConfigError(f"parallel.tp_axes={axes} must be distinct axes of the mesh "
