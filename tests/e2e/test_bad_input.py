@@ -82,6 +82,14 @@ ROWS = {
                           r"data\.source '.*/no/such/corpus\.txt' does not exist"),
     "empty_data_file": (["data.source={tmp}/empty.txt"],
                         r"data\.source '.*/empty\.txt' holds no text"),
+    "stream_not_shards": (["data.sources=[{{path: {tmp}/emptydir, weight: 1}}]"],
+                          r"data\.sources\[0\]\.path='.*/emptydir' is neither a \.bin nor "
+                          r"parquet/arrow shards; prepare it with python -m boost_jax\.data\.prepare "
+                          r"SOURCE OUT\.bin"),
+    "stream_too_few_documents": (["data.sources=[{{path: {tmp}/one_doc.parquet, weight: 1}}]",
+                                  "data.tokenizer=byte"],
+                                 r"data\.sources\[0\] '.*/one_doc\.parquet' holds 1 document\(s\), "
+                                 r"too few to split into train and validation; add documents"),
     "empty_data_folder": (["data.source={tmp}/emptydir"],
                           r"data\.source '.*/emptydir' contains no \.txt/\.py/\.md/\.jsonl files"),
     "unreadable_tokenizer": (["data.tokenizer={tmp}/tokenizer.json"],
@@ -241,6 +249,10 @@ def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad_input")
     (tmp / "empty.txt").write_text("")
     (tmp / "emptydir").mkdir()
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["one document only"]}), tmp / "one_doc.parquet")
     (tmp / "tokenizer.json").write_text('{"version": "1.0", "model": ')
     (tmp / "a_file").write_text("not a directory\n")
     (tmp / "broken.yaml").write_text("train:\n  steps: [1, 2\n")
