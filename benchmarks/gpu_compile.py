@@ -34,26 +34,33 @@ from benchmarks.common import load_note, markdown_table, write_result  # noqa: E
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import get_topology  # noqa: E402
 from boost_jax.plan import dryrun  # noqa: E402
-from boost_jax.plan.costmodel import Assumptions, predict  # noqa: E402
+from boost_jax.plan.costmodel import Assumptions, predict, state_sizes  # noqa: E402
 from boost_jax.plan.gpu_compile import gpu_compile  # noqa: E402
 from boost_jax.plan.memory import DOUBLE_BUFFERED  # noqa: E402
 
 GiB = 2 ** 30
 MEMORY_RTOL = 0.10  # the analytic total is held to within 10% of the GPU program's
 # (config, nodes, overrides, topology, GPU target or None for the profile's, devices compiled).
-# The hierarchical layouts run with the update gathered after the optimizer: the memory of the
-# deferred update (parallel.defer_update, gathered in the next forward) is not yet modelled to 10%.
-NO_DEFER = "parallel.defer_update=false"
+# The hierarchical layouts run with their default, the deferred update (parallel.defer_update);
+# the 20B layout with the update gathered after the optimizer too.
 LAYOUTS = [
     ("cola-1b", 4, ["parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.d_ff=5462"],
      "perlmutter", None, 512),
     ("cola-1b", 4, ["parallel.plan=hierarchical", "parallel.tp_mode=btp",
                     "parallel.tp_axes=[pair]", "model.d_ff=5462", "train.global_batch=64",
-                    "train.micro_batches=4", NO_DEFER], "perlmutter", None, 512),
+                    "train.micro_batches=4"], "perlmutter", None, 512),
     ("cola-7b", 8, ["parallel.plan=hierarchical", "parallel.tp_mode=btp",
-                    "parallel.tp_axes=[pair]", NO_DEFER], "perlmutter", None, 512),
-    ("cola-gpt-neox-20b", 48, [NO_DEFER], "frontier", "a100_sxm_80", 16),
+                    "parallel.tp_axes=[pair]"], "perlmutter", None, 512),
+    ("cola-gpt-neox-20b", 48, [], "frontier", "a100_sxm_80", 16),
+    ("cola-gpt-neox-20b", 48, ["parallel.defer_update=false"], "frontier", "a100_sxm_80", 16),
 ]
+# Layouts whose analytic memory is not within MEMORY_RTOL, with the reason (the test holds them
+# to it: over the program's, the safe side, by more than the tolerance).
+KNOWN_GAPS = {
+    ("cola-gpt-neox-20b", ()): "one micro-batch, deferred update: the program's peak is the end "
+    "of its one forward (the int8 secondaries and residuals it saves); the backward's terms the "
+    "model adds to those (embed_head, logits, layer_grads) are not all live with them",
+}
 
 
 def one(name: str, nodes: int, overrides: list, topo, target, max_devices: int):
@@ -73,7 +80,8 @@ def record(name, nodes, overrides, topo, target, g, pred) -> dict:
             "gpu_memory_temp": g.memory["temp"], "analytic_memory_total": pred.memory["total"],
             "analytic_terms": {k: v for k, v in pred.memory.items()
                                if isinstance(v, float) and k not in ("total", "hbm", "limit")},
-            "gpu_kernels_per_layer": g.kernels_per_layer}
+            "gpu_kernels_per_layer": g.kernels_per_layer,
+            "known_gap": KNOWN_GAPS.get((name, tuple(overrides)))}
 
 
 def row(name, nodes, topo, cfg, g, secs) -> list:
@@ -82,6 +90,8 @@ def row(name, nodes, topo, cfg, g, secs) -> list:
     tp = f"{cfg.parallel.tp_mode} {'+'.join(cfg.parallel.tp_axes)}" \
         if cfg.parallel.tp_mode != "none" else "no TP"
     lay = f"{cfg.parallel.plan}, {tp}, {cfg.train.micro_batches} micro"
+    if state_sizes(cfg, dryrun.full_sizes(cfg, topo, nodes))[1].defer_update:
+        lay += ", deferred update"
     mem, tmp = r["memory total"], r["memory temporaries"]
     kl, ex = r["kernels per layer"], r["exposed collective time"]
     flags = [w for w, x in r.items() if x["differs"]]
@@ -134,7 +144,8 @@ def main() -> None:
         "memory_analysis() of the program compiled with all the model's layers (arguments "
         "+ temporaries + unaliased outputs; arguments from the placement formula when "
         "compiled on fewer nodes); in brackets the analytic total's difference, held to "
-        f"{MEMORY_RTOL:.0%}.",
+        f"{MEMORY_RTOL:.0%}" + "".join(f"; a known gap for {n} {' '.join(o) or '(defaults)'}: "
+                                     f"{why}" for (n, o), why in KNOWN_GAPS.items()) + ".",
         "- kernels per layer: per micro-batch, forward + backward + remat replay; analytic = "
         "the roofline's kernel list; GPU = kernel launches per step (fusions, Triton GEMMs, "
         "our Pallas kernels, copies) of the L-layer program minus the (L-1)-layer one, over "

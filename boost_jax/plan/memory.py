@@ -34,8 +34,12 @@ TERMS = {
     "grad_slots": "zero gradient slots the layer scan reads",
     "grad_slots_next": "next micro-batch's zero gradient slots (double-buffered micro-batch loop)",
     "gathered_weights": "two layers' gathered weights (double-buffered layer loop)",
-    "params_shards": "the stored weights' params shards, gathered by the first micro-batch "
-                     "(parallel.defer_update)",
+    "params_shards": "params shards the first micro-batch gathers and keeps: the ends', and the "
+                     "layer stack's with several micro-batches (parallel.defer_update)",
+    "params_capture": "the layer stack's params shards as the first backward's cotangent, for "
+                      "the later micro-batches (parallel.defer_update)",
+    "secondary_next": "later forwards' saved-secondary stacks, zero-filled before the first "
+                      "backward (parallel.defer_update; up to three)",
     "secondary": "secondary weight copy",
     "activations": "saved activations + one block's working set (flash statistics included)",
     "stage_inputs": "pipeline stage inputs",
@@ -52,13 +56,46 @@ def fit_limit(hbm_bytes: float, a) -> float:
     return hbm_bytes * a.hbm_usable / (1.0 + a.memory_margin)
 
 
-def gradient_terms(cfg, st, gb: int) -> dict:
+def loop_trips(cfg, pl) -> int:
+    """Trips of the micro-batch scan: less a deferred update's first and a last micro-batch
+    that reduces in the backward, both peeled off (step/engine.py: Engine.micro_loop)."""
+    micro = cfg.train.micro_batches
+    if micro == 1:
+        return 0
+    return micro - int(bool(pl.defer_update)) - int(bool(pl.reduce_in_backward))
+
+
+def gradient_terms(cfg, st, pl, gb: int) -> dict:
     """The gradient buffers of the micro-batch loop (see the module docstring)."""
     blocks = (st.grads - st.outside_grads) * gb
-    micro = cfg.train.micro_batches
-    loop = cfg.parallel.pp_stages == 1 and micro > 1  # XLA drops a one-trip loop
+    # XLA unrolls a two-trip loop whole: its iterations share one set of zero slots
+    loop = cfg.parallel.pp_stages == 1 and loop_trips(cfg, pl) > 2
     return {"grads": st.grads * gb, "micro_grads": blocks, "grad_slots": blocks,
             "grad_slots_next": blocks if loop else 0.0}
+
+
+def deferred_terms(cfg, st, pl, pb: int, secondary: float) -> dict:
+    """A deferred update's buffers: the params shards the first micro-batch gathers (the ends'
+    for the step; the layer stack's, kept for its backward, only when they are handed on)."""
+    n = axis_size(dict(pl.mesh.shape), pl.params_axes)
+    stack = (st.tp_local_padded - st.outside_tp_local) / n * pb
+    micro = cfg.train.micro_batches
+    if micro == 1:
+        return {"params_shards": st.outside_tp_local / n * pb}
+    return {"params_shards": st.tp_local_padded / n * pb, "params_capture": stack,
+            "secondary_next": min(micro - 1, 3) * secondary}
+
+
+def peak(mem: dict) -> tuple[float, str]:
+    """(bytes, phase) of the larger peak: the micro-batch loop's backward, or a deferred
+    update's first backward (no accumulator yet; its capture and the zero-filled stacks)."""
+    first_only = ("params_capture", "secondary_next")
+    terms = {k: v for k, v in mem.items() if k != "arguments"}
+    later = sum(v for k, v in terms.items() if k not in first_only)
+    if "params_capture" not in mem:
+        return later, "micro-batch loop"
+    first = sum(v for k, v in terms.items() if k != "grads")
+    return (first, "first micro-batch") if first > later else (later, "micro-batch loop")
 
 
 def activation_bytes(cfg, bm, L: int) -> float:
@@ -83,21 +120,20 @@ def estimate(cfg, st, pl, bm, hm, b: int, L: int, stage_inputs: float, limit: fl
            "batch": 2 * 4 * b * cfg.data.seq_len * cfg.train.micro_batches}
     mem["arguments"] = mem["weights"] + mem["master"] + mem["adam"] + mem["batch"]
     gb = DTYPE_BYTES[par.grad_accum_dtype]
-    mem.update(gradient_terms(cfg, st, gb))
+    mem.update(gradient_terms(cfg, st, pl, gb))
     mem["embed_head"] = st.outside_tp_local * (pb + gb)
     mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
-    if pl.defer_update:  # the params shards the first micro-batch gathers, kept for the step
-        mem["params_shards"] = st.tp_local_padded / axis_size(dict(pl.mesh.shape),
-                                                              pl.params_axes) * pb
     if pl.secondary_axes is not None:
         q8 = 1.0 + 4.0 / par.quant_block
         mem["secondary"] = st.secondary * (q8 if pl.int8_secondary else pb)
+    if pl.defer_update:
+        mem.update(deferred_terms(cfg, st, pl, pb, mem.get("secondary", 0.0)))
     mem["activations"] = activation_bytes(cfg, bm, L)
     if stage_inputs:
         mem["stage_inputs"] = stage_inputs
     mem["logits"] = sum(o.out_bytes for o in hm.ops) * 2
     mem["layer_grads"] = st.per_layer_tp_local * 4
-    mem["total"] = sum(v for k, v in mem.items() if k != "arguments")
+    mem["total"], mem["peak"] = peak(mem)
     mem["limit"], mem["fits"] = limit, mem["total"] <= limit
     return mem
 
@@ -112,6 +148,9 @@ def report_lines(mem: dict, a, hbm_bytes: float) -> list[str]:
     temps = [k for k in TERMS if mem.get(k) and k not in DOUBLE_BUFFERED + ("secondary", "grads")]
     dbl = [k for k in DOUBLE_BUFFERED if mem.get(k)]
     out = ["  other temporaries: " + ", ".join(f"{k} {_gib(mem[k])}" for k in temps)]
+    if mem.get("params_capture"):
+        out.append(f"  peak: {mem['peak']} (the first has params_capture and secondary_next, "
+                   "the loop the accumulator `grads`)")
     if dbl:
         out.append("  double-buffered by the launcher's XLA flags: "
                    + ", ".join(f"{k} {_gib(mem[k])} ({TERMS[k]})" for k in dbl))
