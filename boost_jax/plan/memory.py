@@ -2,7 +2,9 @@
 
 Each term is a buffer (or set of buffers) one can name in the GPU program's buffer assignment
 (benchmarks/README.md section 11 says where each was found). The peak falls inside the
-micro-batch loop, during the backward layer scan. The launcher's XLA flags
+micro-batch loop, during the backward layer scan; with a deferred update and several
+micro-batches, in the first micro-batch's backward instead (`peak`: no accumulator yet, but the
+params shards it hands on and the later forwards' int8 secondaries). The launcher's XLA flags
 (mesh.GPU_XLA_SCHEDULE, --xla_gpu_enable_while_loop_double_buffering) unroll that loop by two,
 so the next micro-batch's zero gradient slots already exist while this one's backward runs
 (one micro-batch: no loop, nothing of it double-buffered).
@@ -18,6 +20,7 @@ Temporaries, by name (TERMS):
   activations           saved layer inputs by remat policy + one block's working set (flash
                         attention's saved max/sum statistics included)
   logits, embed_head, layer_grads, stage_inputs   as named
+  params_shards, params_capture, secondary_next   the deferred update's (TERMS says which)
 Heap fragmentation (what XLA's packing leaves between buffers) cannot be modelled from the
 layout: it is left to the margin of `fit_limit`.
 """
