@@ -18,7 +18,6 @@ Low-rank projections (P = any of the seven prefixes above) store a [d_in, r] as 
 (.T), b [r, d_out] as P.up.weight (.T); lax adds P.latent_scale [r] and, with lax_gate=gate, g
 as P.cross.weight (.T). arch=full and svd export LlamaForCausalLM checkpoints (svd's factors
 kept beside), cola and lax a model_type boost_jax_<arch> with its PyTorch code (see `write`).
-
 The GPT families (model.family gpt_neox, gpt2) are GPTNeoXForCausalLM and GPT2LMHeadModel:
 boost_jax/hf_gpt.py names their tensors; the functions here dispatch on the family. config.json
 carries the LLaMA fields and a "boost_jax" section with the full ModelConfig, the run, step and

@@ -3,7 +3,6 @@
 A restore into abstract arrays with shardings reshards on the fly: a checkpoint written under one
 plan, mesh shape or process count restores under another. Every process calls save/restore (orbax
 writes and reads each process's shards; process 0 finalises the step once all are done).
-
 Crash safety:
 * orbax writes ``<step>.orbax-checkpoint-tmp`` and renames it ``<step>`` once every item of every
   process is written, so a process killed mid-save (SIGKILL, node loss) leaves a tmp directory,

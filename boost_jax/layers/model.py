@@ -16,7 +16,6 @@ embed/positions [max_seq_len, d] (learned absolute positions). Block params carr
 axis L with scan_layers=True; with False the blocks are an nnx.List and paths gain the index
 instead (`blocks/0/attn/q/a` [d, r]). `nnx.to_flat_state(nnx.state(model, nnx.Param))` gives path
 tuples of str and int, e.g. ('blocks', 'attn', 'q', 'a').
-
 Init: embedding, lm_head and full-rank projections normal(init_std); low-rank a, b normal with
 std r^-1/4·(d_in+d_out)^-1/4 (CoLA); norm scales and lax latent_scale ones; lax gate g = I. The
 forward is boost_jax.layers.forward (written once; CausalLM runs it with the single-device

@@ -8,7 +8,6 @@ params shards it hands on and the later forwards' int8 secondaries). The launche
 (mesh.GPU_XLA_SCHEDULE, --xla_gpu_enable_while_loop_double_buffering) unroll that loop by two,
 so the next micro-batch's zero gradient slots already exist while this one's backward runs
 (one micro-batch: no loop, nothing of it double-buffered).
-
 State: weights, fp32 master, Adam m+v, the batch, the secondary copy (int8 or not).
 Temporaries, by name (TERMS):
   grads                 the gradient accumulator, carried by the micro-batch loop

@@ -21,7 +21,6 @@ slot's: cast to grad_accum_dtype, zero-pad, reduce-scatter over the grads axes G
 `layout.dim`. The full weight is marked varying over the batch axes so that JAX does not reduce
 its cotangent over them: what G leaves out (the deferred axes R) stays unreduced until the end
 of the step, or is reduced right here after G (`backward_reduction_steps`, Placement.in_backward).
-
 Derivation (to_S, hpZ and int8 in full, the fetch units): benchmarks/README.md §3.
 """
 

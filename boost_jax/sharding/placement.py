@@ -20,7 +20,6 @@ Layout of one array (`LeafLayout`): all roles shard the *same* dimension (the la
 divides by the product of all role axes; if none does, the largest, zero-padded at its end and
 kept zero through training), with the axes in one canonical order, so a finer role's shard is a
 sub-block of a coarser role's: a pure slice one way, a gather over the extra axes the other.
-
 Derivation (qwZ and the secondary, the state arrays, which dim, padding and its restore):
 benchmarks/README.md §3, "Derivations moved from the code".
 """

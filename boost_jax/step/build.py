@@ -10,7 +10,6 @@ does not divide — `bundle.placement.layouts` says which):
      "master":    fp32 master weights over opt_state axes (only when param_dtype=bfloat16)
      "opt_state": the optax state; param-shaped moments over opt_state axes, the rest
                   (counters, Adafactor's factored statistics) replicated}
-
 One optimizer step, top to bottom in step_fn:
     1. loss and gradient: boost_jax.step.engine (one shard_map over every mesh axis: the
        micro-batch loop, per-layer weight gathers, TP collectives, the gradient reduce-scattered

@@ -16,7 +16,6 @@ and every collective in it is written in one place:
         grads do not cover, is reduced straight into the opt_state sharding (AR over R − opt,
         RS over R ∩ opt) — with one micro-batch and no pipeline each scanned layer's
         backward does it right after the reduction over grads      Placement.in_backward
-
 Every data-parallel collective above is listed, with its bytes and calls, by
 sharding/step_collectives.py (two_level / auto: as rank-aligned stages over `global` and inside
 the node, sharding/two_level.py). Each device differentiates its rows' mean CE / (data-parallel

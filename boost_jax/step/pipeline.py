@@ -21,7 +21,6 @@ the gradient received from s+1; the input's gradient goes to s−1, the weights'
 (reduce-scattered by sharding/gather.py as without stages) to the accumulator. A tick outside
 a stage's range of micro-batches is masked: the only collectives that cross stages are these
 sends (and the step's scalar loss).
-
 Derivation (the virtual-stage order, its 1f1b formulas, what F and B run): benchmarks/README.md §9.
 """
 

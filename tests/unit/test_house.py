@@ -28,12 +28,14 @@ def long_docstrings(limit=MAX_DOCSTRING_LINES):
         for node in ast.walk(tree):
             if not isinstance(node, DOC_NODES):
                 continue
-            doc = ast.get_docstring(node, clean=False)
-            if doc is None or len(doc.splitlines()) <= limit:
+            if ast.get_docstring(node, clean=False) is None:
                 continue
-            line = getattr(node, "lineno", 1)
+            expr = node.body[0]  # the docstring's source lines, its quotes included
+            n = expr.end_lineno - expr.lineno + 1
+            if n <= limit:
+                continue
             name = getattr(node, "name", "<module>")
-            found.append(f"{path}:{line} {name} ({len(doc.splitlines())} lines)")
+            found.append(f"{path}:{expr.lineno} {name} ({n} lines)")
     return found
 
 

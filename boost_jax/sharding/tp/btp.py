@@ -20,7 +20,6 @@ Online-RMSNorm (boost_jax.pallas.dispatch.online_rmsnorm_matmul): RMSNorm(x)·A 
 rms(x), so rank i sends u_i = (x_i⊙γ_i)·A_i and s_i = Σ x_i² (fp32) in ONE all-reduce. Per
 layer (elements, b·s tokens): forward 4 all-reduces, b·s·(7r + 2); backward 4, b·s·7r. GPT
 families (Online-LayerNorm): forward b·s·(6r + 2(1 + t)) + (t+1)·4r, backward b·s·6r.
-
 Derivation (the statistics, remat's replays, the GPT families): benchmarks/README.md §4,
 "Derivations moved from the code".
 """
