@@ -6,11 +6,19 @@ ARGS ?=
 
 .PHONY: train test test-unit test-e2e bench convergence clean gpu-dry-run gpu-compile-test gpu-compile-bench hf-live-test
 
+# One recipe for every virtual environment DIR/.installed: $(call venv,PYTHON,PIP ARGS) creates
+# DIR with PYTHON and installs PIP ARGS; a comma in PIP ARGS is written $(comma), as call splits
+# its arguments at commas.
+comma := ,
+define venv
+$(1) -m venv $(@D)
+$(@D)/bin/pip install -q --upgrade pip
+$(@D)/bin/pip install -q $(2)
+touch $@
+endef
+
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
-	touch $@
+	$(call venv,$(PYTHON),-e '.[test]')
 
 train: $(VENV)/.installed
 	$(PY) train.py --config configs/demo.yaml $(ARGS)
@@ -36,10 +44,7 @@ PYTHON312 ?= python3.12
 GPU_VENV ?= .venv-gpu
 
 $(GPU_VENV)/.installed: benchmarks/gpu_image_requirements.txt
-	$(PYTHON312) -m venv $(GPU_VENV)
-	$(GPU_VENV)/bin/pip install -q --upgrade pip
-	$(GPU_VENV)/bin/pip install -q -r benchmarks/gpu_image_requirements.txt
-	touch $@
+	$(call venv,$(PYTHON312),-r benchmarks/gpu_image_requirements.txt)
 
 gpu-dry-run: $(GPU_VENV)/.installed
 	bash benchmarks/gpu_wheels.sh
@@ -51,10 +56,7 @@ gpu-dry-run: $(GPU_VENV)/.installed
 GPUC_VENV ?= .venv-gpuc
 
 $(GPUC_VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(GPUC_VENV)
-	$(GPUC_VENV)/bin/pip install -q --upgrade pip
-	$(GPUC_VENV)/bin/pip install -q -e '.[test,gpu-compile]'
-	touch $@
+	$(call venv,$(PYTHON),-e '.[test$(comma)gpu-compile]')
 
 gpu-compile-test: $(GPUC_VENV)/.installed
 	JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 JAX_PLATFORMS=cpu $(GPUC_VENV)/bin/python -m pytest \
@@ -69,10 +71,7 @@ gpu-compile-test: $(GPUC_VENV)/.installed
 HF_VENV ?= .venv-hf
 
 $(HF_VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(HF_VENV)
-	$(HF_VENV)/bin/pip install -q --upgrade pip
-	$(HF_VENV)/bin/pip install -q -e '.[test,hf-live]'
-	touch $@
+	$(call venv,$(PYTHON),-e '.[test$(comma)hf-live]')
 
 hf-live-test: $(HF_VENV)/.installed
 	$(HF_VENV)/bin/python -m pytest tests/unit/test_hf.py -k "live or readme_transformers" \
