@@ -5,8 +5,12 @@ svd, the export's own remote code (boost_jax/hf_remote/) for cola and lax, GPTNe
 and GPT2LMHeadModel for the GPT families (full and svd; `<arch>_<family>` names the others).
 
 tests/unit/test_hf.py checks boost_jax's logits against these files when torch is not installed
-(CI), and against transformers directly when it is. torch and transformers are not dependencies of the
-project; make the fixture in an environment that has them besides boost_jax's own:
+(CI), and against transformers directly when it is. A cola / lax fixture keeps the sha256 of the
+remote code transformers ran (remote_code.sha256, sha256sum's format), not a copy of it: the test
+fails once boost_jax/hf_remote/ differs, until the fixture is made again (to load one in
+transformers, copy boost_jax/hf_remote/*.py into it, as export does). torch and transformers are
+not dependencies of the project; make the fixture in an environment that has them besides
+boost_jax's own:
 
     python3 -m venv /tmp/venv-hf
     /tmp/venv-hf/bin/pip install -e . torch==2.13.0 transformers==5.24.0
@@ -16,6 +20,7 @@ project; make the fixture in an environment that has them besides boost_jax's ow
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import shutil
 import sys
@@ -50,6 +55,7 @@ for _fam in ("gpt_neox", "gpt2"):
     for _arch, _extra in (("svd", {}), ("cola", {}),
                           ("lax", dict(n_layers=3, lax_gate="gate"))):
         MODELS[f"{_arch}_{_fam}"] = dict(MODELS[_fam], arch=_arch, rank=8, **_extra)
+REMOTE_DIGEST = "remote_code.sha256"  # what a cola / lax fixture keeps of its remote code
 GREEDY_NEW = 8  # tokens transformers' generate() continues TOKENS[:, :PROMPT] by, greedily
 PROMPT = 6
 TOKENS = np.array([[0, 100, 101, 102, 32, 40, 41, 58, 10, 32, 32, 32, 32, 114, 101, 116]],
@@ -125,6 +131,32 @@ def _siblings(tree, path):
     return tree
 
 
+def remote_code_digests(folder: str) -> dict:
+    """{name: sha256 hex} of the remote code files (hf.REMOTE_CODE) in `folder`."""
+    from boost_jax.hf import REMOTE_CODE
+
+    out = {}
+    for name in REMOTE_CODE:
+        with open(os.path.join(folder, name), "rb") as f:
+            out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def read_digests(folder: str) -> dict:
+    """A fixture's REMOTE_DIGEST file as {name: sha256 hex}."""
+    with open(os.path.join(folder, REMOTE_DIGEST)) as f:
+        return {name: digest for digest, name in (line.split() for line in f if line.strip())}
+
+
+def keep_digests_only(folder: str) -> None:
+    """Replace the export's copies of the remote code in `folder` by their digests."""
+    digests = remote_code_digests(folder)
+    with open(os.path.join(folder, REMOTE_DIGEST), "w") as f:
+        f.writelines(f"{digest}  {name}\n" for name, digest in digests.items())
+    for name in digests:
+        os.remove(os.path.join(folder, name))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,6 +171,8 @@ def main(argv=None) -> int:
         np.save(os.path.join(d, "logits.npy"), transformers_logits(d, TOKENS).astype(np.float32))
         np.save(os.path.join(d, "greedy.npy"), transformers_greedy(d, TOKENS[:, :PROMPT],
                                                                    GREEDY_NEW))
+        if MODELS[name]["arch"] in ("cola", "lax"):  # after transformers has run it
+            keep_digests_only(d)
         print(f"wrote {d}")
     return 0
 

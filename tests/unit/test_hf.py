@@ -4,8 +4,10 @@ export's own remote code for cola and lax of every family), greedy continuations
 generate()'s, and export → import is bitwise for every arch and family.
 
 tests/fixtures/hf/<name> for every NAMES entry were written by scripts/hf_fixture.py (models
-exported by hf.write and the logits transformers computes for them); where torch and transformers are installed the
-comparison also runs against transformers itself on freshly exported models."""
+exported by hf.write and the logits transformers computes for them; for cola and lax the sha256
+of the remote code it ran, checked against boost_jax/hf_remote/); where torch and transformers
+are installed the comparison also runs against transformers itself on freshly exported
+models."""
 
 import importlib.util
 import json
@@ -30,6 +32,17 @@ FIXTURES = os.path.join(ROOT, "tests", "fixtures", "hf")
 # every arch x family: <arch> (llama), <family> (full), <arch>_<family>
 NAMES = ["full", "svd", "cola", "lax", "gpt_neox", "gpt2"] + [
     f"{arch}_{fam}" for fam in ("gpt_neox", "gpt2") for arch in ("svd", "cola", "lax")]
+
+
+def _hf_fixture():
+    """scripts/hf_fixture.py, which wrote tests/fixtures/hf (imported without torch)."""
+    import sys
+
+    if os.path.join(ROOT, "scripts") not in sys.path:
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import hf_fixture
+
+    return hf_fixture
 
 
 def _logits(cfg, params, tokens):
@@ -59,9 +72,12 @@ def test_logits_equal_transformers_fixture(name):
         conf = hf.read_config(d)
         assert conf["auto_map"] == hf.remote_code_map(cfg.arch, cfg.family)
         assert conf["architectures"] == [conf["auto_map"]["AutoModelForCausalLM"].split(".")[1]]
+        assert not set(hf.REMOTE_CODE) & set(os.listdir(d))  # its digest, not a copy
+        fixture = _hf_fixture()
         here = os.path.join(os.path.dirname(hf.__file__), "hf_remote")
-        for fname in hf.REMOTE_CODE:
-            assert open(os.path.join(d, fname)).read() == open(os.path.join(here, fname)).read()
+        assert fixture.read_digests(d) == fixture.remote_code_digests(here), (
+            f"boost_jax/hf_remote/ is not the code {name}'s logits were made with: run "
+            f"scripts/hf_fixture.py {name} (its docstring says where)")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -156,15 +172,11 @@ def test_export_import_bitwise(kw, tmp_path):
                     reason="torch/transformers not installed; the fixture test covers this")
 @pytest.mark.parametrize("name", NAMES)
 def test_logits_equal_transformers_live(name, tmp_path):
-    import sys
-
-    sys.path.insert(0, os.path.join(ROOT, "scripts"))
-    from hf_fixture import MODELS, TOKENS, export_model, transformers_logits
-
-    export_model(name, str(tmp_path), seed=7)
-    cfg = ModelConfig(**MODELS[name])
-    got = _logits(cfg, hf.load_init(str(tmp_path), cfg, stacked=True), TOKENS)
-    assert np.abs(got - transformers_logits(str(tmp_path), TOKENS)).max() < 1e-4
+    fixture = _hf_fixture()
+    fixture.export_model(name, str(tmp_path), seed=7)
+    cfg = ModelConfig(**fixture.MODELS[name])
+    got = _logits(cfg, hf.load_init(str(tmp_path), cfg, stacked=True), fixture.TOKENS)
+    assert np.abs(got - fixture.transformers_logits(str(tmp_path), fixture.TOKENS)).max() < 1e-4
 
 
 def test_gqa_gpt_export_is_refused(tmp_path):
