@@ -31,8 +31,7 @@ import jax.numpy as jnp
 from boost_jax.layers.linear import lax_cross, latent_activation
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.tp.common import (
-    TPContext, matmul, name_latent, psum, rank_index, to_varying)
-from boost_jax.sharding.tp.ops import TPOps
+    TPContext, TPOps, matmul, name_latent, psum, rank_index, to_varying)
 
 
 def norm_down(ctx: TPContext, x, norm: dict, w):

@@ -22,8 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from boost_jax.layers.norms import apply_norm
-from boost_jax.sharding.tp.common import matmul, name_reduced, psum, to_varying
-from boost_jax.sharding.tp.ops import TPOps
+from boost_jax.sharding.tp.common import TPOps, matmul, name_reduced, psum, to_varying
 
 
 class MegatronOps(TPOps):

@@ -14,7 +14,7 @@ vanilla.py and btp.py):
     btp       svd/cola/lax   4 AR, b·s·(7r + 2) (2 fp32)    4 AR, b·s·7r
 
 (MHA; AR = all-reduce over the TP group, ring bytes per device 2(t−1)/t × payload.) Once per
-step, embedding + head (head.py). GPT families: the same counts (btp: LayerNorm statistics in
+step, embedding + head (common.py). GPT families: the same counts (btp: LayerNorm statistics in
 the same all-reduce, see btp.py); biases and gpt2's position table are laid out like the
 output they are added to. At 7B (d=4096, d_ff=11008, r=1024) vanilla/btp =
 42496/7170 ≈ 5.93× forward and 35584/7168 ≈ 4.96× backward; btp/megatron = 0.875× forward.

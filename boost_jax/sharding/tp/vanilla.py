@@ -25,8 +25,7 @@ from __future__ import annotations
 from boost_jax.layers.linear import lax_cross, latent_activation
 from boost_jax.layers.norms import apply_norm
 from boost_jax.sharding.tp.common import (
-    all_gather, local_slice, matmul, name_latent, name_reduced, psum, to_varying)
-from boost_jax.sharding.tp.ops import TPOps
+    TPOps, all_gather, local_slice, matmul, name_latent, name_reduced, psum, to_varying)
 
 
 class VanillaOps(TPOps):
