@@ -1,6 +1,6 @@
 """What the three tensor-parallel layouts (megatron, vanilla, btp) share: the context, the TP
-collectives and the ops they inherit (TPOps: fetch, the vocab-parallel embedding and head, LaX's
-first latents).
+collectives, the ops they inherit (TPOps: fetch, the vocab-parallel embedding and head, LaX's
+first latents) and the head's collective list the planner prices (TPColl, head_collectives).
 
 Everything here runs inside the training step's shard_map, manual over every mesh axis, with
 check_vma=True: JAX types each value as invariant (identical on all TP ranks) or varying,
@@ -8,7 +8,8 @@ inserts `pcast(..., to="varying")` where an invariant value meets a varying one,
 psum ↔ pcast, so backward collectives sit exactly where the Megatron f/g operators put them.
 We place some pcasts explicitly so that one backward all-reduce covers a whole group of
 projections instead of one per matmul. (The one exception, Pallas kernels in the interpreter,
-is boost_jax.backends.cpu.untyped_tp_grads.)
+is boost_jax.backends.cpu.untyped_tp_grads.) Each layout's own collectives per block are
+listed beside its code (block_collectives in megatron.py, vanilla.py, btp.py).
 """
 
 from __future__ import annotations
@@ -58,6 +59,15 @@ def make_context(cfg, mesh) -> TPContext:
         d=m.d_model, r=m.r, eps=m.norm_eps, dtype=jnp.dtype(m.dtype), tie=m.tie_embeddings,
         kernels=dispatch.resolve(par.kernels), check_vma=check_vma(cfg),
         latent_keys=latent_keys(m))
+
+
+@dataclass
+class TPColl:
+    """One TP collective of a block or the head as the planner prices it (plan/roofline.py)."""
+
+    name: str
+    kind: str
+    payload: float  # bytes per device, one micro-batch
 
 
 # --------------------------------------------------------------------------- collectives
@@ -154,6 +164,22 @@ def head_loss(ctx: TPContext, h, norm, w, targets):
         h = jax.lax.all_gather(h, ctx.axes, axis=h.ndim - 1, tiled=True)
     x = apply_norm(h, norm, ctx.eps, ctx.dtype)
     return vocab_parallel_cross_entropy(ctx, x, w, targets)
+
+
+def head_collectives(mode: str, T: int, d: int, e: int) -> tuple[list[TPColl], list[TPColl]]:
+    """(forward, backward) TP collectives of embed + head_loss per micro-batch of T tokens at
+    e bytes an element: btp gathers h (b·s·d) and reduce-scatters its cotangent; the others
+    all-reduce the embedding and the head input's cotangent (b·s·d); all reduce the CE's max
+    (b·s) and its sum-exp and gold (2·b·s) in fp32. (The planner charges no embedding
+    all-reduce for btp, tied or not.)"""
+    if mode == "btp":
+        fwd = [TPColl("gather_h", "all-gather", e * T * d)]
+        bwd = [TPColl("scatter_dh", "reduce-scatter", e * T * d)]
+    else:
+        fwd = [TPColl("embed", "all-reduce", e * T * d)]
+        bwd = [TPColl("head_dh", "all-reduce", e * T * d)]
+    fwd += [TPColl("ce_max", "all-reduce", 4 * T), TPColl("ce_sum", "all-reduce", 8 * T)]
+    return fwd, bwd
 
 
 # --------------------------------------------------------------------------- the shared ops
