@@ -228,7 +228,7 @@ def main():
     lines = ["# Tensor parallelism: Megatron (full rank) vs vanilla low-rank TP vs BTP", "",
              f"Reproduce: `{cmd.strip()}` (8 simulated CPU devices; a few minutes). Code: "
              "`boost_jax/sharding/tp/` (`specs.py`, `btp.py`, `vanilla.py`, "
-             "`megatron.py`, `head.py`); the step engine `boost_jax/step/engine.py`; tests: `tests/unit/test_tp.py`, "
+             "`megatron.py`, `common.py`); the step engine `boost_jax/step/engine.py`; tests: `tests/unit/test_tp.py`, "
              "`tests/unit/test_tp_hlo.py`.", ""]
     t0 = time.time()
     part1(a, lines)

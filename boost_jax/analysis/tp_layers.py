@@ -19,19 +19,13 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from boost_jax.analysis.hlo import dtype_bytes
 from boost_jax.layers import forward
 from boost_jax.sharding import parallel
-from boost_jax.sharding.tp.specs import tp_param_specs
+from boost_jax.sharding.tp.specs import residual_spec, tp_param_specs
 from boost_jax.step.build import abstract_params
-
-
-def residual_spec(cfg) -> P:
-    """Spec of the residual stream [b, s, d] (btp: d-sharded over the TP axes)."""
-    tp = tuple(cfg.parallel.tp_axes)
-    return P(None, None, tp) if cfg.parallel.tp_mode == "btp" else P()
 
 
 def _stack(layout, h, blocks):

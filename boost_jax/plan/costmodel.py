@@ -332,8 +332,9 @@ def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hb
 
 
 def tp_collectives(cfg, sizes, bm: BlockModel, hm: BlockModel, t: int) -> list[Coll]:
-    """The TP layout's activation collectives per step (roofline's per-block lists), on the
-    critical path; a remat replay re-runs the forward's."""
+    """The TP layout's activation collectives per step, on the critical path; a remat replay
+    re-runs the forward's. The lists are the layout's own (block_collectives in
+    sharding/tp/megatron.py, vanilla.py, btp.py; the head's in tp/common.py), per block."""
     if t <= 1:
         return []
     tp_axes = tuple(cfg.parallel.tp_axes)

@@ -20,6 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from boost_jax.mesh import Topology
+from boost_jax.sharding.tp import btp, megatron, vanilla
+from boost_jax.sharding.tp.common import TPColl, head_collectives
 
 
 # HBM bandwidth per device (bytes/s): vendor datasheets. MI250X 3.2 TB/s per package = 1.6 per
@@ -146,13 +148,6 @@ def _attn(b, s, hl, kvl, hd, e, mode) -> Op:
 
 
 @dataclass
-class TPColl:
-    name: str
-    kind: str
-    payload: float  # bytes
-
-
-@dataclass
 class BlockModel:
     """One block's forward kernels and TP collectives for one micro-batch on one device."""
 
@@ -180,12 +175,7 @@ def _megatron_block(m, b: int, s: int, t: int, attention: str, e: int, g: int) -
            _elem("silu_mul", g * e * T * dff // t, e * T * dff // t),
            _gemm("down", T, dff // t, d, e),
            _elem("residual", 2 * e * T * d, e * T * d)]
-    fwd: list[TPColl] = []
-    bwd: list[TPColl] = []
-    if t > 1:
-        fwd = [TPColl("o", "all-reduce", e * T * d), TPColl("down", "all-reduce", e * T * d)]
-        bwd = [TPColl("qkv_in", "all-reduce", e * T * d),
-               TPColl("gate_up_in", "all-reduce", e * T * d)]
+    fwd, bwd = _tp_collectives(megatron, m, T, t, e, g)
     return BlockModel(ops, fwd, bwd, e * T * d, 0.0, True)
 
 
@@ -201,9 +191,7 @@ def _vanilla_block(m, b: int, s: int, t: int, attention: str, e: int, g: int) ->
     T = b * s
     d, hd, H, K, dff, r = m.d_model, m.head_dim, m.n_heads, m.kv_heads, m.d_ff, m.r
     rl = r // t
-    projs = [("q", d, H * hd), ("k", d, K * hd), ("v", d, K * hd), ("o", H * hd, d),
-             ("gate", d, dff), ("up", d, dff), ("down", dff, d)][:None if g == 2 else 4] + \
-        ([] if g == 2 else [("up", d, dff), ("down", dff, d)])
+    projs = vanilla.projections(m, g)
     pm = {p[0]: p for p in projs}
 
     def proj(name):
@@ -221,29 +209,14 @@ def _vanilla_block(m, b: int, s: int, t: int, attention: str, e: int, g: int) ->
     ops += [_elem("silu_mul", g * e * T * dff, e * T * dff)]
     ops += proj("down")
     ops += [_elem("residual", 2 * e * T * d, e * T * d)]
-    fwd: list[TPColl] = []
-    bwd: list[TPColl] = []
-    if t > 1:
-        fwd = [TPColl(n, "all-reduce", e * T * dout) for n, _, dout in projs]
-        bwd = [TPColl(f"{n}_in", "all-reduce", e * T * din) for n, din, _ in projs]
+    fwd, bwd = _tp_collectives(vanilla, m, T, t, e, g)
     return BlockModel(ops, fwd, bwd, e * T * d, len(projs) * e * T * rl, True)
 
 
-def _btp_collectives(m, T: int, t: int, e: int, g: int) -> tuple[list[TPColl], list[TPColl]]:
-    """BTP's four all-reduces each way on the rank-r latents z."""
-    r = m.r
-    # fp32 statistics riding in the qkv and gate|up all-reduces: RMSNorm Σx²; LayerNorm
-    # M2 + t slot means per token and γ·A, β·A once (sharding/tp/btp.py)
-    stats = (lambda n: 4 * T) if m.swiglu else (lambda n: 4 * (T * (1 + t) + (t + 1) * n))
-    fwd = [TPColl("z_qkv", "all-reduce", e * T * 3 * r + stats(3 * r)),
-           TPColl("z_o", "all-reduce", e * T * r),
-           TPColl("z_gu", "all-reduce", e * T * g * r + stats(g * r)),
-           TPColl("z_down", "all-reduce", e * T * r)]
-    bwd = [TPColl("dz_qkv", "all-reduce", e * T * 3 * r),
-           TPColl("dz_o", "all-reduce", e * T * r),
-           TPColl("dz_gu", "all-reduce", e * T * g * r),
-           TPColl("dz_down", "all-reduce", e * T * r)]
-    return fwd, bwd
+def _tp_collectives(layout, m, T: int, t: int, e: int, g: int):
+    """The layout's own (forward, backward) list per block (sharding/tp/<mode>.py); none
+    without TP."""
+    return layout.block_collectives(m, T, t, e, g) if t > 1 else ([], [])
 
 
 def _btp_block(m, b: int, s: int, t: int, attention: str, e: int, g: int) -> BlockModel:
@@ -270,7 +243,7 @@ def _btp_block(m, b: int, s: int, t: int, attention: str, e: int, g: int) -> Blo
            _elem("silu_down", e * T * r, e * T * r),
            _gemm("B_down", T, r, dl, e),
            _elem("residual", 2 * e * T * dl, e * T * dl)]
-    fwd, bwd = _btp_collectives(m, T, t, e, g) if t > 1 else ([], [])
+    fwd, bwd = _tp_collectives(btp, m, T, t, e, g)
     return BlockModel(ops, fwd, bwd, e * T * dl, e * T * (5 + g) * r, False)
 
 
@@ -321,15 +294,7 @@ def head_model(m, b: int, s: int, mode: str, t: int) -> BlockModel:
            _elem("final_norm", e * T * d, e * T * d),
            _gemm("lm_head", T, d, vl, e),
            _elem("cross_entropy", 4 * T * vl * 2, 4 * T * vl)]
-    fwd, bwd = [], []
-    if t > 1:
-        if mode == "btp":
-            fwd = [TPColl("gather_h", "all-gather", e * T * d)]
-            bwd = [TPColl("scatter_dh", "reduce-scatter", e * T * d)]
-        else:
-            fwd = [TPColl("embed", "all-reduce", e * T * d)]
-            bwd = [TPColl("head_dh", "all-reduce", e * T * d)]
-        fwd += [TPColl("ce_max", "all-reduce", 4 * T), TPColl("ce_sum", "all-reduce", 8 * T)]
+    fwd, bwd = head_collectives(mode, T, d, e) if t > 1 else ([], [])
     return BlockModel(ops, fwd, bwd, 0.0, 0.0, True)
 
 

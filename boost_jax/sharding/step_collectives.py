@@ -256,7 +256,7 @@ def _update(pl, f: LeafFetch, block: bool, layers: int, layer_bytes: float, add)
 
 def step_collectives(pl, passes: Passes, tied: bool = False) -> list[Collective]:
     """Every data-parallel collective of one optimizer step of placement `pl` (TP's activation
-    collectives are sharding/tp/specs.py's; pipeline sends are step/pipeline.py's). `tied`:
+    collectives are each layout's, sharding/tp/; pipeline sends are step/pipeline.py's). `tied`:
     the embedding is also the head (fetched twice)."""
     out: list[Collective] = []
     all_leaves = leaves(pl)

@@ -31,8 +31,30 @@ import jax.numpy as jnp
 from boost_jax.layers.linear import lax_cross, latent_activation
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.tp.common import (
-    TPContext, matmul, name_latent, psum, rank_index, to_varying)
-from boost_jax.sharding.tp.ops import TPOps
+    TPColl, TPContext, TPOps, matmul, name_latent, psum, rank_index, to_varying)
+
+# the dim of each leaf split over the TP axes (None: replicated; sharding/tp/specs.py reads it):
+# everything laid out like the residual stream, split along d: gpt2's positions, the untied
+# embedding, the norms, every A by its rows d_in, every B and bias by its columns d_out
+SPLIT = {"positions": -1, "embed": -1, "norm": -1, "leaves": {"a": -2, "b": -1, "bias": -1}}
+
+
+def block_collectives(m, T: int, t: int, e: int, g: int) -> tuple[list[TPColl], list[TPColl]]:
+    """(forward, backward) all-reduces of one block per micro-batch of T tokens, e bytes an
+    element (the planner's list, plan/roofline.py): the four rank-r latents z each way, the
+    fp32 norm statistics riding in the qkv and gate|up ones (RMSNorm Σx²; LayerNorm M2 + t
+    slot means per token, and γ·A, β·A once)."""
+    r = m.r
+    stats = (lambda n: 4 * T) if m.swiglu else (lambda n: 4 * (T * (1 + t) + (t + 1) * n))
+    fwd = [TPColl("z_qkv", "all-reduce", e * T * 3 * r + stats(3 * r)),
+           TPColl("z_o", "all-reduce", e * T * r),
+           TPColl("z_gu", "all-reduce", e * T * g * r + stats(g * r)),
+           TPColl("z_down", "all-reduce", e * T * r)]
+    bwd = [TPColl("dz_qkv", "all-reduce", e * T * 3 * r),
+           TPColl("dz_o", "all-reduce", e * T * r),
+           TPColl("dz_gu", "all-reduce", e * T * g * r),
+           TPColl("dz_down", "all-reduce", e * T * r)]
+    return fwd, bwd
 
 
 def norm_down(ctx: TPContext, x, norm: dict, w):

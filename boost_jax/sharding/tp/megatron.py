@@ -22,8 +22,25 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from boost_jax.layers.norms import apply_norm
-from boost_jax.sharding.tp.common import matmul, name_reduced, psum, to_varying
-from boost_jax.sharding.tp.ops import TPOps
+from boost_jax.sharding.tp.common import TPColl, TPOps, matmul, name_reduced, psum, to_varying
+
+# the dim of each leaf split over the TP axes (None: replicated; sharding/tp/specs.py reads it):
+# the residual stream, its norms and gpt2's positions replicated, the embedding vocab-parallel,
+# a block's `w` and `bias` by columns except the row-parallel o/down ("proj.leaf" entries)
+SPLIT = {"positions": None, "embed": -2, "norm": None,
+         "leaves": {"w": -1, "bias": -1,
+                    "o.w": -2, "down.w": -2, "o.bias": None, "down.bias": None}}
+
+
+def block_collectives(m, T: int, t: int, e: int, g: int) -> tuple[list[TPColl], list[TPColl]]:
+    """(forward, backward) all-reduces of one block per micro-batch of T tokens, e bytes an
+    element (the planner's list, plan/roofline.py): o and down forward, the normed inputs of
+    q|k|v and gate|up backward, b·s·d each."""
+    d = m.d_model
+    fwd = [TPColl("o", "all-reduce", e * T * d), TPColl("down", "all-reduce", e * T * d)]
+    bwd = [TPColl("qkv_in", "all-reduce", e * T * d),
+           TPColl("gate_up_in", "all-reduce", e * T * d)]
+    return fwd, bwd
 
 
 class MegatronOps(TPOps):

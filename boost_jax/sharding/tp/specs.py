@@ -1,12 +1,13 @@
 """Tensor parallelism: which layouts exist, whether a model can be cut, and how each param is split.
 
     MODES                         tp_mode → the layout's ops (layers/forward.py's Ops)
+    SPLITS                        tp_mode → the layout's SPLIT: the dim each leaf is cut along
     validate_tp(cfg, mesh)        ConfigError (one line) if the model can't be cut; called
                                   only by sharding/parallel.check
     tp_param_specs(cfg, params)   PartitionSpec per param naming only the TP axes
 
-Three ways to cut a decoder block (t = TP degree, b·s tokens; derivations in megatron.py,
-vanilla.py and btp.py):
+Three ways to cut a decoder block (t = TP degree, b·s tokens; derivations, and the list the
+planner prices (block_collectives), in megatron.py, vanilla.py and btp.py):
 
     mode      arch           forward per layer              backward per layer
     megatron  full           2 AR, b·s·2d                   2 AR, b·s·2d
@@ -14,7 +15,7 @@ vanilla.py and btp.py):
     btp       svd/cola/lax   4 AR, b·s·(7r + 2) (2 fp32)    4 AR, b·s·7r
 
 (MHA; AR = all-reduce over the TP group, ring bytes per device 2(t−1)/t × payload.) Once per
-step, embedding + head (head.py). GPT families: the same counts (btp: LayerNorm statistics in
+step, embedding + head (common.py). GPT families: the same counts (btp: LayerNorm statistics in
 the same all-reduce, see btp.py); biases and gpt2's position table are laid out like the
 output they are added to. At 7B (d=4096, d_ff=11008, r=1024) vanilla/btp =
 42496/7170 ≈ 5.93× forward and 35584/7168 ≈ 4.96× backward; btp/megatron = 0.875× forward.
@@ -31,11 +32,13 @@ from boost_jax.errors import ConfigError
 from boost_jax.mesh import axis_size
 from boost_jax.names import path_keys
 from boost_jax.pallas import dispatch
+from boost_jax.sharding.tp import btp, megatron, vanilla
 from boost_jax.sharding.tp.btp import BTPOps
 from boost_jax.sharding.tp.megatron import MegatronOps
 from boost_jax.sharding.tp.vanilla import VanillaOps
 
 MODES = {"megatron": MegatronOps, "vanilla": VanillaOps, "btp": BTPOps}
+SPLITS = {"megatron": megatron.SPLIT, "vanilla": vanilla.SPLIT, "btp": btp.SPLIT}
 LOWRANK_ARCHS = ("svd", "cola", "lax")
 
 
@@ -88,34 +91,26 @@ def validate_tp(cfg, mesh) -> None:
 
 
 def _split_dim(mode: str, names: Sequence[str], tie: bool) -> Optional[int]:
-    """Which dim (negative index) of the param at `names` is split over the TP axes."""
-    top = names[0]
-    if names[-1] == "positions":  # laid out like the residual stream (btp: d-sharded)
-        return -1 if mode == "btp" else None
+    """Which dim (negative index) of the param at `names` is split over the TP axes, read from
+    the layout's own table (SPLIT in megatron.py, vanilla.py, btp.py)."""
+    split, top, leaf = SPLITS[mode], names[0], names[-1]
+    if leaf == "positions":  # laid out like the residual stream (btp: d-sharded)
+        return split["positions"]
     if top == "embed":
-        return -1 if (mode == "btp" and not tie) else -2  # d-sharded vs vocab-parallel
+        return -2 if tie else split["embed"]  # a tied table is the vocab-parallel head's
     if top == "lm_head":
         return -1
     if top == "final_norm":
         return None
     if top != "blocks" or len(names) < 3:
         raise ValueError(f"unknown parameter {'/'.join(names)}; tp_param_specs needs updating")
-    sub, leaf = names[1], names[-1]
-    if sub in ("attn_norm", "mlp_norm"):
-        return -1 if mode == "btp" else None
-    proj = names[2]
-    if leaf in ("latent_scale", "g"):
+    if names[1] in ("attn_norm", "mlp_norm"):
+        return split["norm"]
+    if leaf in ("latent_scale", "g"):  # LaX's crossing runs on replicated latents
         return None
-    if leaf == "bias":  # laid out like the projection's output
-        if mode == "btp" or (mode == "megatron" and proj not in ("o", "down")):
-            return -1
-        return None
-    if mode == "megatron" and leaf == "w":
-        return -2 if proj in ("o", "down") else -1
-    if mode == "vanilla" and leaf in ("a", "b"):
-        return -1 if leaf == "a" else -2
-    if mode == "btp" and leaf in ("a", "b"):
-        return -2 if leaf == "a" else -1
+    for key in (f"{names[2]}.{leaf}", leaf):  # a projection's own entry first (megatron's o)
+        if key in split["leaves"]:
+            return split["leaves"][key]
     raise ValueError(f"parameter {'/'.join(names)} has no tp_mode={mode} placement")
 
 

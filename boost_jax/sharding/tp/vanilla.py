@@ -25,8 +25,29 @@ from __future__ import annotations
 from boost_jax.layers.linear import lax_cross, latent_activation
 from boost_jax.layers.norms import apply_norm
 from boost_jax.sharding.tp.common import (
-    all_gather, local_slice, matmul, name_latent, name_reduced, psum, to_varying)
-from boost_jax.sharding.tp.ops import TPOps
+    TPColl, TPOps, all_gather, local_slice, matmul, name_latent, name_reduced, psum, to_varying)
+
+# the dim of each leaf split over the TP axes (None: replicated; sharding/tp/specs.py reads it):
+# the residual stream, its norms and gpt2's positions replicated, the embedding vocab-parallel,
+# `a` by its rank columns, `b` by its rank rows, biases replicated
+SPLIT = {"positions": None, "embed": -2, "norm": None, "leaves": {"a": -1, "b": -2, "bias": None}}
+
+
+def projections(m, g: int) -> list[tuple[str, int, int]]:
+    """(name, d_in, d_out) of a block's low-rank projections; g = 2 with a gate (SwiGLU)."""
+    d, hd, H, K, dff = m.d_model, m.head_dim, m.n_heads, m.kv_heads, m.d_ff
+    return [("q", d, H * hd), ("k", d, K * hd), ("v", d, K * hd), ("o", H * hd, d)] + \
+        ([("gate", d, dff)] if g == 2 else []) + [("up", d, dff), ("down", dff, d)]
+
+
+def block_collectives(m, T: int, t: int, e: int, g: int) -> tuple[list[TPColl], list[TPColl]]:
+    """(forward, backward) all-reduces of one block per micro-batch of T tokens, e bytes an
+    element (the planner's list, plan/roofline.py): each projection's output forward, its
+    input's cotangent backward."""
+    projs = projections(m, g)
+    fwd = [TPColl(n, "all-reduce", e * T * dout) for n, _, dout in projs]
+    bwd = [TPColl(f"{n}_in", "all-reduce", e * T * din) for n, din, _ in projs]
+    return fwd, bwd
 
 
 class VanillaOps(TPOps):
