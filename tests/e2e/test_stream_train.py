@@ -49,8 +49,11 @@ def _children(pid):
     """Pids of the direct children of `pid` (grain's worker processes among them)."""
     out = []
     for task in os.listdir(f"/proc/{pid}/task"):
-        with open(f"/proc/{pid}/task/{task}/children") as f:
-            out += [int(x) for x in f.read().split()]
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(x) for x in f.read().split()]
+        except FileNotFoundError:  # a thread that ended since the listing
+            pass
     return out
 
 
