@@ -11,8 +11,10 @@ gathers behind the previous layer's compute, as it does a ZeRO-3 layer's.
 The params shards are named for remat to keep (the backward never gathers across nodes
 again) and leave the layer loop as the cotangent of a `capture` slot — zeros shaped like
 them, `deferred_layers(capture=True)` — so the step's other micro-batches start from them
-(step/engine.py: Engine.first_micro_batch). The embedding, final norm and head, outside the
-layer loop, are gathered once at the start of the step (Engine.ends_to_params).
+(step/engine.py: Engine.first_micro_batch). The final norm and an untied head, used once
+after the layer loop, are fetched the same way where the forward uses them (Engine.deferred_ends),
+so their gathers hide behind the layers'; the embedding, needed first, is gathered once at the
+start of the step (Engine.ends_to_params).
 """
 
 from __future__ import annotations

@@ -43,7 +43,9 @@ class LeafLayout:
     owner: a pipeline end weight stored as [stages, *leaf]: the slot holding the real leaf
     (the others are zeros);
     interleave: (stages, virtual) of a block stack split into interleaved virtual stages: its
-    padded layers, logically [virtual, stages, k], are stored as [stages, virtual, k].
+    padded layers, logically [virtual, stages, k], are stored as [stages, virtual, k];
+    after_stack: used once per pass after the layer stack (final norm, untied head): it can
+    be fetched and reduced like a layer (Placement.in_backward, Engine.deferred_ends).
     """
 
     shape: tuple[int, ...]
@@ -53,6 +55,7 @@ class LeafLayout:
     layer_axis: bool = False
     owner: Optional[int] = None
     interleave: Optional[tuple[int, int]] = None
+    after_stack: bool = False
 
     @property
     def pad(self) -> int:

@@ -180,8 +180,9 @@ class Placement(Int8Copies):
     def in_backward(self, lay: LeafLayout) -> bool:
         """Whether the reduction over R of `lay` runs per layer in the backward: with
         `reduce_in_backward`, for the scanned layer stack (used once per pass, inside the
-        layer loop)."""
-        return self.reduce_in_backward and lay.layer_axis
+        layer loop) and the weights used once after it (their gradient is whole first in the
+        backward: its reduction hides behind the layers')."""
+        return self.reduce_in_backward and (lay.layer_axis or lay.after_stack)
 
     def accum_axes(self, lay: LeafLayout) -> tuple[str, ...]:
         """Axes the gradient accumulator of `lay` is sharded over: the grads axes, and when
@@ -451,7 +452,7 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
     tp_specs = None
     if cfg.parallel.tp_mode != "none":
         tp_specs = tp_param_specs(cfg, abstract_params)
-    scan = cfg.train.scan_layers
+    scan, n_stages = cfg.train.scan_layers, cfg.parallel.pp_stages
 
     def one(path, x, spec=None):
         key = path_keys(path)
@@ -460,22 +461,21 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
         if spec is not None:
             for i, e in enumerate(tuple(spec) + (None,) * (len(x.shape) - len(tuple(spec)))):
                 tp[i] = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
-        return choose_layout(x.shape, n, tp, layer, mesh)
+        lay = choose_layout(x.shape, n, tp, layer, mesh)
+        late = key[:1] == ("final_norm",) or key[:1] == ("lm_head",)
+        return replace(lay, after_stack=True) if late and n_stages == 1 else lay
 
     if tp_specs is None:
         layouts = jax.tree_util.tree_map_with_path(one, abstract_params)
     else:
         layouts = jax.tree_util.tree_map_with_path(one, abstract_params, tp_specs,
                                                    is_leaf=lambda s: isinstance(s, P))
-    n_stages = cfg.parallel.pp_stages
     if n_stages == 1:
         return layouts
     return jax.tree_util.tree_map_with_path(
         lambda path, lay: stages.stage_layout(path_keys(path), lay, cfg.model.n_layers, n_stages,
                                               cfg.parallel.pp_virtual),
         layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
-
-
 
 
 __all__ = ["Placement", "LeafLayout", "PRESETS", "make_placement", "make_layouts",

@@ -234,14 +234,14 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     else:
         add("reduce", "reduce-scatter", rs, payload, calls, phase, i + bool(ar))
     if lay.dim is not None:
-        _update(pl, f, block, layers, psi * w, add)
+        _update(pl, f, pl.defer_update and (block or lay.after_stack), layers, psi * w, add)
     return out
 
 
-def _update(pl, f: LeafFetch, block: bool, layers: int, layer_bytes: float, add) -> None:
-    """The new weights to the params sharding: once per step after the optimizer, or deferred,
-    per layer in the next step's first forward (the ends: at its start)."""
-    deferred = pl.defer_update and block
+def _update(pl, f: LeafFetch, deferred: bool, layers: int, layer_bytes: float, add) -> None:
+    """The new weights to the params sharding: once per step after the optimizer, or
+    `deferred`, per layer in the next step's first forward (the after-stack units: where it
+    fetches them; the embedding: at its start, once per step)."""
     per, calls, phase = (1, layers, "dp") if deferred else (layers, 1, "step")
     left = tuple(pl.opt_state_axes)
     for r, axes in enumerate(pl.update_stages()):

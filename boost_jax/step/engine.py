@@ -37,8 +37,8 @@ from jax.sharding import PartitionSpec as P
 from boost_jax.backends import cpu as cpu_backend
 from boost_jax.layers import forward
 from boost_jax.mesh import STAGE, axis_size
-from boost_jax.sharding.gather import (LeafFetch, WithPrior, fetch_tree, slot_like, to_params_all,
-                                      to_varying, varying_axes)
+from boost_jax.sharding.gather import (Deferred, LeafFetch, WithPrior, fetch_tree, slot_like,
+                                      to_params_all, to_varying, varying_axes)
 from boost_jax.sharding import bucket
 from boost_jax.sharding.deferred import deferred_layers
 from boost_jax.sharding.hpz import hpz_layers
@@ -75,6 +75,11 @@ class Engine:
         if any(f.is_gathered and f.hpz for f in jax.tree.leaves(
                 self.fetches, is_leaf=lambda v: isinstance(v, LeafFetch))):
             self.checkpoint = hpz_layers  # one forward gather per layer (sharding/hpz.py)
+        # the units used once after the layer stack (final norm, untied head): fetched and
+        # reduced like a layer where the placement says so (LeafLayout.after_stack)
+        self.after_stack = tuple(
+            k for k, lays in placement.layouts.items() if k != "blocks" and all(
+                lay.after_stack for lay in jax.tree.leaves(lays, is_leaf=is_layout)))
         self.ops = layout.ops(self.fetch)
         self.check_vma = layout.check_vma
         self.tp_size = axis_size(self.mesh, placement.tp_axes)
@@ -126,46 +131,72 @@ class Engine:
 
     # ------------------------------------------------------------------ deferred update
     def ends_to_params(self, params):
-        """Deferred update: the embedding, final norm and head (outside the layer loop)
-        gathered from their stored shards to the params sharding, once per step; the layer
-        stack stays stored (its first forward gathers it: sharding/deferred.py)."""
+        """Deferred update: the weights outside the layer loop that the forward needs first
+        (the embedding) gathered from their stored shards to the params sharding, once per
+        step; the layer stack and the after-stack units stay stored (their forward fetch
+        gathers them: sharding/deferred.py, deferred_ends)."""
         out = dict(params)
         for k in params:
-            if k != "blocks":
+            if k != "blocks" and k not in self.after_stack:
                 fs, tree = jax.tree.flatten(self.fetches[k],
                                             is_leaf=lambda v: isinstance(v, LeafFetch))
                 out[k] = tree.unflatten(to_params_all(fs, tree.flatten_up_to(params[k])))
         return out
 
-    def capture_slots(self, slots, stored_blocks):
-        """The first micro-batch's slots for the layer stack: {"grads": the slots, "params":
-        zeros shaped and typed like the params shards its backward hands back} (per layer when
-        the stack is not scanned)."""
+    def deferred_ends(self, params, slots=None, capture=False):
+        """(params, slots) with the after-stack units' stored shards wrapped in Deferred, so
+        their gather to the params shard runs where the forward fetches them, behind the
+        layers' compute; with `capture` their slots are {"grads", "params"} (capture_slots)."""
+        params, slots = dict(params), None if slots is None else dict(slots)
+        for k in self.after_stack:
+            cap = None
+            if capture:
+                cap, slots[k] = slots[k]["params"], slots[k]["grads"]
+            params[k] = Deferred(params[k], cap)
+        return params, slots
+
+    def capture_zeros(self, lays, stored):
+        """Zeros shaped and typed like the params shards of `stored` (a capture's slots)."""
         pdtype = jnp.dtype(self.placement.param_dtype)
 
         def zeros(lay, x):
             z = jnp.zeros(lay.local_shape(self.mesh, self.placement.params_axes), pdtype)
             return to_varying(z, varying_axes(x))
 
-        lays = self.placement.layouts["blocks"]
-        return self.pair_blocks(slots, jax.tree.map(zeros, lays, stored_blocks,
-                                                    is_leaf=is_layout), "params")
+        return jax.tree.map(zeros, lays, stored, is_leaf=is_layout)
+
+    def capture_slots(self, slots, stored):
+        """The first micro-batch's slots: the layer stack's and each after-stack unit's as
+        {"grads": the slots, "params": zeros shaped and typed like the params shards its
+        backward hands back} (the stack's per layer when it is not scanned)."""
+        lays = self.placement.layouts
+        out = dict(slots, blocks=self.pair_blocks(slots["blocks"], self.capture_zeros(
+            lays["blocks"], stored["blocks"]), "params"))
+        for k in self.after_stack:
+            out[k] = {"grads": slots[k], "params": self.capture_zeros(lays[k], stored[k])}
+        return out
 
     def first_micro_batch(self, params, b, scale, micro):
-        """Deferred update, micro-batch 0: (loss, gradient, params with the layer stack's
-        params shards its forward gathered, for the other micro-batches)."""
+        """Deferred update, micro-batch 0: (loss, gradient, params with the params shards its
+        forward gathered, for the other micro-batches)."""
         params = self.ends_to_params(params)
         p = self.barrier(params, b["inputs"])
         capture = micro > 1
         slots = self.slots(not capture)
         if capture:
-            slots = dict(slots, blocks=self.capture_slots(slots["blocks"], p["blocks"]))
-        loss, g = jax.value_and_grad(lambda s: self.local_loss(
-            p, b, s, deferred_layers(self.checkpoint, capture)) * scale)(slots)
+            slots = self.capture_slots(slots, p)
+
+        def objective(s):
+            q, s = self.deferred_ends(p, s, capture)
+            return self.local_loss(q, b, s, deferred_layers(self.checkpoint, capture)) * scale
+
+        loss, g = jax.value_and_grad(objective)(slots)
         if capture:
             gb = g["blocks"]
-            g = dict(g, blocks=self.unpair_blocks(gb, "grads"))
-            params = dict(params, blocks=self.unpair_blocks(gb, "params"))
+            params = dict(params, blocks=self.unpair_blocks(gb, "params"),
+                          **{k: g[k]["params"] for k in self.after_stack})
+            g = dict(g, blocks=self.unpair_blocks(gb, "grads"),
+                     **{k: g[k]["grads"] for k in self.after_stack})
         return loss, g, params
 
     # ------------------------------------------------------------------ the two programs
@@ -262,11 +293,16 @@ class Engine:
             zero = (b["inputs"].reshape(-1)[0].astype(jnp.float32) * 0.0)  # not one CSE'd call
             p = {k: v if k == "blocks" else jax.tree.map(lambda x: x + zero.astype(x.dtype), v)
                  for k, v in p.items()}
-        loss, g = jax.value_and_grad(lambda s: self.local_loss(p, b, s, wrap) * scale)(
+        # the after-stack units reduced in the backward take their prior as the stack does
+        late = [k for k in self.after_stack if all(self.placement.in_backward(lay) for lay in
+                jax.tree.leaves(self.placement.layouts[k], is_leaf=is_layout))]
+        q = dict(p, **{k: WithPrior(p[k], acc[k]) for k in late})
+        loss, g = jax.value_and_grad(lambda s: self.local_loss(q, b, s, wrap) * scale)(
             dict(slots, blocks=blocks))
         acc_dtype = jnp.dtype(self.placement.grad_accum_dtype)
-        out = {k: (jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc[k], v)
-                   if k != "blocks" else self.unpair_blocks(v, "grads")) for k, v in g.items()}
+        out = {k: (self.unpair_blocks(v, "grads") if k == "blocks" else v if k in late else
+                   jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc[k], v))
+               for k, v in g.items()}
         return loss, out
 
     @staticmethod
@@ -307,7 +343,8 @@ class Engine:
                 return self.sum_over_devices(loss)
             if self.placement.defer_update:
                 first = deferred_layers(self.checkpoint, False)
-                loss = self.local_loss(self.ends_to_params(params), batch, None, first)
+                q, _ = self.deferred_ends(self.ends_to_params(params))
+                loss = self.local_loss(q, batch, None, first)
                 return self.sum_over_devices(loss / self.n_batch)
             return self.sum_over_devices(self.local_loss(params, batch) / self.n_batch)
 

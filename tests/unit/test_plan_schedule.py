@@ -76,9 +76,9 @@ def test_formulas_and_cost_model_read_the_one_collective_list(plan, tp):
 @pytest.mark.parametrize("plan", ["ddp", "zero1", "hierarchical"])
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_reduction_over_the_deferred_axes_moves_the_same_bytes_at_one_micro_batch(plan, tied):
-    """With one micro-batch the layer stack's reduction over R runs in the backward (phase
-    dp), the ends' stays once per step (the embedding, fetched twice when tied, is reduced
-    once): the same bytes as with two micro-batches."""
+    """With one micro-batch the reduction over R of the layer stack and of what follows it
+    (final norm, untied head) runs in the backward (phase dp), the embedding's stays once per
+    step (fetched twice when tied, reduced once): the same bytes as with two micro-batches."""
     from boost_jax.sharding.step_collectives import Passes, step_collectives
 
     sent = {}
@@ -91,8 +91,10 @@ def test_the_reduction_over_the_deferred_axes_moves_the_same_bytes_at_one_micro_
         reduce = [c for c in step_collectives(pl, Passes.of(micro), tied) if c.what == "reduce"]
         sent[micro] = sum(c.sent for c in reduce)
         if micro == 1:
-            assert {c.phase for c in reduce if c.leaf.startswith("blocks")} == {"dp"}
-            assert {c.phase for c in reduce if not c.leaf.startswith("blocks")} == {"step"}
+            late = ("blocks", "final_norm") + (() if tied else ("lm_head",))
+            assert {c.phase for c in reduce if c.leaf.startswith(late)} == {"dp"}
+            assert {c.phase for c in reduce if c.leaf.startswith("embed")} == {"step"}
+            assert {c.leaf.split("/")[0] for c in reduce} == set(late) | {"embed"}
     assert sent[1] == pytest.approx(sent[2]) and sent[1] > 0
 
 
