@@ -78,9 +78,7 @@ def drain(cfg, n_tokens: int) -> float:
     return rate
 
 
-# Grain worker processes (data.workers >= 1) started in this process after prepare's process
-# pool has run hang; tests/e2e/test_stream_train.py trains with them, this table has threads.
-WORKERS = (0,)
+WORKERS = (0, 1, 2)
 
 
 def measure(corpus: str, shards: str, tmp: str, spec: str, rounds: int) -> dict:
@@ -117,10 +115,11 @@ Reproduce: `python benchmarks/stream_speed.py --mib {args.mib} --rounds {args.ro
 A {args.mib} MiB corpus of the Python standard library's files, as 4 parquet shards (streamed)
 and as a .jsonl (prepared). Rows: `prepare` with 1 worker; the training iterator of the
 prepared .bin; the training iterator of the shards, tokenizing as it goes, with data.workers
-0 (two threads; grain worker processes are not measured here). An iterator's rate counts the tokens of
-{BATCH} x {SEQ}-token batches drawn until it has given the corpus's token count, its start
-included; medians of {args.rounds} rounds; {load_note()} after the run (other processes share
-the cores).
+0 (two threads of the trainer), 1 and 2 (grain worker processes, started after prepare's
+process pool in the same process, as they would be in any program). An iterator's rate
+counts the tokens of {BATCH} x {SEQ}-token batches drawn until it has given the corpus's token
+count, its start included (a worker process's start too); medians of {args.rounds} rounds;
+{load_note()} after the run (other processes share the cores).
 
 {chr(10).join(table)}
 """

@@ -229,21 +229,27 @@ def _init_worker(spec: str, field: str, dtype: str, text: str = None) -> None:
 
 
 def _tied_to_parent() -> None:
-    """A worker ignores Ctrl-C (the parent stops the pool) and dies with its parent however the
-    parent ends, SIGKILL included (Linux's PR_SET_PDEATHSIG): no orphan keeps the pool's
-    semaphores."""
+    """A worker ignores Ctrl-C (the parent stops the pool) and exits as soon as its parent
+    process ends, however it ends (SIGKILL included), so no orphan keeps the pool's semaphores:
+    a thread waits for the end of the pipe the parent holds open while it lives (the parent
+    sentinel of multiprocessing's spawn). Not Linux's PR_SET_PDEATHSIG, which fires when the
+    parent *thread* that started the worker ends: grain starts its workers from a prefetch
+    thread that ends on close(), so the worker was killed while writing an element into its
+    result pipe, and close() then waited forever for the rest of that element."""
     import signal
+    import threading
+    from multiprocessing.connection import wait
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: the pool's own broken-pipe check ends the worker later
     parent = multiprocessing.parent_process()
-    if parent is not None and os.getppid() != parent.pid:  # it died before the call above
+    if parent is None:  # not a multiprocessing child: nothing to watch
+        return
+
+    def watch():
+        wait([parent.sentinel])  # readable (end of file) once the parent has ended
         os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def _stop_on_signals() -> None:

@@ -73,6 +73,18 @@ def _worker_init(index: int, count: int) -> None:
     _tied_to_parent()
 
 
+def _short_worker_join(seconds: float = 2.0) -> None:
+    """grain's close() waits up to 25 s for a worker to exit, and a worker whose last piece is
+    larger than a pipe holds cannot exit before that piece is read, which nobody does once
+    close() has begun: every run with data.workers >= 1 would linger 25 s at exit. A worker
+    that has not exited after `seconds` is killed; grain then reads its queue no more, so the
+    piece it left half written is never read."""
+    from grain._src.python.dataset.transformations import process_prefetch
+
+    if getattr(process_prefetch, "_PROCESS_KILL_TIMEOUT_S", 0) > seconds:
+        process_prefetch._PROCESS_KILL_TIMEOUT_S = seconds
+
+
 class StreamIterator:
     """This process's batches of the global window stream; get_state/set_state resume it."""
 
@@ -111,6 +123,7 @@ class StreamIterator:
 
                 if not flags.FLAGS.is_parsed():  # grain's workers read its absl flags
                     flags.FLAGS.mark_as_parsed()
+                _short_worker_join()
                 ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=self._workers),
                                     worker_init_fn=_worker_init)
                 atexit.register(self.close)  # before the interpreter tears grain down

@@ -39,7 +39,7 @@ from boost_jax.mesh import get_topology, mesh_from_config
 from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, KEPT_SECONDARY
 from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot_losses,
                                      summarize)
-from boost_jax.train.run_lock import hold_out_dir
+from boost_jax.train.run_lock import fresh_dirs, hold_out_dir
 from boost_jax.train.profile import StepProfiler
 from boost_jax.train.run_log import RunLog
 from boost_jax.train.stop_signal import StopSignal, agree_stop
@@ -139,9 +139,11 @@ def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False,
     pid, nproc = jax.process_index(), jax.process_count()
     out_dir = os.path.abspath(cfg.out_dir)
     run_config.check_inputs(cfg, out_dir)
+    fresh = fresh_dirs(out_dir)  # missing or empty: a refused run leaves it so
     _check_writable(out_dir, pid)
     with hold_out_dir(out_dir, pid == 0, nproc, _printer(pid == 0, "warning: "),
-                      check=lambda: run_config.check_out_dir(out_dir, force, config_path)):
+                      check=lambda: run_config.check_out_dir(out_dir, force, config_path),
+                      fresh=fresh):
         with RunLog(out_dir, pid, keep_after_error=cli) as log:
             return _run(cfg, out_dir, log, compiler_options)
 

@@ -7,6 +7,11 @@ The holder writes who it is (pid, host, start time, command) into the file and e
 clean exit, so a record found when taking the lock names a run that died while holding it; it
 is reported and taken over. With several processes, process 0 holds the lock for all of them
 and every process learns the outcome before touching out_dir.
+
+A run refused before it wrote anything (bad data, a failed tracker start) leaves an out_dir
+that was missing or empty as it found it: the lock file is removed while still held (a run
+that opened the old file sees it is no longer the path's and opens it again), then the
+folders the run created, each only if empty.
 """
 
 from __future__ import annotations
@@ -40,6 +45,31 @@ def _describe(record: dict) -> str:
             f"{started}" + (f": {cmd}" if cmd else ""))
 
 
+def _same_file(fd: int, path: str) -> bool:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
+def fresh_dirs(out_dir: str) -> Optional[list[str]]:
+    """None if out_dir holds anything (or is no folder); else the folders a run creates for it,
+    outermost first: none for an empty folder, out_dir and its missing parents otherwise."""
+    if os.path.lexists(out_dir):
+        try:
+            return None if os.listdir(out_dir) else []
+        except OSError:
+            return None
+    missing, d = [], out_dir
+    while d and not os.path.lexists(d):
+        missing.insert(0, d)
+        parent = os.path.dirname(d)
+        d = parent if parent != d else ""
+    return missing
+
+
 class RunLock:
     def __init__(self, out_dir: str):
         self.out_dir = out_dir
@@ -57,24 +87,36 @@ class RunLock:
             return {}
         return rec if isinstance(rec, dict) else {}
 
+    def _lock(self) -> Optional[int]:
+        """The locked fd of the file at self.path, None where the filesystem cannot lock. A
+        file unlinked by a refused run (release(remove=True)) after we opened it is opened anew."""
+        while True:
+            os.makedirs(self.out_dir, exist_ok=True)  # a refused fresh run may have removed it
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                rec = self._read(fd)
+                os.close(fd)
+                who = _describe(rec) if rec else "its details are not written yet"
+                raise OutDirBusy(
+                    f"out_dir {self.out_dir!r} is in use by another run ({who}); wait for it "
+                    "to finish or stop it, or choose another out_dir=...") from None
+            except OSError as e:
+                os.close(fd)
+                if e.errno in _UNSUPPORTED:
+                    return None
+                raise
+            if _same_file(fd, self.path):
+                return fd
+            os.close(fd)
+
     def acquire(self) -> tuple[bool, Optional[dict]]:
         """(locked, record of a dead holder taken over or None). Raises OutDirBusy if a live run
         holds it; (False, None) where the filesystem cannot lock at all."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            rec = self._read(fd)
-            os.close(fd)
-            who = _describe(rec) if rec else "its details are not written yet"
-            raise OutDirBusy(
-                f"out_dir {self.out_dir!r} is in use by another run ({who}); wait for it to "
-                "finish or stop it, or choose another out_dir=...") from None
-        except OSError as e:
-            os.close(fd)
-            if e.errno in _UNSUPPORTED:
-                return False, None
-            raise
+        fd = self._lock()
+        if fd is None:
+            return False, None
         stale = self._read(fd)
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
               "argv": [os.path.basename(sys.argv[0])] + sys.argv[1:]}
@@ -83,7 +125,11 @@ class RunLock:
         self._fd = fd
         return True, stale
 
-    def release(self) -> None:
+    def release(self, remove: bool = False) -> None:
+        """Unlock; with `remove` the lock file is unlinked first, while still held."""
+        if remove:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         if self._fd is None:
             return
         try:  # empty record first: a record left in the file means the holder died
@@ -104,11 +150,28 @@ def _all_agree(ok: bool, nproc: int) -> bool:
     return bool(np.min(multihost_utils.process_allgather(np.array([int(ok)], np.int32))))
 
 
+def _leave_as_found(lock: RunLock, fresh: list[str]) -> None:
+    """A failed run on an out_dir that was missing or empty: if the lock file is all it holds,
+    unlink that (still held) and remove the folders the run created, innermost first."""
+    try:
+        alone = os.listdir(lock.out_dir) in ([], [LOCK_FILE])
+    except OSError:
+        alone = False
+    lock.release(remove=alone)
+    for d in reversed(fresh if alone else []):
+        try:
+            os.rmdir(d)
+        except OSError:  # something else is in it now: keep it
+            return
+
+
 @contextlib.contextmanager
 def hold_out_dir(out_dir: str, primary: bool, nproc: int, warn: Callable[[str], None],
-                 check: Optional[Callable[[], None]] = None):
+                 check: Optional[Callable[[], None]] = None, fresh: Optional[list] = None):
     """Hold the out_dir lock (from process 0) for the body; every process raises if it is taken
-    or if `check` (run by process 0 before it takes the lock) raises a UserError."""
+    or if `check` (run by process 0 before it takes the lock) raises a UserError. `fresh`
+    (fresh_dirs, taken before out_dir was created): when the body raises, process 0 leaves
+    out_dir as it was before the run if the run wrote nothing else in it."""
     lock, error, locked, stale = RunLock(out_dir), None, False, None
     if primary:
         try:
@@ -117,17 +180,22 @@ def hold_out_dir(out_dir: str, primary: bool, nproc: int, warn: Callable[[str], 
             locked, stale = lock.acquire()
         except UserError as e:
             error = e
-    if not _all_agree(error is None, nproc):
-        raise error or UserError(f"out_dir {out_dir!r} was refused by process 0 (its error line "
-                                 "says why: another run holds it, or it holds files that are no "
-                                 "run); wait for that run or choose another out_dir")
-    if primary and not locked:
-        warn(f"out_dir {out_dir!r} cannot be locked on this filesystem; nothing stops another "
-             "run from writing into it at the same time")
-    if stale is not None:
-        warn(f"out_dir {out_dir!r} was held by a run that died without releasing it "
-             f"({_describe(stale) if stale else 'no details'}); taking it over")
     try:
+        if not _all_agree(error is None, nproc):
+            raise error or UserError(
+                f"out_dir {out_dir!r} was refused by process 0 (its error line says why: "
+                "another run holds it, or it holds files that are no run); wait for that run "
+                "or choose another out_dir")
+        if primary and not locked:
+            warn(f"out_dir {out_dir!r} cannot be locked on this filesystem; nothing stops "
+                 "another run from writing into it at the same time")
+        if stale is not None:
+            warn(f"out_dir {out_dir!r} was held by a run that died without releasing it "
+                 f"({_describe(stale) if stale else 'no details'}); taking it over")
         yield
+    except BaseException:
+        if primary and fresh is not None and error is None:
+            _leave_as_found(lock, fresh)
+        raise
     finally:
         lock.release()

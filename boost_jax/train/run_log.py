@@ -21,6 +21,12 @@ from typing import Optional
 
 
 class _FileHandler(logging.FileHandler):
+    def emit(self, record):
+        try:
+            super().emit(record)
+        except OSError:  # opening it failed: a refused run removed its fresh out_dir
+            self.handleError(record)
+
     def handleError(self, record):  # a full disk must not print a logging traceback instead
         pass
 

@@ -344,3 +344,29 @@ def test_readme_error_rows_are_the_messages_these_rows_check():
     regexes = [r for _, r in {**ROWS, **PLAN_ROWS, **OTHER_ROWS}.values()]
     assert check_readme_table("## When something is wrong", "boost_jax.launch slurm` writes",
                               regexes) >= 8
+
+
+def test_a_data_error_leaves_a_new_or_empty_out_dir_as_it_was(tmp_path):
+    """A data problem refused after the run took out_dir's lock: one line, exit 2, and no `.lock`
+    left behind; the folders the run made (out_dir and its missing parents) are gone again, an
+    empty folder the user made stays, empty."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "blank.jsonl").write_text('\n{"text": ""}\n\n')
+    pq.write_table(pa.table({"text": ["one document only"]}), tmp_path / "one.parquet")
+    (tmp_path / "mine").mkdir()
+    data = {"new": "data.source={t}/blank.jsonl", "deep/er/run": "data.source={t}/blank.jsonl",
+            "mine": "data.sources=[{{path: {t}/one.parquet, weight: 1}}]"}
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    procs = {name: subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--cpu-devices", "8", *TINY,
+         f"out_dir={tmp_path / name}", source.format(t=tmp_path)], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name, source in data.items()}
+    for name, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 2 and err.startswith("error: data.source") and \
+            len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "new").exists() and not (tmp_path / "deep").exists()
+    assert os.listdir(tmp_path / "mine") == []

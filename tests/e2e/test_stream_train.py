@@ -114,3 +114,70 @@ def test_stream_resumes_exactly_after_sigkill(jax_cache, tmp_path):
     err = [ln for ln in t.lines if ln.startswith("error:")]
     assert len(err) == 1 and "data.sources[0]" in err[0] and "has changed since" in err[0], \
         t.output
+
+
+def test_a_worker_outlives_the_thread_that_started_it():
+    """Workers are tied to their parent process, not to the thread that started them: grain
+    starts its workers from a prefetch thread that ends on close(), and a worker killed then
+    left half an element in its pipe, on which close() waited forever."""
+    import multiprocessing
+    import threading
+    from concurrent.futures import ProcessPoolExecutor
+
+    from boost_jax.data.prepare import _tied_to_parent
+
+    with ProcessPoolExecutor(1, multiprocessing.get_context("spawn"),
+                             initializer=_tied_to_parent) as pool:
+        first = []
+        t = threading.Thread(target=lambda: first.append(pool.submit(os.getpid).result(120)))
+        t.start()  # the pool starts its worker in this thread, which then ends
+        t.join()
+        for _ in range(600):  # until the kernel has ended the thread too
+            if not os.path.exists(f"/proc/self/task/{t.native_id}"):
+                break
+            time.sleep(0.05)
+        assert first and pool.submit(os.getpid).result(120) == first[0]
+
+
+_PREPARE_THEN_STREAM = """
+import sys
+from boost_jax.config import load_config
+from boost_jax.data.pipeline import build_data
+from boost_jax.data.prepare import prepare
+
+if __name__ == "__main__":
+    shards, corpus, out = sys.argv[1:]
+    prepare(corpus, out, "byte", 1, progress=False)  # a process pool first, in this process
+    cfg = load_config(None, [f"data.sources=[{{path: {shards}, weight: 1}}]", "data.seq_len=32",
+                             "train.global_batch=8", "train.eval_batches=2", "data.workers=1"])
+    for round in range(3):
+        it = build_data(cfg).train_iter
+        for _ in range(3):
+            next(it)
+        it.close()
+        print("closed", round, flush=True)
+"""
+
+
+def test_grain_workers_read_and_close_after_prepares_pool(tmp_path):
+    """prepare's process pool, then grain worker processes in the same process: batches come and
+    close() returns, three times over (a hang fails on the subprocess timeout)."""
+    import argparse
+
+    text = open(argparse.__file__, encoding="utf-8").read()
+    (tmp_path / "shards").mkdir()
+    # one row group: pieces of ~250 rows, far more than a pipe holds (64 KiB)
+    pq.write_table(pa.table({"text": [text[i:i + 400] for i in range(0, len(text), 400)]}),
+                   tmp_path / "shards" / "a.parquet")
+    shards = str(tmp_path / "shards")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    script = tmp_path / "prepare_then_stream.py"
+    script.write_text(_PREPARE_THEN_STREAM)
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    with open(tmp_path / "out.txt", "w") as out:  # a file: no pipe a stray worker holds open
+        r = subprocess.run([sys.executable, str(script), shards, str(corpus),
+                            str(tmp_path / "c.bin")], cwd=ROOT, env=env, stdout=out,
+                           stderr=subprocess.STDOUT, timeout=120)
+    text = (tmp_path / "out.txt").read_text()
+    assert r.returncode == 0 and "closed 2" in text and "leaked" not in text, text
