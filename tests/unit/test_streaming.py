@@ -144,3 +144,15 @@ def test_config_refuses_a_streamed_mixture_and_bpe(tmp_path):
         cfg(tmp_path / "s", "data.tokenizer=bpe")
     with pytest.raises(ConfigError, match=r"data.workers=-1 must be >= 0"):
         cfg(tmp_path / "s", "data.workers=-1")
+
+
+def test_grain_worker_join_is_cut_short_in_the_pinned_grain():
+    """_short_worker_join sets a private grain constant: a grain upgrade that renames it would
+    bring back the 25 s wait at every exit silently, so it fails here instead."""
+    from grain._src.python.dataset.transformations import process_prefetch
+
+    from boost_jax.data.streaming import _short_worker_join
+
+    assert hasattr(process_prefetch, "_PROCESS_KILL_TIMEOUT_S")
+    _short_worker_join(2.0)
+    assert process_prefetch._PROCESS_KILL_TIMEOUT_S <= 2.0
