@@ -19,7 +19,7 @@ it a per-layer fetch for the plans without TP); the tensor-parallel
 ones (megatron, vanilla, btp) live in boost_jax/sharding/tp/, and the training step gives any
 of them a `fetch` that gathers a layer's weights just before use (boost_jax/sharding/gather.py).
 The forward reads params only through `ops.fetch(weights, path)`: whatever the caller put in
-the params tree (the training step: stored shards and their gradient slots) is its fetch's.
+the params tree is for its fetch to read (the training step's: sharding/gather.with_slots).
 Attention runs on whatever heads the projections return (all of them here, the local ones
 under TP). Adding, say, QK-norm is an edit of `attention` below.
 """
