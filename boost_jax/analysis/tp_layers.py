@@ -32,7 +32,7 @@ def _stack(layout, h, blocks):
     ops = layout.ops()
     positions = jnp.arange(h.shape[1], dtype=jnp.int32)
     tokens = jnp.zeros(h.shape[:2], jnp.int32)
-    return forward.run_blocks(ops, layout.model, blocks, None, h, positions, ops.init_prev(tokens),
+    return forward.run_blocks(ops, layout.model, blocks, h, positions, ops.init_prev(tokens),
                               layout.checkpoint(gathers=False))[0]
 
 

@@ -18,6 +18,8 @@ Whatever depends on where an array lives or which collective runs is a call on `
 it a per-layer fetch for the plans without TP); the tensor-parallel
 ones (megatron, vanilla, btp) live in boost_jax/sharding/tp/, and the training step gives any
 of them a `fetch` that gathers a layer's weights just before use (boost_jax/sharding/gather.py).
+The forward reads params only through `ops.fetch(weights, path)`: whatever the caller put in
+the params tree is for its fetch to read (the training step's: sharding/gather.with_slots).
 Attention runs on whatever heads the projections return (all of them here, the local ones
 under TP). Adding, say, QK-norm is an edit of `attention` below.
 """
@@ -72,9 +74,10 @@ class Ops(Protocol):
     device) and the tensor-parallel layouts (boost_jax/sharding/tp/: TPOps and its subclasses)
     implement it."""
 
-    def fetch(self, stored, slots, path):
-        """Stored weights at `path` (("embed",), ("blocks",) for one layer of a stack,
-        ("blocks", i), ("final_norm",), ("lm_head",)) → the weights to compute with."""
+    def fetch(self, weights, path):
+        """The params at `path` (("embed",), ("blocks",) for one layer of a stack,
+        ("blocks", i), ("final_norm",), ("lm_head",)) → the weights to compute with (the
+        training step stores them sharded, and gathers them here)."""
 
     def embed(self, table, tokens):
         """→ the residual stream h [b, s, d] (btp: its d-slice)."""
@@ -104,8 +107,8 @@ class Local:
         self.rank, self.tie = cfg.r, cfg.tie_embeddings
         self.latent_keys = latent_keys(cfg)
 
-    def fetch(self, stored, slots, path):
-        return stored if self._fetch is None else self._fetch(stored, slots, path)
+    def fetch(self, weights, path):
+        return weights if self._fetch is None else self._fetch(weights, path)
 
     def embed(self, table, tokens):
         return jnp.take(table, tokens, axis=0).astype(self.dtype)
@@ -188,48 +191,40 @@ def block(ops: Ops, cfg, p: dict, h, positions, prev: Optional[dict],
 # --------------------------------------------------------------------------- the stack
 
 
-def is_stacked(blocks: dict) -> bool:
-    """Stacked (scan_layers=True) blocks are keyed by name; unstacked ones by layer index."""
-    return not all(isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in blocks)
+def is_stacked(blocks) -> bool:
+    """Unstacked (scan_layers=False) blocks are a dict keyed by layer index; anything else is
+    one stack of layers (a dict keyed by name, or a pytree the caller built around one)."""
+    return not (isinstance(blocks, dict) and all(
+        isinstance(k, int) or (isinstance(k, str) and k.isdigit()) for k in blocks))
 
 
-def run_blocks(ops: Ops, cfg, blocks: dict, slots, h, positions, prev, checkpoint: Callable,
-               active=None):
+def run_blocks(ops: Ops, cfg, blocks, h, positions, prev, checkpoint: Callable, active=None):
     """All layers: lax.scan over stacked params (one compiled layer), else a Python loop.
 
     Each layer fetches its weights inside `checkpoint` (a jax.checkpoint wrapper or the
-    identity), so only one layer's gathered weights live at a time and backward re-fetches.
-    `slots` mirrors `blocks` (gradient slots of the training step) or is None. `active`
-    (bool per stacked layer, pipeline stages) skips a layer where false: its output is its
-    input, so its (zero-padded) weights get no gradient.
+    identity; it wraps layer(weights, h, prev)), so only one layer's gathered weights live at
+    a time and backward re-fetches. `active` (bool per stacked layer, pipeline stages) skips a
+    layer where false: its output is its input, so its (zero-padded) weights get no gradient.
     """
-    def layer(lp, ls, h, prev, path=("blocks",)):
-        return block(ops, cfg, ops.fetch(lp, ls, path), h, positions, prev)
+    def layer(lp, h, prev, path=("blocks",)):
+        return block(ops, cfg, ops.fetch(lp, path), h, positions, prev)
 
     if is_stacked(blocks):
         layer = checkpoint(layer)
 
         def body(carry, xs):
-            out = layer(xs[0], xs[1], *carry)
+            out = layer(xs[0], *carry)
             if active is not None:
-                out = jax.tree.map(lambda new, old: jnp.where(xs[2], new, old), out, carry)
+                out = jax.tree.map(lambda new, old: jnp.where(xs[1], new, old), out, carry)
             return out, None
 
-        xs = (blocks, slots) if active is None else (blocks, slots, active)
+        xs = (blocks,) if active is None else (blocks, active)
         (h, prev), _ = jax.lax.scan(body, (h, prev), xs)
         return h, prev
     for key in sorted(blocks, key=int):
-        fn = checkpoint(lambda lp, ls, h, prev, key=key: layer(lp, ls, h, prev, ("blocks", key)))
-        h, prev = fn(blocks[key], None if slots is None else slots[key], h, prev)
+        fn = checkpoint(lambda lp, h, prev, key=key: layer(lp, h, prev, ("blocks", key)))
+        h, prev = fn(blocks[key], h, prev)
     return h, prev
-
-
-def _part(tree, *keys):
-    for k in keys:
-        if tree is None:
-            return None
-        tree = tree[k]
-    return tree
 
 
 def embed(ops: Ops, emb: dict, tokens, positions):
@@ -241,32 +236,31 @@ def embed(ops: Ops, emb: dict, tokens, positions):
     return h
 
 
-def hidden(ops: Ops, cfg, params: dict, tokens, positions=None, slots=None,
+def hidden(ops: Ops, cfg, params: dict, tokens, positions=None,
            checkpoint: Callable = lambda f: f):
     """tokens [b, s] → the residual stream after the last block (before the final norm)."""
     if positions is None:
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-    emb = ops.fetch(params["embed"], _part(slots, "embed"), ("embed",))
-    h = embed(ops, emb, tokens, positions)
-    h, _ = run_blocks(ops, cfg, params["blocks"], _part(slots, "blocks"), h, positions,
-                      ops.init_prev(tokens), checkpoint)
+    h = embed(ops, ops.fetch(params["embed"], ("embed",)), tokens, positions)
+    h, _ = run_blocks(ops, cfg, params["blocks"], h, positions, ops.init_prev(tokens),
+                      checkpoint)
     return h
 
 
-def head_weights(ops: Ops, cfg, params: dict, slots=None):
+def head_weights(ops: Ops, cfg, params: dict):
     """(final norm params, [d, V] output projection) fetched for use (tied: the table's T)."""
-    norm = ops.fetch(params["final_norm"], _part(slots, "final_norm"), ("final_norm",))
+    norm = ops.fetch(params["final_norm"], ("final_norm",))
     if cfg.tie_embeddings:
-        w = ops.fetch(params["embed"], _part(slots, "embed"), ("embed",))["embedding"].T
+        w = ops.fetch(params["embed"], ("embed",))["embedding"].T
     else:
-        w = ops.fetch(params["lm_head"], _part(slots, "lm_head"), ("lm_head",))["w"]
+        w = ops.fetch(params["lm_head"], ("lm_head",))["w"]
     return norm, w
 
 
-def loss(ops: Ops, cfg, params: dict, batch: dict, slots=None, checkpoint: Callable = lambda f: f):
+def loss(ops: Ops, cfg, params: dict, batch: dict, checkpoint: Callable = lambda f: f):
     """Mean cross-entropy of batch["targets"] given batch["inputs"] (int32 [b, s])."""
-    h = hidden(ops, cfg, params, batch["inputs"], slots=slots, checkpoint=checkpoint)
-    norm, w = head_weights(ops, cfg, params, slots)
+    h = hidden(ops, cfg, params, batch["inputs"], checkpoint=checkpoint)
+    norm, w = head_weights(ops, cfg, params)
     return ops.head_loss(h, norm, w, batch["targets"])
 
 

@@ -21,20 +21,21 @@ from __future__ import annotations
 
 from typing import Callable
 
-from boost_jax.sharding.gather import Deferred
+from boost_jax.sharding.gather import Deferred, paired, unpaired
 
 
 def deferred_layers(checkpoint: Callable, capture: bool) -> Callable:
     """The per-layer wrapper of a deferred update's first micro-batch (the plan's remat
-    `checkpoint` around it): layer(stored, slots, h, prev) is called with the stored shards
-    wrapped in Deferred; with `capture` the slots are {"grads", "params"} and the cotangent of
-    "params" is the layer's params shards."""
+    `checkpoint` around it): layer(weights, h, prev) is called with the stored shards in
+    `weights` wrapped in Deferred; with `capture` their slots are {"grads", "params"} and the
+    cotangent of "params" is the layer's params shards."""
 
     def wrap(layer):
-        def first(lp, ls, h, prev):
+        def first(weights, h, prev):
+            lp, ls = unpaired(weights)
             if capture:
-                return layer(Deferred(lp, ls["params"]), ls["grads"], h, prev)
-            return layer(Deferred(lp), ls, h, prev)
+                return layer(paired(Deferred(lp, ls["params"]), ls["grads"]), h, prev)
+            return layer(paired(Deferred(lp), ls), h, prev)
 
         return checkpoint(first)
 

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from boost_jax.layers.forward import is_stacked
 from boost_jax.mesh import axis_size
 from boost_jax.names import SECONDARY_NAME
 from boost_jax.sharding import bucket, quant
@@ -551,6 +552,40 @@ def fetch_tree(fetches, stored, slots=None):
                                  tuple(tree.flatten_up_to(slots)), caps, kept, prior))
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["stored", "slot"],
+                   meta_fields=[])
+@dataclass(frozen=True)
+class WithSlot:
+    """A fetch unit's stored shards (or a wrapper of them: Deferred, WithPrior, HpzForward,
+    HpzBackward) and its gradient slots, one pytree node: lax.scan over the layer stack slices
+    both, the forward hands it to ops.fetch as the weights, and Engine.fetch unpacks it."""
+
+    stored: Any
+    slot: Any
+
+
+def paired(stored, slot):
+    """WithSlot(stored, slot), or `stored` itself when there is no slot (forward only)."""
+    return stored if slot is None else WithSlot(stored, slot)
+
+
+def unpaired(weights) -> tuple:
+    """What the forward fetches → (stored, gradient slots or None)."""
+    return (weights.stored, weights.slot) if isinstance(weights, WithSlot) else (weights, None)
+
+
+def with_slots(params, slots):
+    """The params tree the forward reads in a training step: each fetch unit (the embedding,
+    the layer stack or, unstacked, each layer, the final norm, the head) paired with its
+    gradient slots; `slots` None: `params` as they are."""
+    if slots is None:
+        return params
+    out = {k: WithSlot(v, slots[k]) for k, v in params.items()}
+    if not is_stacked(params["blocks"]):
+        out["blocks"] = {k: WithSlot(v, slots["blocks"][k]) for k, v in params["blocks"].items()}
+    return out
+
+
 def fetch_leaf(f: LeafFetch, x, slot=None):
     """fetch_tree of one weight."""
     return fetch_tree(f, x, slot)
@@ -566,4 +601,4 @@ def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...],
 
 __all__ = ["LeafFetch", "fetch_leaf", "fetch_tree", "slot_like", "to_varying", "varying_axes",
            "expand_all", "reduce_all", "to_params_all", "Deferred", "HpzForward", "HpzBackward", "WithPrior",
-           "SECONDARY_NAME"]
+           "WithSlot", "paired", "unpaired", "with_slots", "SECONDARY_NAME"]

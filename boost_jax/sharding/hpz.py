@@ -23,7 +23,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from boost_jax.sharding.gather import HpzBackward, HpzForward
+from boost_jax.sharding.gather import HpzBackward, HpzForward, paired, unpaired
 
 
 def _eval_jaxpr(jaxpr, consts, *args):
@@ -46,19 +46,23 @@ def _staged(fn, *args):
 
 
 def _replayed(layer: Callable, record, saved, replay) -> Callable:
-    """layer(stored, slots, h, prev) -> (h, prev) as a custom_vjp: the forward runs it on
-    record(stored) and keeps saved(record); the backward re-runs it on replay(stored, kept)
-    and differentiates that."""
+    """layer(weights, h, prev) -> (h, prev) as a custom_vjp (weights: the stored shards `lp`,
+    paired with their slots `ls` in a training step): the forward runs it on record(lp) and
+    keeps saved(record); the backward re-runs it on replay(lp, kept) and differentiates that
+    with respect to the slots."""
 
     def forward(lp, ls, h, prev):
         rec = record(lp)
-        return layer(rec, ls, h, prev), saved(rec)
+        return layer(paired(rec, ls), h, prev), saved(rec)
 
-    def wrapped(lp, ls, h, prev):
+    def replayed(lp, kept, g, h, prev):
+        return layer(paired(replay(lp, kept), g), h, prev)
+
+    def wrapped(weights, h, prev):
+        lp, ls = unpaired(weights)
         fwd_call, c_fwd = _staged(forward, lp, ls, h, prev)
         kept = jax.eval_shape(forward, lp, ls, h, prev)[1]
-        bwd_call, c_bwd = _staged(lambda lp, kept, g, h, prev: layer(replay(lp, kept), g, h, prev),
-                                  lp, kept, ls, h, prev)
+        bwd_call, c_bwd = _staged(replayed, lp, kept, ls, h, prev)
 
         @jax.custom_vjp
         def run(lp, ls, h, prev, c_fwd, c_bwd):
@@ -82,7 +86,7 @@ def _replayed(layer: Callable, record, saved, replay) -> Callable:
 
 
 def hpz_layers(layer: Callable) -> Callable:
-    """layer(stored, slots, h, prev) -> (h, prev) → the same function with hpZ's forward (one
+    """layer(weights, h, prev) -> (h, prev) → the same function with hpZ's forward (one
     flat gather, secondaries kept) and backward (re-gathered from the secondaries)."""
     return _replayed(layer, HpzForward, lambda rec: rec.secs,
                      lambda lp, secs: HpzBackward(lp, secs))

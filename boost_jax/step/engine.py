@@ -37,8 +37,9 @@ from jax.sharding import PartitionSpec as P
 from boost_jax.backends import cpu as cpu_backend
 from boost_jax.layers import forward
 from boost_jax.mesh import STAGE, axis_size
-from boost_jax.sharding.gather import (Deferred, LeafFetch, WithPrior, fetch_tree, slot_like,
-                                      to_params_all, to_varying, varying_axes)
+from boost_jax.sharding.gather import (Deferred, LeafFetch, WithPrior, fetch_tree, paired,
+                                      slot_like, to_params_all, to_varying, unpaired,
+                                      varying_axes, with_slots)
 from boost_jax.sharding import bucket
 from boost_jax.sharding.deferred import deferred_layers
 from boost_jax.sharding.hpz import hpz_layers
@@ -87,11 +88,13 @@ class Engine:
             layout.pipeline, layout.model, self.ops, self.checkpoint, self.slots, self.check_vma)
 
     # ------------------------------------------------------------------ per-device pieces
-    def fetch(self, stored, slots, path):
+    def fetch(self, weights, path):
+        """ops.fetch: what with_slots put at `path` (stored shards, and gradient slots in a
+        training step) → the full working weights (sharding/gather.py: fetch_tree)."""
         fs = self.active  # the last (or only) micro-batch's, or the earlier ones'
         for k in path:
             fs = fs[k]
-        return fetch_tree(fs, stored, slots)
+        return fetch_tree(fs, *unpaired(weights))
 
     def slots(self, last: bool = True):
         """Zero gradient slots: this device's shard of every leaf's gradient — the grads
@@ -125,8 +128,10 @@ class Engine:
             acc = two_level.psum_scatter(acc, rs, lay.dim, policy)
         return acc
 
-    def local_loss(self, params, batch, slots=None, checkpoint=None):
-        return forward.loss(self.ops, self.layout.model, params, batch, slots,
+    def local_loss(self, params, batch, checkpoint=None):
+        """This device's loss; `params` as the forward reads them (with_slots: paired with
+        the gradient slots to differentiate with respect to)."""
+        return forward.loss(self.ops, self.layout.model, params, batch,
                             checkpoint or self.checkpoint)
 
     # ------------------------------------------------------------------ deferred update
@@ -144,16 +149,17 @@ class Engine:
         return out
 
     def deferred_ends(self, params, slots=None, capture=False):
-        """(params, slots) with the after-stack units' stored shards wrapped in Deferred, so
-        their gather to the params shard runs where the forward fetches them, behind the
-        layers' compute; with `capture` their slots are {"grads", "params"} (capture_slots)."""
+        """with_slots(params, slots) with the after-stack units' stored shards wrapped in
+        Deferred, so their gather to the params shard runs where the forward fetches them,
+        behind the layers' compute; with `capture` their slots are {"grads", "params"}
+        (capture_slots)."""
         params, slots = dict(params), None if slots is None else dict(slots)
         for k in self.after_stack:
             cap = None
             if capture:
                 cap, slots[k] = slots[k]["params"], slots[k]["grads"]
             params[k] = Deferred(params[k], cap)
-        return params, slots
+        return with_slots(params, slots)
 
     def capture_zeros(self, lays, stored):
         """Zeros shaped and typed like the params shards of `stored` (a capture's slots)."""
@@ -187,8 +193,8 @@ class Engine:
             slots = self.capture_slots(slots, p)
 
         def objective(s):
-            q, s = self.deferred_ends(p, s, capture)
-            return self.local_loss(q, b, s, deferred_layers(self.checkpoint, capture)) * scale
+            q = self.deferred_ends(p, s, capture)
+            return self.local_loss(q, b, deferred_layers(self.checkpoint, capture)) * scale
 
         loss, g = jax.value_and_grad(objective)(slots)
         if capture:
@@ -255,7 +261,7 @@ class Engine:
         def one(params, acc, b):
             p = self.barrier(params, b["inputs"])
             loss, g = jax.value_and_grad(
-                lambda s: self.local_loss(p, b, s) * scale)(self.slots(not peel_last))
+                lambda s: self.local_loss(with_slots(p, s), b) * scale)(self.slots(not peel_last))
             return add(acc, g), loss
 
         self.active = self.early if peel_last else self.fetches
@@ -285,8 +291,11 @@ class Engine:
         ck = self.checkpoint
 
         def wrap(layer):
-            return ck(lambda lp, ls, h, prev: layer(WithPrior(lp, ls["prior"]), ls["grads"],
-                                                    h, prev))
+            def last(weights, h, prev):
+                stored, ls = unpaired(weights)
+                return layer(paired(WithPrior(stored, ls["prior"]), ls["grads"]), h, prev)
+
+            return ck(last)
 
         p = self.barrier(params, b["inputs"])
         if self.placement.defer_update:  # the ends as the first micro-batch fetched them:
@@ -297,7 +306,8 @@ class Engine:
         late = [k for k in self.after_stack if all(self.placement.in_backward(lay) for lay in
                 jax.tree.leaves(self.placement.layouts[k], is_leaf=is_layout))]
         q = dict(p, **{k: WithPrior(p[k], acc[k]) for k in late})
-        loss, g = jax.value_and_grad(lambda s: self.local_loss(q, b, s, wrap) * scale)(
+        loss, g = jax.value_and_grad(
+            lambda s: self.local_loss(with_slots(q, s), b, wrap) * scale)(
             dict(slots, blocks=blocks))
         acc_dtype = jnp.dtype(self.placement.grad_accum_dtype)
         out = {k: (self.unpair_blocks(v, "grads") if k == "blocks" else v if k in late else
@@ -343,8 +353,8 @@ class Engine:
                 return self.sum_over_devices(loss)
             if self.placement.defer_update:
                 first = deferred_layers(self.checkpoint, False)
-                q, _ = self.deferred_ends(self.ends_to_params(params))
-                loss = self.local_loss(q, batch, None, first)
+                q = self.deferred_ends(self.ends_to_params(params))
+                loss = self.local_loss(q, batch, first)
                 return self.sum_over_devices(loss / self.n_batch)
             return self.sum_over_devices(self.local_loss(params, batch) / self.n_batch)
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from boost_jax.layers import forward
 from boost_jax.mesh import STAGE
-from boost_jax.sharding.gather import to_varying
+from boost_jax.sharding.gather import to_varying, with_slots
 from boost_jax.sharding.parallel import PipelineSettings
 from boost_jax.sharding.stages import ENDS, layers_per_stage
 
@@ -149,17 +149,15 @@ class Pipeline:
     def stage_fn(self, params, slots, x, tokens, targets, v=0):
         """x = (h, latents) from the previous stage (None: start from the embedding), v the
         chunk (virtual stage v·P + s) → ((h, latents) for the next stage, this stage's loss
-        (meaningful on the last chunk of the last stage))."""
+        (meaningful on the last chunk of the last stage)); the forward reads the params paired
+        with `slots` (gather.with_slots; None: forward only)."""
         ops, model, k = self.ops, self.model, self.chunk_layers
         stage = jax.lax.axis_index(STAGE)
-        p, sl = squeeze_ends(params), squeeze_ends(slots)
-        if self.virtual > 1:  # this chunk's k layers of the stage's V·k
-            chunk = lambda t: jax.tree.map(  # noqa: E731
-                lambda a: jax.lax.dynamic_slice_in_dim(a, v * k, k), t)
-            p = dict(p, blocks=chunk(p["blocks"]))
-            sl = None if sl is None else dict(sl, blocks=chunk(sl["blocks"]))
-        part = lambda key: None if sl is None else sl[key]  # noqa: E731
-        emb = ops.fetch(p["embed"], part("embed"), ("embed",))
+        p = with_slots(squeeze_ends(params), squeeze_ends(slots))
+        if self.virtual > 1:  # this chunk's k layers of the stage's V·k (stored and slots)
+            p = dict(p, blocks=jax.tree.map(
+                lambda a: jax.lax.dynamic_slice_in_dim(a, v * k, k), p["blocks"]))
+        emb = ops.fetch(p["embed"], ("embed",))
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
         h, prev = forward.embed(ops, emb, tokens, positions), ops.init_prev(tokens)
         if x is not None:
@@ -169,9 +167,9 @@ class Pipeline:
         elif self.check_vma:  # typing only (zeros_like_outputs): latents pass stage-varying weights
             prev = jax.tree.map(lambda a: to_varying(a, (STAGE,)), prev)
         active = (v * self.n_stages + stage) * k + jnp.arange(k) < self.n_layers
-        h, prev = forward.run_blocks(ops, model, p["blocks"], part("blocks"), h, positions,
-                                     prev, self.checkpoint, active)
-        norm, w = forward.head_weights(ops, model, p, sl)
+        h, prev = forward.run_blocks(ops, model, p["blocks"], h, positions, prev,
+                                     self.checkpoint, active)
+        norm, w = forward.head_weights(ops, model, p)
         return (h, prev), ops.head_loss(h, norm, w, targets)
 
     def zeros_like_outputs(self, params, slots, tokens, targets):

@@ -193,8 +193,8 @@ class TPOps:
         self.ctx = ctx
         self._fetch = fetch
 
-    def fetch(self, stored, slots, path):
-        return stored if self._fetch is None else self._fetch(stored, slots, path)
+    def fetch(self, weights, path):
+        return weights if self._fetch is None else self._fetch(weights, path)
 
     def init_prev(self, tokens):
         """LaX: the first block crosses with zeros (replicated, like every TP latent)."""
