@@ -23,8 +23,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from boost_jax.errors import ConfigError
-from boost_jax.plain_text import control_char, lone_surrogate
+from boost_jax.errors import ConfigError, control_char, lone_surrogate
 
 INT64 = 2**63  # every integer value fits numpy's int64
 

@@ -28,8 +28,7 @@ import numpy as np
 
 from boost_jax.data.token_bin import open_bin
 from boost_jax.data.tokenizers import Tokenizer, get_tokenizer
-from boost_jax.errors import UserError
-from boost_jax.plain_text import lone_surrogate
+from boost_jax.errors import UserError, lone_surrogate
 
 TEXT_EXTS = (".txt", ".py", ".md", ".jsonl")
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
