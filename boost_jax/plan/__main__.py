@@ -24,7 +24,6 @@ import sys
 from typing import Optional, Sequence
 
 from boost_jax.cli import OverrideParser, json_dumps
-from boost_jax.data.demo_guard import refuse_demo_corpus
 from boost_jax.names import KEPT_SECONDARY, MESH_AXES
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor_text
 
@@ -366,6 +365,8 @@ def _load_plan_inputs(args):
 
     full = dryrun.full_sizes(cfg, topo, args.nodes if args.nodes is not None else cfg.mesh.nodes)
     if args.emit_config:  # before any work: a cluster job on the demo corpus is a mistake
+        from boost_jax.data.sources import refuse_demo_corpus
+
         refuse_demo_corpus(cfg, _hosts(full), topo.name, args.allow_demo_data)
     _set_compile_devices(args, full)
     import dataclasses
