@@ -4,12 +4,19 @@ tools that use a trained run (generate, evaluate, export, data.prepare).
 Dotted `key=value` config overrides may stand anywhere on the line, before, between or after
 the options, and argparse's own mistakes (an unknown option, a missing value) are one line
 `error: ...` with exit code 2 like every other input error.
+
+What these commands print or write as JSON (--json reports, metrics.jsonl, the run summary) is
+strict JSON: a number that is not finite (NaN, inf) becomes null next to a `<key>_nonfinite:
+true` flag, so it is neither a bare `NaN` (which strict JSON readers reject) nor dropped.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import sys
+from typing import Any
 
 from boost_jax.errors import EXIT_USER_ERROR
 
@@ -42,3 +49,34 @@ class OverrideParser(Parser):
             self.error("unrecognized arguments: "
                        + " ".join([a for a in unknown if a.startswith("-")] or unknown))
         return args
+
+
+# --------------------------------------------------------------------------- JSON outputs
+
+NONFINITE = "_nonfinite"  # the flag key's suffix
+
+
+def json_finite(obj: Any) -> Any:
+    """`obj` with every non-finite float in a mapping replaced by None plus a flag key (in a
+    list: None alone); nested mappings and lists too."""
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                out[k], out[f"{k}{NONFINITE}"] = None, True
+            else:
+                out[k] = json_finite(v)
+        return out
+    if isinstance(obj, (list, tuple)):
+        return [None if isinstance(v, float) and not math.isfinite(v) else json_finite(v)
+                for v in obj]
+    return obj
+
+
+def json_dumps(obj: Any, **kw) -> str:
+    """json.dumps of json_finite(obj), refusing any NaN that is left (allow_nan=False)."""
+    return json.dumps(json_finite(obj), allow_nan=False, **kw)
+
+
+def json_dump(obj: Any, f, **kw) -> None:
+    json.dump(json_finite(obj), f, allow_nan=False, **kw)

@@ -14,8 +14,8 @@ from typing import Literal, Optional
 
 import yaml
 
-from boost_jax.config_typed import all_keys, build, parse_overrides, set_dotted, unknown_key
-from boost_jax.config_yaml import read_yaml
+from boost_jax.config_read import (all_keys, build, parse_overrides, read_yaml, set_dotted,
+                                   unknown_key)
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.names import (ARCHS, FAMILIES, MESH_AXES, OPTIMIZERS, PLANS, REMAT_MODES,
                              SCHEDULES, TP_MODES)

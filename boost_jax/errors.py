@@ -1,12 +1,20 @@
-"""User-facing errors: one line naming the problem and the fix, exit code 2."""
+"""User-facing errors: one line naming the problem and the fix, exit code 2.
+
+User text that cannot stand in such a line is refused where it enters: a control character (a
+newline in a name or path would start a new line of a script, a log or a comment) or a lone
+surrogate (how Python holds argv bytes that are not UTF-8, or a JSON \\ud800 escape), which
+cannot be written as UTF-8. Config strings, script values, corpus text and prompts are checked.
+"""
 
 from __future__ import annotations
 
 import errno
 import functools
 import os
+import re
 import signal
 import sys
+from typing import Optional
 
 EXIT_USER_ERROR = 2
 
@@ -95,3 +103,31 @@ def _flush() -> None:
             stream.flush()
         except (OSError, ValueError):
             pass
+
+
+# --------------------------------------------------------------------------- user text
+
+CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+SURROGATE = re.compile(r"[\ud800-\udfff]")
+_UNPRINTABLE = re.compile(f"{CONTROL.pattern}|{SURROGATE.pattern}")
+
+
+def _first(pattern: re.Pattern, text: str) -> Optional[str]:
+    m = pattern.search(text)
+    return None if m is None else repr(m.group())[1:-1]
+
+
+def control_char(text: str) -> Optional[str]:
+    """The first control character in `text` (newline, tab, NUL, ...) as an escape, or None."""
+    return _first(CONTROL, text)
+
+
+def lone_surrogate(text: str) -> Optional[str]:
+    """The first lone surrogate in `text` as an escape, or None: not text."""
+    return _first(SURROGATE, text)
+
+
+def escape_controls(text: str) -> str:
+    """`text` with every control character and lone surrogate written as its escape (one line,
+    printable, encodable as UTF-8)."""
+    return _UNPRINTABLE.sub(lambda m: repr(m.group())[1:-1], text)

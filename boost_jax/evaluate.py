@@ -17,8 +17,7 @@ import sys
 
 import numpy as np
 
-from boost_jax import json_out
-from boost_jax.cli import Parser
+from boost_jax.cli import Parser, json_dumps
 from boost_jax.errors import UserError, cli_main
 
 
@@ -173,7 +172,7 @@ def main(argv=None):
     result = score(run, windows, args.batch_size, label)
     result.update(run=args.run, step=run.step, data=args.data)
     if args.json:
-        print(json_out.dumps(result))
+        print(json_dumps(result))
     else:
         print(f"{args.run} step {run.step} on {label}: loss {result['loss']:.4f} | perplexity "
               f"{result['perplexity']:.3f} | bits/byte {result['bits_per_byte']:.4f} | "

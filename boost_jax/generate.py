@@ -13,8 +13,7 @@ from __future__ import annotations
 import sys
 
 from boost_jax.cli import Parser
-from boost_jax.errors import UserError, cli_main
-from boost_jax.plain_text import lone_surrogate
+from boost_jax.errors import UserError, cli_main, lone_surrogate
 
 
 TEMPERATURES = (1e-3, 1e3)

@@ -22,9 +22,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from boost_jax import json_out
 from boost_jax.analysis import hlo as H
 from boost_jax.analysis.cpu_lowering import lowered_reduce_scatter, undo_cpu_artifacts
+from boost_jax.cli import json_dumps
 from boost_jax.mesh import level_of
 from boost_jax.names import MESH_AXES
 from boost_jax.sharding.step_collectives import ring_bytes
@@ -419,7 +419,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if args.json:
             d = report.to_dict()
             d["time_estimate_s"] = report.time_estimate(cfg.mesh.topology)
-            print(json_out.dumps(d, indent=1))
+            print(json_dumps(d, indent=1))
         else:
             print(report.table())
             est = report.time_estimate(cfg.mesh.topology)

@@ -116,7 +116,7 @@ def _check_optimizer(saved: dict, cfg: Config, step: int, where: str) -> None:
 
 def load_saved(path: str) -> Optional[dict]:
     """A config.yaml written by an earlier run (None if absent or unreadable)."""
-    from boost_jax.config_yaml import CONFIG_LIMIT
+    from boost_jax.config_read import CONFIG_LIMIT
     from boost_jax.file_kind import read_regular
 
     try:  # a regular file of sane size only: a FIFO or /dev/zero here must not hang a resume

@@ -40,8 +40,7 @@ import numpy as np
 from boost_jax.cli import Parser
 from boost_jax.data.shards import list_shards
 from boost_jax.data.token_bin import FORMAT, meta_path
-from boost_jax.errors import UserError, cli_main
-from boost_jax.plain_text import lone_surrogate
+from boost_jax.errors import UserError, cli_main, lone_surrogate
 
 BPE_MAX_BYTES = 1 << 30  # text a BPE is trained on by default (the merges settle long before)
 PIECE = 1 << 20  # bytes of a text file read at a time

@@ -13,6 +13,10 @@ last document is truncated), so the corpus is a pure function of the files. Docu
 validation when a hash of their key (relative path, line or chunk index) falls below
 val_fraction: independent of the seed and of how many other documents exist. Tokenized arrays
 are cached in this process's memory only.
+
+Cluster jobs refuse stdlib, the demo corpus (a few million tokens a multi-node run would read
+hundreds of times over): `plan --emit-config` and `launch slurm` call `refuse_demo_corpus`;
+`--allow-demo-data` lifts it (a smoke test of the cluster) and the `cpu` topology is exempt.
 """
 
 from __future__ import annotations
@@ -28,8 +32,7 @@ import numpy as np
 
 from boost_jax.data.token_bin import open_bin
 from boost_jax.data.tokenizers import Tokenizer, get_tokenizer
-from boost_jax.errors import UserError
-from boost_jax.plain_text import lone_surrogate
+from boost_jax.errors import UserError, lone_surrogate
 
 TEXT_EXTS = (".txt", ".py", ".md", ".jsonl")
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
@@ -283,3 +286,28 @@ def load_corpus(data_cfg, cache_dir: Optional[str] = None) -> Corpus:
                         len(train_docs), len(val_docs))
     _CACHE[key] = corpus
     return corpus
+
+
+# --------------------------------------------------------------------------- the demo corpus
+
+ALLOW_DEMO = "--allow-demo-data"
+
+
+def demo_tokens(data_cfg) -> int:
+    """Training tokens of the demo corpus under this config (its cap and tokenizer)."""
+    return int(len(load_corpus(data_cfg).train))
+
+
+def refuse_demo_corpus(cfg, nodes: int, topology: str, allow: bool) -> None:
+    """One line naming data.source(s) and the epochs the run would make of the demo corpus."""
+    d, t = cfg.data, cfg.train
+    if allow or d.sources or d.source != "stdlib" or nodes <= 1 or topology == "cpu":
+        return
+    tokens = demo_tokens(d)
+    epochs = t.steps * t.global_batch * d.seq_len / tokens
+    raise UserError(
+        f"data.source=stdlib is the embedded demo corpus ({tokens / 1e6:.1f} M training "
+        f"tokens): {t.steps:,} steps x {t.global_batch} sequences x {d.seq_len} tokens on "
+        f"{nodes} nodes would make {epochs:,.{0 if epochs >= 10 else 1}f} epochs of it; prepare a corpus "
+        "(python -m boost_jax.data.prepare) and set data.sources=[{path: corpus.bin, weight: "
+        f"1}}] (or data.source=corpus.bin), or pass {ALLOW_DEMO} to run on it anyway")

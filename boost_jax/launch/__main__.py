@@ -76,7 +76,7 @@ def _slurm(args, command: str) -> int:
     job = make_job(cfg, topo, args.nodes, account=args.account, time=args.time,
                    partition=args.partition, qos=args.qos, modules=args.module,
                    python=args.python, command=command)
-    from boost_jax.data.demo_guard import refuse_demo_corpus
+    from boost_jax.data.sources import refuse_demo_corpus
 
     refuse_demo_corpus(job.cfg, job.nodes, topo.name, args.allow_demo_data)
     text = render(job)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import hashlib
 import re
 import shlex
-from boost_jax.errors import UserError
-from boost_jax.plain_text import control_char, escape_controls, lone_surrogate
+from boost_jax.errors import UserError, control_char, escape_controls, lone_surrogate
 
 # `#SBATCH` values: sbatch splits these lines itself, so no spaces, quotes or shell characters.
 SLURM_NAME = r"[A-Za-z0-9][A-Za-z0-9_.+-]*"

@@ -23,9 +23,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from boost_jax import json_out
-from boost_jax.cli import OverrideParser
-from boost_jax.data.demo_guard import refuse_demo_corpus
+from boost_jax.cli import OverrideParser, json_dumps
 from boost_jax.names import KEPT_SECONDARY, MESH_AXES
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor_text
 
@@ -324,7 +322,7 @@ def run_gpu_compile(args, cfg, topo, full: dict, a) -> int:
     if args.json:
         d = pred.to_dict()
         d["gpu_compile"] = g.to_dict() if g else {"error": failure}
-        print(json_out.dumps(d, indent=1, default=str))
+        print(json_dumps(d, indent=1, default=str))
     else:
         text = report_text(pred, cfg, topo, compiled=False).replace(
             "not compiled: analytic model only (--no-compile)",
@@ -367,6 +365,8 @@ def _load_plan_inputs(args):
 
     full = dryrun.full_sizes(cfg, topo, args.nodes if args.nodes is not None else cfg.mesh.nodes)
     if args.emit_config:  # before any work: a cluster job on the demo corpus is a mistake
+        from boost_jax.data.sources import refuse_demo_corpus
+
         refuse_demo_corpus(cfg, _hosts(full), topo.name, args.allow_demo_data)
     _set_compile_devices(args, full)
     import dataclasses
@@ -391,7 +391,7 @@ def run_search(args, cfg, topo, full: dict, a, command: str) -> int:
     res = search(cfg, topo, full, a, compile_top=args.compile_top,
                  max_devices=args.cpu_devices or 512, gpu=args.gpu_compile)
     if args.json:
-        print(json_out.dumps(res.to_dict(), indent=1, default=str))
+        print(json_dumps(res.to_dict(), indent=1, default=str))
     else:
         print(print_search(res, cfg, topo, full, top=args.top))
     if args.emit_config:
@@ -444,7 +444,7 @@ def _print_layout(args, out, cfg, topo, compiled: bool, failure: Optional[str]) 
         d = out.to_dict()
         if failure:
             d["compile_error"] = failure
-        print(json_out.dumps(d, indent=1, default=str))
+        print(json_dumps(d, indent=1, default=str))
     else:
         text = report_text(out, cfg, topo, compiled=compiled)
         if failure:

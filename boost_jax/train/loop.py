@@ -28,10 +28,10 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from boost_jax import json_out
 from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.checkpoints import run_config
 from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
+from boost_jax.cli import json_dump
 from boost_jax.config import Config
 from boost_jax.data.fingerprint import check_unchanged, identities
 from boost_jax.errors import UserError
@@ -354,7 +354,7 @@ def _finish(cfg: Config, out_dir: str, logger: MetricsLogger, summary: dict) -> 
         plot_losses(logger.path, os.path.join(out_dir, "loss.png"), cfg.name)
     summary.update(summarize(logger.path, summary["final_step"]))
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json_out.dump(summary, f, indent=2)
+        json_dump(summary, f, indent=2)
     logger.line(_done_line(out_dir, summary))
 
 

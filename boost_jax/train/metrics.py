@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Optional
 
-from boost_jax import json_out
+from boost_jax.cli import NONFINITE, json_dumps, json_finite
 
 
 _FILE_SEQ = itertools.count()  # event file names carry pid + sequence: runs never share one
@@ -66,13 +66,13 @@ class MetricsLogger:
         if not self.enabled:
             return
         # a non-finite value: null plus a `<key>_nonfinite` flag (bare NaN is not JSON)
-        row = json_out.finite({"step": int(step), **{k: _plain(v) for k, v in metrics.items()}})
+        row = json_finite({"step": int(step), **{k: _plain(v) for k, v in metrics.items()}})
         # TensorBoard first: a run killed between the two writes then has every metrics.jsonl
         # row in its event file too (the rows past the restored step are re-done on resume)
         if self._tb is not None:
             self._tb.add_scalars(step, {k: v for k, v in row.items() if k != "step" and isinstance(
                 v, (int, float)) and not isinstance(v, bool)})
-        self._f.write(json_out.dumps(row) + "\n")
+        self._f.write(json_dumps(row) + "\n")
         self._f.flush()
         if self._tracker is not None:
             self._tracker.log(row)
@@ -112,7 +112,7 @@ def summarize(metrics_path: str, final_step: int) -> dict:
             row = json.loads(line)
             if isinstance(row.get("val_loss"), (int, float)):
                 vals[row["step"]] = float(row["val_loss"])
-            elif row.get("val_loss" + json_out.FLAG) or row.get("val_loss") in ("nan", "inf"):
+            elif row.get("val_loss" + NONFINITE) or row.get("val_loss") in ("nan", "inf"):
                 vals[row["step"]] = math.nan  # also the strings older runs wrote
     last = max(vals) if vals else None
     return {"initial_val_loss": vals.get(0), "final_val_loss": vals.get(final_step),

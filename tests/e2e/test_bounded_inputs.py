@@ -1,6 +1,6 @@
 """Inputs that used to hang or exhaust the machine end in one line, fast and small: a config
 that is a device, a FIFO or 1 GB (file_kind.read_regular), a FIFO as a corpus or inside a
-data folder, a run name of megabytes (config_typed.MAX_NAME), and prepare stopped by a signal
+data folder, a run name of megabytes (config_read.MAX_NAME), and prepare stopped by a signal
 (its pool shut down, its workers gone, nothing published)."""
 
 import os
@@ -153,7 +153,7 @@ def test_a_prompt_file_or_tokenizer_that_is_a_device_or_fifo_is_named(tmp_path):
 
 def test_a_billion_laughs_config_is_one_short_line(tmp_path):
     """YAML aliases nest a list of 9^9 items in a few hundred bytes: the error never writes it
-    out (config_typed.shown)."""
+    out (config_read.shown)."""
     expr = "&a0 [1, 1, 1, 1, 1, 1, 1, 1, 1]"
     for i in range(1, 9):
         expr = f"&a{i} [{expr}, " + ", ".join([f"*a{i - 1}"] * 8) + "]"

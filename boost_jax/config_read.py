@@ -1,10 +1,13 @@
-"""A typed tree from nested mappings: each value checked against its dataclass annotation.
+"""Reading a config: a strict YAML file and `key=value` overrides into nested mappings, and
+those into a typed tree, each value checked against its dataclass annotation.
 
-    build(cls, data)                 nested dicts → dataclass `cls`, one-line ConfigError per
-                                     mistake (the key, what was expected, the closest valid key)
-    set_dotted(root, tree, k, v)     a dotted override `a.b.c=v` into the nested dicts
+    read_yaml(path)                  the mapping in a YAML file; a key given twice in one block
+                                     is an error, not silently the last
     parse_overrides(["k=v", ...])    the command line's overrides: text keys verbatim, other
                                      values read as YAML
+    set_dotted(root, tree, k, v)     a dotted override `a.b.c=v` into the nested dicts
+    build(cls, data)                 nested dicts → dataclass `cls`, one-line ConfigError per
+                                     mistake (the key, what was expected, the closest valid key)
 
 int → float is the only implicit conversion; strings are refused if they hold a control
 character or are not UTF-8 (a newline in a path would become a line of a generated script).
@@ -16,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import reprlib
 import types
 import typing
@@ -23,8 +27,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-from boost_jax.errors import ConfigError
-from boost_jax.plain_text import control_char, lone_surrogate
+from boost_jax.errors import ConfigError, UserError, control_char, lone_surrogate
 
 INT64 = 2**63  # every integer value fits numpy's int64
 
@@ -284,3 +287,78 @@ def parse_overrides(overrides: list[str], root=None) -> list[tuple[str, Any]]:
                                   "plain value or a flat list such as [a,b]") from None
         out.append((key, value))
     return out
+
+
+# --------------------------------------------------------------------------- YAML files
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`, merged by super()
+                continue
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if not isinstance(key, (str, int, float, bool, type(None))):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a key that is not a plain name", key_node.start_mark)
+            if key in seen:
+                raise _DuplicateKey(key, seen[key], line)
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first: int, again: int):
+        super().__init__(key)
+        self.key, self.first, self.again = key, first, again
+
+
+CONFIG_LIMIT = 16 << 20  # far above any real config; /dev/zero or a 1 GB file stops at once
+
+
+def _read_text(path: str) -> str:
+    from boost_jax.file_kind import read_regular
+
+    try:
+        raw = read_regular(path, "config file", CONFIG_LIMIT)
+    except UserError as e:
+        raise ConfigError(str(e)) from None
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} on "
+                          f"line {line}); save it as UTF-8") from None
+
+
+def read_yaml(path: str) -> dict:
+    """The mapping in the YAML file at `path`, or a one-line ConfigError naming the problem."""
+    if os.path.isdir(path):
+        raise ConfigError(f"config file {path!r} is a folder; pass a YAML file, e.g. --config "
+                          "configs/demo.yaml")
+    if not os.path.exists(path):
+        raise ConfigError(f"config file {path!r} does not exist; pass --config configs/demo.yaml")
+    try:
+        tree = yaml.load(_read_text(path), Loader=_StrictLoader)
+    except RecursionError:
+        raise ConfigError(f"config file {path!r} nests too deeply to be a config; write it as "
+                          "model:, train:, ... blocks of key: value") from None
+    except _DuplicateKey as e:
+        raise ConfigError(
+            f"config file {path!r} sets {e.key!r} twice in one block (lines {e.first} and "
+            f"{e.again}); keep one (YAML would silently use only the second)") from None
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        where = f" (line {line + 1})" if line is not None else ""
+        raise ConfigError(f"config file {path!r} is not valid YAML{where}; fix the syntax") from None
+    if tree is None:
+        return {}
+    if not isinstance(tree, dict):
+        raise ConfigError(
+            f"config file {path!r} holds a YAML {type(tree).__name__}, not a mapping of sections; "
+            "write it as model:, train:, ... blocks of key: value")
+    return tree
