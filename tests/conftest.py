@@ -51,18 +51,16 @@ def jax_cache(_jax_cache_dir):
     compilation_cache.reset_cache()
 
 
-# The longest files first (measured, seconds of one quiet 2-core run): xdist's loadfile hands
-# files out in collection order, so a long file collected last would run alone at the end.
-# Basenames, unique across tests/unit and tests/e2e; a file split by kind keeps its name and
-# place for the half that holds most of its time. Split off since: test_plan_cli (21 s alone
-# on the loaded 2-core machine), test_pipeline_train (three train.py runs) and test_plan_schedule
-# (five compiled dry runs), last of the list.
-LONGEST_FIRST = ("test_pipeline.py", "test_tp.py", "test_plan.py", "test_readme.py",
-                 "test_ckpt_integrity.py", "test_flash.py", "test_launch.py", "test_qgz_demo.py",
-                 "test_out_dir.py", "test_use_run.py", "test_multihost.py", "test_plans.py",
-                 "test_two_level.py",
-                 "test_crash.py", "test_bad_input.py", "test_pipeline_train.py",
-                 "test_plan_cli.py", "test_plan_schedule.py")
+# The longest files first (measured: seconds per file of one full run, `--durations=0`):
+# xdist's loadfile hands files out in collection order, so a long file collected last would
+# run alone at the end. Basenames, unique across tests/unit and tests/e2e.
+LONGEST_FIRST = ("test_pipeline.py", "test_readme.py", "test_tp.py", "test_plans_hlo.py",
+                 "test_cross_node_quant_demo.py", "test_two_level.py", "test_ckpt_integrity.py",
+                 "test_plans.py", "test_flash.py", "test_launch.py", "test_qgz_demo.py",
+                 "test_optim_choices.py", "test_optim_step.py", "test_plan.py",
+                 "test_use_run.py", "test_plan_schedule.py", "test_out_dir.py",
+                 "test_safe_write.py", "test_pallas.py", "test_crash.py", "test_optim_kill.py",
+                 "test_multihost.py")
 
 
 def pytest_collection_modifyitems(config, items):
