@@ -3,7 +3,7 @@
     .venv-gpuc/bin/python benchmarks/gpu_overlap.py      # the gpu-compile extra's venv
 
 For every preset plan and TP mode (none, Megatron on the full-rank model, vanilla and BTP on
-CoLA), at 2 and at 4 micro-batches of 16 sequences, the training step of a 2-layer
+CoLA), at 2 and at 4 micro-batches of 16 sequences, the training step of a 4-layer
 CoLA-1B-shaped model on 2 Perlmutter nodes (8 x A100-SXM4-40GB, TP over the GPU pair) is
 compiled for compile-only devices with the launcher's XLA flags (boost_jax.plan.gpu_compile).
 (At one micro-batch there is no micro-batch loop: every collective is once per step.) From the scheduled program, per phase of the step
@@ -38,7 +38,10 @@ from boost_jax.plan.overlap import TABLE_PATH, key  # noqa: E402
 
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "hierarchical")
 MODES = ("none", "megatron", "vanilla", "btp")
-BASE = ["model.n_layers=2", "model.d_ff=5462"]
+# 4 layers: the counts are the 3- and 4-layer programs' difference, both real (double-buffered)
+# layer loops; with 2 layers XLA unrolls the 1- and 2-trip loops and fuses across layers, and
+# hierarchical/btp's measured 194 kernels per layer where the 24-layer CoLA-1B runs 332
+BASE = ["model.n_layers=4", "model.d_ff=5462"]
 MICRO = (2, 4)  # micro-batches of 16 sequences (2 per device) each
 SEQS_PER_MICRO = 16
 
@@ -83,7 +86,7 @@ def report(table: dict) -> str:
         "## What the GPU schedule hides, per plan × TP mode",
         "",
         "Written by `benchmarks/gpu_overlap.py` (the gpu-compile extra's venv): the step of a "
-        f"2-layer CoLA-1B-shaped model on {table['devices']} ({table['mesh']}), "
+        f"4-layer CoLA-1B-shaped model on {table['devices']} ({table['mesh']}), "
         f"{SEQS_PER_MICRO} sequences per micro-batch, compiled for "
         f"compile-only GPUs with the launcher's XLA flags, on a machine without a GPU "
         f"({load_note()}). `hidden` = the share of a phase's collective time (α–β, at the "

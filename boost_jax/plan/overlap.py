@@ -5,10 +5,9 @@ The GPU figures, per plan × TP mode × micro-batch count (gpu_overlap.json), ar
 benchmarks/gpu_overlap.py from the training step compiled for A100s (compile-only devices,
 the launcher's XLA flags): for each collective, the compute XLA's latency-hiding scheduler put
 between its start and done. `overlap="gpu"` costs a phase's exposed time as its time × (1 −
-hidden share), and charges the kernels the GPU program launches beyond the roofline's list
-(their ratio per layer), each at the measured micro-batch count nearest the layout's (from 2
-to 4 micro-batches the per-micro-batch shares of zero3 and hierarchical moved by up to 3x,
-e.g. zero3/none 28% -> 14%);
+hidden share) at the measured micro-batch count nearest the layout's, and charges the kernels
+the GPU program launches beyond the roofline's list (their ratio per layer; a plan's own at
+the layout's count through a + b/m, `kernels_at`);
 layouts the table lacks fall back to the `xla` assumption.
 """
 
@@ -98,14 +97,30 @@ def gpu_launch_seconds(cfg, bm: BlockModel, blocks: float, a: Assumptions) -> fl
     return extra_kernels(cfg) * a.launch_s * blocks
 
 
+def kernels_at(plan: str, tp_mode: str, micro_batches: int) -> Optional[float]:
+    """Kernels per layer and micro-batch at `micro_batches`: k(m) = a + b/m through the two
+    measured counts (b: what runs once per step but is counted per micro-batch, e.g. a
+    deferred update's first and a peeled last micro-batch), the one count when only one was
+    measured; None if the layout was not measured."""
+    by_micro = table().get("layouts", {}).get(key(plan, tp_mode))
+    if not by_micro:
+        return None
+    pts = sorted((int(m), row["kernels_per_layer"]) for m, row in by_micro.items())
+    (m1, k1), (m2, k2) = pts[0], pts[-1]
+    if m1 == m2:
+        return k1
+    b = (k1 - k2) / (1.0 / m1 - 1.0 / m2)
+    return max(k2 - b / m2 + b / micro_batches, 0.0)
+
+
 def plan_kernels(cfg) -> float:
     """Kernels per layer a plan launches beyond DDP's at the same TP mode (its gathers,
     (de)quantization, per-layer reductions), from gpu_overlap.json; 0 if not measured."""
     plan, mode, micro = cfg.parallel.plan, cfg.parallel.tp_mode, cfg.train.micro_batches
-    row, ddp = measured(plan, mode, micro), measured("ddp", mode, micro)
+    row, ddp = kernels_at(plan, mode, micro), kernels_at("ddp", mode, micro)
     if row is None or ddp is None:
         return 0.0
-    return max(row["kernels_per_layer"] - ddp["kernels_per_layer"], 0.0)
+    return max(row - ddp, 0.0)
 
 
 def extra_kernels(cfg) -> float:

@@ -70,16 +70,17 @@ def test_a_plan_adds_its_own_kernels_over_ddp():
         gpu_kernels.extra_per_block(hier) + overlap.plan_kernels(hier))
 
 
-def _peels_last_micro_batch(cfg) -> bool:
-    """A plan whose last micro-batch reduces across nodes per layer runs that micro-batch's
-    layers as a second scan (step/engine.py): the kernel table, measured on DDP with the
-    reduction per step, does not count it yet."""
-    return cfg.parallel.plan == "hierarchical" and cfg.train.micro_batches > 1
+def _not_as_measured(cfg) -> bool:
+    """gpu_overlap.json measures each plan as it runs by default: hierarchical with its
+    deferred update. Without it (parallel.defer_update=false) the first micro-batch gathers
+    nothing across nodes, and the table's count is about 16% high (a known gap: measuring
+    that variant too closes it, and fails this test)."""
+    return cfg.parallel.plan == "hierarchical" and cfg.parallel.defer_update is False
 
 
 def test_gpu_compile_bench_kernels_within_15pct():
-    """Within 15% for every compiled layout but those that peel their last micro-batch, a known
-    gap (about 2x, benchmarks/README.md section 14) that fails here once it closes."""
+    """Within 15% for every compiled layout the table measures as it runs (the plan's
+    kernels at the layout's micro-batch count, overlap.kernels_at)."""
     with open(os.path.join(ROOT, "benchmarks", "results", "gpu_compile.json")) as f:
         recs = json.load(f)["layouts"]
     for rec in recs:
@@ -89,5 +90,20 @@ def test_gpu_compile_bench_kernels_within_15pct():
         k = analytic_kernels_per_layer(cfg, dryrun.full_sizes(cfg, topo, rec["nodes"]),
                                        Assumptions())
         within = abs(k / rec["gpu_kernels_per_layer"] - 1) <= 0.15
-        assert within != _peels_last_micro_batch(cfg), (rec["config"], k,
-                                                        rec["gpu_kernels_per_layer"])
+        assert within != _not_as_measured(cfg), (rec["config"], rec["overrides"], k,
+                                                 rec["gpu_kernels_per_layer"])
+
+
+def test_plan_kernels_pass_through_both_measured_counts():
+    """kernels_at(m) = a + b/m meets the table at its two micro-batch counts and, between
+    and beyond them, moves the way the once-per-step share b/m does."""
+    tab = overlap.table()["layouts"]["hierarchical/btp"]
+    (m1, r1), (m2, r2) = sorted((int(m), r) for m, r in tab.items())
+    k1, k2 = r1["kernels_per_layer"], r2["kernels_per_layer"]
+    assert overlap.kernels_at("hierarchical", "btp", m1) == pytest.approx(k1)
+    assert overlap.kernels_at("hierarchical", "btp", m2) == pytest.approx(k2)
+    mid = overlap.kernels_at("hierarchical", "btp", 3)
+    assert min(k1, k2) <= mid <= max(k1, k2)
+    b = (k1 - k2) / (1 / m1 - 1 / m2)
+    assert overlap.kernels_at("hierarchical", "btp", 8) == pytest.approx(k2 - b / m2 + b / 8)
+    assert overlap.kernels_at("no-such-plan", "btp", 4) is None
