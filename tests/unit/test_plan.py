@@ -119,8 +119,9 @@ def test_hierarchical_keeps_micro_batch_traffic_inside_the_node():
 
 def test_state_memory_formula_of_the_design():
     """hierarchical, N devices: bf16 weights 2Ψ/2, fp32 master + Adam 12Ψ/N (no padding), the
-    gradient accumulated over the node (Ψ/8); with one micro-batch the layer stack's is
-    reduced in the backward straight into the optimizer's shard (/N)."""
+    gradient accumulated over the node (Ψ/8); with one micro-batch the layer stack's and the
+    final norm's and head's (used once after it) are reduced in the backward straight into
+    the optimizer's shard (/N), the embedding's once per step."""
     over = [*TINY, "model.vocab_size=512", "model.param_dtype=bfloat16",
             "parallel.plan=hierarchical", "train.global_batch=64"]
     sizes = {"pair": 2, "node": 4, "global": 8}
@@ -136,9 +137,11 @@ def test_state_memory_formula_of_the_design():
     assert (st.opt * 12) == pytest.approx(12 * psi / 64)
     assert st.grads == pytest.approx(psi / 8)
     one, pl = C.state_sizes(load_config(None, over), sizes)
-    stack = sum(lay.padded_numel for _, lay in leaves(pl) if lay.layer_axis)
-    assert 0 < stack < psi
-    assert one.grads == pytest.approx(stack / 64 + (psi - stack) / 8)
+    late = [(path, lay) for path, lay in leaves(pl) if lay.layer_axis or lay.after_stack]
+    assert {path[0] for path, lay in late if not lay.layer_axis} == {"final_norm", "lm_head"}
+    in_bwd = sum(lay.padded_numel for _, lay in late)
+    assert 0 < in_bwd < psi
+    assert one.grads == pytest.approx(in_bwd / 64 + (psi - in_bwd) / 8)
 
 
 def test_search_ranks_fitting_layouts_best_first():
