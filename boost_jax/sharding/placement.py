@@ -462,8 +462,8 @@ def make_layouts(cfg, mesh, abstract_params, pl: Placement):
             for i, e in enumerate(tuple(spec) + (None,) * (len(x.shape) - len(tuple(spec)))):
                 tp[i] = () if e is None else ((e,) if isinstance(e, str) else tuple(e))
         lay = choose_layout(x.shape, n, tp, layer, mesh)
-        late = key[:1] == ("final_norm",) or key[:1] == ("lm_head",)
-        return replace(lay, after_stack=True) if late and n_stages == 1 else lay
+        after = key[:1] in (("final_norm",), ("lm_head",))
+        return replace(lay, after_stack=True) if after and n_stages == 1 else lay
 
     if tp_specs is None:
         layouts = jax.tree_util.tree_map_with_path(one, abstract_params)

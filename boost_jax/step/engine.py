@@ -302,9 +302,9 @@ class Engine:
             zero = (b["inputs"].reshape(-1)[0].astype(jnp.float32) * 0.0)  # not one CSE'd call
             p = {k: v if k == "blocks" else jax.tree.map(lambda x: x + zero.astype(x.dtype), v)
                  for k, v in p.items()}
-        # the after-stack units reduced in the backward take their prior as the stack does
-        late = [k for k in self.after_stack if all(self.placement.in_backward(lay) for lay in
-                jax.tree.leaves(self.placement.layouts[k], is_leaf=is_layout))]
+        # the after-stack units reduce in the backward too (this runs only under
+        # reduce_in_backward): they take their prior as the stack does
+        late = self.after_stack
         q = dict(p, **{k: WithPrior(p[k], acc[k]) for k in late})
         loss, g = jax.value_and_grad(
             lambda s: self.local_loss(with_slots(q, s), b, wrap) * scale)(

@@ -203,7 +203,8 @@ def test_hierarchical_exposes_at_most_5pct_once_per_step_without_stages():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(os.path.join(root, "configs", "cola-7b.yaml"), ["train.global_batch=768"])
     topo = get_topology("frontier")
-    res = search(cfg, topo, dryrun.full_sizes(cfg, topo, 48))
+    sizes = dryrun.full_sizes(cfg, topo, 48)
+    res = search(cfg, topo, sizes)
 
     def share(c):
         return c.prediction.time["step_comm"] / c.prediction.step_time
@@ -214,7 +215,7 @@ def test_hierarchical_exposes_at_most_5pct_once_per_step_without_stages():
     printed = res.fitting[:15] + [c for _, _, c in res.best_by_plan]
     assert any(c.plan == "hierarchical" for c in printed)
     assert all(share(c) <= 0.05 for c in printed if c.plan == "hierarchical")
-    assert "hierarchical" in print_search(res, cfg, topo, dryrun.full_sizes(cfg, topo, 48))
+    assert "hierarchical" in print_search(res, cfg, topo, sizes)
     assert max(share(c) for c in hier if c.pp_stages > 1) > 0.05
 
 
