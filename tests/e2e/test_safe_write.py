@@ -348,7 +348,20 @@ def test_failure_6_two_prepares_of_one_out_one_wins_the_other_stops(tmp_path):
     first = subprocess.Popen(_prepare(src, out, "--force"), cwd=ROOT, env=env, text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     t0 = time.monotonic()
-    while not [n for n in os.listdir(outdir) if n.endswith((".lock", ".tmp"))]:
+
+    def writing():
+        """The first holds the lock with its record written (stopped before that, the second
+        could name no pid), or has a temp file already."""
+        names = os.listdir(outdir)
+        if any(n.endswith(".tmp") for n in names):
+            return True
+        for n in (n for n in names if n.endswith(".lock")):
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.getsize(outdir / n) > 0:
+                    return True
+        return False
+
+    while not writing():
         assert first.poll() is None and time.monotonic() - t0 < 60, first.communicate()
         time.sleep(0.005)  # the first has started writing
     os.kill(first.pid, signal.SIGSTOP)  # held mid-write, however fast this machine is
