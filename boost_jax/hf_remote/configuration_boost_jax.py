@@ -10,25 +10,15 @@ transformers config (LlamaConfig, GPTNeoXConfig, GPT2Config); the low-rank ones 
 from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig
 
 
-class BoostJaxColaConfig(LlamaConfig):
-    model_type = "boost_jax_cola"
+def _config(name: str, family_config, arch: str):
+    """The config class of a low-rank `arch` export of one family: the family's transformers
+    config under our model_type (each is named in config.json's auto_map)."""
+    return type(name, (family_config,), {"model_type": f"boost_jax_{arch}"})
 
 
-class BoostJaxLaxConfig(LlamaConfig):
-    model_type = "boost_jax_lax"
-
-
-class BoostJaxColaGptNeoxConfig(GPTNeoXConfig):
-    model_type = "boost_jax_cola"
-
-
-class BoostJaxLaxGptNeoxConfig(GPTNeoXConfig):
-    model_type = "boost_jax_lax"
-
-
-class BoostJaxColaGpt2Config(GPT2Config):
-    model_type = "boost_jax_cola"
-
-
-class BoostJaxLaxGpt2Config(GPT2Config):
-    model_type = "boost_jax_lax"
+BoostJaxColaConfig = _config("BoostJaxColaConfig", LlamaConfig, "cola")
+BoostJaxLaxConfig = _config("BoostJaxLaxConfig", LlamaConfig, "lax")
+BoostJaxColaGptNeoxConfig = _config("BoostJaxColaGptNeoxConfig", GPTNeoXConfig, "cola")
+BoostJaxLaxGptNeoxConfig = _config("BoostJaxLaxGptNeoxConfig", GPTNeoXConfig, "lax")
+BoostJaxColaGpt2Config = _config("BoostJaxColaGpt2Config", GPT2Config, "cola")
+BoostJaxLaxGpt2Config = _config("BoostJaxLaxGpt2Config", GPT2Config, "lax")

@@ -132,46 +132,44 @@ class _LowRankForCausalLM(_CarryReset, LlamaForCausalLM):
         self.post_init()
 
 
-class _LowRankGptNeox(_CarryReset, GPTNeoXForCausalLM):
+class _LowRankGpt(_CarryReset):
+    """A GPT-family model (`_family`: gpt_neox or gpt2) with low-rank block projections."""
+
+    _family = ""
+
     def __init__(self, config):
         super().__init__(config)
         self._carry = {}
-        for layer in self.gpt_neox.layers:
-            _swap_gpt_layer(layer, "gpt_neox", config, self._carry)
+        blocks = self.gpt_neox.layers if self._family == "gpt_neox" else self.transformer.h
+        for layer in blocks:
+            _swap_gpt_layer(layer, self._family, config, self._carry)
         self.post_init()
 
 
-class _LowRankGpt2(_CarryReset, GPT2LMHeadModel):
-    def __init__(self, config):
-        super().__init__(config)
-        self._carry = {}
-        for layer in self.transformer.h:
-            _swap_gpt_layer(layer, "gpt2", config, self._carry)
-        self.post_init()
+class _LowRankGptNeox(_LowRankGpt, GPTNeoXForCausalLM):
+    _family = "gpt_neox"
 
 
-class BoostJaxColaForCausalLM(_LowRankForCausalLM):
-    config_class = BoostJaxColaConfig
+class _LowRankGpt2(_LowRankGpt, GPT2LMHeadModel):
+    _family = "gpt2"
 
 
-class BoostJaxLaxForCausalLM(_LowRankForCausalLM):
-    config_class = BoostJaxLaxConfig
+def _model(name: str, body, config_class):
+    """The model class of one export kind (named in config.json's auto_map and architectures)."""
+    return type(name, (body,), {"config_class": config_class})
 
 
-class BoostJaxColaGptNeoxForCausalLM(_LowRankGptNeox):
-    config_class = BoostJaxColaGptNeoxConfig
-
-
-class BoostJaxLaxGptNeoxForCausalLM(_LowRankGptNeox):
-    config_class = BoostJaxLaxGptNeoxConfig
-
-
-class BoostJaxColaGpt2ForCausalLM(_LowRankGpt2):
-    config_class = BoostJaxColaGpt2Config
-
-
-class BoostJaxLaxGpt2ForCausalLM(_LowRankGpt2):
-    config_class = BoostJaxLaxGpt2Config
+BoostJaxColaForCausalLM = _model("BoostJaxColaForCausalLM", _LowRankForCausalLM,
+                                 BoostJaxColaConfig)
+BoostJaxLaxForCausalLM = _model("BoostJaxLaxForCausalLM", _LowRankForCausalLM, BoostJaxLaxConfig)
+BoostJaxColaGptNeoxForCausalLM = _model("BoostJaxColaGptNeoxForCausalLM", _LowRankGptNeox,
+                                        BoostJaxColaGptNeoxConfig)
+BoostJaxLaxGptNeoxForCausalLM = _model("BoostJaxLaxGptNeoxForCausalLM", _LowRankGptNeox,
+                                       BoostJaxLaxGptNeoxConfig)
+BoostJaxColaGpt2ForCausalLM = _model("BoostJaxColaGpt2ForCausalLM", _LowRankGpt2,
+                                     BoostJaxColaGpt2Config)
+BoostJaxLaxGpt2ForCausalLM = _model("BoostJaxLaxGpt2ForCausalLM", _LowRankGpt2,
+                                    BoostJaxLaxGpt2Config)
 
 
 def _neox_head_name():
