@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental.pallas import triton as plt
 
 from boost_jax.pallas.common import F32, local_norm, mm, norm_calls, norm_vjp, tile_masks
+from boost_jax.pallas.rmsnorm import scaled_backward, scaled_ref
 
 
 # ---------------------------------------------------------------- kernels
@@ -55,15 +56,10 @@ def _bwd_kernel(x_ref, g_ref, gxh_ref, gm_ref, gq_ref, gr_ref, dx_ref, dg_ref, *
     gm, gq, gr = (plt.load(ref, mask=rm, other=0).astype(F32) for ref in (gm_ref, gq_ref, gr_ref))
     m = jnp.sum(x, axis=1) / d  # statistics recomputed: x is loaded anyway
     c = jnp.where(msk, x - m[:, None], 0.0)
-    std = jnp.sqrt(jnp.sum(c * c, axis=1) / d + eps)
-    inv = 1.0 / std
-    gy = gxh * g[None, :]  # cotangent of c·inv
-    g_std = gr - jnp.sum(gy * c, axis=1) * inv * inv
-    gq_tot = gq + g_std * inv / (2.0 * d)
-    dc = gy * inv[:, None] + 2.0 * c * gq_tot[:, None]
-    dx = dc - (jnp.sum(dc, axis=1) / d)[:, None] + (gm / d)[:, None]
+    dc, dg = scaled_backward(c, g, gxh, gq, gr, d, eps)
+    dx = dc - (jnp.sum(dc, axis=1) / d)[:, None] + (gm / d)[:, None]  # through the mean
     plt.store(dx_ref, dx.astype(dx_ref.dtype), mask=msk)
-    plt.store(dg_ref, jnp.sum(gxh * c * inv[:, None], axis=0), mask=cm)
+    plt.store(dg_ref, dg, mask=cm)
 
 
 _norm_pallas = norm_vjp(*norm_calls(_fwd_kernel, _bwd_kernel, 3, "online_layernorm"))
@@ -80,10 +76,8 @@ def local_layernorm_ref(x, gamma, eps: float = 1e-5, *, interpret: bool = False)
     del interpret
     xf = x.astype(F32)
     m = jnp.mean(xf, axis=-1)
-    c = xf - m[..., None]
-    q = jnp.sum(c * c, axis=-1)
-    std = jnp.sqrt(q / x.shape[-1] + eps)
-    return (c / std[..., None] * gamma.astype(F32)).astype(x.dtype), m, q, std
+    xh, q, std = scaled_ref(xf - m[..., None], gamma, eps)
+    return xh.astype(x.dtype), m, q, std
 
 
 # ---------------------------------------------------------------- the whole path

@@ -52,14 +52,21 @@ def _bwd_kernel(x_ref, g_ref, gxh_ref, gs_ref, gr_ref, dx_ref, dg_ref, *, T, d, 
     gxh = plt.load(gxh_ref, mask=m, other=0).astype(F32)
     gs = plt.load(gs_ref, mask=rm, other=0).astype(F32)
     gr = plt.load(gr_ref, mask=rm, other=0).astype(F32)
-    rms = jnp.sqrt(jnp.sum(x * x, axis=1) / d + eps)  # recomputed: x is loaded anyway
-    inv = 1.0 / rms
-    # total d/ds: direct g_s plus the path through rms (d rms/ds = 1/(2 d rms))
-    g_rms = gr - jnp.sum(gxh * x * g[None, :], axis=1) * inv * inv
-    gs_tot = gs + g_rms * inv / (2.0 * d)
-    dx = gxh * g[None, :] * inv[:, None] + 2.0 * x * gs_tot[:, None]
+    dx, dg = scaled_backward(x, g, gxh, gs, gr, d, eps)
     plt.store(dx_ref, dx.astype(dx_ref.dtype), mask=m)
-    plt.store(dg_ref, jnp.sum(gxh * x * inv[:, None], axis=0), mask=cm)  # per-block partial
+    plt.store(dg_ref, dg, mask=cm)  # per-block partial
+
+
+def scaled_backward(c, g, gxh, gq, gr, d: int, eps: float):
+    """The tile's VJP of x̂ = c / σ ⊙ γ, q = Σ c², σ = sqrt(q/d + ε) per row, given the
+    cotangents of x̂, q and σ: (dc, this tile's part of dγ). RMSNorm's c is x itself;
+    LayerNorm's is x − mean (its kernel adds the mean's own path)."""
+    inv = 1.0 / jnp.sqrt(jnp.sum(c * c, axis=1) / d + eps)  # recomputed: c is loaded anyway
+    gy = gxh * g[None, :]  # cotangent of c / σ
+    # total d/dq: direct gq plus the path through σ (dσ/dq = 1/(2dσ))
+    gq_tot = gq + (gr - jnp.sum(gy * c, axis=1) * inv * inv) * inv / (2.0 * d)
+    dc = gy * inv[:, None] + 2.0 * c * gq_tot[:, None]
+    return dc, jnp.sum(gxh * c * inv[:, None], axis=0)
 
 
 _norm_pallas = norm_vjp(*norm_calls(_fwd_kernel, _bwd_kernel, 2, "online_rmsnorm"))
@@ -74,11 +81,15 @@ def local_rmsnorm(x, gamma, eps: float = 1e-6, *, interpret: bool = False):
 def local_rmsnorm_ref(x, gamma, eps: float = 1e-6, *, interpret: bool = False):
     """XLA reference with the same signature and math as `local_rmsnorm` (interpret unused)."""
     del interpret
-    xf = x.astype(F32)
-    s = jnp.sum(xf * xf, axis=-1)
-    rms = jnp.sqrt(s / x.shape[-1] + eps)
-    xh = xf * (1.0 / rms)[..., None] * gamma.astype(F32)
+    xh, s, rms = scaled_ref(x.astype(F32), gamma, eps)
     return xh.astype(x.dtype), s, rms
+
+
+def scaled_ref(c, gamma, eps: float):
+    """XLA: (c / σ ⊙ γ, q, σ) with q = Σ c², σ = sqrt(q/n + ε) over the last axis (fp32)."""
+    q = jnp.sum(c * c, axis=-1)
+    sigma = jnp.sqrt(q / c.shape[-1] + eps)
+    return c * (1.0 / sigma)[..., None] * gamma.astype(F32), q, sigma
 
 
 def norm_matmul_ref(x, gamma, a, *, out_dtype=None, eps: float = 1e-6, interpret: bool = False):
