@@ -47,6 +47,7 @@ def test_formulas_and_cost_model_read_the_one_collective_list(plan, tp):
     micro-batches and with one (whose reduction over the deferred axes runs in the backward):
     the same bytes per level and per phase."""
     from boost_jax.sharding.formulas import comm_per_step
+    from boost_jax.sharding.parallel import PipelineSettings
     from boost_jax.sharding.step_collectives import Passes, bytes_by_level, step_collectives
 
     arch = "full" if tp == "megatron" else "cola"
@@ -58,12 +59,14 @@ def test_formulas_and_cost_model_read_the_one_collective_list(plan, tp):
                                  *extra])
         sizes = C.with_stages(cfg, {"pair": 2, "node": 4, "global": 8})
         _, pl = C.state_sizes(cfg, sizes)
-        passes = Passes.of(micro, cfg.parallel.pp_stages, cfg.parallel.pp_virtual)
-        listed = step_collectives(pl, passes)
+        par = cfg.parallel  # the engine's schedule (ParallelLayout.collectives, Pipeline.run)
+        sch = PipelineSettings(par.pp_stages, par.pp_schedule, par.pp_virtual).of(micro) \
+            if extra else None
+        listed = step_collectives(pl, Passes.of(micro, sch))
         want = bytes_by_level(listed)
         timed = C.dp_collectives(cfg, sizes, pl)
         got = N.per_level_bytes(timed)
-        counted = comm_per_step(pl, micro) if not extra else want
+        counted = comm_per_step(pl, micro, schedule=sch)
         for lv in ("pair", "node", "global"):
             assert got[lv] == pytest.approx(want[lv]), (lv, extra, micro)
             assert counted[lv] == pytest.approx(want[lv]), (lv, extra, micro)
