@@ -252,25 +252,12 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
     pb, gb = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[par.grad_accum_dtype]
     q8, q4 = 1.0 + 4.0 / par.quant_block, 0.5 + 4.0 / par.quant_block
     W, k = st.tp_local_padded, passes(cfg).backward  # passes over the weights per step
-    A, S = pl.params_axes, pl.secondary_axes
-    nbytes, kernels = 0.0, 0
-    if A:
-        gathers = []  # int8 gathers of the whole model per micro-batch
-        if pl.keeps_int8_gather:  # the int8 gather kept: dequantized at each use
-            gathers += [1, 1]
-        elif pl.hpz:  # the flat gather's (forward), the secondary's (backward)
-            gathers += [1] * (bool(pl.quantize_gather) + bool(pl.int8_secondary))
-        elif S is not None:
-            if not set(A) <= set(S) and pl.quantize_gather:
-                gathers.append(1)
-            if pl.int8_secondary:
-                gathers += [1, 1]  # forward and backward from the secondary
-        elif pl.quantize_gather:
-            gathers += [1, 1]
-        nbytes += k * len(gathers) * W * (q8 + pb + (pb + q8) / axis_size(sizes, A))
-        kernels += 2 * len(gathers)
-        if S == () and not pl.keeps_int8_gather and pl.int8_secondary:  # quantize it whole
-            nbytes, kernels = nbytes + k * W * (pb + q8), kernels + 1
+    A = pl.params_axes
+    decodes = len(pl.int8_decodes)  # int8 copies of the whole model dequantized per pass
+    nbytes = k * decodes * W * (q8 + pb + (pb + q8) / axis_size(sizes, A)) if A else 0.0
+    kernels = 2 * decodes
+    if pl.quantizes_whole:
+        nbytes, kernels = nbytes + k * W * (pb + q8), kernels + 1
     if pl.quantize_grads:
         w_in = W
         nbytes += k * W * (gb + q4)
