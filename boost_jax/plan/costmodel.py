@@ -330,11 +330,11 @@ def tp_collectives(cfg, sizes, bm: BlockModel, hm: BlockModel, t: int) -> list[C
     p = passes(cfg)  # over each block per step
     replays = cfg.train.remat == "full" or (cfg.train.remat == "lowrank"
                                             and bm.replays_collectives_lowrank)
-    Lw, V = stage_layers(cfg), cfg.parallel.pp_virtual  # block layers the passes run over
+    Lw = stage_layers(cfg)  # block layers the passes run over
     lv, hs = level_of(tp_axes), host_split(tp_axes, sizes)
     rows = [("tp_fwd", bm.fwd, Lw * (p.forward + (p.backward if replays else 0))),
-            ("tp_bwd", bm.bwd, Lw * p.backward), ("tp_head", hm.fwd, V * p.forward),
-            ("tp_head", hm.bwd, V * p.backward)]
+            ("tp_bwd", bm.bwd, Lw * p.backward), ("tp_head", hm.fwd, p.ends_forward),
+            ("tp_head", hm.bwd, p.ends_grads)]
     return [Coll(f"{prefix}_{c.name}", c.kind, c.payload, t, lv, calls, "tp", tp_axes, *hs)
             for prefix, colls, calls in rows for c in colls]
 

@@ -92,12 +92,13 @@ class Passes:
     def of(cls, micro_batches: int, schedule: Schedule | None = None) -> "Passes":
         """One of each per micro-batch; a pipeline (sharding/schedule.py) fetches a chunk's
         weights on every tick with F and again on every tick with B (its forward re-run), a
-        tick running one of the V chunks; the ends run, and reduce, on every B tick."""
+        tick running one of the V chunks; the ends run on every tick, whatever its chunk:
+        fetched on each with F and each with B, reduced on each with B."""
         m = micro_batches
         if schedule is None or schedule.stages == 1:
             return cls(m, m, m, m)
         ticks, v = schedule.ticks, schedule.virtual
-        return cls(2 * ticks / v, ticks / v, 2 * ticks / v, ticks)
+        return cls(2 * ticks / v, ticks / v, 2 * ticks, ticks)
 
 
 def update_via_grads(pl) -> bool:
