@@ -278,6 +278,53 @@ def test_compiled_collectives_are_the_step_collectives_list(compiled, plan, tp, 
     assert not diff, (diff, r.table())
 
 
+def _per_level(rows) -> dict:
+    """{(kind, level): [calls, bytes sent]} per step summed over (kind, level, calls, bytes)."""
+    out: dict = {}
+    for kind, level, calls, sent in rows:
+        row = out.setdefault((kind, level), [0.0, 0.0])
+        row[0], row[1] = row[0] + calls, row[1] + sent
+    return out
+
+
+@pytest.mark.parametrize("plan,schedule,virtual", [
+    ("hierarchical", "gpipe", 1), ("zeropp", "gpipe", 1), ("zero3", "1f1b", 2)])
+def test_compiled_pipeline_collectives_are_the_step_collectives_list(plan, schedule, virtual):
+    """With pipeline stages (2 stages on pair x node x global x stage = 2x1x2x2, 2 layers per
+    chunk, 4 micro-batches) the engine's own list (ParallelLayout.collectives: its schedule's
+    ticks) against the compiled step, kind by kind and level by level: the same calls and the
+    same bytes, exactly. Left out: the stage sends and the scalar sums (test_pipeline.py), the
+    clip's norm. The one difference: in a 1f1b tick that runs F and B, XLA merges the two
+    gathers of each end weight (one computation, one operand), one call per such tick less."""
+    from boost_jax.mesh import level_of
+
+    mesh = make_mesh("cpu", (2, 1, 4), stages=2)
+    cfg = load_config(None, TINY + [
+        f"parallel.plan={plan}", "train.micro_batches=4", "parallel.pp_stages=2",
+        f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={virtual}",
+        f"model.n_layers={4 * virtual}"])
+    b = build_step(cfg, mesh, fast_compile_options())
+    with jax.set_mesh(mesh):
+        r = analyze_compiled(b.train_step.lower(b.abstract_state, b.abstract_batch()).compile(),
+                             mesh)
+    layout = b.engine.layout
+    listed = layout.collectives()
+    sch = layout.pipeline.of(layout.micro_batches)
+    merged = sum(n for n, f, bw, _ in sch.phases if f and bw)  # ticks with F and B
+    want = _per_level(
+        (c.kind, level_of(tuple(a for a in c.axes if mesh.shape[a] > 1)), c.calls - m,
+         c.sent * (1 - m / c.calls))
+        for c in listed if c.what != "grad norm"
+        for m in [merged if c.what == "gather" and not c.leaf.startswith("blocks") else 0])
+    got = _per_level((c.kind, c.level, c.trip_count, c.bytes_per_step) for c in r.collectives
+                     if "stage" not in c.axes and not (c.kind == "all-reduce"
+                                                       and set(c.shapes) == {"f32[]"}))
+    assert set(got) == set(want), r.table()
+    for key, (calls, sent) in got.items():
+        assert (calls, sent) == pytest.approx(tuple(want[key]), rel=1e-9), (key, r.table())
+    assert sum(sent for _, sent in got.values()) > 0
+
+
 def test_quantized_cross_node_legs_leave_the_node_less_than_zeropp(compiled):
     """With its cross-node legs quantized, hierarchical at four micro-batches sends fewer bytes
     out of each node per step than ZeRO++ on the same layout — in the compiled step and in the
