@@ -233,6 +233,15 @@ def test_one_micro_batch_reduces_across_nodes_inside_the_layer_loop(compiled):
     assert listed and all(c.phase == "dp" for c in listed)
 
 
+def _per_level(rows) -> dict:
+    """{(kind, level): [calls, bytes sent]} per step summed over (kind, level, calls, bytes)."""
+    out: dict = {}
+    for kind, level, calls, sent in rows:
+        row = out.setdefault((kind, level), [0.0, 0.0])
+        row[0], row[1] = row[0] + calls, row[1] + sent
+    return out
+
+
 @pytest.mark.parametrize("plan,tp,micro,extra", [
     ("hierarchical", (), 4, ()), ("zero3", (), 4, ()), ("zeropp", (), 4, ()),
     ("zero1", (), 4, ()), ("hierarchical", ("pair",), 4, ()), ("zeropp", ("pair",), 4, ()),
@@ -243,48 +252,23 @@ def test_one_micro_batch_reduces_across_nodes_inside_the_layer_loop(compiled):
     ("hierarchical", (), 4, ("parallel.defer_update=false",)),
     ("zeropp", (), 4, ("train.remat=full",))])
 def test_compiled_collectives_are_the_step_collectives_list(compiled, plan, tp, micro, extra):
-    """The one list of the step's collectives (sharding/step_collectives.py) against the
-    compiled program, kind by kind and level by level: the same kinds cross the same links
-    with the same bytes (within 10%: the compiled program also sums the loss). Under BTP the
-    collectives inside the TP group are the layout's own (tp/specs.py) and are left out."""
+    """The engine's own list of the step's collectives (ParallelLayout.collectives,
+    sharding/step_collectives.py) against the compiled program, kind by kind and level by
+    level: the same calls (one per fetch unit and bucket, sharding/bucket.py, not one per
+    weight) and the same bytes, exactly. Left out: scalar sums (the loss; the clip's norm,
+    which XLA splits by how the partial sums vary) and, under BTP, the collectives inside the
+    TP group (the layout's own, tp/specs.py)."""
     if tp:
         extra += (f"parallel.tp_axes=[{','.join(tp)}]", "parallel.tp_mode=btp")
     b, r = compiled(plan, micro, *extra)
-    listed = {}
-    for c in step_collectives(b.placement, Passes.of(micro)):
-        listed[(c.kind, c.level)] = listed.get((c.kind, c.level), 0.0) + c.sent
-    measured = {}
-    for c in r.collectives:
-        if tp and set(c.axes) <= set(tp):
-            continue
-        key = (c.kind, c.level)
-        measured[key] = measured.get(key, 0.0) + c.bytes_per_step
-    assert set(measured) == set(listed), r.table()
-    for key, v in measured.items():
-        assert v == pytest.approx(listed[key], rel=0.10), (key, r.table())
-    # and the same number of calls: one per fetch unit and bucket (sharding/bucket.py), not
-    # one per weight. Scalar sums (the loss; the clip's norm, which XLA splits by how the
-    # partial sums vary) are left out: what is counted is what moves weights and gradients.
-    calls_listed, calls_run = {}, {}
-    for c in step_collectives(b.placement, Passes.of(micro)):
-        if c.what != "grad norm":
-            calls_listed[(c.kind, c.level)] = calls_listed.get((c.kind, c.level), 0) + c.calls
-    for c in r.collectives:
-        scalars = c.kind == "all-reduce" and set(c.shapes) == {"f32[]"}
-        if not (tp and set(c.axes) <= set(tp)) and not scalars:
-            calls_run[(c.kind, c.level)] = calls_run.get((c.kind, c.level), 0) + c.trip_count
-    diff = {k: (calls_run.get(k), calls_listed.get(k)) for k in set(calls_run) | set(calls_listed)
-            if calls_run.get(k) != calls_listed.get(k)}
-    assert not diff, (diff, r.table())
-
-
-def _per_level(rows) -> dict:
-    """{(kind, level): [calls, bytes sent]} per step summed over (kind, level, calls, bytes)."""
-    out: dict = {}
-    for kind, level, calls, sent in rows:
-        row = out.setdefault((kind, level), [0.0, 0.0])
-        row[0], row[1] = row[0] + calls, row[1] + sent
-    return out
+    want = _per_level((c.kind, c.level, c.calls, c.sent) for c in b.engine.layout.collectives()
+                      if c.what != "grad norm")
+    got = _per_level((c.kind, c.level, c.trip_count, c.bytes_per_step) for c in r.collectives
+                     if not (tp and set(c.axes) <= set(tp))
+                     and not (c.kind == "all-reduce" and set(c.shapes) == {"f32[]"}))
+    assert set(got) == set(want), r.table()
+    for key, (calls, sent) in got.items():
+        assert (calls, sent) == pytest.approx(tuple(want[key]), rel=1e-9), (key, r.table())
 
 
 @pytest.mark.parametrize("plan,schedule,virtual", [
