@@ -39,6 +39,7 @@ from boost_jax.plan.overlap import gpu_exposed, gpu_launch_seconds, overlap_expo
 from boost_jax.sharding.gather import qgz_stages
 from boost_jax.sharding.step_collectives import (Passes, bucketed, keeps_secondary,
                                                  step_collectives)
+from boost_jax.sharding.schedule import Schedule
 from boost_jax.sharding.stages import layers_per_stage
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
                                      head_model, op_time, resolve_attention)
@@ -193,10 +194,17 @@ def stage_layers(cfg) -> int:
     return v * layers_per_stage(cfg.model.n_layers, pp, v) if pp > 1 else cfg.model.n_layers
 
 
+def schedule(cfg) -> Optional[Schedule]:
+    """The pipeline's tick schedule (None without stages): the one step/pipeline.py runs."""
+    par = cfg.parallel
+    if par.pp_stages == 1:
+        return None
+    return Schedule(par.pp_schedule, par.pp_stages, cfg.train.micro_batches, par.pp_virtual)
+
+
 def passes(cfg) -> Passes:
     """Passes over each weight per step (micro-batches, or the pipeline's ticks)."""
-    par = cfg.parallel
-    return Passes.of(cfg.train.micro_batches, par.pp_stages, par.pp_virtual)
+    return Passes.of(cfg.train.micro_batches, schedule(cfg))
 
 
 def dp_collectives(cfg, sizes, pl) -> list[Coll]:
@@ -244,25 +252,12 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
     pb, gb = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[par.grad_accum_dtype]
     q8, q4 = 1.0 + 4.0 / par.quant_block, 0.5 + 4.0 / par.quant_block
     W, k = st.tp_local_padded, passes(cfg).backward  # passes over the weights per step
-    A, S = pl.params_axes, pl.secondary_axes
-    nbytes, kernels = 0.0, 0
-    if A:
-        gathers = []  # int8 gathers of the whole model per micro-batch
-        if pl.keeps_int8_gather:  # the int8 gather kept: dequantized at each use
-            gathers += [1, 1]
-        elif pl.hpz:  # the flat gather's (forward), the secondary's (backward)
-            gathers += [1] * (bool(pl.quantize_gather) + bool(pl.int8_secondary))
-        elif S is not None:
-            if not set(A) <= set(S) and pl.quantize_gather:
-                gathers.append(1)
-            if pl.int8_secondary:
-                gathers += [1, 1]  # forward and backward from the secondary
-        elif pl.quantize_gather:
-            gathers += [1, 1]
-        nbytes += k * len(gathers) * W * (q8 + pb + (pb + q8) / axis_size(sizes, A))
-        kernels += 2 * len(gathers)
-        if S == () and not pl.keeps_int8_gather and pl.int8_secondary:  # quantize it whole
-            nbytes, kernels = nbytes + k * W * (pb + q8), kernels + 1
+    A = pl.params_axes
+    decodes = len(pl.int8_decodes)  # int8 copies of the whole model dequantized per pass
+    nbytes = k * decodes * W * (q8 + pb + (pb + q8) / axis_size(sizes, A)) if A else 0.0
+    kernels = 2 * decodes
+    if pl.quantizes_whole:
+        nbytes, kernels = nbytes + k * W * (pb + q8), kernels + 1
     if pl.quantize_grads:
         w_in = W
         nbytes += k * W * (gb + q4)
@@ -279,14 +274,9 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
 def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockModel,
                     b: int, limit: float) -> dict:
     """Per-device bytes by named term (boost_jax.plan.memory); fits when total <= limit."""
-    pp = cfg.parallel.pp_stages
-    stage = 0.0
-    if pp > 1:  # the stage inputs a device keeps (step/pipeline.py: Schedule.depth + 1)
-        from boost_jax.step.pipeline import Schedule
-
-        par = cfg.parallel
-        depth = Schedule(par.pp_schedule, pp, cfg.train.micro_batches, par.pp_virtual).depth + 1
-        stage = depth * stage_send_bytes(cfg, sizes, b)
+    sch, stage = schedule(cfg), 0.0
+    if sch is not None:  # the stage inputs a device keeps (its buffer: Schedule.depth + 1)
+        stage = (sch.depth + 1) * stage_send_bytes(cfg, sizes, b)
     return memory.estimate(cfg, st, pl, bm, hm, b, stage_layers(cfg), stage, limit)
 
 
@@ -321,14 +311,13 @@ def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hb
     pipeline's ticks (see predict)."""
     (bf, bb, br), (hf, hb, hr) = (block_times(cfg, bm, peak, hbm, a),
                                   block_times(cfg, hm, peak, hbm, a))
-    micro, pp, V = cfg.train.micro_batches, cfg.parallel.pp_stages, cfg.parallel.pp_virtual
+    micro, sch = cfg.train.micro_batches, schedule(cfg)
     launches = gpu_launch_seconds(cfg, bm, L * passes(cfg).backward, a)
-    if pp == 1:
+    if sch is None:
         return micro * (L * (bf + bb + br) + hf + hb + hr) + launches, 0.0
-    ticks = V * micro + pp - 1
     t_f = L * bf + hf
-    t_compute = ticks * (t_f + t_f + L * (bb + br) + hb + hr) + launches
-    return t_compute, t_compute * (pp - 1) / ticks  # the ticks a stage idles (masked)
+    t_compute = sch.ticks * (t_f + t_f + L * (bb + br) + hb + hr) + launches
+    return t_compute, t_compute * (sch.stages - 1) / sch.ticks  # the idle (masked) ticks
 
 
 def tp_collectives(cfg, sizes, bm: BlockModel, hm: BlockModel, t: int) -> list[Coll]:
@@ -341,26 +330,22 @@ def tp_collectives(cfg, sizes, bm: BlockModel, hm: BlockModel, t: int) -> list[C
     p = passes(cfg)  # over each block per step
     replays = cfg.train.remat == "full" or (cfg.train.remat == "lowrank"
                                             and bm.replays_collectives_lowrank)
-    Lw, V = stage_layers(cfg), cfg.parallel.pp_virtual  # block layers the passes run over
+    Lw = stage_layers(cfg)  # block layers the passes run over
     lv, hs = level_of(tp_axes), host_split(tp_axes, sizes)
     rows = [("tp_fwd", bm.fwd, Lw * (p.forward + (p.backward if replays else 0))),
-            ("tp_bwd", bm.bwd, Lw * p.backward), ("tp_head", hm.fwd, V * p.forward),
-            ("tp_head", hm.bwd, V * p.backward)]
+            ("tp_bwd", bm.bwd, Lw * p.backward), ("tp_head", hm.fwd, p.ends_forward),
+            ("tp_head", hm.bwd, p.ends_grads)]
     return [Coll(f"{prefix}_{c.name}", c.kind, c.payload, t, lv, calls, "tp", tp_axes, *hs)
             for prefix, colls, calls in rows for c in colls]
 
 
 def stage_sends(cfg, sizes, b: int) -> list[Coll]:
     """The pipeline's activation sends per step (none without stages)."""
-    pp = cfg.parallel.pp_stages
-    if pp == 1:
+    sch = schedule(cfg)
+    if sch is None:
         return []
-    from boost_jax.step.pipeline import Schedule
-
-    sends = Schedule(cfg.parallel.pp_schedule, pp, cfg.train.micro_batches,
-                     cfg.parallel.pp_virtual).sends
     return [Coll("stage_send", "collective-permute", stage_send_bytes(cfg, sizes, b), 2,
-                 "global", sends, "tp", (STAGE,), *host_split((STAGE,), sizes))]
+                 "global", sch.sends, "tp", (STAGE,), *host_split((STAGE,), sizes))]
 
 
 def _notes(cfg, pl, measured, L: int) -> list[str]:
@@ -370,11 +355,12 @@ def _notes(cfg, pl, measured, L: int) -> list[str]:
                      "(flat, then from its secondary), remat replaying the second")
     notes.append("collectives: measured from the compiled step's HLO" if measured is not None
                  else "collectives: analytic (the step's placement, not compiled)")
-    pp, V, micro = cfg.parallel.pp_stages, cfg.parallel.pp_virtual, cfg.train.micro_batches
-    if pp > 1:
+    sch = schedule(cfg)
+    if sch is not None:
+        pp, V, micro = sch.stages, sch.virtual, sch.micro
         chunks = f" x {V} virtual" if V > 1 else ""
-        notes.append(f"pipeline: {pp}{chunks} stages of {L} layers, {cfg.parallel.pp_schedule} over "
-                     f"{micro} micro-batches: bubble {(pp - 1) / (V * micro + pp - 1):.0%}, "
+        notes.append(f"pipeline: {pp}{chunks} stages of {L} layers, {sch.kind} over "
+                     f"{micro} micro-batches: bubble {sch.bubble:.0%}, "
                      "each B tick re-runs its stage forward")
     return notes
 

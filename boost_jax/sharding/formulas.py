@@ -30,6 +30,7 @@ from __future__ import annotations
 from boost_jax.mesh import axis_size
 from boost_jax.names import MESH_AXES
 from boost_jax.sharding.gather import LeafFetch
+from boost_jax.sharding.schedule import Schedule
 from boost_jax.sharding.step_collectives import (Passes, bytes_by_level, int8_payload, itemsize,
                                                  keeps_secondary, leaves, secondary_payload,
                                                  step_collectives,
@@ -87,13 +88,14 @@ def memory_per_device(pl) -> dict:
     return out
 
 
-def comm_per_step(pl, micro_batches: int, terms: bool = False, tied: bool = False) -> dict:
+def comm_per_step(pl, micro_batches: int, terms: bool = False, tied: bool = False,
+                  schedule: Schedule | None = None) -> dict:
     """Predicted bytes sent per device per optimizer step by the plan's collectives (weight
     gathers and gradient reductions; TP's activation collectives are tp/specs.py's), by level:
-    the sum of step_collectives over `micro_batches` passes. `tied`: the embedding is also the
-    head (fetched twice). With terms=True also returns the list of (name, kind, level, bytes)
-    contributions."""
-    colls = step_collectives(pl, Passes.of(micro_batches), tied)
+    the sum of step_collectives over `micro_batches` passes (a pipeline's: its `schedule`'s
+    ticks). `tied`: the embedding is also the head (fetched twice). With terms=True also
+    returns the list of (name, kind, level, bytes) contributions."""
+    colls = step_collectives(pl, Passes.of(micro_batches, schedule), tied)
     out = bytes_by_level(colls)
     out["total"] = sum(out[lv] for lv in MESH_AXES)
     if terms:

@@ -86,6 +86,36 @@ class Int8Copies:
         secondary, dequantized at each use — never dequantized and quantized again."""
         return self.secondary_axes == () and self.quantize_gather
 
+    @property
+    def secondary_from_flat(self) -> bool:
+        """The secondary is sliced from a flat gather over the params axes (ZeRO++'s hpZ,
+        S ⊂ P), not locally from the stored shard (S ⊇ P, P-major)."""
+        P, S = self.params_axes, self.secondary_axes
+        return S is not None and S[:len(P)] != P
+
+    @property
+    def quantizes_whole(self) -> bool:
+        """An int8 secondary over no axes cut from a working-dtype gather: to_secondary
+        quantizes the whole gathered weight on every pass."""
+        return self.secondary_axes == () and self.int8_secondary and not self.keeps_int8_gather
+
+    @property
+    def int8_decodes(self) -> tuple[str, ...]:
+        """The int8 copies a gathered weight's fetch dequantizes per pass, each named by the
+        gather that delivered it (step_collectives' `what`; none moves over no axes): what
+        expand, flat_full and secondary_source run (the cost model's kernels)."""
+        if not self.params_axes:
+            return ()
+        if self.keeps_int8_gather:  # the gather as it arrived, at each use
+            return ("gather", "gather")
+        if self.hpz:
+            return (("gather",) if self.quantize_gather else ()) + \
+                (("regather(S)",) if self.int8_secondary else ())
+        if self.secondary_axes is None:
+            return ("gather", "regather") if self.quantize_gather else ()
+        flat = ("gather",) if self.secondary_from_flat and self.quantize_gather else ()
+        return flat + (("gather(S)", "regather(S)") if self.int8_secondary else ())
+
 
 @dataclass(frozen=True)
 class LeafFetch(Int8Copies):
@@ -200,13 +230,6 @@ class LeafFetch(Int8Copies):
 
     def maybe_quantize(self, x, int8: bool, src_axes):
         return self.quantize(x, src_axes) if int8 else x
-
-    @property
-    def secondary_from_flat(self) -> bool:
-        """The secondary is sliced from a flat gather over the params axes (ZeRO++'s hpZ,
-        S ⊂ P), not locally from the stored shard (S ⊇ P, P-major)."""
-        P, S = self.params_axes, self.secondary_axes
-        return S is not None and S[:len(P)] != P
 
     def secondary_source(self, x):
         """What the secondary is cut from: the stored shard (S ⊇ P, P-major), or (ZeRO++'s

@@ -29,6 +29,7 @@ from boost_jax.layers.remat import remat_wrapper
 from boost_jax.mesh import STAGE
 from boost_jax.sharding import stages, step_collectives
 from boost_jax.sharding.placement import Placement, make_placement
+from boost_jax.sharding.schedule import Schedule
 from boost_jax.sharding.tp.common import TPContext, make_context
 from boost_jax.sharding.tp.specs import MODES, validate_tp
 
@@ -51,6 +52,10 @@ class PipelineSettings:
     schedule: str  # 1f1b | gpipe
     virtual: int = 1  # chunks per stage (interleaved schedule)
 
+    def of(self, micro_batches: int) -> Schedule:
+        """The tick schedule a training step runs (step/pipeline.py)."""
+        return Schedule(self.schedule, self.stages, micro_batches, self.virtual)
+
 
 @dataclass(frozen=True)
 class ParallelLayout:
@@ -72,8 +77,8 @@ class ParallelLayout:
 
     def collectives(self) -> list:
         """Every data-parallel collective of one optimizer step (sharding/step_collectives.py)."""
-        pp = self.pipeline or PipelineSettings(1, "1f1b")
-        passes = step_collectives.Passes.of(self.micro_batches, pp.stages, pp.virtual)
+        sch = self.pipeline.of(self.micro_batches) if self.pipeline else None
+        passes = step_collectives.Passes.of(self.micro_batches, sch)
         return step_collectives.step_collectives(self.placement, passes, self.model.tie_embeddings)
 
     def checkpoint(self, gathers: bool) -> Callable:

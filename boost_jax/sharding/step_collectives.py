@@ -40,6 +40,7 @@ from boost_jax.sharding import quant
 from boost_jax.sharding.bucket import BUCKETED
 from boost_jax.sharding.gather import LeafFetch, qgz_stages
 from boost_jax.sharding.layout import LeafLayout, is_layout
+from boost_jax.sharding.schedule import Schedule
 
 
 def ring_bytes(kind: str, n: int, payload: float) -> float:
@@ -88,15 +89,16 @@ class Passes:
     ends_grads: float
 
     @classmethod
-    def of(cls, micro_batches: int, stages: int = 1, virtual: int = 1) -> "Passes":
-        """One of each per micro-batch; a pipeline (step/pipeline.py) fetches a chunk's
+    def of(cls, micro_batches: int, schedule: Schedule | None = None) -> "Passes":
+        """One of each per micro-batch; a pipeline (sharding/schedule.py) fetches a chunk's
         weights on every tick with F and again on every tick with B (its forward re-run), a
-        tick running one of the V chunks; the ends run, and reduce, on every B tick."""
+        tick running one of the V chunks; the ends run on every tick, whatever its chunk:
+        fetched on each with F and each with B, reduced on each with B."""
         m = micro_batches
-        if stages == 1:
+        if schedule is None or schedule.stages == 1:
             return cls(m, m, m, m)
-        ticks = virtual * m + stages - 1
-        return cls(2 * ticks / virtual, ticks / virtual, 2 * ticks / virtual, ticks)
+        ticks, v = schedule.ticks, schedule.virtual
+        return cls(2 * ticks / v, ticks / v, 2 * ticks, ticks)
 
 
 def update_via_grads(pl) -> bool:

@@ -1,19 +1,8 @@
 """Pipeline parallelism inside the engine's shard_map: stages pass activations by collective-permute.
 
-P stages (the mesh's `stage` axis, boost_jax/sharding/stages.py), m micro-batches, lock-step
-ticks; at tick t stage s runs the forward (F) of micro-batch f(t, s) and/or the backward (B) of
-micro-batch b(t, s):
-
-    1f1b   warmup P−1 ticks F · steady m ticks F and B · cooldown P−1 ticks B
-           f = t − s,  b = t − 2(P−1) + s
-           stage s holds the inputs of micro-batches b..f: at most 2(P−1−s)+1 ≤ 2P−1, flat in m
-    gpipe  m+P−1 ticks F, then m+P−1 ticks B
-           f = t − s,  b = t − (m+P−1) − (P−1−s)
-           stage s holds the inputs of all m micro-batches
-
-Both keep every stage busy m of m+P−1 tick-slots: bubble (P−1)/(m+P−1). Interleaved virtual
-stages (parallel.pp_virtual = V): stage s holds the chunks v·P + s (v < V) of P·V, the formulas
-hold with m → N = V·m (except 1f1b's b and depth), and the bubble is (P−1)/(V·m+P−1).
+P stages (the mesh's `stage` axis, boost_jax/sharding/stages.py) run m micro-batches in
+lock-step ticks; sharding/schedule.py's Schedule (1f1b or gpipe, interleaved virtual stages)
+says which micro-batch and chunk each stage runs at each tick.
 
 F runs the stage forward on the activation received from s−1, sends its output to s+1 and
 saves its input. B is `jax.vjp` of the same stage forward, re-run from the saved input, with
@@ -21,11 +10,12 @@ the gradient received from s+1; the input's gradient goes to s−1, the weights'
 (reduce-scattered by sharding/gather.py as without stages) to the accumulator. A tick outside
 a stage's range of micro-batches is masked: the only collectives that cross stages are these
 sends (and the step's scalar loss).
-Derivation (the virtual-stage order, its 1f1b formulas, what F and B run): benchmarks/README.md §9.
+Derivation (what F and B run): benchmarks/README.md §9.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -36,74 +26,8 @@ from boost_jax.layers import forward
 from boost_jax.mesh import STAGE
 from boost_jax.sharding.gather import to_varying, with_slots
 from boost_jax.sharding.parallel import PipelineSettings
+from boost_jax.sharding.schedule import Schedule
 from boost_jax.sharding.stages import ENDS, layers_per_stage
-
-
-@dataclass(frozen=True)
-class Schedule:
-    kind: str  # 1f1b | gpipe
-    stages: int
-    micro: int
-    virtual: int = 1
-
-    @property
-    def units(self) -> int:
-        """(micro-batch, chunk) slots each stage runs: N = V·m (with V > 1, m rounded up to
-        whole groups of P: evaluation runs one micro-batch; the missing ones are masked)."""
-        P, V = self.stages, self.virtual
-        return self.micro if V == 1 else V * P * -(-self.micro // P)
-
-    @property
-    def phases(self) -> tuple[tuple[int, bool, bool, bool], ...]:
-        """(ticks, forward?, backward?, send?) in order; the final tick sends nothing (its
-        input gradient would go to no stage)."""
-        P, N, VP = self.stages, self.units, self.virtual * self.stages
-        if self.kind == "1f1b":
-            ph = ((VP - 1, True, False, True), (N - VP + P, True, True, True),
-                  (VP - 2, False, True, True))
-        else:
-            ph = ((N + P - 1, True, False, True), (N + P - 2, False, True, True))
-        return tuple(p for p in ph + ((1, False, True, False),) if p[0] > 0)
-
-    def forward_index(self, t, s):
-        return t - s
-
-    def backward_index(self, t, s):
-        P, VP = self.stages, self.virtual * self.stages
-        if self.kind == "1f1b":
-            return t - (VP - 1) - (P - 1 - s)
-        return t - (self.units + P - 1) - (P - 1 - s)
-
-    def unit(self, k, backward: bool = False):
-        """Index k of a stage's forward (backward) order → (micro-batch, chunk): groups of P
-        micro-batches through chunk 0, 1, …, V−1 (backward: V−1 … 0)."""
-        P, V = self.stages, self.virtual
-        if V == 1:
-            return k, 0
-        g, r = k // (P * V), k % (P * V)
-        v = V - 1 - r // P if backward else r // P
-        return g * P + r % P, v
-
-    def forward_slot(self, i, v):
-        """Forward index of (micro-batch i, chunk v): where its stage input is kept."""
-        P, V = self.stages, self.virtual
-        return i if V == 1 else (i // P) * P * V + v * P + i % P
-
-    @property
-    def depth(self) -> int:
-        """Stage inputs a device keeps (its buffer holds one more slot for masked writes)."""
-        N, VP = self.units, self.virtual * self.stages
-        return min(N, 2 * VP - 1) if self.kind == "1f1b" else N
-
-    @property
-    def sends(self) -> int:
-        """Collective-permutes per step: one per tick with F plus one per tick with B, but
-        the final tick's: 2(V·m+P−1) − 1 for both schedules."""
-        return sum(n * (int(f) + int(b)) for n, f, b, send in self.phases if send)
-
-    @property
-    def bubble(self) -> float:
-        return (self.stages - 1) / (self.units + self.stages - 1)
 
 
 def _varying(sds) -> frozenset:
@@ -139,10 +63,10 @@ class Pipeline:
                  slots: Callable, check_vma: bool):
         self.model, self.ops, self.checkpoint = model, ops, checkpoint
         self.slots, self.check_vma = slots, check_vma
+        self.settings = settings
         self.n_stages = settings.stages
         self.n_layers = model.n_layers
         self.virtual = settings.virtual
-        self.schedule = settings.schedule
         self.chunk_layers = layers_per_stage(self.n_layers, self.n_stages, self.virtual)
 
     # ------------------------------------------------------------------ one stage
@@ -195,7 +119,9 @@ class Pipeline:
         Returns (Σ over this device's valid last-stage forwards of loss · scale, accumulated
         gradient slots or None)."""
         m = mb["inputs"].shape[0]
-        sch = Schedule(self.schedule if backward else "gpipe", self.n_stages, m, self.virtual)
+        sch = self.settings.of(m)  # what the step's collective list counts (Passes.of)
+        if not backward:  # forward only: no B ticks to interleave
+            sch = dataclasses.replace(sch, kind="gpipe")
         stage = jax.lax.axis_index(STAGE)
         last_stage = stage == self.n_stages - 1
         slots = self.slots() if backward else None

@@ -47,6 +47,7 @@ def test_formulas_and_cost_model_read_the_one_collective_list(plan, tp):
     micro-batches and with one (whose reduction over the deferred axes runs in the backward):
     the same bytes per level and per phase."""
     from boost_jax.sharding.formulas import comm_per_step
+    from boost_jax.sharding.parallel import PipelineSettings
     from boost_jax.sharding.step_collectives import Passes, bytes_by_level, step_collectives
 
     arch = "full" if tp == "megatron" else "cola"
@@ -58,12 +59,14 @@ def test_formulas_and_cost_model_read_the_one_collective_list(plan, tp):
                                  *extra])
         sizes = C.with_stages(cfg, {"pair": 2, "node": 4, "global": 8})
         _, pl = C.state_sizes(cfg, sizes)
-        passes = Passes.of(micro, cfg.parallel.pp_stages, cfg.parallel.pp_virtual)
-        listed = step_collectives(pl, passes)
+        par = cfg.parallel  # the engine's schedule (ParallelLayout.collectives, Pipeline.run)
+        sch = PipelineSettings(par.pp_stages, par.pp_schedule, par.pp_virtual).of(micro) \
+            if extra else None
+        listed = step_collectives(pl, Passes.of(micro, sch))
         want = bytes_by_level(listed)
         timed = C.dp_collectives(cfg, sizes, pl)
         got = N.per_level_bytes(timed)
-        counted = comm_per_step(pl, micro) if not extra else want
+        counted = comm_per_step(pl, micro, schedule=sch)
         for lv in ("pair", "node", "global"):
             assert got[lv] == pytest.approx(want[lv]), (lv, extra, micro)
             assert counted[lv] == pytest.approx(want[lv]), (lv, extra, micro)
@@ -117,3 +120,39 @@ def test_the_memory_rule_for_secondaries_is_the_engines(extra):
               for lay in blocks]
     assert [keeps_secondary(pl, lay, "blocks") for lay in blocks] == engine
     assert any(engine) == (pl.secondary_axes is not None and bool(pl.params_axes))
+
+
+@pytest.mark.parametrize("extra", [["parallel.plan=zero3"],
+                                   ["parallel.plan=zero3", "parallel.quantize_gather=true"],
+                                   ["parallel.plan=zeropp"],
+                                   ["parallel.plan=zeropp", "train.remat=full"],
+                                   ["parallel.plan=zeropp", "parallel.secondary_axes=[]"],
+                                   ["parallel.plan=zeropp", "parallel.secondary_axes=[pair]",
+                                    "train.remat=full", "parallel.quantize_gather=false",
+                                    "parallel.secondary_dtype=int8"],
+                                   ["parallel.plan=hierarchical"],
+                                   ["parallel.plan=hierarchical", "parallel.secondary_axes=[]"]])
+def test_the_cost_models_int8_decodes_are_the_lists_int8_gathers(extra):
+    """The int8 copies the cost model times a dequantize kernel for (Int8Copies.int8_decodes,
+    one question asked of the placement and of each leaf's fetch alike) are the layer weights'
+    gathers the list moves in int8: every listed int8 gather is decoded, and every decode
+    of a gather the list holds is of an int8 one."""
+    from boost_jax.sharding.gather import LeafFetch
+    from boost_jax.sharding.step_collectives import (Passes, itemsize, leaf_collectives,
+                                                     leaves, tp_local, device_layers)
+
+    cfg = load_config(None, [*DRIFT, *extra])
+    _, pl = C.state_sizes(cfg, {"pair": 2, "node": 2, "global": 2})
+    gathers = ("gather", "gather(S)", "regather", "regather(S)")
+    seen = 0
+    for path, lay in leaves(pl):
+        f = LeafFetch.of(pl, lay)
+        if path[0] != "blocks" or not f.is_gathered:
+            continue
+        assert f.int8_decodes == pl.int8_decodes and f.quantizes_whole == pl.quantizes_whole
+        whole = tp_local(f, lay) / device_layers(f, lay) * itemsize(pl.param_dtype)
+        colls = [c for c in leaf_collectives(pl, path, lay, Passes.of(2)) if c.what in gathers]
+        int8 = {c.what for c in colls if c.payload < 0.6 * whole}
+        assert set(f.int8_decodes) & {c.what for c in colls} == int8, (path, f.int8_decodes)
+        seen += len(f.int8_decodes)
+    assert (seen > 0) == (pl.quantize_gather or pl.int8_secondary)

@@ -235,6 +235,15 @@ def test_one_micro_batch_reduces_across_nodes_inside_the_layer_loop(compiled):
     assert listed and all(c.phase == "dp" for c in listed)
 
 
+def _per_level(rows) -> dict:
+    """{(kind, level): [calls, bytes sent]} per step summed over (kind, level, calls, bytes)."""
+    out: dict = {}
+    for kind, level, calls, sent in rows:
+        row = out.setdefault((kind, level), [0.0, 0.0])
+        row[0], row[1] = row[0] + calls, row[1] + sent
+    return out
+
+
 @pytest.mark.parametrize("plan,tp,micro,extra", [
     ("hierarchical", (), 4, ()), ("zero3", (), 4, ()), ("zeropp", (), 4, ()),
     ("zero1", (), 4, ()), ("hierarchical", ("pair",), 4, ()), ("zeropp", ("pair",), 4, ()),
@@ -245,39 +254,61 @@ def test_one_micro_batch_reduces_across_nodes_inside_the_layer_loop(compiled):
     ("hierarchical", (), 4, ("parallel.defer_update=false",)),
     ("zeropp", (), 4, ("train.remat=full",))])
 def test_compiled_collectives_are_the_step_collectives_list(compiled, plan, tp, micro, extra):
-    """The one list of the step's collectives (sharding/step_collectives.py) against the
-    compiled program, kind by kind and level by level: the same kinds cross the same links
-    with the same bytes (within 10%: the compiled program also sums the loss). Under BTP the
-    collectives inside the TP group are the layout's own (tp/specs.py) and are left out."""
+    """The engine's own list of the step's collectives (ParallelLayout.collectives,
+    sharding/step_collectives.py) against the compiled program, kind by kind and level by
+    level: the same calls (one per fetch unit and bucket, sharding/bucket.py, not one per
+    weight) and the same bytes, exactly. Left out: scalar sums (the loss; the clip's norm,
+    which XLA splits by how the partial sums vary) and, under BTP, the collectives inside the
+    TP group (the layout's own, tp/specs.py)."""
     if tp:
         extra += (f"parallel.tp_axes=[{','.join(tp)}]", "parallel.tp_mode=btp")
     b, r = compiled(plan, micro, *extra)
-    listed = {}
-    for c in step_collectives(b.placement, Passes.of(micro)):
-        listed[(c.kind, c.level)] = listed.get((c.kind, c.level), 0.0) + c.sent
-    measured = {}
-    for c in r.collectives:
-        if tp and set(c.axes) <= set(tp):
-            continue
-        key = (c.kind, c.level)
-        measured[key] = measured.get(key, 0.0) + c.bytes_per_step
-    assert set(measured) == set(listed), r.table()
-    for key, v in measured.items():
-        assert v == pytest.approx(listed[key], rel=0.10), (key, r.table())
-    # and the same number of calls: one per fetch unit and bucket (sharding/bucket.py), not
-    # one per weight. Scalar sums (the loss; the clip's norm, which XLA splits by how the
-    # partial sums vary) are left out: what is counted is what moves weights and gradients.
-    calls_listed, calls_run = {}, {}
-    for c in step_collectives(b.placement, Passes.of(micro)):
-        if c.what != "grad norm":
-            calls_listed[(c.kind, c.level)] = calls_listed.get((c.kind, c.level), 0) + c.calls
-    for c in r.collectives:
-        scalars = c.kind == "all-reduce" and set(c.shapes) == {"f32[]"}
-        if not (tp and set(c.axes) <= set(tp)) and not scalars:
-            calls_run[(c.kind, c.level)] = calls_run.get((c.kind, c.level), 0) + c.trip_count
-    diff = {k: (calls_run.get(k), calls_listed.get(k)) for k in set(calls_run) | set(calls_listed)
-            if calls_run.get(k) != calls_listed.get(k)}
-    assert not diff, (diff, r.table())
+    want = _per_level((c.kind, c.level, c.calls, c.sent) for c in b.engine.layout.collectives()
+                      if c.what != "grad norm")
+    got = _per_level((c.kind, c.level, c.trip_count, c.bytes_per_step) for c in r.collectives
+                     if not (tp and set(c.axes) <= set(tp))
+                     and not (c.kind == "all-reduce" and set(c.shapes) == {"f32[]"}))
+    assert set(got) == set(want), r.table()
+    for key, (calls, sent) in got.items():
+        assert (calls, sent) == pytest.approx(tuple(want[key]), rel=1e-9), (key, r.table())
+
+
+@pytest.mark.parametrize("plan,schedule,virtual", [
+    ("hierarchical", "gpipe", 1), ("zeropp", "gpipe", 1), ("zero3", "1f1b", 2)])
+def test_compiled_pipeline_collectives_are_the_step_collectives_list(plan, schedule, virtual):
+    """With pipeline stages (2 stages on pair x node x global x stage = 2x1x2x2, 2 layers per
+    chunk, 4 micro-batches) the engine's own list (ParallelLayout.collectives: its schedule's
+    ticks) against the compiled step, kind by kind and level by level: the same calls and the
+    same bytes, exactly. Left out: the stage sends and the scalar sums (test_pipeline.py), the
+    clip's norm. The one difference: in a 1f1b tick that runs F and B, XLA merges the two
+    gathers of each end weight (one computation, one operand), one call per such tick less."""
+    from boost_jax.mesh import level_of
+
+    mesh = make_mesh("cpu", (2, 1, 4), stages=2)
+    cfg = load_config(None, TINY + [
+        f"parallel.plan={plan}", "train.micro_batches=4", "parallel.pp_stages=2",
+        f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={virtual}",
+        f"model.n_layers={4 * virtual}"])
+    b = build_step(cfg, mesh, fast_compile_options())
+    with jax.set_mesh(mesh):
+        r = analyze_compiled(b.train_step.lower(b.abstract_state, b.abstract_batch()).compile(),
+                             mesh)
+    layout = b.engine.layout
+    listed = layout.collectives()
+    sch = layout.pipeline.of(layout.micro_batches)
+    merged = sum(n for n, f, bw, _ in sch.phases if f and bw)  # ticks with F and B
+    want = _per_level(
+        (c.kind, level_of(tuple(a for a in c.axes if mesh.shape[a] > 1)), c.calls - m,
+         c.sent * (1 - m / c.calls))
+        for c in listed if c.what != "grad norm"
+        for m in [merged if c.what == "gather" and not c.leaf.startswith("blocks") else 0])
+    got = _per_level((c.kind, c.level, c.trip_count, c.bytes_per_step) for c in r.collectives
+                     if "stage" not in c.axes and not (c.kind == "all-reduce"
+                                                       and set(c.shapes) == {"f32[]"}))
+    assert set(got) == set(want), r.table()
+    for key, (calls, sent) in got.items():
+        assert (calls, sent) == pytest.approx(tuple(want[key]), rel=1e-9), (key, r.table())
+    assert sum(sent for _, sent in got.values()) > 0
 
 
 def test_quantized_cross_node_legs_leave_the_node_less_than_zeropp(compiled):
