@@ -100,6 +100,10 @@ class StateSizes:
     n_block_leaves: int
     outside_tp_local: float = 0.0  # TP-local elements outside the blocks (embedding, head)
     outside_grads: float = 0.0  # of `grads`, the elements outside the blocks
+    head_tp_local: float = 0.0  # of `outside_tp_local`, the head's (final norm, head or a tied
+    # embedding): what the head's forward and backward fetch whole
+    relayout: float = 0.0  # stored stack elements relaid out for the int8 secondary
+    # (memory.relaid_for_secondary)
 
 
 def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
@@ -113,7 +117,8 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
     pl = make_placement(cfg, mesh, abstract_param_shapes(cfg))
     lays = jax.tree_util.tree_flatten_with_path(pl.layouts, is_leaf=is_layout)[0]
     acc = dict(tp=0.0, tpp=0.0, params=0.0, grads=0.0, opt=0.0, sec=0.0, rep=0.0, layer=0.0,
-               out=0.0, out_grads=0.0)
+               out=0.0, out_grads=0.0, head=0.0, relayout=0.0)
+    head = ("final_norm", "lm_head") + (("embed",) if cfg.model.tie_embeddings else ())
     nb = 0
     for path, lay in lays:
         tp = math.prod(axis_size(sizes, t) for t in lay.tp)
@@ -129,6 +134,8 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
         acc["opt"] += role(pl.opt_state_axes)
         if keeps_secondary(pl, lay, path[0].key):
             acc["sec"] += role(pl.secondary_axes)
+        if memory.relaid_for_secondary(pl, lay, path[0].key, sizes):
+            acc["relayout"] += role(pl.stored_axes)
         if lay.dim is None:
             acc["rep"] += local
         if path[0].key == "blocks":
@@ -139,9 +146,10 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
         else:
             acc["out"] += local
             acc["out_grads"] += role(pl.accum_axes(lay))
+            acc["head"] += local if path[0].key in head else 0.0
     return StateSizes(acc["tp"], acc["tpp"], acc["params"], acc["grads"], acc["opt"],
                       acc["sec"], acc["rep"], acc["layer"], len(lays), nb, acc["out"],
-                      acc["out_grads"]), pl
+                      acc["out_grads"], acc["head"], acc["relayout"]), pl
 
 
 # --------------------------------------------------------------------------- the model

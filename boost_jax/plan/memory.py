@@ -1,13 +1,15 @@
 """Per-device memory of one training step: the buffers the compiled program keeps live at its peak.
 
 Each term is a buffer (or set of buffers) one can name in the GPU program's buffer assignment
-(benchmarks/README.md section 11 says where each was found). The peak falls inside the
-micro-batch loop, during the backward layer scan; with a deferred update and several
-micro-batches, in the first micro-batch's backward instead (`peak`: no accumulator yet, but the
+(benchmarks/README.md section 11 says where each was found). With several micro-batches the
+peak falls inside the micro-batch loop, during the backward layer scan; with a deferred update,
+possibly in the first micro-batch's backward instead (`peak`: no accumulator yet, but the
 params shards it hands on and the later forwards' int8 secondaries). The launcher's XLA flags
 (mesh.GPU_XLA_SCHEDULE, --xla_gpu_enable_while_loop_double_buffering) unroll that loop by two,
-so the next micro-batch's zero gradient slots already exist while this one's backward runs
-(one micro-batch: no loop, nothing of it double-buffered).
+so the next micro-batch's zero gradient slots already exist while this one's backward runs.
+With one micro-batch and no pipeline there is no loop: one forward, the head, one backward,
+each buffer live only in its phase (ONE_PASS_PHASES), the saved ones through all three; the
+peak is the largest phase.
 State: weights, fp32 master, Adam m+v, the batch, the secondary copy (int8 or not).
 Temporaries, by name (TERMS):
   grads                 the gradient accumulator, carried by the micro-batch loop
@@ -16,10 +18,19 @@ Temporaries, by name (TERMS):
   grad_slots            the zero gradient slots the layer scan reads (Engine.slots())
   grad_slots_next       the same for the next micro-batch: the double-buffered micro-batch loop
   gathered_weights      the gathered weights of two layers (the double-buffered layer loop)
-  activations           saved layer inputs by remat policy + one block's working set (flash
-                        attention's saved max/sum statistics included)
+  activations           saved layer inputs by remat policy, L x (residual [+ latents])
+  block_working         one block's working set: every kernel's output (flash attention's
+                        saved max/sum statistics included)
   logits, embed_head, layer_grads, stage_inputs   as named
+  head, head_grads      one pass: the head's weights fetched whole (the head's phase) and
+                        their gradient, held through the backward layer scan to the step's
+                        reduction: head_tp_local x param / grad_accum bytes
   params_shards, params_capture, secondary_next   the deferred update's (TERMS says which)
+  stack_relayout        no deferred update, int8 secondary: the stored stack of every layer
+                        weight quantized along a dim that is not its minor one, relaid out
+                        once before the forward's layer loop (relaid_for_secondary):
+                        StateSizes.relayout x param bytes; in a micro-batch loop counted once
+                        (a two-trip loop XLA unrolls holds one per trip: not modelled)
 Heap fragmentation (what XLA's packing leaves between buffers) cannot be modelled from the
 layout: it is left to the margin of `fit_limit`.
 """
@@ -28,6 +39,7 @@ from __future__ import annotations
 
 from boost_jax.mesh import axis_size
 from boost_jax.plan.roofline import DTYPE_BYTES
+from boost_jax.sharding.step_collectives import keeps_secondary
 from boost_jax.step.optim import STATE_PER_PARAM
 
 TERMS = {
@@ -43,11 +55,23 @@ TERMS = {
     "secondary_next": "later forwards' saved-secondary stacks, zero-filled before the first "
                       "backward (parallel.defer_update; up to three)",
     "secondary": "secondary weight copy",
-    "activations": "saved activations + one block's working set (flash statistics included)",
+    "activations": "saved activations (layer inputs by remat policy)",
+    "block_working": "one block's working set (flash statistics included)",
     "stage_inputs": "pipeline stage inputs",
     "logits": "logits and their gradient (fp32)",
     "embed_head": "embedding and head, fetched whole, with their gradients",
     "layer_grads": "one layer's fp32 gradient",
+    "stack_relayout": "the layer stack's weights relaid out for their int8 secondary's blocks "
+                      "(no deferred update: the forward reads the stack in place)",
+    "head": "the head's weights fetched whole (one pass: the head's phase)",
+    "head_grads": "the head's gradient, held through the backward layer scan (one pass)",
+}
+# One micro-batch, no pipeline: the terms each phase adds to the saved ones (every other term:
+# the state, the secondary, the saved activations, the gradient buffers)
+ONE_PASS_PHASES = {
+    "forward": ("params_shards", "stack_relayout", "gathered_weights", "block_working"),
+    "head": ("head", "logits"),
+    "backward": ("head_grads", "gathered_weights", "layer_grads", "block_working"),
 }
 DOUBLE_BUFFERED = ("grad_slots_next", "gathered_weights")
 
@@ -56,6 +80,23 @@ def fit_limit(hbm_bytes: float, a) -> float:
     """Bytes a layout may be estimated at and still fit: `hbm_usable` of HBM (what the
     runtime and allocator leave) less the safety `memory_margin` for what is not modelled."""
     return hbm_bytes * a.hbm_usable / (1.0 + a.memory_margin)
+
+
+def relaid_for_secondary(pl, lay, top: str, sizes: dict) -> bool:
+    """Whether XLA keeps a relaid-out copy of this leaf's stored layer stack (`stack_relayout`):
+    the layer loop reads the stack in place from the step's arguments (no deferred update)
+    and quantizes each layer into the int8 secondary with blocks along a dim that is not the
+    minor one (quant.quantize moves it last); XLA's layout assignment then lays the whole
+    stack out for that once, before the loop, and holds the copy through the forward."""
+    S, P = pl.secondary_axes, tuple(pl.params_axes)
+    if (pl.defer_update or not pl.int8_secondary or not lay.layer_axis
+            or pl.keeps_int8_gather or tuple(S or ())[:len(P)] != P
+            or not keeps_secondary(pl, lay, top)):
+        return False
+    one = lay.sliced()
+    shape = one.local_shape(sizes, S)
+    qa = max(range(len(shape)), key=lambda i: (shape[i], i != one.dim, -i))  # quant_axis
+    return qa != len(shape) - 1
 
 
 def loop_trips(cfg, pl) -> int:
@@ -88,11 +129,19 @@ def deferred_terms(cfg, st, pl, pb: int, secondary: float) -> dict:
             "secondary_next": min(micro - 1, 3) * secondary}
 
 
-def peak(mem: dict) -> tuple[float, str]:
-    """(bytes, phase) of the larger peak: the micro-batch loop's backward, or a deferred
-    update's first backward (no accumulator yet; its capture and the zero-filled stacks)."""
-    first_only = ("params_capture", "secondary_next")
+def peak(mem: dict, one_pass: bool = False) -> tuple[float, str]:
+    """(bytes, phase) of the largest peak. One pass (one micro-batch, no pipeline): the saved
+    terms plus the largest phase's (ONE_PASS_PHASES). Else the micro-batch loop's backward,
+    or a deferred update's first backward (no accumulator yet; its capture and the
+    zero-filled stacks)."""
     terms = {k: v for k, v in mem.items() if k != "arguments"}
+    if one_pass:
+        phased = {k for ks in ONE_PASS_PHASES.values() for k in ks}
+        saved = sum(v for k, v in terms.items() if k not in phased)
+        adds = {p: sum(terms.get(k, 0.0) for k in ks) for p, ks in ONE_PASS_PHASES.items()}
+        phase = max(adds, key=adds.get)
+        return saved + adds[phase], phase
+    first_only = ("params_capture", "secondary_next")
     later = sum(v for k, v in terms.items() if k not in first_only)
     if "params_capture" not in mem:
         return later, "micro-batch loop"
@@ -100,16 +149,27 @@ def peak(mem: dict) -> tuple[float, str]:
     return (first, "first micro-batch") if first > later else (later, "micro-batch loop")
 
 
-def activation_bytes(cfg, bm, L: int) -> float:
-    """Saved layer inputs (and low-rank latents) by remat policy, plus one block's working
-    set: every kernel's output, flash attention's row statistics among them."""
+def activation_bytes(cfg, bm, L: int) -> tuple[float, float]:
+    """(saved layer inputs, and low-rank latents, by remat policy; one block's working set:
+    every kernel's output, flash attention's row statistics among them). Without remat every
+    layer's working set is saved: none apart."""
     working = sum(o.out_bytes for o in bm.ops)
     remat = cfg.train.remat
     if remat == "none":
-        return L * working
+        return L * working, 0.0
     if remat == "full":
-        return L * bm.residual_bytes + working
-    return L * (bm.residual_bytes + bm.latent_bytes) + working
+        return L * bm.residual_bytes, working
+    return L * (bm.residual_bytes + bm.latent_bytes), working
+
+
+def ends_terms(cfg, st, pb: int, gb: int) -> dict:
+    """The weights outside the layer stack. Several micro-batches: embedding and head fetched
+    whole with their gradients, all live through the loop. One pass: the head's weights in
+    its phase, their gradient through the backward (the embedding's fetch and gradient fall
+    at the step's start and end, outside the phases)."""
+    if cfg.train.micro_batches == 1 and cfg.parallel.pp_stages == 1:
+        return {"head": st.head_tp_local * pb, "head_grads": st.head_tp_local * gb}
+    return {"embed_head": st.outside_tp_local * (pb + gb)}
 
 
 def estimate(cfg, st, pl, bm, hm, b: int, L: int, stage_inputs: float, limit: float) -> dict:
@@ -123,19 +183,22 @@ def estimate(cfg, st, pl, bm, hm, b: int, L: int, stage_inputs: float, limit: fl
     mem["arguments"] = mem["weights"] + mem["master"] + mem["adam"] + mem["batch"]
     gb = DTYPE_BYTES[par.grad_accum_dtype]
     mem.update(gradient_terms(cfg, st, pl, gb))
-    mem["embed_head"] = st.outside_tp_local * (pb + gb)
+    mem.update(ends_terms(cfg, st, pb, gb))
     mem["gathered_weights"] = 2 * st.per_layer_tp_local * pb if pl.params_axes else 0.0
+    if st.relayout:
+        mem["stack_relayout"] = st.relayout * pb
     if pl.secondary_axes is not None:
         q8 = 1.0 + 4.0 / par.quant_block
         mem["secondary"] = st.secondary * (q8 if pl.int8_secondary else pb)
     if pl.defer_update:
         mem.update(deferred_terms(cfg, st, pl, pb, mem.get("secondary", 0.0)))
-    mem["activations"] = activation_bytes(cfg, bm, L)
+    saved, working = activation_bytes(cfg, bm, L)
+    mem["activations"], mem["block_working"] = float(saved), float(working)
     if stage_inputs:
         mem["stage_inputs"] = stage_inputs
     mem["logits"] = sum(o.out_bytes for o in hm.ops) * 2
     mem["layer_grads"] = st.per_layer_tp_local * 4
-    mem["total"], mem["peak"] = peak(mem)
+    mem["total"], mem["peak"] = peak(mem, "head" in mem)
     mem["limit"], mem["fits"] = limit, mem["total"] <= limit
     return mem
 
@@ -153,6 +216,9 @@ def report_lines(mem: dict, a, hbm_bytes: float) -> list[str]:
     if mem.get("params_capture"):
         out.append(f"  peak: {mem['peak']} (the first has params_capture and secondary_next, "
                    "the loop the accumulator `grads`)")
+    elif mem["peak"] in ONE_PASS_PHASES:
+        out.append(f"  peak: the one pass's {mem['peak']} (the saved terms plus "
+                   + ", ".join(ONE_PASS_PHASES[mem["peak"]]) + ")")
     if dbl:
         out.append("  double-buffered by the launcher's XLA flags: "
                    + ", ".join(f"{k} {_gib(mem[k])} ({TERMS[k]})" for k in dbl))

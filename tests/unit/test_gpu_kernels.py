@@ -70,17 +70,11 @@ def test_a_plan_adds_its_own_kernels_over_ddp():
         gpu_kernels.extra_per_block(hier) + overlap.plan_kernels(hier))
 
 
-def _not_as_measured(cfg) -> bool:
-    """gpu_overlap.json measures each plan as it runs by default: hierarchical with its
-    deferred update. Without it (parallel.defer_update=false) the first micro-batch gathers
-    nothing across nodes, and the table's count is about 16% high (a known gap: measuring
-    that variant too closes it, and fails this test)."""
-    return cfg.parallel.plan == "hierarchical" and cfg.parallel.defer_update is False
-
-
 def test_gpu_compile_bench_kernels_within_15pct():
-    """Within 15% for every compiled layout the table measures as it runs (the plan's
-    kernels at the layout's micro-batch count, overlap.kernels_at)."""
+    """Within 15% for every compiled layout (the plan's kernels at the layout's micro-batch
+    count, overlap.kernels_at): gpu_overlap.json measures hierarchical with its deferred
+    update, and the GPT-NeoX-20B layout without it (parallel.defer_update=false) falls
+    within too (+11%) now that it compiles on all its 48 nodes."""
     with open(os.path.join(ROOT, "benchmarks", "results", "gpu_compile.json")) as f:
         recs = json.load(f)["layouts"]
     for rec in recs:
@@ -89,9 +83,8 @@ def test_gpu_compile_bench_kernels_within_15pct():
         topo = get_topology(rec["topology"])
         k = analytic_kernels_per_layer(cfg, dryrun.full_sizes(cfg, topo, rec["nodes"]),
                                        Assumptions())
-        within = abs(k / rec["gpu_kernels_per_layer"] - 1) <= 0.15
-        assert within != _not_as_measured(cfg), (rec["config"], rec["overrides"], k,
-                                                 rec["gpu_kernels_per_layer"])
+        assert abs(k / rec["gpu_kernels_per_layer"] - 1) <= 0.15, (
+            rec["config"], rec["overrides"], k, rec["gpu_kernels_per_layer"])
 
 
 def test_plan_kernels_pass_through_both_measured_counts():

@@ -102,6 +102,53 @@ def test_the_bound_fails_without_the_double_buffered_micro_batch_loop():
     assert abs(without / rec["gpu_memory_total"] - 1) > recorded()["memory_rtol"]
 
 
+def one_pass(defer: bool):
+    """The recorded CoLA-GPT-NeoX-20B layout (one micro-batch) with or without deferral."""
+    return next(r for r in LAYOUTS if r["config"] == "cola-gpt-neox-20b"
+                and ("parallel.defer_update=false" not in r["overrides"]) == defer)
+
+
+def test_one_pass_peak_is_its_largest_phase():
+    """One micro-batch, deferred: the peak is the backward layer scan (the saved terms, the
+    head's gradient, a layer's weights, gradient and working set); every phase's terms live at
+    once, as a micro-batch loop would hold them, fall outside the bound."""
+    rec = one_pass(defer=True)
+    mem = analytic(rec).memory
+    assert mem["peak"] == "backward" and "embed_head" not in mem
+    phased = {k for ks in memory.ONE_PASS_PHASES.values() for k in ks}
+    saved = sum(v for k, v in mem.items() if type(v) in (int, float) and k not in phased
+                and k not in ("arguments", "total", "limit", "hbm"))
+    adds = {p: sum(mem.get(k, 0.0) for k in ks) for p, ks in memory.ONE_PASS_PHASES.items()}
+    assert mem["total"] == pytest.approx(saved + max(adds.values()))
+    assert adds["backward"] > adds["head"] > 0 and adds["backward"] > adds["forward"]
+    every = saved + sum(mem.get(k, 0.0) for k in phased)
+    assert abs(every / rec["gpu_memory_total"] - 1) > recorded()["memory_rtol"]
+
+
+def test_one_pass_fetches_the_head_alone():
+    """The head's phase fetches the head (final norm and [d, V] projection) whole, its
+    gradient is held through the backward; the embedding's fetch and gradient are not in a
+    phase. Several micro-batches keep both ends through the loop (embed_head)."""
+    m = load_config(os.path.join(ROOT, "configs", "cola-gpt-neox-20b.yaml")).model
+    mem = analytic(one_pass(defer=True)).memory
+    head = m.d_model * m.vocab_size + 2 * m.d_model  # lm_head/w, final_norm scale and bias
+    assert mem["head"] == mem["head_grads"] == pytest.approx(2 * head)  # bf16
+    assert "embed_head" in analytic(deferred("cola-7b")).memory
+
+
+def test_stack_relayout_without_the_deferred_update():
+    """defer_update=false: the forward quantizes the stored stack in place into the int8
+    secondary; the six [d_in, r] factors (blocks along d_in, not minor) are relaid out whole,
+    [44, r, d_in / 2] each at the pair sharding, and the forward is the peak. With deferral
+    the layers arrive gathered: no relayout."""
+    m = load_config(os.path.join(ROOT, "configs", "cola-gpt-neox-20b.yaml")).model
+    mem = analytic(one_pass(defer=False)).memory
+    d_in = 5 * m.d_model + m.d_ff  # q, k, v, o and up's A [d, r]; down's A [d_ff, r]
+    assert mem["stack_relayout"] == pytest.approx(m.n_layers * d_in // 2 * m.rank * 2)
+    assert mem["peak"] == "forward"
+    assert "stack_relayout" not in analytic(one_pass(defer=True)).memory
+
+
 def test_double_buffered_terms_are_named_in_the_report():
     rec = next(r for r in LAYOUTS if r["config"] == "cola-7b")
     p = analytic(rec)
