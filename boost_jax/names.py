@@ -15,7 +15,7 @@ REMAT_MODES = ("none", "full", "lowrank")
 OPTIMIZERS = ("adamw", "adafactor", "lion", "sgd", "sgd-momentum")
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 
-# jax.ad_checkpoint.checkpoint_name tags: what a remat policy may save (layers/remat.py)
+# jax.ad_checkpoint.checkpoint_name tags: what a remat policy may save (layers/forward.remat_wrapper)
 LATENT_NAME = "lowrank_latent"  # every rank-r latent (remat="lowrank")
 RESIDUAL_NAME = "residual"  # the residual stream at each sub-layer input
 # TP all-reduce outputs that are not rank-r latents (kept by remat="none" under a sharded plan,

@@ -11,17 +11,13 @@ every projection adds its bias after whatever collective produced its output (wi
 gpt_neox: parallel residual h += attn(Norm₁(h)) + mlp(Norm₂(h)), RoPE on rotary_pct of each
 head. gpt2: sequential residual, learned absolute positions added to the embedding, no RoPE.
 
-Whatever depends on where an array lives or which collective runs is a call on `ops`, an
-`Ops` (the protocol below lists its methods).
-
-`Local` below is the single-device implementation (CausalLM uses it; the training step gives
-it a per-layer fetch for the plans without TP); the tensor-parallel
-ones (megatron, vanilla, btp) live in boost_jax/sharding/tp/, and the training step gives any
-of them a `fetch` that gathers a layer's weights just before use (boost_jax/sharding/gather.py).
-The forward reads params only through `ops.fetch(weights, path)`: whatever the caller put in
-the params tree is for its fetch to read (the training step's: sharding/gather.with_slots).
-Attention runs on whatever heads the projections return (all of them here, the local ones
-under TP). Adding, say, QK-norm is an edit of `attention` below.
+Whatever depends on where an array lives or which collective runs is a call on `ops`, an `Ops`
+(the protocol below): `Local` here (one device: CausalLM, and the step's plans without TP), the
+TP layouts in boost_jax/sharding/tp/. Params are read only through `ops.fetch(weights, path)`,
+so the training step gathers a layer's weights just before use (sharding/gather.py). Attention
+runs on whatever heads the projections return (the local ones under TP); adding, say, QK-norm
+is an edit of `attention` below. Each layer runs inside the remat policy's jax.checkpoint
+(remat_wrapper, the one place policies are built), which saves values by checkpoint_name.
 """
 
 from __future__ import annotations
@@ -37,7 +33,7 @@ from boost_jax.layers.attention import causal_attention
 from boost_jax.layers.linear import logits_matmul, lowrank_apply
 from boost_jax.layers.norms import apply_norm
 from boost_jax.layers.rope import apply_rotary
-from boost_jax.names import RESIDUAL_NAME
+from boost_jax.names import LATENT_NAME, REDUCED_NAME, RESIDUAL_NAME, SECONDARY_NAME
 
 QKV = ("q", "k", "v")
 GATE_UP = ("gate", "up")
@@ -189,6 +185,29 @@ def block(ops: Ops, cfg, p: dict, h, positions, prev: Optional[dict],
 
 
 # --------------------------------------------------------------------------- the stack
+
+
+def remat_wrapper(remat: str, gathers: bool = False, prevent_cse: bool = False) -> Callable:
+    """The per-layer jax.checkpoint for train.remat (none | full | lowrank), for CausalLM and
+    the sharded engine alike.
+
+    With gathered weights the gathered copy is never saved (backward re-fetches it), so
+    remat="none" saves every matmul output plus the named values instead (weights are inputs
+    of matmuls, never outputs). prevent_cse: jax.checkpoint's (True for the unscanned
+    single-device model, whose layers are not inside a scan)."""
+    cp = jax.checkpoint_policies
+    saved = {"none": (LATENT_NAME, RESIDUAL_NAME, REDUCED_NAME), "full": (),
+             "lowrank": (LATENT_NAME, RESIDUAL_NAME)}
+    if remat not in saved:
+        raise ValueError(f"train.remat={remat!r}; expected none, full or lowrank")
+    names = saved[remat] + ((SECONDARY_NAME,) if gathers else ())
+    if remat == "none":
+        if not gathers:
+            return lambda f: f
+        policy = cp.save_from_both_policies(cp.dots_saveable, cp.save_only_these_names(*names))
+    else:
+        policy = cp.save_only_these_names(*names) if names else None
+    return lambda f: jax.checkpoint(f, policy=policy, prevent_cse=prevent_cse)
 
 
 def is_stacked(blocks) -> bool:

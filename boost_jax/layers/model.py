@@ -36,10 +36,9 @@ from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
 from boost_jax.layers.attention import Attention
-from boost_jax.layers.forward import LATENT_KEYS  # noqa: F401 (re-export)
+from boost_jax.layers.forward import LATENT_KEYS, remat_wrapper  # noqa: F401 (re-export)
 from boost_jax.layers.mlp import MLP
 from boost_jax.layers.norms import LayerNorm, RMSNorm, apply_norm
-from boost_jax.layers.remat import remat_wrapper
 from boost_jax.names import REMAT_MODES
 
 
