@@ -37,9 +37,21 @@ from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
 from boost_jax.layers.attention import Attention
 from boost_jax.layers.forward import LATENT_KEYS, remat_wrapper  # noqa: F401 (re-export)
-from boost_jax.layers.mlp import MLP
+from boost_jax.layers.linear import LowRankLinear
 from boost_jax.layers.norms import LayerNorm, RMSNorm, apply_norm
 from boost_jax.names import REMAT_MODES
+
+
+class MLP(nnx.Module):
+    """MLP params: gate (SwiGLU only), up, down, each a LowRankLinear of the arch (the sub-layer
+    itself is boost_jax.layers.forward.mlp)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        mk = lambda i, o: LowRankLinear.from_config(cfg, i, o, rngs=rngs)  # noqa: E731
+        if cfg.swiglu:
+            self.gate = mk(cfg.d_model, cfg.d_ff)
+        self.up = mk(cfg.d_model, cfg.d_ff)
+        self.down = mk(cfg.d_ff, cfg.d_model)
 
 
 class Block(nnx.Module):
