@@ -35,11 +35,25 @@ from flax import nnx
 from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
-from boost_jax.layers.attention import Attention
 from boost_jax.layers.forward import LATENT_KEYS, remat_wrapper  # noqa: F401 (re-export)
 from boost_jax.layers.linear import LowRankLinear
 from boost_jax.layers.norms import LayerNorm, RMSNorm, apply_norm
 from boost_jax.names import REMAT_MODES
+
+
+class Attention(nnx.Module):
+    """Attention params: q/k/v/o, each a LowRankLinear of the arch (the GQA sub-layer itself is
+    boost_jax.layers.forward.attention)."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        d, hd = cfg.d_model, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, hd
+        self.rope_theta = cfg.rope_theta
+        mk = lambda i, o: LowRankLinear.from_config(cfg, i, o, rngs=rngs)  # noqa: E731
+        self.q = mk(d, cfg.n_heads * hd)
+        self.k = mk(d, cfg.kv_heads * hd)
+        self.v = mk(d, cfg.kv_heads * hd)
+        self.o = mk(cfg.n_heads * hd, d)
 
 
 class MLP(nnx.Module):

@@ -9,9 +9,8 @@ from flax import nnx
 from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
-from boost_jax.layers.attention import Attention, causal_attention
 from boost_jax.layers.linear import LowRankLinear, lowrank_init_std
-from boost_jax.layers.model import jit_init
+from boost_jax.layers.model import Attention, jit_init
 from boost_jax.layers.norms import RMSNorm
 
 EPS = 1e-6
@@ -146,7 +145,7 @@ def test_causal_attention_gqa_matches_numpy():
     rng = np.random.default_rng(0)
     q = rng.normal(size=(2, 6, 4, 8)).astype(np.float32)
     k, v = (rng.normal(size=(2, 6, 2, 8)).astype(np.float32) for _ in range(2))
-    attn = jax.jit(causal_attention, compiler_options=fast_compile_options())
+    attn = jax.jit(forward.causal_attention, compiler_options=fast_compile_options())
     out = attn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     assert out.shape == (2, 6, 4, 8)
     np.testing.assert_allclose(np.asarray(out), np_attention(*(a.astype(np.float64)

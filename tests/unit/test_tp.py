@@ -24,7 +24,6 @@ from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import Config, ModelConfig, ParallelConfig
 from boost_jax.errors import ConfigError
 from boost_jax.layers import forward
-from boost_jax.layers.attention import SCORES
 from boost_jax.layers.model import CausalLM
 from boost_jax.layers.norms import layer_norm, rms_norm
 from boost_jax.mesh import make_mesh
@@ -260,7 +259,7 @@ def test_bf16_step_multiplies_in_bf16(mesh, mode, arch):
     locs = dict(re.findall(r"^(#loc\d+) = (loc\(.*\))$", txt, re.M))
     dots = [line for line in txt.splitlines() if "stablehlo.dot_general" in line]
     fp32 = [line for line in dots if re.search(r"xf32>[,)]", line.split(" : ")[-1].split("->")[0])
-            and SCORES not in locs.get(re.findall(r"loc\((#loc\d+)\)", line)[-1], "")]
+            and forward.SCORES not in locs.get(re.findall(r"loc\((#loc\d+)\)", line)[-1], "")]
     assert len(dots) > 20 and not fp32, "\n".join(fp32)
 
 
