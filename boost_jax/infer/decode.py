@@ -10,9 +10,9 @@ it block by block, boost_jax/layers/flash.py, so a long prompt's prefill never b
     prefill   the whole prompt in one pass (pos = 0, s = prompt length)
     decode    one token per step (s = 1), jitted once, the cache donated and updated in place
 
-LaX: a block's crossing reads the previous block's latent *at the same position* (linear.py),
-which the step computes on its way up the stack like the training forward does, so nothing
-but k and v needs caching.
+LaX: a block's crossing reads the previous block's latent *at the same position*
+(forward.lax_cross), which the step computes on its way up the stack like the training forward
+does, so nothing but k and v needs caching.
 """
 
 from __future__ import annotations

@@ -32,9 +32,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.errors import ConfigError
 from boost_jax.layers.flash import flash_attention
-from boost_jax.layers.linear import logits_matmul, lowrank_apply
-from boost_jax.layers.norms import apply_norm
-from boost_jax.names import LATENT_NAME, REDUCED_NAME, RESIDUAL_NAME, SECONDARY_NAME
+from boost_jax.layers.norms import apply_norm, rms_norm
+from boost_jax.names import ARCHS, LATENT_NAME, REDUCED_NAME, RESIDUAL_NAME, SECONDARY_NAME
 from boost_jax.pallas.common import align_vma
 from boost_jax.pallas.dispatch import interpret_mode, platform
 from boost_jax.pallas.flash import flash_attention as pallas_flash
@@ -67,6 +66,96 @@ def first_latents(tokens, rank: int, dtype, keys=LATENT_KEYS) -> dict:
     the same (vma) type as the latents later blocks pass on."""
     z = jnp.broadcast_to((tokens[..., None] * 0).astype(dtype), (*tokens.shape, rank))
     return {k: z for k in keys}
+
+
+# --------------------------------------------------------------------------- low-rank linear
+# One family for every arch (lowrank_apply): pure functions on plain arrays, so the TP layouts
+# run the same pieces on sharded weights; model.LowRankLinear only holds the params.
+
+
+@jax.custom_vjp
+def logits_matmul(x, w):
+    """x [..., d] @ w [d, V] -> fp32 logits: the GEMM in x's (compute) dtype with fp32
+    accumulation. Its backward rounds the fp32 cotangent to x's dtype once, so both backward
+    GEMMs run in the compute dtype too (plain autodiff runs them in fp32: on an H200 they took
+    13 of a CoLA-1B step's 58 ms, benchmarks/README.md §7); dw comes back in w's dtype."""
+    return jnp.einsum("...d,dv->...v", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
+def _logits_fwd(x, w):
+    return logits_matmul(x, w), (x, w)
+
+
+def _logits_bwd(res, g):
+    x, w = res
+    g = g.astype(x.dtype)
+    dx = jnp.einsum("...v,dv->...d", g, w.astype(x.dtype), preferred_element_type=jnp.float32)
+    # one contracting dim: XLA:CPU runs no bf16 x bf16 = f32 dot over several
+    dw = jnp.einsum("td,tv->dv", x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1]),
+                    preferred_element_type=jnp.float32)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+logits_matmul.defvjp(_logits_fwd, _logits_bwd)
+
+
+def matmul(x: jax.Array, w: jax.Array, dtype=None) -> jax.Array:
+    """x @ w with both operands cast to the compute dtype (params may be stored wider)."""
+    dtype = dtype or x.dtype
+    return jnp.matmul(x.astype(dtype), w.astype(dtype))
+
+
+def lax_cross(z: jax.Array, prev: Optional[jax.Array], params: dict, eps: float = 1e-6
+              ) -> jax.Array:
+    """Norm_r(z + G(prev)): the add and the norm in fp32, result in z.dtype."""
+    zf = z.astype(jnp.float32)
+    if prev is not None:
+        g = params.get("g")
+        cross = prev if g is None else matmul(prev, g, z.dtype)
+        zf = zf + cross.astype(jnp.float32)
+    return rms_norm(zf, params["latent_scale"], eps, z.dtype)
+
+
+def finish_latent(kind: str, z: jax.Array, prev: Optional[jax.Array], params: dict,
+                  eps: float = 1e-6) -> jax.Array:
+    """The (fully reduced) down-projection z → the latent that is saved and carried.
+
+    lax applies the crossing; every low-rank kind tags the result for remat="lowrank".
+    """
+    if kind == "lax":
+        z = lax_cross(z, prev, params, eps)
+    return checkpoint_name(z, LATENT_NAME)
+
+
+def latent_activation(kind: str, z: jax.Array) -> jax.Array:
+    """σ between the factors: identity for svd, SiLU for cola and lax."""
+    return z if kind == "svd" else jax.nn.silu(z)
+
+
+def lowrank_apply(kind: str, params: dict, x: jax.Array, prev: Optional[jax.Array] = None,
+                  *, eps: float = 1e-6, dtype=None) -> tuple[jax.Array, Optional[jax.Array]]:
+    """One projection of `kind` (the model's arch) on x [..., d_in] → (y [..., d_out], latent
+    [..., r] or None):
+
+        full: y = x @ w
+        svd:  z = x @ a;                      y = z @ b
+        cola: z = x @ a;                      y = silu(z) @ b
+        lax:  z = Norm_r(x @ a + G(z_prev));  y = silu(z) @ b
+
+    G is the identity (lax_gate="identity") or z_prev @ g (lax_gate="gate"; g starts as the
+    identity, so both start as the identity crossing); z_prev is the same projection's latent in
+    the previous block, None (first block) meaning zeros. Any kind may carry a bias, added by
+    the caller (with_bias) after whatever collective produced y. The TP layouts reuse the pieces
+    on sharded weights inside shard_map: down-projection, [collective], finish_latent, σ,
+    up-projection."""
+    if kind not in ARCHS:
+        raise ValueError(f"unknown linear kind {kind!r}; expected one of {ARCHS}")
+    dtype = dtype or x.dtype
+    if kind == "full":
+        return matmul(x, params["w"], dtype), None
+    z = finish_latent(kind, matmul(x, params["a"], dtype), prev, params, eps)
+    y = matmul(latent_activation(kind, z), params["b"], dtype)
+    return y, z
 
 
 class Ops(Protocol):

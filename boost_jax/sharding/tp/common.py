@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from boost_jax.layers.forward import first_latents, latent_keys
-from boost_jax.layers.linear import logits_matmul, matmul  # the layouts' matmul is the model's
+# the layouts' matmul is the model's
+from boost_jax.layers.forward import first_latents, latent_keys, logits_matmul, matmul
 from boost_jax.layers.norms import apply_norm
 from boost_jax.backends.cpu import check_vma
 from boost_jax.mesh import axis_size
