@@ -1,4 +1,6 @@
-"""The decoder forward, written once: embedding → blocks → final norm → head and loss.
+"""The decoder forward, written once: embedding → blocks → final norm → head and loss, with
+every piece of math it runs (norms, the low-rank linear family, RoPE, attention, remat policy).
+model.py holds the params; this module is pure functions on plain arrays.
 
 Pre-norm block, in model terms (model.family picks a few choices inside `block`):
 
@@ -10,14 +12,14 @@ llama: Norm = RMSNorm, RoPE on the whole head, no biases. gpt_neox and gpt2: Nor
 every projection adds its bias after whatever collective produced its output (with_bias).
 gpt_neox: parallel residual h += attn(Norm₁(h)) + mlp(Norm₂(h)), RoPE on rotary_pct of each
 head. gpt2: sequential residual, learned absolute positions added to the embedding, no RoPE.
+Every projection is one of the low-rank family (lowrank_apply: full, svd, cola, lax).
 
-Whatever depends on where an array lives or which collective runs is a call on `ops`, an `Ops`
-(the protocol below): `Local` here (one device: CausalLM, and the step's plans without TP), the
-TP layouts in boost_jax/sharding/tp/. Params are read only through `ops.fetch(weights, path)`,
-so the training step gathers a layer's weights just before use (sharding/gather.py). Attention
-runs on whatever heads the projections return (the local ones under TP); adding, say, QK-norm
-is an edit of `attention` below. Each layer runs inside the remat policy's jax.checkpoint
-(remat_wrapper, the one place policies are built), which saves values by checkpoint_name.
+Whatever depends on where an array lives or which collective runs is a call on `ops`, an `Ops`:
+`Local` here (one device: CausalLM, and the step's plans without TP), the TP layouts in
+boost_jax/sharding/tp/. Params are read only through `ops.fetch(weights, path)`, so the training
+step gathers a layer's weights just before use (sharding/gather.py). Each layer runs inside the
+remat policy's jax.checkpoint (remat_wrapper, the one place policies are built), which saves
+values by checkpoint_name. Adding, say, QK-norm is an edit of `attention` below.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.errors import ConfigError
 from boost_jax.layers.flash import flash_attention
-from boost_jax.layers.norms import apply_norm, rms_norm
 from boost_jax.names import ARCHS, LATENT_NAME, REDUCED_NAME, RESIDUAL_NAME, SECONDARY_NAME
 from boost_jax.pallas.common import align_vma
 from boost_jax.pallas.dispatch import interpret_mode, platform
@@ -66,6 +67,36 @@ def first_latents(tokens, rank: int, dtype, keys=LATENT_KEYS) -> dict:
     the same (vma) type as the latents later blocks pass on."""
     z = jnp.broadcast_to((tokens[..., None] * 0).astype(dtype), (*tokens.shape, rank))
     return {k: z for k in keys}
+
+
+# --------------------------------------------------------------------------- norms
+# Statistics in fp32 whatever the compute dtype (a bf16 mean of squares loses digits).
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6, dtype=None) -> jax.Array:
+    """x / sqrt(mean(x², -1) + eps) · scale in fp32, returned in `dtype` (default x.dtype)."""
+    out_dtype = dtype or x.dtype
+    xf = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * inv * scale.astype(jnp.float32)).astype(out_dtype)
+
+
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float = 1e-5,
+               dtype=None) -> jax.Array:
+    """(x − mean) / sqrt(var + eps) · scale + bias over the last axis, fp32 inside."""
+    out_dtype = dtype or x.dtype
+    xf = x.astype(jnp.float32)
+    c = xf - jnp.mean(xf, axis=-1, keepdims=True)
+    inv = jax.lax.rsqrt(jnp.mean(c * c, axis=-1, keepdims=True) + eps)
+    y = c * inv * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+def apply_norm(x: jax.Array, p: dict, eps: float, dtype=None) -> jax.Array:
+    """The norm whose params are `p`: LayerNorm when it has a bias, else RMSNorm."""
+    if "bias" in p:
+        return layer_norm(x, p["scale"], p["bias"], eps, dtype)
+    return rms_norm(x, p["scale"], eps, dtype)
 
 
 # --------------------------------------------------------------------------- low-rank linear
@@ -156,72 +187,6 @@ def lowrank_apply(kind: str, params: dict, x: jax.Array, prev: Optional[jax.Arra
     z = finish_latent(kind, matmul(x, params["a"], dtype), prev, params, eps)
     y = matmul(latent_activation(kind, z), params["b"], dtype)
     return y, z
-
-
-class Ops(Protocol):
-    """What the forward asks of where arrays live and which collectives run: `Local` (one
-    device) and the tensor-parallel layouts (boost_jax/sharding/tp/: TPOps and its subclasses)
-    implement it."""
-
-    def fetch(self, weights, path):
-        """The params at `path` (("embed",), ("blocks",) for one layer of a stack,
-        ("blocks", i), ("final_norm",), ("lm_head",)) → the weights to compute with (the
-        training step stores them sharded, and gathers them here)."""
-
-    def embed(self, table, tokens):
-        """→ the residual stream h [b, s, d] (btp: its d-slice)."""
-
-    def init_prev(self, tokens) -> Optional[dict]:
-        """LaX: the latents the first block crosses with (else None)."""
-
-    def project_in(self, h, norm, projs, prevs) -> tuple[list, list]:
-        """The norm (params `norm`: {scale[, bias]}) + the projections reading its output
-        → ([y per proj], [latent per proj])."""
-
-    def project_out(self, x, proj, prev):
-        """One projection whose output joins the residual → (y, latent)."""
-
-    def head_loss(self, h, norm, w, targets):
-        """Final norm + LM head → mean cross-entropy."""
-
-
-class Local:
-    """Single-device ops (an `Ops`): every weight is whole and nothing is communicated; also
-    logits(h, norm, w), the final norm + LM head → fp32 logits, for decoding."""
-
-    def __init__(self, cfg, fetch=None):
-        self._fetch = fetch
-        self.arch, self.eps = cfg.arch, cfg.norm_eps
-        self.dtype = jnp.dtype(cfg.dtype)
-        self.rank, self.tie = cfg.r, cfg.tie_embeddings
-        self.latent_keys = latent_keys(cfg)
-
-    def fetch(self, weights, path):
-        return weights if self._fetch is None else self._fetch(weights, path)
-
-    def embed(self, table, tokens):
-        return jnp.take(table, tokens, axis=0).astype(self.dtype)
-
-    def init_prev(self, tokens) -> Optional[dict]:
-        if self.arch != "lax":
-            return None
-        return first_latents(tokens, self.rank, self.dtype, self.latent_keys)
-
-    def project_in(self, h, norm, projs, prevs):
-        x = apply_norm(h, norm, self.eps, self.dtype)
-        outs = [lowrank_apply(self.arch, p, x, z, eps=self.eps, dtype=self.dtype)
-                for p, z in zip(projs, prevs)]
-        return [y for y, _ in outs], [z for _, z in outs]
-
-    def project_out(self, x, proj, prev):
-        return lowrank_apply(self.arch, proj, x, prev, eps=self.eps, dtype=self.dtype)
-
-    def logits(self, h, norm, w):
-        x = apply_norm(h, norm, self.eps, self.dtype)
-        return logits_matmul(x, w)
-
-    def head_loss(self, h, norm, w, targets):
-        return cross_entropy(self.logits(h, norm, w), targets)
 
 
 # --------------------------------------------------------------------------- RoPE
@@ -349,6 +314,75 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, offset=None) -> ja
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
     return out.reshape(b, sq, H, hd)
+
+
+# --------------------------------------------------------------------------- where arrays live
+
+
+class Ops(Protocol):
+    """What the forward asks of where arrays live and which collectives run: `Local` (one
+    device) and the tensor-parallel layouts (boost_jax/sharding/tp/: TPOps and its subclasses)
+    implement it."""
+
+    def fetch(self, weights, path):
+        """The params at `path` (("embed",), ("blocks",) for one layer of a stack,
+        ("blocks", i), ("final_norm",), ("lm_head",)) → the weights to compute with (the
+        training step stores them sharded, and gathers them here)."""
+
+    def embed(self, table, tokens):
+        """→ the residual stream h [b, s, d] (btp: its d-slice)."""
+
+    def init_prev(self, tokens) -> Optional[dict]:
+        """LaX: the latents the first block crosses with (else None)."""
+
+    def project_in(self, h, norm, projs, prevs) -> tuple[list, list]:
+        """The norm (params `norm`: {scale[, bias]}) + the projections reading its output
+        → ([y per proj], [latent per proj])."""
+
+    def project_out(self, x, proj, prev):
+        """One projection whose output joins the residual → (y, latent)."""
+
+    def head_loss(self, h, norm, w, targets):
+        """Final norm + LM head → mean cross-entropy."""
+
+
+class Local:
+    """Single-device ops (an `Ops`): every weight is whole and nothing is communicated; also
+    logits(h, norm, w), the final norm + LM head → fp32 logits, for decoding."""
+
+    def __init__(self, cfg, fetch=None):
+        self._fetch = fetch
+        self.arch, self.eps = cfg.arch, cfg.norm_eps
+        self.dtype = jnp.dtype(cfg.dtype)
+        self.rank, self.tie = cfg.r, cfg.tie_embeddings
+        self.latent_keys = latent_keys(cfg)
+
+    def fetch(self, weights, path):
+        return weights if self._fetch is None else self._fetch(weights, path)
+
+    def embed(self, table, tokens):
+        return jnp.take(table, tokens, axis=0).astype(self.dtype)
+
+    def init_prev(self, tokens) -> Optional[dict]:
+        if self.arch != "lax":
+            return None
+        return first_latents(tokens, self.rank, self.dtype, self.latent_keys)
+
+    def project_in(self, h, norm, projs, prevs):
+        x = apply_norm(h, norm, self.eps, self.dtype)
+        outs = [lowrank_apply(self.arch, p, x, z, eps=self.eps, dtype=self.dtype)
+                for p, z in zip(projs, prevs)]
+        return [y for y, _ in outs], [z for _, z in outs]
+
+    def project_out(self, x, proj, prev):
+        return lowrank_apply(self.arch, proj, x, prev, eps=self.eps, dtype=self.dtype)
+
+    def logits(self, h, norm, w):
+        x = apply_norm(h, norm, self.eps, self.dtype)
+        return logits_matmul(x, w)
+
+    def head_loss(self, h, norm, w, targets):
+        return cross_entropy(self.logits(h, norm, w), targets)
 
 
 # --------------------------------------------------------------------------- one block

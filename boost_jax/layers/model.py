@@ -35,7 +35,6 @@ from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
 from boost_jax.layers.forward import LATENT_KEYS, remat_wrapper  # noqa: F401 (re-export)
-from boost_jax.layers.norms import LayerNorm, RMSNorm, apply_norm
 from boost_jax.names import ARCHS, REMAT_MODES
 
 
@@ -88,6 +87,31 @@ class LowRankLinear(nnx.Module):
         p = self.params_dict()
         y, z = forward.lowrank_apply(self.kind, p, x, prev, eps=self.eps, dtype=self.dtype)
         return (y + p["bias"].astype(y.dtype) if "bias" in p else y), z
+
+
+class RMSNorm(nnx.Module):
+    """Param `scale` [dim], initialised to ones (the math: forward.rms_norm)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, param_dtype=jnp.float32, dtype=None):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return forward.rms_norm(x, self.scale[...], self.eps, self.dtype)
+
+
+class LayerNorm(nnx.Module):
+    """Params `scale` [dim] (ones) and `bias` [dim] (zeros) (the math: forward.layer_norm)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-5, param_dtype=jnp.float32, dtype=None):
+        self.scale = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+        self.eps = eps
+        self.dtype = dtype
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return forward.layer_norm(x, self.scale[...], self.bias[...], self.eps, self.dtype)
 
 
 class Attention(nnx.Module):
@@ -199,7 +223,7 @@ class CausalLM(nnx.Module):
         if not return_hidden:
             return forward.logits(ops, self.cfg, params, tokens, positions, ckpt)
         h = forward.hidden(ops, self.cfg, params, tokens, positions, checkpoint=ckpt)
-        return apply_norm(h, params["final_norm"], self.cfg.norm_eps, self.dtype)
+        return forward.apply_norm(h, params["final_norm"], self.cfg.norm_eps, self.dtype)
 
 
 def jit_init(make: Callable[[], nnx.Module]) -> nnx.Module:

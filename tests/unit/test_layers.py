@@ -9,8 +9,7 @@ from flax import nnx
 from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
-from boost_jax.layers.model import Attention, LowRankLinear, jit_init, lowrank_init_std
-from boost_jax.layers.norms import RMSNorm
+from boost_jax.layers.model import Attention, LowRankLinear, RMSNorm, jit_init, lowrank_init_std
 
 EPS = 1e-6
 

@@ -25,7 +25,6 @@ from boost_jax.config import Config, ModelConfig, ParallelConfig
 from boost_jax.errors import ConfigError
 from boost_jax.layers import forward
 from boost_jax.layers.model import CausalLM
-from boost_jax.layers.norms import layer_norm, rms_norm
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding.layout import pad_tree, unpad_tree
 from boost_jax.sharding.tp.specs import tp_param_specs, validate_tp
@@ -311,7 +310,7 @@ def test_online_norm_inside_btp(mesh, dtype, norm):
         got = np.asarray(f(jnp.asarray(x, dtype), gamma, beta, a), np.float32)
     if dtype == "float32" and layer:  # as close as the one-device fp32 LayerNorm; naive fails
         want, x32 = ref(x, a), jnp.asarray(x)
-        one = np.asarray(layer_norm(x32, gamma, beta, eps) @ a)
+        one = np.asarray(forward.layer_norm(x32, gamma, beta, eps) @ a)
         xc = x32 - jnp.mean(x32, -1, keepdims=True)  # Σx²/d − μ² in fp32: loses the variance
         naive = (xc * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True)
                                     - jnp.mean(x32, -1, keepdims=True) ** 2 + eps)) * gamma + beta

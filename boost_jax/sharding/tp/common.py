@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 # the layouts' matmul is the model's
-from boost_jax.layers.forward import first_latents, latent_keys, logits_matmul, matmul
-from boost_jax.layers.norms import apply_norm
+from boost_jax.layers.forward import (apply_norm, first_latents, latent_keys, logits_matmul,
+                                      matmul)
 from boost_jax.backends.cpu import check_vma
 from boost_jax.mesh import axis_size
 from boost_jax.names import LATENT_NAME, REDUCED_NAME
