@@ -34,7 +34,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.errors import ConfigError
 from boost_jax.layers.flash import flash_attention
-from boost_jax.names import ARCHS, LATENT_NAME, REDUCED_NAME, RESIDUAL_NAME, SECONDARY_NAME
+from boost_jax.names import ARCHS
 from boost_jax.pallas.common import align_vma
 from boost_jax.pallas.dispatch import interpret_mode, platform
 from boost_jax.pallas.flash import flash_attention as pallas_flash
@@ -43,6 +43,14 @@ QKV = ("q", "k", "v")
 GATE_UP = ("gate", "up")
 LATENT_KEYS = ("q", "k", "v", "o", "gate", "up", "down")  # the 7 latents a lax block passes on
 GPT_LATENT_KEYS = ("q", "k", "v", "o", "up", "down")  # GELU MLP: no gate
+
+# jax.ad_checkpoint.checkpoint_name tags: what a remat policy may save (remat_wrapper)
+LATENT_NAME = "lowrank_latent"  # every rank-r latent (remat="lowrank")
+RESIDUAL_NAME = "residual"  # the residual stream at each sub-layer input
+# TP all-reduce outputs that are not rank-r latents (kept by remat="none" under a sharded plan,
+# so no collective is replayed there either)
+REDUCED_NAME = "tp_reduced"
+SECONDARY_NAME = "zero_secondary"  # every saved secondary (hpZ) partition
 
 
 def latent_keys(cfg) -> tuple:
@@ -462,6 +470,11 @@ def remat_wrapper(remat: str, gathers: bool = False, prevent_cse: bool = False) 
     else:
         policy = cp.save_only_these_names(*names) if names else None
     return lambda f: jax.checkpoint(f, policy=policy, prevent_cse=prevent_cse)
+
+
+def path_keys(path) -> tuple:
+    """The keys of a jax tree path: dict keys, attribute names and sequence indices."""
+    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
 
 
 def is_stacked(blocks) -> bool:

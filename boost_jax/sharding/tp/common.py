@@ -22,11 +22,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 # the layouts' matmul is the model's
-from boost_jax.layers.forward import (apply_norm, first_latents, latent_keys, logits_matmul,
-                                      matmul)
+from boost_jax.layers.forward import (LATENT_NAME, REDUCED_NAME, apply_norm, first_latents,
+                                      latent_keys, logits_matmul, matmul)
 from boost_jax.backends.cpu import check_vma
 from boost_jax.mesh import axis_size
-from boost_jax.names import LATENT_NAME, REDUCED_NAME
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.gather import to_varying as _to_varying
 
