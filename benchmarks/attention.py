@@ -1,7 +1,7 @@
 """Dense vs flash attention on the current backend: forward+backward time and compiled memory
 per implementation and length, and what model.attention=auto picks.
 
-On CPU this measured the crossover the `auto` rule uses (layers/attention.py CPU_FLASH_FROM;
+On CPU this measured the crossover the `auto` rule uses (layers/forward.py CPU_FLASH_FROM;
 table in README.md); on a GPU, benchmarks/gpu.sh runs it at the training shapes.
   python benchmarks/attention.py --lengths 256,512,1024,2048 --json out.json
   python benchmarks/attention.py --lengths 4096 --heads 16 --head-dim 128 --dtype bfloat16
@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from boost_jax.layers.attention import attention_impl, dense_attention  # noqa: E402
+from boost_jax.layers.forward import attention_impl, dense_attention  # noqa: E402
 from boost_jax.layers.flash import flash_attention as blockwise  # noqa: E402
 from boost_jax.pallas.dispatch import platform  # noqa: E402
 from boost_jax.pallas.flash import flash_attention as pallas_flash  # noqa: E402

@@ -37,7 +37,7 @@ import numpy as np  # noqa: E402
 
 from boost_jax.analysis.flops import flops_per_token  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
-from boost_jax.layers.attention import compiled_impl  # noqa: E402
+from boost_jax.layers.forward import compiled_impl  # noqa: E402
 from boost_jax.mesh import get_topology, mesh_from_config  # noqa: E402
 from boost_jax.step.build import build_step  # noqa: E402
 

@@ -48,7 +48,7 @@ class ModelConfig:
     tie_embeddings: bool = False
     init_std: float = 0.02
     # auto: flash on GPUs, and on CPU from the length where the blockwise path is faster;
-    # dense: the [s, s] score matrix; flash: never builds it (boost_jax/layers/attention.py)
+    # dense: the [s, s] score matrix; flash: never builds it (layers/forward.attention_impl)
     attention: Literal["auto", "dense", "flash"] = "auto"
     # start from these weights (a folder written by python -m boost_jax.export, or a Hugging
     # Face LlamaForCausalLM for arch=full) instead of a random init; see boost_jax/hf.py

@@ -1,8 +1,8 @@
 """Hugging Face interop: a model's weights as safetensors + config.json, and back.
 
 Our LLaMA is Hugging Face's LlamaForCausalLM: pre-norm RMSNorm blocks, SwiGLU, RoPE in the
-half-split rotate_half convention (layers/rope.py), GQA with query head h reading kv head
-h // (H/K) (HF's repeat_kv). Only the storage differs: a projection is w [d_in, d_out] here
+half-split rotate_half convention (layers/forward.apply_rope), GQA with query head h reading kv
+head h // (H/K) (HF's repeat_kv). Only the storage differs: a projection is w [d_in, d_out] here
 (y = x @ w), nn.Linear.weight [d_out, d_in] in torch, so every matrix is transposed (exact):
 
     ours                                  safetensors name (layer i)

@@ -63,7 +63,7 @@ def attention_keys(seq_len: int, impl: str = "dense") -> float:
 
 def flops_per_token(cfg, seq_len: int, attention: str = "dense") -> dict:
     """Per-token FLOPs: {'projections', 'attention', 'lm_head', 'per_layer', 'forward', 'train'}.
-    `attention`: the compiled implementation (layers.attention.attention_impl's answer)."""
+    `attention`: the compiled implementation (layers.forward.attention_impl's answer)."""
     proj = sum(linear_flops(cfg, i, o) for i, o in projection_shapes(cfg).values())
     attn = round(4 * attention_keys(seq_len, attention) * cfg.n_heads * cfg.head_dim)
     head = 2 * cfg.d_model * cfg.vocab_size

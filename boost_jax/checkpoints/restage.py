@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from boost_jax.names import path_keys
+from boost_jax.layers.forward import path_keys
 from boost_jax.sharding.layout import interleave
 from boost_jax.sharding.stages import ENDS, owner
 

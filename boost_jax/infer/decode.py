@@ -10,9 +10,9 @@ it block by block, boost_jax/layers/flash.py, so a long prompt's prefill never b
     prefill   the whole prompt in one pass (pos = 0, s = prompt length)
     decode    one token per step (s = 1), jitted once, the cache donated and updated in place
 
-LaX: a block's crossing reads the previous block's latent *at the same position* (linear.py),
-which the step computes on its way up the stack like the training forward does, so nothing
-but k and v needs caching.
+LaX: a block's crossing reads the previous block's latent *at the same position*
+(forward.lax_cross), which the step computes on its way up the stack like the training forward
+does, so nothing but k and v needs caching.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from boost_jax.layers import forward
-from boost_jax.layers.attention import causal_attention
 
 
 def init_cache(cfg, batch: int, length: int) -> dict:
@@ -42,7 +41,7 @@ def _cached_block(ops, cfg, lp, h, positions, prev, ck, cv, pos):
     def attend(q, k, v):
         new["k"] = jax.lax.dynamic_update_slice_in_dim(ck, k.astype(ck.dtype), pos, axis=1)
         new["v"] = jax.lax.dynamic_update_slice_in_dim(cv, v.astype(cv.dtype), pos, axis=1)
-        return causal_attention(q, new["k"], new["v"], offset=pos, kind=cfg.attention)
+        return forward.causal_attention(q, new["k"], new["v"], offset=pos, kind=cfg.attention)
 
     h, prev = forward.block(ops, cfg, lp, h, positions, prev, attend)
     return h, prev, new["k"], new["v"]

@@ -1,4 +1,4 @@
-"""Model layers, in model terms: one LowRankLinear family (full/svd/cola/lax), GQA attention,
-SwiGLU, RMSNorm, RoPE, the decoder forward written once (forward.py, with the Ops protocol its
-layouts implement) that CausalLM and every parallel layout run, and the per-layer remat
-policies (remat.py)."""
+"""The model, in two files: forward.py, the decoder forward written once with all the math it
+runs (norms, the LowRankLinear family full/svd/cola/lax, RoPE, GQA attention, SwiGLU/GELU MLP,
+remat policies; the Ops protocol its layouts implement), and model.py, CausalLM's params and
+init. flash.py is the blockwise (XLA) flash attention for CPU and the KV-cache decoder."""

@@ -1,6 +1,6 @@
 """Blockwise causal attention (online softmax) whose backward also works block by block.
 
-Same contract as attention.dense_attention: q [b, sq, H, hd], k, v [b, sk, K, hd] (GQA: query
+Same contract as forward.dense_attention: q [b, sq, H, hd], k, v [b, sk, K, hd] (GQA: query
 head h reads kv head h // (H/K)), query i at key position offset + i. Nothing of size [sq, sk]
 is ever built: the forward walks q tiles (lax.scan) and, for each, the kv tiles it can see
 (a fori_loop that stops at the causal diagonal), keeping a running max m, sum l and output

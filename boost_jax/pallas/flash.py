@@ -1,5 +1,5 @@
 """Flash attention as Pallas (Triton) kernels, forward and backward: ROCm, and NVIDIA where
-cuDNN's fused attention does not apply (boost_jax/layers/attention.py decides).
+cuDNN's fused attention does not apply (boost_jax/layers/forward.attention_impl decides).
 
 FlashAttention-2, after JAX's example kernels (jax.experimental.pallas.ops.gpu.attention), whose
 outputs cannot carry the varying-axes type a typed shard_map (the TP layouts) needs:
@@ -8,7 +8,7 @@ outputs cannot carry the varying-axes type a typed shard_map (the TP layouts) ne
   backward  delta = rowsum(dO·O) in XLA; one kernel, grid (tile, batch, head): dK, dV of kv
             tile j over the q tiles from the diagonal on, then dQ of q tile j over the kv
             tiles up to it, recomputing probabilities from the log-sum-exp
-and fitted to the model's contract (layers.attention.dense_attention, sq = sk):
+and fitted to the model's contract (layers.forward.dense_attention, sq = sk):
   * GQA: kv heads are repeated to the query heads (autodiff sums their gradients back), an
     O(s·H·hd) copy, never O(s²);
   * any length: zero-padded to whole tiles. Under the causal mask a real query never sees a

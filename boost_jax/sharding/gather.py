@@ -36,9 +36,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from boost_jax.layers.forward import is_stacked
+from boost_jax.layers.forward import SECONDARY_NAME, is_stacked
 from boost_jax.mesh import axis_size
-from boost_jax.names import SECONDARY_NAME
 from boost_jax.sharding import bucket, quant
 from boost_jax.sharding.bucket import Send, merge_stacked
 from boost_jax.sharding.layout import LeafLayout, unpad

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 from boost_jax.backends.cpu import check_vma
 from boost_jax.layers import forward
-from boost_jax.layers.remat import remat_wrapper
+from boost_jax.layers.forward import remat_wrapper
 from boost_jax.mesh import STAGE
 from boost_jax.sharding import stages, step_collectives
 from boost_jax.sharding.placement import Placement, make_placement
@@ -82,7 +82,7 @@ class ParallelLayout:
         return step_collectives.step_collectives(self.placement, passes, self.model.tie_embeddings)
 
     def checkpoint(self, gathers: bool) -> Callable:
-        """The per-layer remat wrapper (layers/remat.py); `gathers`: weights are gathered."""
+        """The per-layer remat wrapper (layers/forward.remat_wrapper); `gathers`: weights are gathered."""
         return remat_wrapper(self.remat, gathers)
 
 

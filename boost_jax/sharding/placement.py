@@ -34,8 +34,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from boost_jax.errors import ConfigError
+from boost_jax.layers.forward import path_keys
 from boost_jax.mesh import AXES, axis_size, get_topology
-from boost_jax.names import path_keys
 from boost_jax.sharding import stages
 from boost_jax.sharding.gather import Int8Copies
 from boost_jax.sharding.layout import LeafLayout, choose_layout, spec_entry

@@ -34,8 +34,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from boost_jax.layers.forward import path_keys
 from boost_jax.mesh import axis_size, level_of
-from boost_jax.names import path_keys
 from boost_jax.sharding import quant
 from boost_jax.sharding.bucket import BUCKETED
 from boost_jax.sharding.gather import LeafFetch, qgz_stages

@@ -41,12 +41,42 @@ from boost_jax.sharding.gather import (Deferred, LeafFetch, WithPrior, fetch_tre
                                       slot_like, to_params_all, to_varying, unpaired,
                                       varying_axes, with_slots)
 from boost_jax.sharding import bucket
-from boost_jax.sharding.deferred import deferred_layers
 from boost_jax.sharding.hpz import hpz_layers
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
 from boost_jax.sharding import two_level
 from boost_jax.sharding.parallel import ParallelLayout
 from boost_jax.step.pipeline import Pipeline
+
+
+def deferred_layers(checkpoint: Callable, capture: bool) -> Callable:
+    """The per-layer wrapper of a deferred update's first micro-batch (the plan's remat
+    `checkpoint` around it): layer(weights, h, prev) is called with the stored shards in
+    `weights` wrapped in Deferred; with `capture` their slots are {"grads", "params"} and the
+    cotangent of "params" is the layer's params shards.
+
+    A deferred update (parallel.defer_update) moves the new weights' gather to the params
+    sharding from after the optimizer into the next step's first forward, layer by layer: the
+    step stores the updated working weights cast on their opt_state shard (step/build.py), and
+    the first micro-batch fetches each layer from there, gathering over opt_state − grads axes
+    (across nodes: the node's shard only), then grads − params axes (inside the node), to the
+    params shard (Placement.update_stages), then as every micro-batch does. XLA pipelines these
+    gathers behind the previous layer's compute, as it does a ZeRO-3 layer's. The params shards
+    are named for remat to keep (the backward never gathers across nodes again) and leave the
+    layer loop as the cotangent of the `capture` slot, so the step's other micro-batches start
+    from them (Engine.first_micro_batch). The final norm and an untied head are fetched the same
+    way where the forward uses them (Engine.deferred_ends); the embedding, needed first, is
+    gathered once at the start of the step (Engine.ends_to_params)."""
+
+    def wrap(layer):
+        def first(weights, h, prev):
+            lp, ls = unpaired(weights)
+            if capture:
+                return layer(paired(Deferred(lp, ls["params"]), ls["grads"]), h, prev)
+            return layer(paired(Deferred(lp), ls), h, prev)
+
+        return checkpoint(first)
+
+    return wrap
 
 
 def _tp_axes(lay: LeafLayout) -> tuple[str, ...]:
@@ -139,7 +169,7 @@ class Engine:
         """Deferred update: the weights outside the layer loop that the forward needs first
         (the embedding) gathered from their stored shards to the params sharding, once per
         step; the layer stack and the after-stack units stay stored (their forward fetch
-        gathers them: sharding/deferred.py, deferred_ends)."""
+        gathers them: deferred_layers, deferred_ends)."""
         out = dict(params)
         for k in params:
             if k != "blocks" and k not in self.after_stack:

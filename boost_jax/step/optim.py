@@ -18,9 +18,9 @@ from __future__ import annotations
 import optax
 
 from boost_jax.config import OptimConfig
-from boost_jax.names import OPTIMIZERS
 from boost_jax.errors import ConfigError
-from boost_jax.names import path_keys
+from boost_jax.layers.forward import path_keys
+from boost_jax.names import OPTIMIZERS
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

@@ -272,7 +272,7 @@ def _open_logger(cfg: Config, out_dir: str, start: int, resumed: bool, accepted:
 def _throughput(cfg: Config, mesh, topo, bundle, data, logger: MetricsLogger) -> Throughput:
     """The throughput meter (model FLOPs of the attention that compiles); logs the run line."""
     from boost_jax.analysis.flops import flops_per_token
-    from boost_jax.layers.attention import compiled_impl
+    from boost_jax.layers.forward import compiled_impl
 
     tokens_per_step = cfg.train.global_batch * cfg.data.seq_len
     attn = compiled_impl(cfg.model, cfg.data.seq_len)

@@ -16,7 +16,7 @@ from boost_jax.config import ModelConfig, load_config
 from boost_jax.errors import ConfigError
 from boost_jax.infer.decode import Decoder, Sampling
 from boost_jax.layers import flash, forward
-from boost_jax.layers.attention import CPU_FLASH_FROM, attention_impl, dense_attention
+from boost_jax.layers.forward import CPU_FLASH_FROM, attention_impl, dense_attention
 from boost_jax.layers.model import build_model
 from boost_jax.mesh import make_mesh
 from test_tp import WIDE, _model_key, assert_same, engine_run, make_cfg, reference

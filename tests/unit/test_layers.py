@@ -9,11 +9,7 @@ from flax import nnx
 from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
 from boost_jax.layers import forward
-from boost_jax.layers.attention import Attention, causal_attention
-from boost_jax.layers.linear import LowRankLinear, lowrank_init_std
-from boost_jax.layers.model import jit_init
-from boost_jax.layers.norms import RMSNorm
-from boost_jax.layers.rope import apply_rope
+from boost_jax.layers.model import Attention, LowRankLinear, RMSNorm, jit_init, lowrank_init_std
 
 EPS = 1e-6
 
@@ -121,7 +117,7 @@ def test_rope_matches_numpy_and_is_relative():
     rng = np.random.default_rng(0)
     x = rng.normal(size=(2, 5, 3, 8)).astype(np.float32)
     pos = np.arange(5) + 7
-    rope = jax.jit(apply_rope, compiler_options=fast_compile_options())
+    rope = jax.jit(forward.apply_rope, compiler_options=fast_compile_options())
     np.testing.assert_allclose(np.asarray(rope(jnp.asarray(x), jnp.asarray(pos))),
                                np_rope(x.astype(np.float64), pos), rtol=1e-5, atol=1e-5)
     q, k = (jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32) for _ in range(2))
@@ -147,7 +143,7 @@ def test_causal_attention_gqa_matches_numpy():
     rng = np.random.default_rng(0)
     q = rng.normal(size=(2, 6, 4, 8)).astype(np.float32)
     k, v = (rng.normal(size=(2, 6, 2, 8)).astype(np.float32) for _ in range(2))
-    attn = jax.jit(causal_attention, compiler_options=fast_compile_options())
+    attn = jax.jit(forward.causal_attention, compiler_options=fast_compile_options())
     out = attn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
     assert out.shape == (2, 6, 4, 8)
     np.testing.assert_allclose(np.asarray(out), np_attention(*(a.astype(np.float64)

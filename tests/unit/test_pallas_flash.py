@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from boost_jax.layers import attention
+from boost_jax.layers import forward
 from boost_jax.pallas import flash as pallas_flash
 from test_pallas import FAST, _export_for_h100, _h100_mesh
 
@@ -24,17 +24,17 @@ def _qkvw(b, s, H, K, hd):
 
 def test_interpreted_kernel_equals_dense_with_gqa_and_padding(monkeypatch):
     """Through the model's dispatch on a ROCm platform: 21 positions = two 16-tiles, padded."""
-    monkeypatch.setattr(attention, "platform", lambda: "rocm")
+    monkeypatch.setattr(forward, "platform", lambda: "rocm")
     monkeypatch.setattr(pallas_flash, "TILE", 16)
-    assert attention.attention_impl("flash", 21, "rocm") == "pallas"
+    assert forward.attention_impl("flash", 21, "rocm") == "pallas"
     q, k, v, w = _qkvw(1, 21, 4, 2, 8)
 
     def run(fn):
         f = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), (0, 1, 2)))
         return f.lower(q, k, v).compile(FAST)(q, k, v)
 
-    got = run(lambda q, k, v: attention.causal_attention(q, k, v, kind="flash"))
-    want = run(attention.dense_attention)
+    got = run(lambda q, k, v: forward.causal_attention(q, k, v, kind="flash"))
+    want = run(forward.dense_attention)
     for a, c in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         assert not np.isnan(np.asarray(c)).any()
         np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()))

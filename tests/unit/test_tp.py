@@ -24,9 +24,7 @@ from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import Config, ModelConfig, ParallelConfig
 from boost_jax.errors import ConfigError
 from boost_jax.layers import forward
-from boost_jax.layers.attention import SCORES
 from boost_jax.layers.model import CausalLM
-from boost_jax.layers.norms import layer_norm, rms_norm
 from boost_jax.mesh import make_mesh
 from boost_jax.sharding.layout import pad_tree, unpad_tree
 from boost_jax.sharding.tp.specs import tp_param_specs, validate_tp
@@ -260,7 +258,7 @@ def test_bf16_step_multiplies_in_bf16(mesh, mode, arch):
     locs = dict(re.findall(r"^(#loc\d+) = (loc\(.*\))$", txt, re.M))
     dots = [line for line in txt.splitlines() if "stablehlo.dot_general" in line]
     fp32 = [line for line in dots if re.search(r"xf32>[,)]", line.split(" : ")[-1].split("->")[0])
-            and SCORES not in locs.get(re.findall(r"loc\((#loc\d+)\)", line)[-1], "")]
+            and forward.SCORES not in locs.get(re.findall(r"loc\((#loc\d+)\)", line)[-1], "")]
     assert len(dots) > 20 and not fp32, "\n".join(fp32)
 
 
@@ -312,7 +310,7 @@ def test_online_norm_inside_btp(mesh, dtype, norm):
         got = np.asarray(f(jnp.asarray(x, dtype), gamma, beta, a), np.float32)
     if dtype == "float32" and layer:  # as close as the one-device fp32 LayerNorm; naive fails
         want, x32 = ref(x, a), jnp.asarray(x)
-        one = np.asarray(layer_norm(x32, gamma, beta, eps) @ a)
+        one = np.asarray(forward.layer_norm(x32, gamma, beta, eps) @ a)
         xc = x32 - jnp.mean(x32, -1, keepdims=True)  # Σx²/d − μ² in fp32: loses the variance
         naive = (xc * jax.lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True)
                                     - jnp.mean(x32, -1, keepdims=True) ** 2 + eps)) * gamma + beta

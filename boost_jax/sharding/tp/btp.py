@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from boost_jax.layers.linear import lax_cross, latent_activation
+from boost_jax.layers.forward import lax_cross, latent_activation
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.tp.common import (
     TPColl, TPContext, TPOps, matmul, name_latent, psum, rank_index, to_varying)

@@ -21,12 +21,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from boost_jax.layers.forward import first_latents, latent_keys
-from boost_jax.layers.linear import logits_matmul, matmul  # the layouts' matmul is the model's
-from boost_jax.layers.norms import apply_norm
+# the layouts' matmul is the model's
+from boost_jax.layers.forward import (LATENT_NAME, REDUCED_NAME, apply_norm, first_latents,
+                                      latent_keys, logits_matmul, matmul)
 from boost_jax.backends.cpu import check_vma
 from boost_jax.mesh import axis_size
-from boost_jax.names import LATENT_NAME, REDUCED_NAME
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.gather import to_varying as _to_varying
 

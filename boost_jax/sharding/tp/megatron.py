@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from boost_jax.layers.norms import apply_norm
+from boost_jax.layers.forward import apply_norm
 from boost_jax.sharding.tp.common import TPColl, TPOps, matmul, name_reduced, psum, to_varying
 
 # the dim of each leaf split over the TP axes (None: replicated; sharding/tp/specs.py reads it):

@@ -29,8 +29,8 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.errors import ConfigError
+from boost_jax.layers.forward import path_keys
 from boost_jax.mesh import axis_size
-from boost_jax.names import path_keys
 from boost_jax.pallas import dispatch
 from boost_jax.sharding.tp import btp, megatron, vanilla
 from boost_jax.sharding.tp.btp import BTPOps

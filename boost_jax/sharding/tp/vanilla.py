@@ -22,8 +22,7 @@ Communication per layer (elements, b·s tokens, MHA; under GQA k/v carry K·hd i
 
 from __future__ import annotations
 
-from boost_jax.layers.linear import lax_cross, latent_activation
-from boost_jax.layers.norms import apply_norm
+from boost_jax.layers.forward import apply_norm, lax_cross, latent_activation
 from boost_jax.sharding.tp.common import (
     TPColl, TPOps, all_gather, local_slice, matmul, name_latent, name_reduced, psum, to_varying)
 
