@@ -13,7 +13,7 @@ secondary axes:
 
 Every collective is described as a bucket.Send and issued by bucket.run for the whole fetch
 unit (fetch_tree). The backward re-gather falls out of remat: each layer's jax.checkpoint
-policy saves SECONDARY_NAME and never the gathered weight (layers/remat.py).
+policy saves SECONDARY_NAME and never the gathered weight (layers/forward.remat_wrapper).
 
 Gradient: the fetch is a custom_vjp whose primal ignores the slots (zeros shaped like this
 device's accumulator shard) and whose backward turns each full weight's cotangent into its
@@ -257,7 +257,7 @@ class LeafFetch(Int8Copies):
         return tuple(self.params_axes) + tuple(a for st in self.update[r:] for a in st)
 
     def update_gather(self, x, r: int):
-        """The deferred update's r-th gather (sharding/deferred.py): int8 blocks across nodes
+        """The deferred update's r-th gather (step/engine.deferred_layers): int8 blocks across nodes
         with parallel.quantize_cross_node_weights=int8, else the working dtype."""
         axes, src = self.update[r], self.update_source(r)
         if self.xq_weights and "global" in axes:
@@ -508,7 +508,7 @@ class Deferred:
     """A fetch unit's weights as stored under a deferred update (opt_state sharding):
     fetch_tree gathers them to the params shard first (saved for remat, never gathered
     again), and hands those back as the cotangent of `capture` (zeros shaped like them) when
-    given (sharding/deferred.py)."""
+    given (step/engine.deferred_layers)."""
 
     stored: Any
     capture: Any = None
