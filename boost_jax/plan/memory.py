@@ -1,38 +1,25 @@
 """Per-device memory of one training step: the buffers the compiled program keeps live at its peak.
 
 Each term is a buffer (or set of buffers) one can name in the GPU program's buffer assignment
-(benchmarks/README.md section 11 says where each was found). With several micro-batches the
-peak falls inside the micro-batch loop, during the backward layer scan; with a deferred update,
-possibly in the first micro-batch's backward instead (`peak`: no accumulator yet, but the
-params shards it hands on and the later forwards' int8 secondaries). The launcher's XLA flags
-(mesh.GPU_XLA_SCHEDULE, --xla_gpu_enable_while_loop_double_buffering) unroll that loop by two,
-so the next micro-batch's zero gradient slots already exist while this one's backward runs.
-With one micro-batch and no pipeline there is no loop: one forward, the head, one backward,
-each buffer live only in its phase (ONE_PASS_PHASES), the saved ones through all three; the
-peak is the largest phase.
-State: weights, fp32 master, Adam m+v, the batch, the secondary copy (int8 or not).
-Temporaries, by name (TERMS):
-  grads                 the gradient accumulator, carried by the micro-batch loop
-  micro_grads           this micro-batch's block gradients, written layer by layer by the
-                        backward layer scan (its carried stack)
-  grad_slots            the zero gradient slots the layer scan reads (Engine.slots())
-  grad_slots_next       the same for the next micro-batch: the double-buffered micro-batch loop
-  gathered_weights      the gathered weights of two layers (the double-buffered layer loop)
-  activations           saved layer inputs by remat policy, L x (residual [+ latents])
-  block_working         one block's working set: every kernel's output (flash attention's
-                        saved max/sum statistics included)
-  logits, embed_head, layer_grads, stage_inputs   as named
-  head, head_grads      one pass: the head's weights fetched whole (the head's phase) and
-                        their gradient, held through the backward layer scan to the step's
-                        reduction: head_tp_local x param / grad_accum bytes
-  params_shards, params_capture, secondary_next   the deferred update's (TERMS says which)
-  stack_relayout        no deferred update, int8 secondary: the stored stack of every layer
-                        weight quantized along a dim that is not its minor one, relaid out
-                        once before the forward's layer loop (relaid_for_secondary):
-                        StateSizes.relayout x param bytes; in a micro-batch loop counted once
-                        (a two-trip loop XLA unrolls holds one per trip: not modelled)
-Heap fragmentation (what XLA's packing leaves between buffers) cannot be modelled from the
-layout: it is left to the margin of `fit_limit`.
+(benchmarks/README.md section 11 says where each was found); TERMS names them as the planner's
+report prints them. With several micro-batches the peak falls inside the micro-batch loop,
+during the backward layer scan; with a deferred update, possibly in the first micro-batch's
+backward instead (`peak`: no accumulator yet, but the params shards it hands on and the later
+forwards' int8 secondaries). The launcher's XLA flags (mesh.GPU_XLA_SCHEDULE,
+--xla_gpu_enable_while_loop_double_buffering) unroll that loop by two, so the next
+micro-batch's zero gradient slots already exist while this one's backward runs
+(DOUBLE_BUFFERED). With one micro-batch and no pipeline there is no loop: one forward, the
+head, one backward, each buffer live only in its phase (ONE_PASS_PHASES), the saved ones
+through all three; the peak is the largest phase.
+
+Two terms need their formula. `head` / `head_grads` (one pass): the head's weights fetched
+whole and their gradient, held through the backward layer scan to the step's reduction,
+head_tp_local x param / grad_accum bytes. `stack_relayout` (no deferred update, int8
+secondary): the stored stack of every layer weight quantized along a dim that is not its minor
+one is relaid out once before the forward's layer loop (relaid_for_secondary),
+StateSizes.relayout x param bytes; counted once in a micro-batch loop (a two-trip loop XLA
+unrolls holds one per trip: not modelled). Heap fragmentation (what XLA's packing leaves
+between buffers) cannot be modelled from the layout: it is left to the margin of `fit_limit`.
 """
 
 from __future__ import annotations
