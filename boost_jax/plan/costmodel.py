@@ -233,8 +233,9 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
 
     Memory bound, as DeepSpeed's fused kernels run them: qwZ / an int8 secondary dequantizes
     every gathered weight (read q, write the working dtype; quantizing a shard is 1/|A| of it;
-    hpZ: the flat gather in the forward, its kept S-block in the backward;
-    an int8 copy kept whole quantizes the whole weight once more, unless it is qwZ's gather
+    hpZ: the flat gather in the forward, its kept S-block in the backward; an int8 secondary
+    cut from the weights (over S, or kept whole: S = ∅) is quantized once per pass, its
+    S-block, and dequantized at each use, forward and backward, unless it is qwZ's gather
     itself, kept as it arrived); qgZ quantizes the gradient
     (read a, write q₄), then per stage dequantizes, sums and requantizes what arrives in one
     pass (read q₄ of the stage's input, write fp32 of its output), the last stage's output
@@ -255,14 +256,13 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
         elif S is not None:
             if not set(A) <= set(S) and pl.quantize_gather:
                 gathers.append(1)
-            if pl.int8_secondary:
-                gathers += [1, 1]  # forward and backward from the secondary
+            if pl.int8_secondary:  # its S-block quantized once, dequantized at both uses
+                nbytes += k * W * (2 * (q8 + pb) + (pb + q8) / axis_size(sizes, S))
+                kernels += 3
         elif pl.quantize_gather:
             gathers += [1, 1]
         nbytes += k * len(gathers) * W * (q8 + pb + (pb + q8) / axis_size(sizes, A))
         kernels += 2 * len(gathers)
-        if S == () and not pl.keeps_int8_gather and pl.int8_secondary:  # quantize it whole
-            nbytes, kernels = nbytes + k * W * (pb + q8), kernels + 1
     if pl.quantize_grads:
         w_in = W
         nbytes += k * W * (gb + q4)
