@@ -159,7 +159,8 @@ class ParallelConfig:
     # backward (hpZ) partition; None: the preset; []: keep the forward's gather whole
     secondary_axes: Optional[list[str]] = None
     # Secondary partition dtype: bfloat16 = unquantized (the working-weight dtype), int8 = int8
-    # blocks + fp32 scales. None: the preset (int8 for hierarchical, bfloat16 otherwise).
+    # blocks + fp32 scales. None: the preset (int8 for hierarchical, bfloat16 otherwise);
+    # the planner's --search costs both and sets the faster that fits (plan/secondary.py).
     secondary_dtype: Optional[Literal["bfloat16", "int8"]] = None
     # int8 weight gathers (qwZ); None: the preset (true for zeropp). Implies an int8 secondary.
     quantize_gather: Optional[bool] = None

@@ -113,7 +113,8 @@ def check_emit_target(path: str, config: str, force: bool) -> None:
                  "choose another FILE")
 
 
-def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False) -> None:
+def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
+                secondary=None) -> None:
     """The planned run as a YAML config: mesh.topology and mesh.shape carry the cluster layout,
     so `python -m boost_jax.launch slurm --config FILE` needs no --topology or --nodes."""
     from boost_jax.config import config_to_yaml
@@ -128,6 +129,7 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False) -
             f"# predicted: {pred.memory['total'] / 2**30:.1f} GiB per device of "
             f"{topo.hbm_bytes / 2**30:.0f} GiB, {pred.step_time:.3f} s per step, "
             f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}",
+            *([f"# {secondary.line}"] if secondary else []),
             f"# written by: {command}", ""]
     from boost_jax.safe_write import write_text
 
@@ -167,7 +169,7 @@ def _header_lines(p, cfg, topo) -> list:
          f"({topo.device}): {_hosts(sizes)} nodes, {p.devices} devices = {_mesh_text(sizes)}",
          _layout_line(p, cfg)]
     for note in p.notes:
-        if note.startswith("parallel.plan="):  # the roles TP took: the effective plan
+        if note.startswith(("parallel.plan=", "secondary dtype")):  # roles TP took; the copy
             L.append(f"  {note}")
     return L
 
@@ -400,7 +402,7 @@ def run_search(args, cfg, topo, full: dict, a, command: str) -> int:
                             "not written; try more nodes or a smaller global batch")
         best = res.fitting[0]
         emit_config(args.emit_config, best.config(cfg), best.prediction, topo, command,
-                    args.force)
+                    args.force, best.secondary)
     return 0
 
 
@@ -434,7 +436,8 @@ def _dry_run_or_predict(args, cfg, topo, full: dict, a):
     return out, compiled, failure
 
 
-def _print_layout(args, out, cfg, topo, compiled: bool, failure: Optional[str]) -> None:
+def _print_layout(args, out, cfg, topo, compiled: bool, failure: Optional[str],
+                  secondary=None) -> None:
     if failure:
         print(f"error: the training step does not compile for this layout ({failure}); "
               "the analytic prediction follows, but train.py would fail the same way",
@@ -444,6 +447,7 @@ def _print_layout(args, out, cfg, topo, compiled: bool, failure: Optional[str]) 
         d = out.to_dict()
         if failure:
             d["compile_error"] = failure
+        d["secondary"] = secondary.to_dict() if secondary else None
         print(json_dumps(d, indent=1, default=str))
     else:
         text = report_text(out, cfg, topo, compiled=compiled)
@@ -454,7 +458,8 @@ def _print_layout(args, out, cfg, topo, compiled: bool, failure: Optional[str]) 
         print(text)
 
 
-def _emit_layout(args, pred, cfg, topo, failure: Optional[str], command: str) -> None:
+def _emit_layout(args, pred, cfg, topo, failure: Optional[str], command: str,
+                 secondary=None) -> None:
     """--emit-config for one layout: written only when it compiles and fits."""
     from boost_jax.errors import UserError
 
@@ -467,15 +472,31 @@ def _emit_layout(args, pred, cfg, topo, failure: Optional[str], command: str) ->
         raise UserError(f"this layout does not fit ({why}), so --emit-config "
                         f"{args.emit_config} was not written; --search lists layouts "
                         "that fit")
-    emit_config(args.emit_config, cfg, pred, topo, command, args.force)
+    emit_config(args.emit_config, cfg, pred, topo, command, args.force, secondary)
+
+
+def _secondary(cfg, topo, full: dict, out, compiled: bool, a):
+    """The secondary dtype's line (plan/secondary.py), also among the prediction's notes."""
+    from boost_jax.errors import UserError
+    from boost_jax.plan.secondary import explain
+
+    try:
+        choice = explain(cfg, topo, full, a)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if choice:
+        (out.prediction if compiled else out).notes.append(choice.line)
+    return choice
 
 
 def run_layout(args, cfg, topo, full: dict, a, command: str) -> int:
     """One layout: dry run (or analytic model), report, maybe --emit-config."""
     out, compiled, failure = _dry_run_or_predict(args, cfg, topo, full, a)
-    _print_layout(args, out, cfg, topo, compiled, failure)
+    sec = _secondary(cfg, topo, full, out, compiled, a)
+    _print_layout(args, out, cfg, topo, compiled, failure, sec)
     if args.emit_config:
-        _emit_layout(args, out.prediction if compiled else out, cfg, topo, failure, command)
+        _emit_layout(args, out.prediction if compiled else out, cfg, topo, failure, command,
+                     sec)
     return 1 if failure else 0
 
 

@@ -249,8 +249,9 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
 
     Memory bound, as DeepSpeed's fused kernels run them: qwZ / an int8 secondary dequantizes
     every gathered weight (read q, write the working dtype; quantizing a shard is 1/|A| of it;
-    hpZ: the flat gather in the forward, its kept S-block in the backward;
-    an int8 copy kept whole quantizes the whole weight once more, unless it is qwZ's gather
+    hpZ: the flat gather in the forward, its kept S-block in the backward; an int8 secondary
+    cut from the weights (over S, or kept whole: S = ∅) is quantized once per pass, its
+    S-block, and dequantized at each use, forward and backward, unless it is qwZ's gather
     itself, kept as it arrived); qgZ quantizes the gradient
     (read a, write q₄), then per stage dequantizes, sums and requantizes what arrives in one
     pass (read q₄ of the stage's input, write fp32 of its output), the last stage's output
@@ -260,12 +261,15 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
     pb, gb = DTYPE_BYTES[m.param_dtype], DTYPE_BYTES[par.grad_accum_dtype]
     q8, q4 = 1.0 + 4.0 / par.quant_block, 0.5 + 4.0 / par.quant_block
     W, k = st.tp_local_padded, passes(cfg).backward  # passes over the weights per step
-    A = pl.params_axes
+    A, S = pl.params_axes, pl.secondary_axes
     decodes = len(pl.int8_decodes)  # int8 copies of the whole model dequantized per pass
-    nbytes = k * decodes * W * (q8 + pb + (pb + q8) / axis_size(sizes, A)) if A else 0.0
-    kernels = 2 * decodes
-    if pl.quantizes_whole:
-        nbytes, kernels = nbytes + k * W * (pb + q8), kernels + 1
+    cut = 2 if pl.cuts_int8_secondary else 0  # of them, the secondary's two uses
+    # a decode reads q and writes the working dtype; a gathered int8 copy was quantized from
+    # the A-shard for it; the secondary cut from the weights once per pass, its S-block
+    nbytes = k * W * (decodes * (q8 + pb) + (decodes - cut) * (pb + q8) / axis_size(sizes, A))
+    kernels = 2 * decodes - cut
+    if cut:
+        nbytes, kernels = nbytes + k * W * (pb + q8) / axis_size(sizes, S), kernels + 1
     if pl.quantize_grads:
         w_in = W
         nbytes += k * W * (gb + q4)

@@ -1,7 +1,9 @@
 """Layout search: plan × TP mode × TP axes × pipeline stages and virtual stages ×
 micro-batch size × remat × working-weight/gradient dtype × keeping the forward's gathered
 weights for the backward (`/keep`: parallel.secondary_axes=[], for zero3 and zeropp),
-ranked by the cost model.
+ranked by the cost model. Where the config leaves parallel.secondary_dtype unset and a layout
+keeps a secondary, both dtypes are costed and plan/secondary.py's rule keeps one (`/int8sec`,
+`/bf16sec`).
 
 Every candidate is costed analytically (boost_jax.plan.costmodel: compiling hundreds of layouts
 is too slow); those whose predicted memory fits are ranked by predicted step time (the global
@@ -21,12 +23,13 @@ from boost_jax import names
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.mesh import AXES, Topology, axis_size
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor, floor_text
-from boost_jax.plan.costmodel import (Assumptions, Prediction, SizesMesh,
-                                     predict)
+from boost_jax.plan.costmodel import Assumptions, Prediction, SizesMesh
+from boost_jax.plan.secondary import Choice, choose
 from boost_jax.sharding import parallel
 from boost_jax.sharding.placement import ALL, PRESETS
 
 PLANS = names.PLANS
+SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}
 TP_AXES = ((), ("pair",), ("node",), ("pair", "node"))
 MICRO_SIZES = (1, 2, 4, 8, 16, 32)
 PP_STAGES = (1, 2, 4, 8)  # pipeline stages (1F1B) tried where they divide the hosts
@@ -50,6 +53,7 @@ class Candidate:
     sizes: dict = field(default_factory=dict)  # the mesh: global = hosts / pp_stages
     low_precision: bool = False  # bf16 working weights and bf16 gradient reduction
     keep: bool = False  # the backward uses the forward's gathered weights (no re-gather)
+    secondary: Optional[Choice] = None  # the secondary dtype the search chose, and why
     prediction: Optional[Prediction] = None
     error: Optional[str] = None
     compiled: bool = False
@@ -62,7 +66,8 @@ class Candidate:
         pp += f"v{self.pp_virtual}" if self.pp_virtual > 1 else ""
         bf = "/bf16" if self.low_precision else ""
         keep = "/keep" if self.keep else ""
-        return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}{bf}{keep}"
+        sec = f"/{SHORT[self.secondary.dtype]}sec" if self.secondary else ""
+        return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}{bf}{keep}{sec}"
 
     def config(self, cfg):
         par = dataclasses.replace(cfg.parallel, plan=self.plan, tp_mode=self.tp_mode,
@@ -72,6 +77,8 @@ class Candidate:
         model = cfg.model
         if self.keep:
             par = dataclasses.replace(par, secondary_axes=[])
+        if self.secondary:  # explicit, so the emitted config runs what was ranked
+            par = dataclasses.replace(par, secondary_dtype=self.secondary.dtype)
         if self.low_precision:
             par = dataclasses.replace(par, grad_accum_dtype="bfloat16")
             model = dataclasses.replace(model, param_dtype="bfloat16")
@@ -128,6 +135,7 @@ class SearchResult:
                              micro_size=c.micro_size, micro_batches=c.micro_batches,
                              pp_stages=c.pp_stages, pp_virtual=c.pp_virtual,
                              remat=c.remat, low_precision=c.low_precision, keep=c.keep,
+                             secondary=c.secondary.to_dict() if c.secondary else None,
                              step_time=p.step_time, tokens_per_s=p.tokens_per_s,
                              tflops_per_device=p.tflops_per_device, mfu=p.mfu,
                              memory=p.memory["total"], comm_bytes=p.comm_bytes,
@@ -214,13 +222,18 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
         try:
             cc = c.config(cfg)
             parallel.check(cc, SizesMesh(c.sizes))  # pipeline split, TP cut
-            c.prediction = predict(cc, topo, c.sizes, a)
+            c.prediction, c.secondary = choose(cc, topo, c.sizes, a)
         except (ConfigError, UserError, ValueError) as e:
             c.error = str(e).splitlines()[0]
             invalid += 1
     res = SearchResult(cands, len(cands), invalid)
     res.notes.append(f"{len(cands)} candidates costed analytically; {invalid} rejected by the "
                      "plan/TP validation (divisibility)")
+    chose = [c.secondary.dtype for c in cands if c.secondary]
+    if chose:
+        res.notes.append(f"{len(chose)} keep a secondary with parallel.secondary_dtype unset: "
+                         f"costed in bfloat16 and int8, the faster that fits kept (int8 in "
+                         f"{chose.count('int8')})")
     if any(collapses("hierarchical", axes, sizes) for axes in TP_AXES):
         res.notes.append("hierarchical with TP over the whole node is not listed: no role is "
                          "left inside the node, so it runs as zero1 (listed as zero1)")
@@ -274,10 +287,9 @@ def near_limit(fitting: list, k: int, skip: list) -> list:
 def _precision(c: Candidate, cfg) -> str:
     """The dtypes of the working weights and of the gradient reduction, which tell apart
     rows that are otherwise the same layout."""
-    short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
     if c.low_precision:
         return "bf16/bf16"
-    return "/".join(short.get(d, d) for d in (cfg.model.param_dtype,
+    return "/".join(SHORT.get(d, d) for d in (cfg.model.param_dtype,
                                               cfg.parallel.grad_accum_dtype))
 
 
@@ -298,7 +310,8 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
         p = c.prediction
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
         pp = f"{c.pp_stages}" + (f" x{c.pp_virtual}" if c.pp_virtual > 1 else "")
-        plan = c.plan + (" keep" if c.keep else "")
+        plan = c.plan + (" keep" if c.keep else "") + (
+            f" {SHORT[c.secondary.dtype]} sec" if c.secondary else "")
         lines.append(f"| {i} | {plan} | {tp} | {pp} | {c.micro_size} | "
                      f"{c.micro_batches} | {c.remat} | {_precision(c, cfg)} | "
                      f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
@@ -312,6 +325,8 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
                   f"hidden: "
                   f"{ceil['mfu']:.1%} ({ceil['key']}, floor: {ceil['by']}; predicted "
                   f"{ceil['mfu_now']:.1%}: {ceil['why']})"]
+    if res.fitting and res.fitting[0].secondary:
+        lines += ["", f"best layout's {res.fitting[0].secondary.line}"]
     if res.fitting:
         lines += ["", "critical path of the top layouts (ms per step: compute, exposed TP, "
                   "exposed DP, pipeline bubble, once-per-step comm + optimizer):"]

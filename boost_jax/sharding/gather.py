@@ -93,10 +93,12 @@ class Int8Copies:
         return S is not None and S[:len(P)] != P
 
     @property
-    def quantizes_whole(self) -> bool:
-        """An int8 secondary over no axes cut from a working-dtype gather: to_secondary
-        quantizes the whole gathered weight on every pass."""
-        return self.secondary_axes == () and self.int8_secondary and not self.keeps_int8_gather
+    def cuts_int8_secondary(self) -> bool:
+        """An int8 secondary cut from the working-dtype weights (neither qwZ's gather kept nor
+        hpZ's): to_secondary quantizes its S-block once per pass (the whole gathered weight
+        when S = ∅) and both uses, forward and backward, dequantize it."""
+        return (bool(self.params_axes) and self.int8_secondary and self.secondary_axes is not None
+                and not self.hpz and not self.keeps_int8_gather)
 
     @property
     def int8_decodes(self) -> tuple[str, ...]:

@@ -162,9 +162,11 @@ def test_search_ranks_fitting_layouts_best_first():
     assert any(c.tp_mode == "btp" for c in fit) and all(c.prediction.fits for c in fit)
     # /keep: the same layout without the backward's re-gather, holding the gathered weights
     by_key = {c.key(): c.prediction for c in fit}
-    kept = [(by_key[c.key()[:-len("/keep")]], c.prediction) for c in fit
-            if c.keep and c.key()[:-len("/keep")] in by_key]
+    unkept = {c.key(): re.sub(r"/keep(/\w+sec)?$", "", c.key()) for c in fit if c.keep}
+    kept = [(by_key[unkept[c.key()]], c.prediction) for c in fit
+            if c.keep and unkept[c.key()] in by_key]
     assert kept and {c.plan for c in fit if c.keep} == {"zero3", "zeropp"}
+    assert {c.plan for c in fit if c.keep and unkept[c.key()] in by_key} == {"zero3", "zeropp"}
     for base, keep in kept:
         assert keep.layout["placement"]["secondary"] == []
         assert sum(keep.comm_bytes.values()) < sum(base.comm_bytes.values())
@@ -276,16 +278,22 @@ def test_the_floor_bounds_every_layout_and_names_what_binds():
 
 
 def test_an_int8_copy_kept_whole_pays_one_more_quantization():
-    """hierarchical's int8 secondary over the pair quantizes each device's pair shard; kept
-    whole (parallel.secondary_axes=[]) it quantizes the whole gathered weight: one more pass
-    over the weights, less than the two dequantizing passes both make."""
+    """hierarchical's int8 secondary over the pair quantizes each device's pair shard once per
+    micro-batch and dequantizes the gathered weight at both uses (the engine saves the int8
+    copy for the backward: no second quantization); kept whole (parallel.secondary_axes=[])
+    it quantizes the whole gathered weight instead: the rest of the weight, and nothing
+    else, more."""
     cfg = C.with_overrides(cfg7b("cola", "btp", "[node]"), **{"parallel.plan": "hierarchical",
-                                                              "train.global_batch": 32})
+                                                              "train.global_batch": 32,
+                                                              "train.micro_batches": 2})
     topo, sizes = get_topology("frontier"), {"pair": 2, "node": 4, "global": 4}
-    pair = C.predict(cfg, topo, sizes).time["quant"]
-    kept = C.predict(C.with_overrides(cfg, **{"parallel.secondary_axes": []}), topo,
-                     sizes).time["quant"]
-    assert pair < kept < 1.5 * pair
+    pair = C.predict(cfg, topo, sizes)
+    kept = C.predict(C.with_overrides(cfg, **{"parallel.secondary_axes": []}), topo, sizes)
+    a, q8 = pair.assumptions, 1.0 + 4.0 / cfg.parallel.quant_block
+    W = C.state_sizes(cfg, sizes)[0].tp_local_padded
+    rest = 2 * W * (2 + q8) * (1 - 1 / 2)  # two micro-batches, bf16 weights, |pair| = 2
+    assert kept.time["quant"] - pair.time["quant"] == pytest.approx(
+        rest / (a.eta_hbm * C.HBM_BW[topo.name]), rel=1e-9)
 
 
 def test_validation_ratios_within_25pct_but_the_stated_gaps():
@@ -305,6 +313,9 @@ def test_validation_ratios_within_25pct_but_the_stated_gaps():
     zpp = lbp["zeropp"].layout["placement"]
     assert zpp["quantize_gather"] and zpp["quantize_grads"] and zpp["secondary"]
     assert {p.layout["micro_batches"] for p in preds[9:]} == {1}
+    # LBP's int8 pair copy, named in its config rather than left to the preset's default
+    assert lbp["hierarchical"].layout["placement"]["int8_secondary"]
+    assert V.lbp_config("hierarchical", 48).parallel.secondary_dtype == "int8"
     assert V.lbp_table(lbp)[0].count("known gap") == len(V.KNOWN_GAPS)
 
 

@@ -149,7 +149,7 @@ def test_the_cost_models_int8_decodes_are_the_lists_int8_gathers(extra):
         f = LeafFetch.of(pl, lay)
         if path[0] != "blocks" or not f.is_gathered:
             continue
-        assert f.int8_decodes == pl.int8_decodes and f.quantizes_whole == pl.quantizes_whole
+        assert f.int8_decodes == pl.int8_decodes and f.cuts_int8_secondary == pl.cuts_int8_secondary
         whole = tp_local(f, lay) / device_layers(f, lay) * itemsize(pl.param_dtype)
         colls = [c for c in leaf_collectives(pl, path, lay, Passes.of(2)) if c.what in gathers]
         int8 = {c.what for c in colls if c.payload < 0.6 * whole}
