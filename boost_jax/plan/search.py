@@ -240,19 +240,33 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
     if compile_top and gpu:
         compile_on_gpu(res, cfg, topo, compile_top, max_devices, a)
     elif compile_top:
-        from boost_jax.plan.dryrun import StepCompileError, dry_run
-
-        for c in list(res.fitting[:compile_top]):
-            try:
-                dr = dry_run(c.config(cfg), topo, c.sizes["global"] * c.pp_stages,
-                             max_devices, a)
-            except StepCompileError as e:
-                c.error = f"compile failed: {e}"
-                continue
-            c.prediction, c.compiled, c.compiled_fits = dr.prediction, True, dr.memory["fits"]
+        extra = compile_best(res, cfg, topo, compile_top, max_devices, a)
         res.notes.append(f"the best {compile_top} were compiled (real step, abstract shapes) "
-                         "and re-costed from measured collectives and memory")
+                         "and re-costed from measured collectives and memory"
+                         + (f", and {extra} more until the best that fits was one compiled"
+                            if extra else ""))
     return res
+
+
+def compile_best(res: SearchResult, cfg, topo: Topology, k: int, max_devices: int,
+                 a: Assumptions) -> int:
+    """Compile the best k that fit, then the best left while it is one not compiled: a layout
+    the compile finds too large drops out, and the layout the search recommends is then always
+    one compiled (unless none fits). Returns how many beyond k were compiled."""
+    from boost_jax.plan.dryrun import StepCompileError, dry_run
+
+    done = 0
+    while True:
+        todo = [c for c in res.fitting if not c.compiled]
+        if not todo or (done >= k and res.fitting[0].compiled):
+            return max(done - k, 0)
+        c, done = todo[0], done + 1
+        try:
+            dr = dry_run(c.config(cfg), topo, c.sizes["global"] * c.pp_stages, max_devices, a)
+        except StepCompileError as e:
+            c.error = f"compile failed: {e}"
+            continue
+        c.prediction, c.compiled, c.compiled_fits = dr.prediction, True, dr.memory["fits"]
 
 
 def compile_on_gpu(res: SearchResult, cfg, topo: Topology, k: int, max_devices: int,

@@ -144,6 +144,33 @@ def test_state_memory_formula_of_the_design():
     assert one.grads == pytest.approx(in_bwd / 64 + (psi - in_bwd) / 8)
 
 
+def test_compile_top_keeps_compiling_until_the_best_that_fits_was_compiled(monkeypatch):
+    """--compile-top k: when the compile finds the best layouts too large, the next best are
+    compiled until the one recommended (the first that fits) is a compiled one."""
+    import types
+
+    from boost_jax.plan import dryrun
+    from boost_jax.plan.search import compile_best, search
+
+    cfg = load_config(None, [*TINY, "train.global_batch=64"])
+    res = search(cfg, get_topology("frontier"), {"pair": 2, "node": 4, "global": 2})
+    analytic = [c.key() for c in res.fitting]
+    by_key = {c.key(): c for c in res.candidates}
+    calls = []
+
+    def fake_dry_run(cc, topo, hosts, max_devices, a):  # the five best do not fit compiled
+        c = next(c for c in res.fitting if not c.compiled)
+        calls.append(c.key())
+        return types.SimpleNamespace(prediction=c.prediction,
+                                     memory={"fits": len(calls) > 5})
+
+    monkeypatch.setattr(dryrun, "dry_run", fake_dry_run)
+    assert compile_best(res, cfg, get_topology("frontier"), 2, 512, C.Assumptions()) == 4
+    assert calls == analytic[:6]  # best first, each the best not yet compiled
+    assert res.fitting[0] is by_key[analytic[5]] and res.fitting[0].compiled
+    assert not any(by_key[k] in res.fitting for k in analytic[:5])
+
+
 def test_search_ranks_fitting_layouts_best_first():
     from boost_jax.plan.search import search
 
