@@ -149,12 +149,17 @@ def activation_bytes(cfg, bm, L: int) -> tuple[float, float]:
     return L * (bm.residual_bytes + bm.latent_bytes), working
 
 
+def one_pass(cfg) -> bool:
+    """One micro-batch and no pipeline: no loop, the step's phases peak apart (ONE_PASS_PHASES)."""
+    return cfg.train.micro_batches == 1 and cfg.parallel.pp_stages == 1
+
+
 def ends_terms(cfg, st, pb: int, gb: int) -> dict:
     """The weights outside the layer stack. Several micro-batches: embedding and head fetched
     whole with their gradients, all live through the loop. One pass: the head's weights in
     its phase, their gradient through the backward (the embedding's fetch and gradient fall
     at the step's start and end, outside the phases)."""
-    if cfg.train.micro_batches == 1 and cfg.parallel.pp_stages == 1:
+    if one_pass(cfg):
         return {"head": st.head_tp_local * pb, "head_grads": st.head_tp_local * gb}
     return {"embed_head": st.outside_tp_local * (pb + gb)}
 
@@ -185,7 +190,7 @@ def estimate(cfg, st, pl, bm, hm, b: int, L: int, stage_inputs: float, limit: fl
         mem["stage_inputs"] = stage_inputs
     mem["logits"] = sum(o.out_bytes for o in hm.ops) * 2
     mem["layer_grads"] = st.per_layer_tp_local * 4
-    mem["total"], mem["peak"] = peak(mem, "head" in mem)
+    mem["total"], mem["peak"] = peak(mem, one_pass(cfg))
     mem["limit"], mem["fits"] = limit, mem["total"] <= limit
     return mem
 
