@@ -37,3 +37,13 @@ def test_make_bench_runs_every_script_that_writes_a_results_file():
             assert m.group(0) in gpuc, f"make gpu-compile-bench does not run {m.group(0)}"
             continue
         assert f"benchmarks/{m.group(1)}.py" in recipe, f"make bench does not run {m.group(0)}"
+
+
+def test_validation_page_is_what_its_script_writes_today():
+    """benchmarks/validation.py is the cost model alone (seconds): its page must be what the
+    code predicts now, so a change that moves a figure cannot land without re-running it."""
+    from benchmarks import validation
+
+    with open(os.path.join(RESULTS, "validation.md")) as f:
+        assert f.read() == validation.build(), \
+            "benchmarks/results/validation.md is stale: run .venv/bin/python benchmarks/validation.py"
