@@ -237,6 +237,9 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
     if any(collapses("hierarchical", axes, sizes) for axes in TP_AXES):
         res.notes.append("hierarchical with TP over the whole node is not listed: no role is "
                          "left inside the node, so it runs as zero1 (listed as zero1)")
+    staged = drop_staged_hierarchical(res)
+    if staged:
+        res.notes.append(staged)
     if compile_top and gpu:
         compile_on_gpu(res, cfg, topo, compile_top, max_devices, a)
     elif compile_top:
@@ -246,6 +249,29 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
                          + (f", and {extra} more until the best that fits was one compiled"
                             if extra else ""))
     return res
+
+
+def drop_staged_hierarchical(res: SearchResult) -> Optional[str]:
+    """Take hierarchical with pipeline stages out of the ranking; the one-line reason, or None.
+    Its promise is that only the optimizer runs once per step: the cross-node reduction moves
+    into the last micro-batch's backward and the update gather into the next forward. Pipeline
+    ticks do neither (placement: "pipeline stages fetch per tick"), so both stay exposed."""
+    staged = [c for c in res.candidates if c.plan == "hierarchical" and c.pp_stages > 1]
+    if not staged:
+        return None
+    fitting = res.fitting
+    shown = [c for c in fitting if c.plan == "hierarchical" and c.pp_stages > 1]
+    res.candidates = [c for c in res.candidates if c not in staged]
+    if not shown:
+        return (f"hierarchical with pipeline stages is not listed ({len(staged)} layouts, none "
+                "fits): pipeline ticks keep its cross-node reduction and update once per step")
+    share = [critical_path(c.prediction)["once-per-step"] / c.prediction.step_time
+             for c in shown]
+    best = shown[0]
+    return (f"hierarchical with pipeline stages is not listed ({len(staged)} layouts): pipeline "
+            f"ticks keep its cross-node reduction and update once per step, exposed "
+            f"({min(share):.0%}-{max(share):.0%} of the step); the best, {best.key()}, would "
+            f"rank {fitting.index(best) + 1} at {best.prediction.mfu:.1%} MFU")
 
 
 def compile_best(res: SearchResult, cfg, topo: Topology, k: int, max_devices: int,

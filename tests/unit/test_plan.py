@@ -219,15 +219,15 @@ def test_search_skips_hierarchical_that_runs_as_zero1():
 
 
 def test_hierarchical_exposes_at_most_5pct_once_per_step_without_stages():
-    """CoLA-7B on 48 Frontier nodes, 768 sequences: every hierarchical layout without
-    pipeline stages, and every one the --search report prints, has its once-per-step
-    collectives (the embedding's update and reduction, the clip's norm) within 5% of its step.
-    Pipeline stages defer nothing (every stage runs each tick: no per-layer place for its
-    reduction), a known gap that fails here once it closes."""
+    """CoLA-7B on 48 Frontier nodes, 768 sequences: every hierarchical layout the search
+    ranks (none with pipeline stages) has its once-per-step collectives (the embedding's
+    update and reduction, the clip's norm) within 5% of its step. Pipeline stages defer
+    nothing (every stage runs each tick: no per-layer place for its reduction), so the search
+    leaves them out and says why; the gap is checked here and fails once it closes."""
     import os
 
     from boost_jax.plan import dryrun
-    from boost_jax.plan.search import print_search, search
+    from boost_jax.plan.search import candidates, print_search, search
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cfg = load_config(os.path.join(root, "configs", "cola-7b.yaml"), ["train.global_batch=768"])
@@ -235,17 +235,18 @@ def test_hierarchical_exposes_at_most_5pct_once_per_step_without_stages():
     sizes = dryrun.full_sizes(cfg, topo, 48)
     res = search(cfg, topo, sizes)
 
-    def share(c):
-        return c.prediction.time["step_comm"] / c.prediction.step_time
+    def share(p):
+        return p.time["step_comm"] / p.step_time
 
     hier = [c for c in res.fitting if c.plan == "hierarchical"]
-    flat = [c for c in hier if c.pp_stages == 1]
-    assert len(flat) > 50 and max(map(share, flat)) <= 0.05
+    assert len(hier) > 50 and max(share(c.prediction) for c in hier) <= 0.05
+    assert all(c.pp_stages == 1 for c in hier)
     printed = res.fitting[:15] + [c for _, _, c in res.best_by_plan]
     assert any(c.plan == "hierarchical" for c in printed)
-    assert all(share(c) <= 0.05 for c in printed if c.plan == "hierarchical")
     assert "hierarchical" in print_search(res, cfg, topo, sizes)
-    assert max(share(c) for c in hier if c.pp_stages > 1) > 0.05
+    assert any(n.startswith("hierarchical with pipeline stages is not listed") for n in res.notes)
+    staged = [c for c in candidates(cfg, sizes) if c.plan == "hierarchical" and c.pp_stages > 1]
+    assert max(share(C.predict(c.config(cfg), topo, c.sizes)) for c in staged[:24]) > 0.05
 
 
 def test_search_table_rows_show_what_separates_them():
