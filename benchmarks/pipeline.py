@@ -178,7 +178,8 @@ def section_40b(lines: list[str]) -> None:
               "32 sequences of 4096 tokens per step, bf16. `python -m boost_jax.plan "
               + " ".join(args) + "`: every layout (plans x TP x stages x micro-batching x "
               "remat) costed analytically, the best 8 compiled on 32 simulated devices and "
-              f"re-costed from the compiled program; best five of {d['n_fitting']} that fit:", "",
+              f"re-costed from the compiled program; best five of {d['n_fitting']} that fit "
+              f"({d['n_unlisted']} hierarchical layouts with pipeline stages not ranked):", "",
               markdown_table(["rank", "layout", "GiB/GPU", "step s", "MFU", "compiled"], [
                   [i + 1, r["key"], f"{r['memory'] / GiB:.1f}", f"{r['step_time']:.2f}",
                    f"{r['mfu']:.1%}", "yes" if r["compiled"] else "no"]

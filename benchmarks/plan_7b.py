@@ -148,7 +148,9 @@ def section_search(topo, lines, top: int):
     lines += [
         "## 3. The best layouts `--search` finds at ≥ 4 sequences per GCD (global batch 1536)",
         "",
-        f"{len(res.fitting)} layouts fit of {res.n_evaluated - res.n_invalid} valid; the best "
+        f"{len(res.fitting)} layouts fit of {res.n_evaluated - res.n_invalid - res.n_unlisted} "
+        f"valid and ranked ({res.n_unlisted} hierarchical layouts with pipeline stages are not "
+        "ranked: their cross-node legs stay once per step); the best "
         f"{len(cands)} with at least 4 sequences per GCD per micro-batch, each compiled. Bytes "
         "per GCD per step, compiled / analytic (cost model), by level; bytes leaving each node "
         "per step, compiled / analytic; MFU from the compiled collectives.", "",

@@ -91,6 +91,7 @@ class SearchResult:
     n_evaluated: int
     n_invalid: int
     notes: list = field(default_factory=list)
+    n_unlisted: int = 0  # costed, valid, left out of the ranking (drop_staged_hierarchical)
 
     @property
     def fitting(self) -> list:
@@ -150,7 +151,7 @@ class SearchResult:
                      critical_path=critical_path(c.prediction))
                 for plan, i, c in self.best_by_plan]
         return {"ranked": rows, "best_by_plan": best, "n_evaluated": self.n_evaluated,
-                "n_invalid": self.n_invalid,
+                "n_invalid": self.n_invalid, "n_unlisted": self.n_unlisted,
                 "n_fitting": len(rows), "compiled_not_fitting": tight,
                 "mfu_ceiling": self.ceiling, "notes": self.notes}
 
@@ -262,6 +263,7 @@ def drop_staged_hierarchical(res: SearchResult) -> Optional[str]:
     fitting = res.fitting
     shown = [c for c in fitting if c.plan == "hierarchical" and c.pp_stages > 1]
     res.candidates = [c for c in res.candidates if c not in staged]
+    res.n_unlisted += len(staged)
     if not shown:
         return (f"hierarchical with pipeline stages is not listed ({len(staged)} layouts, none "
                 "fits): pipeline ticks keep its cross-node reduction and update once per step")
@@ -339,7 +341,8 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
     lines = [f"layout search for {cfg.name} on {topo.name}: {hosts} nodes, {n} devices, "
              f"global batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens",
              *[f"  {x}" for x in res.notes],
-             f"  {len(res.fitting)} of {res.n_evaluated - res.n_invalid} valid layouts fit "
+             f"  {len(res.fitting)} of {res.n_evaluated - res.n_invalid - res.n_unlisted} valid "
+             "layouts listed fit "
              f"(<= {res.candidates[0].prediction.assumptions.hbm_usable if res.fitting else 0.9:.0%}"
              f" of {topo.hbm_bytes / 2**30:.0f} GiB); best first:", ""]
     hdr = ("| # | plan | TP | PP | seq/dev/micro | micro-batches | remat | weights/grad sums | "
