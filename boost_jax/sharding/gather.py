@@ -2,25 +2,25 @@
 the gradient's reduce-scatter into the grads sharding.
 
 Runs inside the step's shard_map, manual over every mesh axis: x is this device's stored shard
-(padded, TP-local, split over the params axes P on `layout.dim`). Forward by plan, S the
-secondary axes:
+(padded, TP-local, split over the params axes P on `layout.dim`). Which gathers run, over which
+axes, int8 or not, is one method's answer (`gathers`: a Gather record each, which the engine
+issues and step_collectives lists); S the secondary axes, forward | backward:
 
-    no secondary   full = AG_P(x)                            backward re-gathers AG_P(x)
-    secondary S    sec  = to_S(x)   [saved, SECONDARY_NAME]  backward re-gathers AG_S(sec)
-                   full = AG_S(sec)
-    hpZ (S a proper prefix of P)   full = AG_P(x) once; sec = this device's S-block of it
-    int8           each shard quantized locally, q and its scales gathered in one buffer
+    no secondary          gather AG_P(x)                           | regather AG_P(x)
+    S ⊇ P (P-major)       sec = to_S(x) saved; gather(S) AG_S(sec) | regather(S) AG_S(sec)
+    S ⊂ P or ∅, not hpZ   gather AG_P(x), sec cut from it; gather(S) | regather(S) AG_S(sec)
+    hpZ (S ⊂ P, prefix)   gather AG_P(x) once, sec its S-block     | regather(S) AG_S(sec)
+    int8                  each shard quantized over src_axes, q and scales in one buffer; qwZ's
+                          kept gather (S = ∅) and hpZ's packed sec: P's shards as they arrived
 
-Every collective is described as a bucket.Send and issued by bucket.run for the whole fetch
-unit (fetch_tree). The backward re-gather falls out of remat: each layer's jax.checkpoint
-policy saves SECONDARY_NAME and never the gathered weight (layers/forward.remat_wrapper).
+Each is a bucket.Send that bucket.run issues for the whole fetch unit (fetch_tree); the backward
+re-gathers by remat, which saves SECONDARY_NAME, never the weight (layers/forward, hpz.py).
 
 Gradient: the fetch is a custom_vjp whose primal ignores the slots (zeros shaped like this
-device's accumulator shard) and whose backward turns each full weight's cotangent into its
-slot's: cast to grad_accum_dtype, zero-pad, reduce-scatter over the grads axes G on
-`layout.dim`. The full weight is marked varying over the batch axes so that JAX does not reduce
-its cotangent over them: what G leaves out (the deferred axes R) stays unreduced until the end
-of the step, or is reduced right here after G (`backward_reduction_steps`, Placement.in_backward).
+device's accumulator shard) and whose backward reduce-scatters each full weight's cotangent
+(grad_accum_dtype, zero-padded) over the grads axes G into its slot. The full weight is typed
+varying over the batch axes so JAX does not reduce it over them: the deferred axes R stay
+unreduced until the step's end, or are reduced here after G (Placement.in_backward).
 Derivation (to_S, hpZ and int8 in full, the fetch units): benchmarks/README.md §3.
 """
 
@@ -57,10 +57,39 @@ def to_varying(x, axes):
     return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
+FORWARD, BACKWARD = "forward", "backward"
+
+
+@dataclass(frozen=True)
+class Gather:
+    """One gather of a weight's fetch in one pass: the entry step_collectives lists (moving
+    over `axes`) and the description the engine issues it from (secondary_source, flat_send,
+    expand). `what` is the list's name; a record over no axes moves nothing and only stands for
+    a use of a copy kept whole (dequantized there when `decoded`)."""
+
+    what: str  # gather | gather(S) | regather | regather(S)
+    axes: tuple[str, ...]  # what it gathers over
+    src_axes: tuple[str, ...]  # each shard it moves is one device's block over these (int8:
+    # quantized over them; ≠ axes: the int8 shards over src_axes as they arrived, stacked)
+    int8: bool  # q and scales of each shard, packed, instead of the working dtype
+    when: str  # FORWARD or BACKWARD
+    decoded: bool  # dequantized where it lands (Int8Copies.int8_decodes)
+    source: bool = False  # its arrival is what the secondary is cut from (or kept as)
+
+    def again(self) -> "Gather":
+        """The same gather re-run in the backward (remat replays the forward's)."""
+        return dataclasses.replace(self, what="re" + self.what, when=BACKWARD)
+
+
 class Int8Copies:
-    """Which saved weight copies are int8, asked the same way by the engine (a leaf's fetch),
-    the byte formulas and the cost model (a placement): both carry secondary_axes,
-    quantize_gather (qwZ) and int8_secondary."""
+    """Which gathers a weight's fetch runs, and which saved copies are int8, asked the same way
+    by the engine (a leaf's fetch), the byte formulas and the cost model (a placement): both
+    carry params_axes, secondary_axes, quantize_gather (qwZ), int8_secondary and replay."""
+
+    @property
+    def is_gathered(self) -> bool:
+        """Stored sharded over the params axes (a leaf's fetch adds: on a dim)."""
+        return bool(self.params_axes)
 
     @property
     def hpz(self) -> bool:
@@ -100,22 +129,39 @@ class Int8Copies:
         return (bool(self.params_axes) and self.int8_secondary and self.secondary_axes is not None
                 and not self.hpz and not self.keeps_int8_gather)
 
+    def gathers(self) -> tuple[Gather, ...]:
+        """The gathers of a gathered weight's fetch in one forward and its backward, in order
+        (the module docstring's table, case by case): the last is the backward's, which
+        `expand` issues — in the forward too, as the record before it (the same gather under
+        its forward name), unless hpZ's flat gather delivered the weight. The one the secondary
+        is cut from is `source` (secondary_source, or hpZ's flat_send)."""
+        if not self.is_gathered:
+            return ()
+        P, S, q, i8 = tuple(self.params_axes), self.secondary_axes, self.quantize_gather, \
+            self.int8_secondary
+        if S is None:
+            g = Gather("gather", P, P, q, FORWARD, q)
+            return g, g.again()
+        S = tuple(S)
+        if self.keeps_int8_gather:  # each use dequantizes the copy the gather delivered
+            use = Gather("gather", (), P, True, FORWARD, True)
+            return (Gather("gather", P, P, True, FORWARD, False, source=True), use,
+                    dataclasses.replace(use, when=BACKWARD))
+        flat = (Gather("gather", P, P, q, FORWARD, q, source=True),) \
+            if self.secondary_from_flat else ()
+        if self.hpz:  # the backward's gather of the S-block; packed: P's int8 shards
+            packed = self.packed_secondary
+            return flat + (Gather("regather(S)", S, P if packed else S, packed or i8,
+                                  BACKWARD, packed or i8),)
+        sec = Gather("gather(S)", S, S, i8, FORWARD, i8)
+        return flat + (sec, sec.again())
+
     @property
     def int8_decodes(self) -> tuple[str, ...]:
         """The int8 copies a gathered weight's fetch dequantizes per pass, each named by the
-        gather that delivered it (step_collectives' `what`; none moves over no axes): what
-        expand, flat_full and secondary_source run (the cost model's kernels)."""
-        if not self.params_axes:
-            return ()
-        if self.keeps_int8_gather:  # the gather as it arrived, at each use
-            return ("gather", "gather")
-        if self.hpz:
-            return (("gather",) if self.quantize_gather else ()) + \
-                (("regather(S)",) if self.int8_secondary else ())
-        if self.secondary_axes is None:
-            return ("gather", "regather") if self.quantize_gather else ()
-        flat = ("gather",) if self.secondary_from_flat and self.quantize_gather else ()
-        return flat + (("gather(S)", "regather(S)") if self.int8_secondary else ())
+        gather record that lands it (`gathers`: decoded): what expand, flat_full and
+        secondary_source run (the cost model's kernels)."""
+        return tuple(g.what for g in self.gathers() if g.decoded)
 
 
 @dataclass(frozen=True)
@@ -232,27 +278,39 @@ class LeafFetch(Int8Copies):
     def maybe_quantize(self, x, int8: bool, src_axes):
         return self.quantize(x, src_axes) if int8 else x
 
+    def source_gather(self) -> Optional[Gather]:
+        """The forward's gather the secondary is cut from (or kept as), if any."""
+        return next((g for g in self.gathers() if g.source), None)
+
+    def kept_as_arrived(self) -> bool:
+        """The saved secondary is the int8 shards over another partition as they arrived
+        (its gather's src_axes differ from its axes: qwZ's gather kept, hpZ's packed block)."""
+        g = self.gathers()[-1]
+        return g.src_axes != g.axes
+
     def secondary_source(self, x):
         """What the secondary is cut from: the stored shard (S ⊇ P, P-major), or (ZeRO++'s
         hpZ, S ⊂ P) the forward's flat gather over P, as DeepSpeed takes it."""
-        if not self.secondary_from_flat:
+        g = self.source_gather()
+        if g is None:
             return x
-        P = self.params_axes
-        send = self.gather(self.maybe_quantize(x, self.quantize_gather, P), P, P)
-        return dataclasses.replace(send, finish=lambda a: a) if self.keeps_int8_gather else send
+        send = self.gather(self.maybe_quantize(x, g.int8, g.src_axes), g.axes, g.src_axes)
+        if g.int8 and not g.decoded:  # qwZ's gather kept: the secondary is what arrived
+            return dataclasses.replace(send, finish=lambda a: a)
+        return send
 
     def to_secondary(self, source):
         """secondary_source's result → this device's block of the secondary (int8: (q, s),
         or the stacked packed shards of a kept int8 gather)."""
-        if self.keeps_int8_gather:
+        if self.kept_as_arrived():
             return source
-        P, S = self.params_axes, self.secondary_axes
-        extra = S if self.secondary_from_flat else S[len(P):]
+        g, P = self.gathers()[-1], self.params_axes
+        extra = g.axes if self.source_gather() else g.axes[len(P):]
         x = source
         if extra:
             k = x.shape[self.dim] // self.n(extra)
             x = jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(extra) * k, k, self.dim)
-        return self.maybe_quantize(x.astype(self.dtype), self.int8_secondary, S)
+        return self.maybe_quantize(x.astype(self.dtype), g.int8, g.src_axes)
 
     def update_source(self, r: int) -> tuple[str, ...]:
         """Axes the input of the deferred update's r-th gather is sharded over."""
@@ -270,43 +328,45 @@ class LeafFetch(Int8Copies):
     def flat_send(self, x):
         """The forward's one gather of an hpZ weight over P (int8 under qwZ), as a bucket.Send
         delivering the stacked shards as they arrive."""
-        P = self.params_axes
-        send = self.gather(self.maybe_quantize(x, self.quantize_gather, P), P, P)
+        g = self.source_gather()
+        send = self.gather(self.maybe_quantize(x, g.int8, g.src_axes), g.axes, g.src_axes)
         return dataclasses.replace(send, finish=lambda a: a)
 
     def flat_full(self, arrived):
         """flat_send's stacked shards → the full (padded) weight."""
-        if self.quantize_gather:
-            return self.int8_finish(self.params_axes)(arrived)
+        g = self.source_gather()
+        if g.decoded:
+            return self.int8_finish(g.src_axes)(arrived)
         return merge_stacked(arrived, self.dim)
 
     def flat_secondary(self, arrived):
         """flat_send's stacked shards → this device's S-block of them: |P|/|S| consecutive
         shards (S is a prefix of P), kept packed as they arrived under qwZ; else merged (and
         quantized once for an int8 secondary of a working-dtype gather)."""
-        S = self.secondary_axes
-        m = self.n(self.params_axes) // self.n(S)
-        x = jax.lax.dynamic_slice_in_dim(arrived, jax.lax.axis_index(S) * m, m, 0)
-        if self.packed_secondary:
+        g = self.gathers()[-1]  # the backward's gather of the block, over S
+        m = self.n(self.source_gather().axes) // self.n(g.axes)
+        x = jax.lax.dynamic_slice_in_dim(arrived, jax.lax.axis_index(g.axes) * m, m, 0)
+        if self.kept_as_arrived():
             return x
         x = merge_stacked(x, self.dim).astype(self.dtype)
-        return self.maybe_quantize(x, self.int8_secondary, S)
+        return self.maybe_quantize(x, g.int8, g.src_axes)
 
     def expand(self, src):
         """The saved source (stored shard or secondary) → the gather of the full weight (a
-        bucket.Send, or the value when nothing moves); `working_weight` completes it."""
+        bucket.Send, or the value when nothing moves) as the backward's record (`gathers`)
+        says; `working_weight` completes it."""
         if not self.is_gathered:
             return src
-        if self.keeps_int8_gather:
-            return self.int8_finish(self.params_axes)(src)
-        if self.packed_secondary:  # [|S|, |P|/|S|, ...] arrive: the |P| shards in P's order
-            finish = self.int8_finish(self.params_axes)
-            return Send("all-gather", tuple(self.secondary_axes), src,
-                        lambda a: finish(a.reshape(-1, *a.shape[2:])), self.group)
-        if self.secondary_axes is None:
-            P = self.params_axes
-            return self.gather(self.maybe_quantize(src, self.quantize_gather, P), P, P)
-        return self.gather(src, self.secondary_axes, self.secondary_axes)
+        g = self.gathers()[-1]
+        if self.kept_as_arrived():  # [|axes|, |src|/|axes|, ...] arrive: src's shards in order
+            finish = self.int8_finish(g.src_axes)
+            if not g.axes:
+                return finish(src)
+            return Send("all-gather", g.axes, src, lambda a: finish(a.reshape(-1, *a.shape[2:])),
+                        self.group)
+        if self.secondary_axes is None:  # the stored shard, quantized here for an int8 gather
+            src = self.maybe_quantize(src, g.int8, g.src_axes)
+        return self.gather(src, g.axes, g.src_axes)
 
     def working_weight(self, full):
         """The gathered weight → the full, unpadded working weight, typed as the batch's."""
@@ -623,6 +683,7 @@ def slot_like(f: LeafFetch, local_shape, tp_axes: tuple[str, ...],
     return to_varying(z, f.slot_axes() + tp_axes) if check_vma else z
 
 
-__all__ = ["LeafFetch", "fetch_leaf", "fetch_tree", "slot_like", "to_varying", "varying_axes",
-           "expand_all", "reduce_all", "to_params_all", "Deferred", "HpzForward", "HpzBackward", "WithPrior",
-           "WithSlot", "paired", "unpaired", "with_slots", "SECONDARY_NAME"]
+__all__ = ["Gather", "LeafFetch", "fetch_leaf", "fetch_tree", "slot_like", "to_varying",
+           "varying_axes", "expand_all", "reduce_all", "to_params_all", "Deferred", "HpzForward",
+           "HpzBackward", "WithPrior", "WithSlot", "paired", "unpaired", "with_slots",
+           "SECONDARY_NAME"]

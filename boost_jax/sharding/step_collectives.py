@@ -9,8 +9,8 @@ deferred axes). Ring costs, bytes *sent by one device* per call over n devices (
 all-to-all of a P-byte buffer; 2(n−1)/n · P for an all-reduce of P bytes.
 
 Per pass over the weights (`Passes`: once per micro-batch; more with pipeline ticks):
-    gather     AG_A(Ψw, or int8 q(Ψ) under qwZ); with a secondary AG_S (hpZ: AG_A only)
-    regather   the layers re-fetch in backward: AG_A, or AG_S from the saved secondary
+    gather     forward (regather: backward) gathers, one per LeafFetch.gathers record, what the
+               engine issues: AG_A(Ψw, or int8 q(Ψ) under qwZ); with a secondary AG_S
     grad       RS_G(Ψa) into the grads sharding (AR_G if not sharded); qgZ: int4 all-to-alls
 Once per step, on the whole leaf (engine.reduce_deferred, step/build.make_step_fn):
     reduce     AR over R − O, then RS over R ∩ O (per layer in backward: Placement.in_backward)
@@ -38,7 +38,7 @@ from boost_jax.layers.forward import path_keys
 from boost_jax.mesh import axis_size, level_of
 from boost_jax.sharding import quant
 from boost_jax.sharding.bucket import BUCKETED
-from boost_jax.sharding.gather import LeafFetch, qgz_stages
+from boost_jax.sharding.gather import FORWARD, Gather, LeafFetch, qgz_stages
 from boost_jax.sharding.layout import LeafLayout, is_layout
 from boost_jax.sharding.schedule import Schedule
 
@@ -114,15 +114,17 @@ def int8_payload(f: LeafFetch, axes) -> float:
     return float(f.n(axes) * quant.payload_bytes(shape, f.qblock(shape[qa]), qa))
 
 
-def secondary_payload(f: LeafFetch) -> float:
-    """Bytes of one layer's secondary gathered over S (the whole weight's): hpZ under qwZ keeps
-    the int8 shards over the params axes as they arrived; else int8 blocks of the S-shards, or
-    the working dtype."""
-    if f.packed_secondary:
-        return int8_payload(f, f.params_axes)
-    if f.int8_secondary:
-        return int8_payload(f, f.secondary_axes)
+def gather_payload(f: LeafFetch, g: Gather) -> float:
+    """Bytes of one layer's weight (TP-local) as gather `g` delivers it: int8 blocks of each
+    shard over its src_axes (q + scales), or the working dtype."""
+    if g.int8:
+        return int8_payload(f, g.src_axes)
     return float(math.prod(f.local_shape(())) * itemsize(f.dtype))
+
+
+def secondary_payload(f: LeafFetch) -> float:
+    """Bytes of one layer's secondary (the whole weight's), as the backward gathers it."""
+    return gather_payload(f, f.gathers()[-1])
 
 
 def quantized_rs_payload(f: LeafFetch, axes, elems: float, bits: int) -> float:
@@ -202,21 +204,8 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
             out.extend(Collective(name, what, k, ax, f.n(ax), float(p), calls, phase, key)
                        for k, ax, p in pl.collectives.stages(kind, axes, payload, a))
 
-    A, S = pl.params_axes, pl.secondary_axes
-    if f.is_gathered:
-        prim = int8_payload(f, A) if f.quantize_gather else psi * w
-        if S is None:
-            add("gather", "all-gather", A, prim, fwd)
-            add("regather", "all-gather", A, prim, bwd)
-        elif f.hpz:  # one flat gather; the backward's from its S-block (sharding/hpz.py)
-            add("gather", "all-gather", A, prim, fwd)
-            add("regather(S)", "all-gather", S, secondary_payload(f), bwd)
-        else:
-            sec = secondary_payload(f)
-            if f.secondary_from_flat:
-                add("gather", "all-gather", A, prim, fwd)
-            add("gather(S)", "all-gather", S, sec, fwd)
-            add("regather(S)", "all-gather", S, sec, bwd)
+    for g in f.gathers():  # what the engine issues (LeafFetch.expand, secondary_source, ...)
+        add(g.what, "all-gather", g.axes, gather_payload(f, g), fwd if g.when == FORWARD else bwd)
     int4 = dict(qgz_payloads(f)) if f.quantize_grads and f.dim is not None else {}
     for i, (kind, axes) in enumerate(f.grad_steps()):
         if kind == "all-to-all":
