@@ -54,6 +54,12 @@ def ring_bytes(kind: str, n: int, payload: float) -> float:
     return float(payload)  # collective-permute / broadcast: the whole buffer once
 
 
+def moving_level(sizes, axes) -> str:
+    """level_of the axes that have more than one device: a group over (pair, global) on one
+    node crosses only the pair link (as the cost model and the compiled groups see it)."""
+    return level_of(tuple(a for a in axes if axis_size(sizes, (a,)) > 1))
+
+
 @dataclass(frozen=True)
 class Collective:
     """One collective of the step: `calls` calls per optimizer step of `payload` bytes each."""
@@ -66,11 +72,8 @@ class Collective:
     payload: float  # bytes of one call's un-sharded buffer (the ring formulas' P)
     calls: float  # per optimizer step
     phase: str  # dp: per pass, inside the layer loop | step: once per step
+    level: str  # the slowest link its group crosses, size-1 axes aside (moving_level)
     bucket: tuple = ()  # what it shares one call with (sharding/bucket.py); () its own call
-
-    @property
-    def level(self) -> str:
-        return level_of(self.axes)
 
     @property
     def sent(self) -> float:
@@ -201,7 +204,8 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     def add(what, kind, axes, payload, calls, phase="dp", step=None):
         key = (unit, f.group, what, step) if phase == "dp" else ()
         if f.n(axes) > 1 and calls > 0 and payload > 0:
-            out.extend(Collective(name, what, k, ax, f.n(ax), float(p), calls, phase, key)
+            out.extend(Collective(name, what, k, ax, f.n(ax), float(p), calls, phase,
+                                  moving_level(f._size, ax), key)
                        for k, ax, p in pl.collectives.stages(kind, axes, payload, a))
 
     for g in f.gathers():  # what the engine issues (LeafFetch.expand, secondary_source, ...)
@@ -259,7 +263,7 @@ def step_collectives(pl, passes: Passes, tied: bool = False) -> list[Collective]
     n_all = axis_size(pl.mesh, every)
     if n_all > 1:  # the clip's global norm: one fp32 partial sum per leaf
         out.extend(Collective("*", "grad norm", k, ax, axis_size(pl.mesh, ax), float(p), 1,
-                              "step") for k, ax, p in
+                              "step", level_of(ax)) for k, ax, p in
                    pl.collectives.stages("all-reduce", every, 4.0 * len(all_leaves), 4))
     return out
 

@@ -237,3 +237,22 @@ def test_every_constant_has_a_source_and_the_readme_lists_them():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "README.md")) as f:
         assert V.constants_table() in f.read()
+
+
+def test_list_levels_skip_axes_of_one_device():
+    """On one node the global axis has one device: a collective over it (zero3's gathers over
+    pair, node and global) crosses the node link only, in the list's levels as in the cost
+    model's timing, and nothing is sent across nodes."""
+    from boost_jax.sharding.step_collectives import bytes_by_level, step_collectives
+
+    sizes = {"pair": 2, "node": 4, "global": 1}
+    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{
+        "data.seq_len": 256, "parallel.plan": "zero3", "train.micro_batches": 2,
+        "train.global_batch": 8})
+    _, pl = C.state_sizes(cfg, sizes)
+    listed = step_collectives(pl, C.passes(cfg))
+    assert any("global" in c.axes for c in listed)
+    assert all(c.level != "global" for c in listed)
+    assert bytes_by_level(listed)["global"] == 0 and bytes_by_level(listed)["node"] > 0
+    timed = {(c.name, c.kind, c.level) for c in C.dp_collectives(cfg, sizes, pl)}
+    assert {(c.what, c.kind, c.level) for c in listed} == timed
