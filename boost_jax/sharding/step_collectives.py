@@ -101,12 +101,6 @@ class Passes:
         return cls(2 * ticks / v, ticks / v, 2 * ticks, ticks)
 
 
-def update_via_grads(pl) -> bool:
-    """The new weights go opt_state → grads → params sharding (A ⊆ G ⊆ O), so the cross-node
-    part moves only the node's shard; else opt_state → params directly."""
-    return set(pl.params_axes) <= set(pl.grads_axes) <= set(pl.opt_state_axes)
-
-
 def int8_payload(f: LeafFetch, axes) -> float:
     """Bytes of q + scales of one layer's (TP-local) leaf when each shard over `axes` is
     quantized on its own (what an int8 all-gather over `axes` delivers)."""
@@ -311,6 +305,6 @@ def bytes_by_level(colls: Sequence[Collective]) -> dict[str, float]:
     return out
 
 
-__all__ = ["Collective", "Passes", "step_collectives", "leaf_collectives", "update_via_grads",
+__all__ = ["Collective", "Passes", "step_collectives", "leaf_collectives",
            "ring_bytes", "int8_payload", "qgz_payloads",
            "bytes_by_level", "bucketed", "leaves", "tp_local", "device_layers"]
