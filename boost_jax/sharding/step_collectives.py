@@ -40,7 +40,7 @@ from boost_jax.sharding import quant
 from boost_jax.sharding.bucket import BUCKETED
 from boost_jax.sharding.gather import LeafFetch, qgz_stages
 from boost_jax.sharding.layout import LeafLayout, is_layout
-from boost_jax.sharding.schedule import Schedule
+from boost_jax.sharding.stages import Schedule
 
 
 def ring_bytes(kind: str, n: int, payload: float) -> float:
@@ -90,7 +90,7 @@ class Passes:
 
     @classmethod
     def of(cls, micro_batches: int, schedule: Schedule | None = None) -> "Passes":
-        """One of each per micro-batch; a pipeline (sharding/schedule.py) fetches a chunk's
+        """One of each per micro-batch; a pipeline (sharding/stages.Schedule) fetches a chunk's
         weights on every tick with F and again on every tick with B (its forward re-run), a
         tick running one of the V chunks; the ends run on every tick, whatever its chunk:
         fetched on each with F and each with B, reduced on each with B."""
