@@ -39,7 +39,7 @@ from boost_jax.mesh import AXES, axis_size, get_topology
 from boost_jax.sharding import stages
 from boost_jax.sharding.gather import Int8Copies
 from boost_jax.sharding.layout import LeafLayout, choose_layout, spec_entry
-from boost_jax.sharding.two_level import FLAT, Policy
+from boost_jax.sharding.bucket import FLAT, Policy
 from boost_jax.sharding.tp.specs import tp_param_specs
 
 ALL = "all"
@@ -92,7 +92,7 @@ class Placement(Int8Copies):
     notes: list[str] = field(default_factory=list)
     quantize_grads: bool = False  # qgZ: int4 all-to-all gradient reduce-scatter
     reduce_in_backward: bool = False  # R reduced per layer in the (last micro-batch's) backward
-    collectives: Policy = FLAT  # parallel.collectives (sharding/two_level.py)
+    collectives: Policy = FLAT  # parallel.collectives (sharding/bucket.py)
     micro_batches: int = 1
     opt_state_per_param: int = 2  # fp32 optimizer-state elements per weight (optim.name)
     defer_update: bool = False  # weights stored over opt_state axes, gathered in the forward
