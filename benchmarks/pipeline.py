@@ -36,7 +36,7 @@ from boost_jax.backends.cpu import fast_compile_options  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import make_mesh  # noqa: E402
 from benchmarks.published import BOOST_PUBLISHED, boost_predictions  # noqa: E402
-from boost_jax.step.pipeline import Schedule  # noqa: E402
+from boost_jax.sharding.stages import Schedule  # noqa: E402
 from boost_jax.step.build import build_step  # noqa: E402
 
 PY = sys.executable

@@ -37,7 +37,7 @@ from typing import Optional
 from boost_jax.config import load_config
 from boost_jax.mesh import Topology, get_topology
 from boost_jax.plan.costmodel import Assumptions, predict
-from boost_jax.step.pipeline import Schedule
+from boost_jax.sharding.stages import Schedule
 
 VALIDATION_ASSUMPTIONS = Assumptions(attention="flash")
 TOLERANCE = 0.25

@@ -186,7 +186,7 @@ class ParallelConfig:
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     pp_virtual: int = 1  # interleaved virtual stages per device (chunks of layers)
     # data-parallel collectives spanning hosts and a node: one flat group, or rank-aligned
-    # stages over `global` and inside the node (boost_jax/sharding/two_level.py); auto: per call
+    # stages over `global` and inside the node (boost_jax/sharding/bucket.py); auto: per call
     collectives: Literal["flat", "two_level", "auto"] = "flat"
 
     def validate(self) -> None:

@@ -33,15 +33,6 @@ def mm(a, b, contract=((1,), (0,))):
                            preferred_element_type=F32)
 
 
-def xla_mm(a, b):
-    """The XLA twins' 2-D GEMM: output in the inputs' dtype (accumulated in fp32 all the same),
-    so autodiff's backward GEMMs stay in that dtype; an fp32 output would hand them an fp32
-    cotangent and make them fp32 GEMMs. fp32 inputs use IEEE (no TF32), as mm."""
-    prec = lax.Precision.HIGHEST if a.dtype == F32 else None
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
-                           preferred_element_type=a.dtype)
-
-
 def flat(x):
     return x.reshape(-1, x.shape[-1])
 

@@ -137,5 +137,4 @@ def norm_matmul(x, gamma, a, impl: str = "auto", out_dtype=None):
     use, interp = _pick(impl)
     if use:
         return grouped.norm_matmul(x, gamma, a, out_dtype=out_dtype, interpret=interp)
-    return rmsnorm.norm_matmul_ref(rmsnorm.flat(x), gamma, a, out_dtype=out_dtype).reshape(
-        *x.shape[:-1], a.shape[-1] + 1)
+    return rmsnorm.norm_matmul_ref(x, gamma, a, out_dtype=out_dtype)

@@ -25,8 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from boost_jax.pallas.common import (F32, align_vma, flat, mm, pow2, sds, triton_params,
-                                     xla_mm)
+from boost_jax.pallas.common import F32, align_vma, flat, mm, pow2, sds, triton_params
 
 
 def _blocks(M, N, K):
@@ -137,6 +136,16 @@ def grouped_up(z, b, *, interpret: bool = False):
     zz, bb, ns, lead, is_list = _stack_groups(z, b)
     zz, bb = align_vma(zz, bb)
     return _unstack(_gmm(zz, bb, ns, bool(interpret)), b, lead, is_list)
+
+
+def xla_mm(a, b):
+    """The XLA twins' 2-D GEMM (concat_down_ref, rmsnorm.norm_matmul_ref; grouped_up_ref's
+    einsum keeps the same rules): output in the inputs' dtype (accumulated in fp32 all the
+    same), so autodiff's backward GEMMs stay in that dtype; an fp32 output would hand them an
+    fp32 cotangent and make them fp32 GEMMs. fp32 inputs use IEEE (no TF32), as mm."""
+    prec = lax.Precision.HIGHEST if a.dtype == F32 else None
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
+                           preferred_element_type=a.dtype)
 
 
 def grouped_up_ref(z, b, *, interpret: bool = False):

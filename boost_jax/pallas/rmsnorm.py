@@ -26,9 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as plt
 
-from boost_jax.pallas.common import (F32, flat, local_norm, norm_calls, norm_vjp, tile_masks,
-                                     xla_mm)
-from boost_jax.pallas.grouped import norm_matmul
+from boost_jax.pallas.common import F32, local_norm, norm_calls, norm_vjp, tile_masks
+from boost_jax.pallas.grouped import norm_matmul, xla_mm
 
 
 # ---------------------------------------------------------------- forward kernel
@@ -93,12 +92,15 @@ def scaled_ref(c, gamma, eps: float):
 
 
 def norm_matmul_ref(x, gamma, a, *, out_dtype=None, eps: float = 1e-6, interpret: bool = False):
-    """XLA payload [T, r+1] = [rms_i·(x̂_i @ A_i) | s_i] for x [T, d_i], A [d_i, r]."""
+    """XLA payload [..., r+1] = [rms_i·(x̂_i @ A_i) | s_i] for x [..., d_i], A [d_i, r]: the
+    twin of grouped.norm_matmul, same signature (and, as it, over x's rows)."""
     del interpret
+    lead, x = x.shape[:-1], x.reshape(-1, x.shape[-1])
     xh, s, rms = local_rmsnorm_ref(x, gamma, eps)
     cdt = jnp.promote_types(x.dtype, a.dtype)
     u = rms[:, None] * xla_mm(xh.astype(cdt), a.astype(cdt))
-    return jnp.concatenate([u, s[:, None]], axis=-1).astype(out_dtype or x.dtype)
+    p = jnp.concatenate([u, s[:, None]], axis=-1).astype(out_dtype or x.dtype)
+    return p.reshape(*lead, p.shape[-1])
 
 
 def online_rmsnorm_finish(reduced, d_global: int, eps: float = 1e-6, out_dtype=None):
@@ -112,15 +114,12 @@ def online_rmsnorm_finish(reduced, d_global: int, eps: float = 1e-6, out_dtype=N
 def online_rmsnorm_partial(x_local, gamma_local, a_local, eps: float = 1e-6, *,
                            impl: str = "xla", interpret: bool = False, comm_dtype=None):
     """This shard's payload [..., r+1] = [u_i | s_i] in comm_dtype (default x.dtype)."""
-    lead = x_local.shape[:-1]
     cd = comm_dtype or x_local.dtype
     if impl == "pallas":
-        p = norm_matmul(flat(x_local), gamma_local, a_local, out_dtype=cd, interpret=interpret)
-    elif impl == "xla":
-        p = norm_matmul_ref(flat(x_local), gamma_local, a_local, out_dtype=cd, eps=eps)
-    else:
-        raise ValueError(f"impl must be 'pallas' or 'xla', got {impl!r}")
-    return p.reshape(*lead, p.shape[-1])
+        return norm_matmul(x_local, gamma_local, a_local, out_dtype=cd, interpret=interpret)
+    if impl == "xla":
+        return norm_matmul_ref(x_local, gamma_local, a_local, out_dtype=cd, eps=eps)
+    raise ValueError(f"impl must be 'pallas' or 'xla', got {impl!r}")
 
 
 def online_rmsnorm_matmul(x_local, gamma_local, a_local, d_global: int, eps: float = 1e-6,

@@ -39,8 +39,7 @@ from boost_jax.plan.overlap import gpu_exposed, gpu_launch_seconds, overlap_expo
 from boost_jax.sharding.gather import qgz_stages
 from boost_jax.sharding.step_collectives import (Passes, bucketed, keeps_secondary,
                                                  step_collectives)
-from boost_jax.sharding.schedule import Schedule
-from boost_jax.sharding.stages import layers_per_stage
+from boost_jax.sharding.stages import Schedule, layers_per_stage
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
                                      head_model, op_time, resolve_attention)
 
@@ -204,10 +203,7 @@ def stage_layers(cfg) -> int:
 
 def schedule(cfg) -> Optional[Schedule]:
     """The pipeline's tick schedule (None without stages): the one step/pipeline.py runs."""
-    par = cfg.parallel
-    if par.pp_stages == 1:
-        return None
-    return Schedule(par.pp_schedule, par.pp_stages, cfg.train.micro_batches, par.pp_virtual)
+    return Schedule.of(cfg.parallel, cfg.train.micro_batches)
 
 
 def passes(cfg) -> Passes:

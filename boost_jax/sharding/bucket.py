@@ -1,41 +1,196 @@
-"""One collective per layer for what XLA will not combine: the int4 all-to-alls of qgZ.
+"""How one data-parallel collective is issued: bucketed into one call, run flat or in two levels.
 
 Every data-parallel collective of a fetch (sharding/gather.py) is first described as a `Send`:
-the buffer this device contributes and what to do with what arrives. `run` issues them; the
-kinds in BUCKETED are grouped per fetch unit by (kind, axes, dtype, group), concatenated, sent
-in one call and split exactly (every element lands where the weight's own collective would
-put it). A cross-node all-to-all costs a latency per peer whatever its size, so a CoLA-7B
-layer's sixteen weights (fourteen factors and two norm scales) in one call save fifteen of
-them per layer and pass. Under parallel.collectives=two_level (or auto) each call whose group
-spans hosts and a node runs as rank-aligned stages (sharding/two_level.py), its result the same.
+the buffer this device contributes and what to do with what arrives. `run` issues them: the
+kinds in BUCKETED (qgZ's int4 all-to-alls) are grouped per fetch unit by (kind, axes, dtype,
+group), concatenated, sent in one call and split exactly (every element lands where the
+weight's own collective would put it); a cross-node all-to-all costs a latency per peer, so a
+CoLA-7B layer's sixteen weights in one call save fifteen. All-gathers, reduce-scatters and
+all-reduces stay one per weight, for XLA's GPU combiners to merge (why: benchmarks/README.md
+§3). `group` keeps apart buffers that JAX types differently (a weight's TP axes). Buffers over
+n devices: an all-gather's arrives stacked [n, *shape]; a reduce-scatter's is [n, *rest], chunk
+i for device i, and arrives summed [*rest]; an all-reduce's arrives summed, same shape; an
+all-to-all's [n, *rest] arrives as chunk i from device i.
 
-All-gathers, reduce-scatters and all-reduces stay one per weight, for XLA's GPU combiners to
-merge; concatenating them here measured worse, and the planner counts their calls as the
-combiners issue them (plan/costmodel.py). Why: benchmarks/README.md §3, "Derivations moved
-from the code".
-
-Buffer conventions (n devices over the axes):
-    all-gather      any shape; arrives stacked [n, *shape] (shard i from the i-th device)
-    reduce-scatter  [n, *rest], chunk i for device i; arrives as this device's summed [*rest]
-    all-reduce      any shape; arrives summed, same shape
-    all-to-all      [n, *rest], chunk i for device i; arrives [n, *rest], chunk i from device i
-`group` keeps apart buffers that JAX types differently (a weight's TP axes): one device's
-concatenation must not mix what varies over the TP group with what does not.
+`parallel.collectives` (Policy): under two_level a call whose group spans hosts (`global`, or a
+pipeline's `stage`) and axes inside a host runs as rank-aligned sub-collectives, so no ring
+spans every rank: an all-gather over the host axes (one group per local rank, each leaving by
+its own NIC), then inside the node; a reduce-scatter inside the node, then across; an
+all-reduce as RS inside, AR across, AG inside (a scalar: two sums). Each keeps the flat
+result's layout exactly; all-to-alls stay as they are (their stages already go inside the
+node, then across). `Policy.stages` says what runs for a flat (kind, axes, payload), for the
+engine's calls and the step's list (step_collectives.py) alike; `auto` picks per call the
+cheaper under an α–β ring model of the topology's links (benchmarks/README.md §13).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
-from boost_jax.sharding import two_level
-from boost_jax.sharding.two_level import FLAT, Policy
+from boost_jax.backends.cpu import all_gather_bits
+from boost_jax.mesh import level_of
+from boost_jax.names import STAGE_AXIS
 
 
+# ---------------------------------------------------------------- one call: flat or two levels
+OUTER = ("global", STAGE_AXIS)  # axes whose groups cross hosts
+SPLIT_KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """How the data-parallel collectives of one run are issued (hashable: held by LeafFetch)."""
+
+    mode: str = "flat"
+    sizes: tuple = ()  # ((axis, size), ...) of the mesh
+    links: tuple = ()  # ((level, latency s, bandwidth B/s per device), ...) for `auto`
+
+    @classmethod
+    def of(cls, mode: str, mesh_shape, topology=None) -> "Policy":
+        links = () if topology is None else tuple(
+            (lv, float(topology.latency(lv)), float(topology.bandwidth(lv)))
+            for lv in ("pair", "node", "global"))
+        return cls(mode, tuple((a, int(n)) for a, n in dict(mesh_shape).items()), links)
+
+    def n(self, axes) -> int:
+        size = dict(self.sizes)
+        return int(math.prod(size.get(a, 1) for a in axes))
+
+    def split(self, kind: str, axes, payload: float = 0.0) -> Optional[tuple]:
+        """(inner, outer) axes when this call runs in two levels, else None."""
+        outer = tuple(a for a in axes if a in OUTER)
+        inner = tuple(a for a in axes if a not in OUTER)
+        if self.mode == "flat" or kind not in SPLIT_KINDS or self.n(outer) <= 1 \
+                or self.n(inner) <= 1:
+            return None
+        if self.mode == "auto" and not self.two_level_wins(kind, inner, outer, payload):
+            return None
+        return inner, outer
+
+    def two_level_wins(self, kind: str, inner, outer, payload: float) -> bool:
+        """The α–β comparison of benchmarks/README.md §13 (no topology: two-level)."""
+        if not self.links:
+            return True
+        link = {lv: (a, b) for lv, a, b in self.links}
+        (a_g, b_g), (a_i, b_i) = link["global"], link[level_of(inner)]
+        n_in, g = self.n(inner), self.n(outer)
+        n = n_in * g
+        flat = (n - 1) * a_g + (n - 1) / n * payload / min(n_in * b_g, b_i)
+        two = (g - 1) * a_g + (g - 1) / g * payload / (n_in * b_g) + (n_in - 1) * a_i + \
+            (n_in - 1) / n_in * payload / b_i
+        return two < flat
+
+    def stages(self, kind: str, axes, payload: float, itemsize: int = 4) -> list[tuple]:
+        """(kind, axes, payload) of each call that runs for the flat collective (payload: its
+        ring formula's P, step_collectives.ring_bytes; itemsize: an all-reduce's element)."""
+        axes = tuple(axes)
+        sp = self.split(kind, axes, payload)
+        if sp is None:
+            return [(kind, axes, payload)]
+        inner, outer = sp
+        n_in = self.n(inner)
+        if kind == "all-gather":
+            return [(kind, outer, payload / n_in), (kind, inner, payload)]
+        if kind == "reduce-scatter":
+            return [(kind, inner, payload), (kind, outer, payload / n_in)]
+        if payload < n_in * itemsize:  # fewer elements than members (a scalar): two sums
+            return [(kind, inner, payload), (kind, outer, payload)]
+        padded = math.ceil(payload / itemsize / n_in) * n_in * itemsize
+        return [("reduce-scatter", inner, padded), ("all-reduce", outer, padded / n_in),
+                ("all-gather", inner, padded)]
+
+
+FLAT = Policy()
+
+
+def _reorder(y, src, dst, policy: Policy):
+    """y stacked [n, *rest] row-major over axes `src` → stacked row-major over `dst`."""
+    if tuple(src) == tuple(dst):
+        return y
+    rest = y.shape[1:]
+    y = y.reshape(*[policy.n((a,)) for a in src], *rest)
+    perm = [src.index(a) for a in dst] + list(range(len(src), y.ndim))
+    return jnp.transpose(y, perm).reshape(-1, *rest)
+
+
+def all_gather(x, axes, policy: Policy = FLAT, to: str = "varying"):
+    """x (any shape) → stacked [n, *x.shape], shard i from the i-th device over `axes`."""
+    axes = tuple(axes)
+    sp = policy.split("all-gather", axes, policy.n(axes) * x.size * x.dtype.itemsize)
+    if sp is None:
+        return all_gather_bits(x[None], axes, 0, to)
+    inner, outer = sp
+    y = all_gather_bits(x[None], outer, 0)  # [g, *shape]: one group per local rank
+    y = all_gather_bits(y[None], inner, 0, to)  # [n_in, g, *shape]
+    return _reorder(y.reshape(-1, *x.shape), inner + outer, axes, policy)
+
+
+def reduce_scatter(x, axes, policy: Policy = FLAT):
+    """x [n, *rest], chunk i for the i-th device over `axes` → this device's summed [*rest]."""
+    axes = tuple(axes)
+    sp = policy.split("reduce-scatter", axes, x.size * x.dtype.itemsize)
+    if sp is None:
+        return jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)[0]
+    inner, outer = sp
+    y = _reorder(x, axes, inner + outer, policy)
+    y = y.reshape(policy.n(inner), policy.n(outer), *x.shape[1:])
+    y = jax.lax.psum_scatter(y, inner, scatter_dimension=0, tiled=True)[0]  # [g, *rest]
+    return jax.lax.psum_scatter(y, outer, scatter_dimension=0, tiled=True)[0]
+
+
+def _invariant(y, axes) -> str:
+    """The all-gather `to` that makes its result invariant over `axes` (typed programs)."""
+    mat = getattr(jax.typeof(y), "manual_axis_type", None)
+    vma = getattr(mat, "varying", ()) or ()
+    return "invarying" if set(axes) <= set(vma) else "varying"
+
+
+def all_reduce(x, axes, policy: Policy = FLAT):
+    """psum(x, axes): the sum, same shape, invariant over `axes`."""
+    axes = tuple(axes)
+    sp = policy.split("all-reduce", axes, x.size * x.dtype.itemsize)
+    if sp is None:
+        return jax.lax.psum(x, axes)
+    inner, outer = sp
+    n_in, m = policy.n(inner), x.size
+    if m < n_in:  # a scalar: nothing to scatter
+        return jax.lax.psum(jax.lax.psum(x, inner), outer)
+    flat = x.reshape(-1)
+    k = -(-m // n_in)
+    flat = jnp.pad(flat, (0, k * n_in - m)) if k * n_in > m else flat
+    y = jax.lax.psum_scatter(flat.reshape(n_in, k), inner, scatter_dimension=0, tiled=True)[0]
+    y = jax.lax.psum(y, outer)
+    y = all_gather_bits(y, inner, 0, _invariant(y, inner))  # [n_in·k]
+    return y[:m].reshape(x.shape)
+
+
+def tiled_all_gather(x, axes, dim: int, policy: Policy = FLAT, to: str = "varying"):
+    """jax.lax.all_gather(x, axes, axis=dim, tiled=True), in two levels where policy says."""
+    axes = tuple(axes)
+    if policy.split("all-gather", axes, policy.n(axes) * x.size * x.dtype.itemsize) is None:
+        return all_gather_bits(x, axes, dim, to)
+    stacked = all_gather(x, axes, policy, to)
+    y = jnp.moveaxis(stacked, 0, dim)
+    return y.reshape(*x.shape[:dim], -1, *x.shape[dim + 1:])
+
+
+def psum_scatter(x, axes, dim: int, policy: Policy = FLAT):
+    """jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True), in two levels."""
+    axes = tuple(axes)
+    if policy.split("reduce-scatter", axes, x.size * x.dtype.itemsize) is None:
+        return jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
+    n = policy.n(axes)
+    y = jnp.moveaxis(x, dim, 0)
+    y = reduce_scatter(y.reshape(n, y.shape[0] // n, *y.shape[1:]), axes, policy)
+    return jnp.moveaxis(y, 0, dim)
+
+
+# ---------------------------------------------------------------- buckets: Sends into calls
 BUCKETED = frozenset({"all-to-all"})  # kinds run as one call per fetch unit
 
 
@@ -71,17 +226,17 @@ def _flat(bufs, lead: int):
 
 
 def _all_gather(bufs, axes, policy):
-    g = two_level.all_gather(_flat(bufs, 0), axes, policy)  # [n, Σ]
+    g = all_gather(_flat(bufs, 0), axes, policy)  # [n, Σ]
     return [p.reshape(g.shape[0], *b.shape) for p, b in zip(_split(g, bufs, 0, 1), bufs)]
 
 
 def _reduce_scatter(bufs, axes, policy):
-    y = two_level.reduce_scatter(_flat(bufs, 1), axes, policy)
+    y = reduce_scatter(_flat(bufs, 1), axes, policy)
     return [p.reshape(b.shape[1:]) for p, b in zip(_split(y, bufs, 1, 0), bufs)]
 
 
 def _all_reduce(bufs, axes, policy):
-    y = two_level.all_reduce(_flat(bufs, 0), axes, policy)
+    y = all_reduce(_flat(bufs, 0), axes, policy)
     return [p.reshape(b.shape) for p, b in zip(_split(y, bufs, 0, 0), bufs)]
 
 
@@ -98,7 +253,7 @@ _COLLECTIVE = {"all-gather": _all_gather, "reduce-scatter": _reduce_scatter,
 def run(requests: list, policy: Policy = FLAT) -> list:
     """Each request a Send or a ready value (passed through) → its result: one collective per
     (kind, axes, dtype, group) among the Sends of a kind in BUCKETED, one per Send otherwise,
-    flat or in two levels as `policy` says (sharding/two_level.py)."""
+    flat or in two levels as `policy` says."""
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(requests):
         if isinstance(r, Send):
@@ -113,4 +268,5 @@ def run(requests: list, policy: Policy = FLAT) -> list:
     return out
 
 
-__all__ = ["BUCKETED", "Send", "run", "merge_stacked"]
+__all__ = ["Policy", "FLAT", "all_gather", "reduce_scatter", "all_reduce", "tiled_all_gather",
+           "psum_scatter", "BUCKETED", "Send", "run", "merge_stacked"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 from boost_jax.mesh import axis_size
 from boost_jax.names import MESH_AXES
 from boost_jax.sharding.gather import LeafFetch
-from boost_jax.sharding.schedule import Schedule
+from boost_jax.sharding.stages import Schedule
 from boost_jax.sharding.step_collectives import (Passes, bytes_by_level, int8_payload, itemsize,
                                                  keeps_secondary, leaves, secondary_payload,
                                                  step_collectives,

@@ -39,9 +39,8 @@ from jax.ad_checkpoint import checkpoint_name
 from boost_jax.layers.forward import SECONDARY_NAME, is_stacked
 from boost_jax.mesh import axis_size
 from boost_jax.sharding import bucket, quant
-from boost_jax.sharding.bucket import Send, merge_stacked
+from boost_jax.sharding.bucket import FLAT, Policy, Send, merge_stacked
 from boost_jax.sharding.layout import LeafLayout, unpad
-from boost_jax.sharding.two_level import FLAT, Policy
 
 
 

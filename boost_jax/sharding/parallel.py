@@ -10,10 +10,10 @@
 A ParallelLayout holds what the step's engine needs that a Config would otherwise give: the model
 config, the mesh, the Placement (roles → axes, per-leaf layouts) and with it the step's
 data-parallel collectives (`collectives()`), the TP context (None without TP), the remat mode,
-the pipeline settings (None without a `stage` mesh axis), micro-batches and whether the step's
+the pipeline's Schedule (None without a `stage` mesh axis), micro-batches and whether the step's
 shard_map is typed (check_vma, backends/cpu.py). step/build.py resolves
 it once and hands it to the engine (step/engine.py), which hands the pipeline
-(step/pipeline.py) its settings and the stage-forward pieces; neither sees the Config. The
+(step/pipeline.py) its schedule and the stage-forward pieces; neither sees the Config. The
 planner (plan/search.py) and the launcher (launch/slurm.py) call `check` alone on a stand-in
 mesh; analysis/tp_layers.py takes `resolve_layers`.
 """
@@ -29,7 +29,7 @@ from boost_jax.layers.forward import remat_wrapper
 from boost_jax.mesh import STAGE
 from boost_jax.sharding import stages, step_collectives
 from boost_jax.sharding.placement import Placement, make_placement
-from boost_jax.sharding.schedule import Schedule
+from boost_jax.sharding.stages import Schedule
 from boost_jax.sharding.tp.common import TPContext, make_context
 from boost_jax.sharding.tp.specs import MODES, validate_tp
 
@@ -45,26 +45,13 @@ def check(cfg, mesh) -> None:
 
 
 @dataclass(frozen=True)
-class PipelineSettings:
-    """The pipeline's shape (sharding/stages.py, step/pipeline.py)."""
-
-    stages: int  # size of the mesh's `stage` axis
-    schedule: str  # 1f1b | gpipe
-    virtual: int = 1  # chunks per stage (interleaved schedule)
-
-    def of(self, micro_batches: int) -> Schedule:
-        """The tick schedule a training step runs (step/pipeline.py)."""
-        return Schedule(self.schedule, self.stages, micro_batches, self.virtual)
-
-
-@dataclass(frozen=True)
 class ParallelLayout:
     model: Any  # ModelConfig
     mesh: Any
     placement: Optional[Placement]  # None: the decoder stack alone (resolve_layers)
     tp: Optional[TPContext]  # None: tp_mode none
     remat: str  # train.remat
-    pipeline: Optional[PipelineSettings]  # None: no `stage` mesh axis
+    pipeline: Optional[Schedule]  # a training step's (sharding/stages.py); None: no `stage` axis
     micro_batches: int
     check_vma: bool  # the step's shard_map's (False only for interpreted kernels)
 
@@ -77,8 +64,7 @@ class ParallelLayout:
 
     def collectives(self) -> list:
         """Every data-parallel collective of one optimizer step (sharding/step_collectives.py)."""
-        sch = self.pipeline.of(self.micro_batches) if self.pipeline else None
-        passes = step_collectives.Passes.of(self.micro_batches, sch)
+        passes = step_collectives.Passes.of(self.micro_batches, self.pipeline)
         return step_collectives.step_collectives(self.placement, passes, self.model.tie_embeddings)
 
     def checkpoint(self, gathers: bool) -> Callable:
@@ -88,12 +74,12 @@ class ParallelLayout:
 
 def _layout(cfg, mesh, placement: Optional[Placement]) -> ParallelLayout:
     par = cfg.parallel
-    pipeline = (PipelineSettings(int(mesh.shape[STAGE]), par.pp_schedule, par.pp_virtual)
-                if STAGE in mesh.shape else None)
+    micro = cfg.train.micro_batches
+    pipeline = Schedule.of(par, micro, int(mesh.shape[STAGE])) if STAGE in mesh.shape else None
     return ParallelLayout(
         model=cfg.model, mesh=mesh, placement=placement,
         tp=make_context(cfg, mesh) if par.tp_mode != "none" else None,
-        remat=cfg.train.remat, pipeline=pipeline, micro_batches=cfg.train.micro_batches,
+        remat=cfg.train.remat, pipeline=pipeline, micro_batches=micro,
         check_vma=check_vma(cfg))
 
 
@@ -111,4 +97,4 @@ def resolve_layers(cfg, mesh) -> ParallelLayout:
     return _layout(cfg, mesh, None)
 
 
-__all__ = ["check", "resolve", "resolve_layers", "ParallelLayout", "PipelineSettings"]
+__all__ = ["check", "resolve", "resolve_layers", "ParallelLayout"]

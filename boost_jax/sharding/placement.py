@@ -39,7 +39,7 @@ from boost_jax.mesh import AXES, axis_size, get_topology
 from boost_jax.sharding import stages
 from boost_jax.sharding.gather import Int8Copies
 from boost_jax.sharding.layout import LeafLayout, choose_layout, spec_entry
-from boost_jax.sharding.two_level import FLAT, Policy
+from boost_jax.sharding.bucket import FLAT, Policy
 from boost_jax.sharding.tp.specs import tp_param_specs
 
 ALL = "all"
@@ -92,7 +92,7 @@ class Placement(Int8Copies):
     notes: list[str] = field(default_factory=list)
     quantize_grads: bool = False  # qgZ: int4 all-to-all gradient reduce-scatter
     reduce_in_backward: bool = False  # R reduced per layer in the (last micro-batch's) backward
-    collectives: Policy = FLAT  # parallel.collectives (sharding/two_level.py)
+    collectives: Policy = FLAT  # parallel.collectives (sharding/bucket.py)
     micro_batches: int = 1
     opt_state_per_param: int = 2  # fp32 optimizer-state elements per weight (optim.name)
     defer_update: bool = False  # weights stored over opt_state axes, gathered in the forward
@@ -110,12 +110,17 @@ class Placement(Int8Copies):
     def stored_shardings(self):
         return self._tree(self.stored_axes)
 
+    @property
+    def update_via_grads(self) -> bool:
+        """The new weights go opt_state → grads → params sharding (A ⊆ G ⊆ O), so the cross-node
+        part moves only the node's shard; else opt_state → params directly."""
+        return set(self.params_axes) <= set(self.grads_axes) <= set(self.opt_state_axes)
+
     def update_stages(self) -> tuple[tuple[str, ...], ...]:
         """The gathers that take new weights from the opt_state to the params sharding, cross-
-        node part first: O → G → A when A ⊆ G ⊆ O (the cross-node part moves only the node's
-        shard), else O → A."""
+        node part first: O → G → A (`update_via_grads`), else O → A."""
         A, G, O = self.params_axes, self.grads_axes, self.opt_state_axes
-        path = (O, G, A) if set(A) <= set(G) <= set(O) else (O, A)
+        path = (O, G, A) if self.update_via_grads else (O, A)
         return tuple(tuple(a for a in hi if a not in lo) for hi, lo in zip(path, path[1:])
                      if set(hi) != set(lo))
 

@@ -40,7 +40,7 @@ from boost_jax.sharding import quant
 from boost_jax.sharding.bucket import BUCKETED
 from boost_jax.sharding.gather import FORWARD, Gather, LeafFetch, qgz_stages
 from boost_jax.sharding.layout import LeafLayout, is_layout
-from boost_jax.sharding.schedule import Schedule
+from boost_jax.sharding.stages import Schedule
 
 
 def ring_bytes(kind: str, n: int, payload: float) -> float:
@@ -93,7 +93,7 @@ class Passes:
 
     @classmethod
     def of(cls, micro_batches: int, schedule: Schedule | None = None) -> "Passes":
-        """One of each per micro-batch; a pipeline (sharding/schedule.py) fetches a chunk's
+        """One of each per micro-batch; a pipeline (sharding/stages.Schedule) fetches a chunk's
         weights on every tick with F and again on every tick with B (its forward re-run), a
         tick running one of the V chunks; the ends run on every tick, whatever its chunk:
         fetched on each with F and each with B, reduced on each with B."""
@@ -102,12 +102,6 @@ class Passes:
             return cls(m, m, m, m)
         ticks, v = schedule.ticks, schedule.virtual
         return cls(2 * ticks / v, ticks / v, 2 * ticks, ticks)
-
-
-def update_via_grads(pl) -> bool:
-    """The new weights go opt_state → grads → params sharding (A ⊆ G ⊆ O), so the cross-node
-    part moves only the node's shard; else opt_state → params directly."""
-    return set(pl.params_axes) <= set(pl.grads_axes) <= set(pl.opt_state_axes)
 
 
 def int8_payload(f: LeafFetch, axes) -> float:
@@ -304,6 +298,6 @@ def bytes_by_level(colls: Sequence[Collective]) -> dict[str, float]:
     return out
 
 
-__all__ = ["Collective", "Passes", "step_collectives", "leaf_collectives", "update_via_grads",
+__all__ = ["Collective", "Passes", "step_collectives", "leaf_collectives",
            "ring_bytes", "int8_payload", "qgz_payloads",
            "bytes_by_level", "bucketed", "leaves", "tp_local", "device_layers"]

@@ -4,7 +4,7 @@ otherwise leaves to XLA's partitioner (one flat group over every axis they span)
 
     update_gather   a leaf stored over axes `src` → over `dst`, where dst is a prefix of src:
                     a tiled all-gather over the rest of src on the leaf's dim (the shards of a
-                    prefix are runs of the finer ones), as two_level.tiled_all_gather
+                    prefix are runs of the finer ones), as bucket.tiled_all_gather
     global_norm     one fp32 partial sum of squares per leaf (counted once: a leaf's copies
                     over the axes it is not sharded on add zero), all-reduced over every axis
                     in one call, as step_collectives lists "grad norm"
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from boost_jax.backends.cpu import reshard_bits
-from boost_jax.sharding import two_level
+from boost_jax.sharding import bucket
 from boost_jax.sharding.layout import is_layout
 
 
@@ -40,7 +40,7 @@ def update_gather(pl, tree, src, dst):
         if src[:len(dst)] != dst:  # not a prefix: the partitioner's reshard
             return reshard_bits(x, NamedSharding(pl.mesh, lay.spec(dst)),
                                 NamedSharding(pl.mesh, lay.spec(src)))
-        body = lambda v: two_level.tiled_all_gather(  # noqa: E731
+        body = lambda v: bucket.tiled_all_gather(  # noqa: E731
             v, extra, lay.dim, pl.collectives)
         return _smap(pl.mesh, body, lay.spec(src), lay.spec(dst))(x)
 
@@ -69,7 +69,7 @@ def global_norm(pl, grads, axes):
                 if a not in held:
                     first &= jax.lax.axis_index(a) == 0
             parts.append(jnp.where(first, jnp.sum(jnp.square(x.astype(jnp.float32))), 0.0))
-        sums = two_level.all_reduce(jnp.stack(parts), every, pl.collectives)
+        sums = bucket.all_reduce(jnp.stack(parts), every, pl.collectives)
         return jnp.sqrt(jnp.sum(sums))
 
     return _smap(pl.mesh, body, tuple(specs), jax.sharding.PartitionSpec())(*leaves)

@@ -42,7 +42,6 @@ from boost_jax.sharding.layout import is_layout, pad_tree, unpad_tree
 from boost_jax.sharding import parallel
 from boost_jax.sharding import step_two_level
 from boost_jax.sharding.placement import Placement
-from boost_jax.sharding.step_collectives import update_via_grads
 from boost_jax.step.engine import Engine
 from boost_jax.step.optim import check_factoring, lr_schedule, make_optimizer
 
@@ -132,7 +131,7 @@ def make_step_fn(train: TrainConfig, optim: OptimConfig, pl: Placement, engine: 
     schedule, clip = lr_schedule(optim, train.steps), optim.clip_norm
     # the updated weights go back opt_state → grads → params sharding, so the cross-node part
     # moves only the node's shard
-    grads_stage = update_via_grads(pl)
+    grads_stage = pl.update_via_grads
     # parallel.collectives two_level / auto: the norm and the gathers below in two levels
     two = pl.collectives.mode != "flat"
 

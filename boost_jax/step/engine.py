@@ -18,7 +18,7 @@ and every collective in it is written in one place:
         backward does it right after the reduction over grads      Placement.in_backward
 Every data-parallel collective above is listed, with its bytes and calls, by
 sharding/step_collectives.py (two_level / auto: as rank-aligned stages over `global` and inside
-the node, sharding/two_level.py). Each device differentiates its rows' mean CE / (data-parallel
+the node, sharding/bucket.py). Each device differentiates its rows' mean CE / (data-parallel
 devices × micro-batches), so the reductions sum to the gradient of the global mean. GSPMD only
 places the step's inputs and outputs; the optimizer (step/build.py) runs on the opt_state
 shards. Engine(layout) takes the resolved ParallelLayout (sharding/parallel.py), never the Config.
@@ -43,7 +43,6 @@ from boost_jax.sharding.gather import (Deferred, LeafFetch, WithPrior, fetch_tre
 from boost_jax.sharding import bucket
 from boost_jax.sharding.hpz import hpz_layers
 from boost_jax.sharding.layout import LeafLayout, is_layout, spec_entry
-from boost_jax.sharding import two_level
 from boost_jax.sharding.parallel import ParallelLayout
 from boost_jax.step.pipeline import Pipeline
 
@@ -148,14 +147,14 @@ class Engine:
         if self.placement.in_backward(lay):
             return acc
         ar, rs = self.placement.deferred_reduction(lay)
-        policy = self.placement.collectives  # flat, or in two levels (sharding/two_level.py)
+        policy = self.placement.collectives  # flat, or in two levels (sharding/bucket.py)
         if ar:
-            acc = two_level.all_reduce(acc, ar, policy)
+            acc = bucket.all_reduce(acc, ar, policy)
         if rs and f.cross_node_step(rs)[0] == "all-to-all":
             send = f.int4_reduce_scatter(acc, tuple(rs), f.cross_node_step(rs)[2], lay.dim)
             acc = bucket.run([send])[0]
         elif rs:
-            acc = two_level.psum_scatter(acc, rs, lay.dim, policy)
+            acc = bucket.psum_scatter(acc, rs, lay.dim, policy)
         return acc
 
     def local_loss(self, params, batch, checkpoint=None):
@@ -370,7 +369,7 @@ class Engine:
         """Σ of per-device scaled losses over the data-parallel devices (identical over TP;
         with pipeline stages only the last stage's is not zero)."""
         axes = self.placement.batch_axes + ((STAGE,) if self.pipeline is not None else ())
-        return two_level.all_reduce(loss, axes, self.placement.collectives) if axes else loss
+        return bucket.all_reduce(loss, axes, self.placement.collectives) if axes else loss
 
     def loss_fn(self) -> Callable:
         """(params, batch) -> mean loss (evaluation: forward only, no slots)."""

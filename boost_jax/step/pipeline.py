@@ -1,8 +1,8 @@
 """Pipeline parallelism inside the engine's shard_map: stages pass activations by collective-permute.
 
-P stages (the mesh's `stage` axis, boost_jax/sharding/stages.py) run m micro-batches in
-lock-step ticks; sharding/schedule.py's Schedule (1f1b or gpipe, interleaved virtual stages)
-says which micro-batch and chunk each stage runs at each tick.
+P stages (the mesh's `stage` axis) run m micro-batches in lock-step ticks; sharding/stages.py
+says which layers each stage holds and, in its Schedule (1f1b or gpipe, interleaved virtual
+stages), which micro-batch and chunk each stage runs at each tick.
 
 F runs the stage forward on the activation received from s−1, sends its output to s+1 and
 saves its input. B is `jax.vjp` of the same stage forward, re-run from the saved input, with
@@ -25,9 +25,7 @@ import jax.numpy as jnp
 from boost_jax.layers import forward
 from boost_jax.mesh import STAGE
 from boost_jax.sharding.gather import to_varying, with_slots
-from boost_jax.sharding.parallel import PipelineSettings
-from boost_jax.sharding.schedule import Schedule
-from boost_jax.sharding.stages import ENDS, layers_per_stage
+from boost_jax.sharding.stages import ENDS, Schedule, layers_per_stage
 
 
 def _varying(sds) -> frozenset:
@@ -54,19 +52,19 @@ def send(tree, stages: int, step: int, cyclic: bool = False):
 class Pipeline:
     """The loss and gradient of one device's stage over a schedule (used by step/engine.py).
 
-    `settings` the layout's pipeline (sharding/parallel.py); the stage forward's pieces: `model`
-    the model config, `ops` the forward's ops (weights fetched), `checkpoint` the per-layer
-    remat wrapper, `slots()` zero gradient slots, `check_vma` the step's shard_map's
-    flag (whether JAX types values as varying or invariant)."""
+    `schedule` the layout's (a training step's: sharding/parallel.py); the stage forward's
+    pieces: `model` the model config, `ops` the forward's ops (weights fetched), `checkpoint`
+    the per-layer remat wrapper, `slots()` zero gradient slots, `check_vma` the step's
+    shard_map's flag (whether JAX types values as varying or invariant)."""
 
-    def __init__(self, settings: PipelineSettings, model, ops, checkpoint: Callable,
+    def __init__(self, schedule: Schedule, model, ops, checkpoint: Callable,
                  slots: Callable, check_vma: bool):
         self.model, self.ops, self.checkpoint = model, ops, checkpoint
         self.slots, self.check_vma = slots, check_vma
-        self.settings = settings
-        self.n_stages = settings.stages
+        self.schedule = schedule
+        self.n_stages = schedule.stages
         self.n_layers = model.n_layers
-        self.virtual = settings.virtual
+        self.virtual = schedule.virtual
         self.chunk_layers = layers_per_stage(self.n_layers, self.n_stages, self.virtual)
 
     # ------------------------------------------------------------------ one stage
@@ -119,7 +117,8 @@ class Pipeline:
         Returns (Σ over this device's valid last-stage forwards of loss · scale, accumulated
         gradient slots or None)."""
         m = mb["inputs"].shape[0]
-        sch = self.settings.of(m)  # what the step's collective list counts (Passes.of)
+        # over this call's m micro-batches (the step's list counts the same: Passes.of)
+        sch = dataclasses.replace(self.schedule, micro=m)
         if not backward:  # forward only: no B ticks to interleave
             sch = dataclasses.replace(sch, kind="gpipe")
         stage = jax.lax.axis_index(STAGE)
@@ -220,5 +219,5 @@ class _Ticks:
         return body
 
 
-__all__ = ["Schedule", "Pipeline", "squeeze_ends", "send"]
+__all__ = ["Pipeline", "squeeze_ends", "send"]
 

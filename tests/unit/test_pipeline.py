@@ -23,7 +23,7 @@ from boost_jax.plan.costmodel import predict
 from boost_jax.plan.dryrun import dry_run
 from boost_jax.plan.search import search
 from boost_jax.checkpoints.store import Checkpointer, state_checksums
-from boost_jax.step.pipeline import Schedule
+from boost_jax.sharding.stages import Schedule
 from boost_jax.step.build import build_step
 
 from boost_jax.sharding.layout import pad_tree

@@ -47,7 +47,7 @@ def test_formulas_and_cost_model_read_the_one_collective_list(plan, tp):
     micro-batches and with one (whose reduction over the deferred axes runs in the backward):
     the same bytes per level and per phase."""
     from boost_jax.sharding.formulas import comm_per_step
-    from boost_jax.sharding.parallel import PipelineSettings
+    from boost_jax.sharding.stages import Schedule
     from boost_jax.sharding.step_collectives import Passes, bytes_by_level, step_collectives
 
     arch = "full" if tp == "megatron" else "cola"
@@ -59,9 +59,8 @@ def test_formulas_and_cost_model_read_the_one_collective_list(plan, tp):
                                  *extra])
         sizes = C.with_stages(cfg, {"pair": 2, "node": 4, "global": 8})
         _, pl = C.state_sizes(cfg, sizes)
-        par = cfg.parallel  # the engine's schedule (ParallelLayout.collectives, Pipeline.run)
-        sch = PipelineSettings(par.pp_stages, par.pp_schedule, par.pp_virtual).of(micro) \
-            if extra else None
+        # the engine's schedule (ParallelLayout.collectives, Pipeline.run)
+        sch = Schedule.of(cfg.parallel, micro)
         listed = step_collectives(pl, Passes.of(micro, sch))
         want = bytes_by_level(listed)
         timed = C.dp_collectives(cfg, sizes, pl)

@@ -295,7 +295,7 @@ def test_compiled_pipeline_collectives_are_the_step_collectives_list(plan, sched
                              mesh)
     layout = b.engine.layout
     listed = layout.collectives()
-    sch = layout.pipeline.of(layout.micro_batches)
+    sch = layout.pipeline
     merged = sum(n for n, f, bw, _ in sch.phases if f and bw)  # ticks with F and B
     want = _per_level(
         (c.kind, level_of(tuple(a for a in c.axes if mesh.shape[a] > 1)), c.calls - m,

@@ -1,5 +1,5 @@
 """parallel.collectives=two_level: collectives spanning hosts and a node run as rank-aligned
-sub-collectives (sharding/two_level.py). 8 simulated devices as (pair, node, global) =
+sub-collectives (sharding/bucket.py). 8 simulated devices as (pair, node, global) =
 (2, 2, 2). Each two-level op gives exactly the flat collective's result (awkward shapes, every
 axis order); the compiled step's groups never mix `global` with a node axis; losses equal the
 flat step's; the step's list (step_collectives.py) is what is compiled."""
@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.mesh import make_mesh
-from boost_jax.sharding import two_level
-from boost_jax.sharding.two_level import Policy
+from boost_jax.sharding import bucket
+from boost_jax.sharding.bucket import Policy
 
 
 @pytest.fixture(scope="module")
@@ -41,16 +41,16 @@ def test_each_op_equals_the_flat_collective(mesh, axes, dtype):
 
     def gathers(v):
         flat = jax.lax.all_gather(v, axes, axis=1, tiled=True)
-        two = two_level.tiled_all_gather(v, axes, 1, pol)
+        two = bucket.tiled_all_gather(v, axes, 1, pol)
         return (flat - two)[:, :v.shape[1]]
 
     def scatters(v):
         flat = jax.lax.psum_scatter(v, axes, scatter_dimension=1, tiled=True)
-        two = two_level.psum_scatter(v, axes, 1, pol)
+        two = bucket.psum_scatter(v, axes, 1, pol)
         return jnp.tile(flat - two, (1, n))
 
     def reduces(v):  # a padded length: 3·n·5 is not a multiple of the node's members
-        d = jax.lax.psum(v[:, :7], axes) - two_level.all_reduce(v[:, :7], axes, pol)
+        d = jax.lax.psum(v[:, :7], axes) - bucket.all_reduce(v[:, :7], axes, pol)
         return jnp.zeros_like(v).at[:, :7].set(d)
 
     for body in (gathers, scatters, reduces):
@@ -64,8 +64,8 @@ def test_an_op_issues_no_group_that_mixes_global_with_a_node_axis(mesh):
     axes = ("pair", "node", "global")
 
     def body(v):
-        g = two_level.tiled_all_gather(v, axes, 0, pol)
-        return two_level.psum_scatter(g, axes, 0, pol) + two_level.all_reduce(v, axes, pol)
+        g = bucket.tiled_all_gather(v, axes, 0, pol)
+        return bucket.psum_scatter(g, axes, 0, pol) + bucket.all_reduce(v, axes, pol)
 
     spec = P(axes)
     f = jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec)
@@ -192,7 +192,7 @@ def test_one_micro_batch_reduces_in_two_levels_inside_the_backward(mesh):
 
 
 def test_auto_picks_two_levels_until_the_node_links_cost_more_than_the_latency_saved():
-    """The α–β model of sharding/two_level.py on 48 Frontier nodes: a layer's gather (MB) runs
+    """The α–β model of sharding/bucket.py on 48 Frontier nodes: a layer's gather (MB) runs
     in two levels, a buffer of 100 GB flat; a group inside the node is never split."""
     from boost_jax.mesh import get_topology
 
