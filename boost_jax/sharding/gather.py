@@ -184,7 +184,7 @@ class LeafFetch(Int8Copies):
     replay: bool = False  # train.remat=full: each layer's backward replays its forward
     xq_weights: bool = False  # the deferred update's cross-node gather in int8
     xq_grads: str = "none"  # the gradient's cross-node reduce-scatter: none | int8 | int4
-    collectives: Policy = FLAT  # flat or two-level (sharding/two_level.py)
+    collectives: Policy = FLAT  # flat or two-level (sharding/bucket.py)
 
     @classmethod
     def of(cls, pl, lay: LeafLayout) -> "LeafFetch":
