@@ -232,12 +232,12 @@ def _grouped(cfg, sizes, pl) -> list[Coll]:
     listed = step_collectives(pl, passes(cfg), cfg.model.tie_embeddings)
     for c in bucketed(listed, overlap.XLA_COMBINED, overlap.XLA_COMBINE_BYTES):
         axes = tuple(a for a in c.axes if sizes.get(a, 1) > 1)
-        key = (c.what, c.kind, axes, c.phase)
+        key = (c.what, c.kind, axes, c.level, c.phase)
         calls, total = groups.get(key, (0.0, 0.0))
         groups[key] = (calls + c.calls, total + c.payload * c.calls)
-    return [Coll(what, kind, total / calls, axis_size(sizes, axes), level_of(axes), calls, phase,
+    return [Coll(what, kind, total / calls, axis_size(sizes, axes), level, calls, phase,
                  axes, *host_split(axes, sizes))
-            for (what, kind, axes, phase), (calls, total) in groups.items()]
+            for (what, kind, axes, level, phase), (calls, total) in groups.items()]
 
 
 def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) -> float:
@@ -370,6 +370,10 @@ def _notes(cfg, pl, measured, L: int) -> list[str]:
         notes.append(f"pipeline: {pp}{chunks} stages of {L} layers, {sch.kind} over "
                      f"{micro} micro-batches: bubble {sch.bubble:.0%}, "
                      "each B tick re-runs its stage forward")
+        if cfg.parallel.plan == "hierarchical":
+            notes.append("hierarchical under pipeline stages: its cross-node reduction and "
+                         "update stay once per step (ticks defer neither); --search does not "
+                         "rank such layouts")
     return notes
 
 

@@ -258,22 +258,23 @@ def drop_staged_hierarchical(res: SearchResult) -> Optional[str]:
     into the last micro-batch's backward and the update gather into the next forward. Pipeline
     ticks do neither (placement: "pipeline stages fetch per tick"), so both stay exposed."""
     staged = [c for c in res.candidates if c.plan == "hierarchical" and c.pp_stages > 1]
-    if not staged:
-        return None
+    valid = [c for c in staged if c.error is None]  # the invalid are counted in n_invalid
     fitting = res.fitting
-    shown = [c for c in fitting if c.plan == "hierarchical" and c.pp_stages > 1]
+    shown = [c for c in fitting if c in valid]
     res.candidates = [c for c in res.candidates if c not in staged]
-    res.n_unlisted += len(staged)
+    res.n_unlisted += len(valid)
+    head = f"hierarchical with pipeline stages is not listed ({len(valid)} valid layouts"
+    why = "pipeline ticks keep its cross-node reduction and update once per step"
+    if not valid:
+        return None
     if not shown:
-        return (f"hierarchical with pipeline stages is not listed ({len(staged)} layouts, none "
-                "fits): pipeline ticks keep its cross-node reduction and update once per step")
+        return f"{head}, none fits): {why}"
     share = [critical_path(c.prediction)["once-per-step"] / c.prediction.step_time
              for c in shown]
     best = shown[0]
-    return (f"hierarchical with pipeline stages is not listed ({len(staged)} layouts): pipeline "
-            f"ticks keep its cross-node reduction and update once per step, exposed "
-            f"({min(share):.0%}-{max(share):.0%} of the step); the best, {best.key()}, would "
-            f"rank {fitting.index(best) + 1} at {best.prediction.mfu:.1%} MFU")
+    return (f"{head}): {why} ({min(share):.0%}-{max(share):.0%} of the step here); the best, "
+            f"{best.key()}, would rank {fitting.index(best) + 1} analytically at "
+            f"{best.prediction.mfu:.1%} MFU")
 
 
 def compile_best(res: SearchResult, cfg, topo: Topology, k: int, max_devices: int,

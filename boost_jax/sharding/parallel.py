@@ -51,7 +51,7 @@ class ParallelLayout:
     placement: Optional[Placement]  # None: the decoder stack alone (resolve_layers)
     tp: Optional[TPContext]  # None: tp_mode none
     remat: str  # train.remat
-    pipeline: Optional[Schedule]  # a training step's (sharding/stages.py); None: no `stage` axis
+    pipeline: Optional[Schedule]  # the step's (sharding/stages.py); None: no `stage` axis of 2+
     micro_batches: int
     check_vma: bool  # the step's shard_map's (False only for interpreted kernels)
 

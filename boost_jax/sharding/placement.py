@@ -419,7 +419,7 @@ def _defer_update(par, pl: Placement) -> bool:
     optimizer state, each role's axes a prefix of the next (the gathers then tile), no
     pipeline; an explicit true where it cannot apply is an error."""
     A, G, O = pl.params_axes, pl.grads_axes, pl.opt_state_axes
-    nested = O[:len(A)] == A and (not set(A) <= set(G) <= set(O)
+    nested = O[:len(A)] == A and (not pl.update_via_grads
                                   or (O[:len(G)] == G and G[:len(A)] == A))
     why = ("the weights are not sharded (nothing to gather)" if not A else
            "the weights are sharded like the optimizer state (nothing to gather)"

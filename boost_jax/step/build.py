@@ -129,8 +129,6 @@ def make_step_fn(train: TrainConfig, optim: OptimConfig, pl: Placement, engine: 
                                       pl.master_shardings())
     grads_fn = engine.grads_fn(train.micro_batches)
     schedule, clip = lr_schedule(optim, train.steps), optim.clip_norm
-    # the updated weights go back opt_state → grads → params sharding, so the cross-node part
-    # moves only the node's shard
     grads_stage = pl.update_via_grads
     # parallel.collectives two_level / auto: the norm and the gathers below in two levels
     two = pl.collectives.mode != "flat"
