@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.common import markdown_table, write_result  # noqa: E402
-from benchmarks.qgz_demo import STEP_TOL, STEPS, VAL_TOL  # noqa: E402
+from benchmarks.qgz_demo import STEP_TOL, STEPS, VAL_TOL, demo_env  # noqa: E402
 
 OVERRIDES = ["--cpu-devices", "8", "parallel.plan=hierarchical", "train.micro_batches=2",
              f"train.steps={STEPS}", "train.log_every=1", f"train.eval_every={STEPS}",
@@ -40,8 +40,7 @@ RUNS = {"unquantized": [],
 
 def train(out_dir: str, extra: list) -> dict:
     """Run train.py; {"loss": {step: loss}, "val_loss": last validation loss}."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", BOOST_JAX_FAST_COMPILE="0")
-    env.pop("XLA_FLAGS", None)
+    env = demo_env(out_dir)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
            os.path.join(ROOT, "configs", "demo.yaml"), *OVERRIDES, f"out_dir={out_dir}", *extra]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

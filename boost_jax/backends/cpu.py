@@ -20,10 +20,13 @@ HLO as a GPU would run it) are boost_jax/analysis/cpu_lowering.py.
    dtypes the gathers move).
 3. fast_compile_options — XLA options for programs whose run time does not matter (init,
    tests): LLVM -O0 and the legacy fusion codegen. Can go when a tiny model's jit_init compiles
-   as fast without them.
+   as fast without them. dev_compile_options: the same under BOOST_JAX_FAST_COMPILE=1 only.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -85,3 +88,11 @@ def fast_compile_options() -> dict:
     return known_compile_options({"xla_backend_optimization_level": 0,
                                   "xla_llvm_disable_expensive_passes": True,
                                   "xla_cpu_use_fusion_emitters": False})
+
+
+def dev_compile_options() -> Optional[dict]:
+    """fast_compile_options() when BOOST_JAX_FAST_COMPILE is set and not 0 (development and
+    tests on CPU: programs compile ~5x faster and run slower), else None: XLA's defaults."""
+    if os.environ.get("BOOST_JAX_FAST_COMPILE", "") not in ("", "0"):
+        return fast_compile_options() or None
+    return None

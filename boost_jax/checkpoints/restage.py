@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from boost_jax.backends.cpu import dev_compile_options
 from boost_jax.layers.forward import path_keys
 from boost_jax.sharding.layout import interleave
 from boost_jax.sharding.stages import ENDS, owner
@@ -110,7 +111,7 @@ def convert(restored: Any, abstract_state: Any, old: tuple, new: tuple) -> Any:
 
     shardings = jax.tree.map(lambda s: getattr(s, "sharding", None), abstract_state)
     fn = jax.jit(lambda t: jax.tree_util.tree_map_with_path(one, t, abstract_state),
-                 out_shardings=shardings)
+                 out_shardings=shardings, compiler_options=dev_compile_options())
     return fn(restored)
 
 

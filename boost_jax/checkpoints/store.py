@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import orbax.checkpoint as ocp
 
+from boost_jax.backends.cpu import dev_compile_options
 from boost_jax.checkpoints import restage
 from boost_jax.checkpoints.seal import SEAL_FILE, check_seal, write_seal
 from boost_jax.config import CheckpointConfig
@@ -183,7 +184,8 @@ def state_checksums(state: Any) -> tuple[dict[str, list[int]], bool]:
         mesh = next((x.sharding.mesh for x in leaves if hasattr(getattr(x, "sharding", None),
                                                                 "mesh")), None)
         out = NamedSharding(mesh, P()) if mesh is not None else None
-        fn = jax.jit(_checksum_rows, out_shardings=out)
+        # integer sums: exact at any optimisation level
+        fn = jax.jit(_checksum_rows, out_shardings=out, compiler_options=dev_compile_options())
         if len(_CHECKSUM_FNS) > 8:
             _CHECKSUM_FNS.clear()
         _CHECKSUM_FNS[key] = fn

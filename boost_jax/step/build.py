@@ -36,7 +36,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding
 
-from boost_jax.backends.cpu import fast_compile_options, reshard_bits
+from boost_jax.backends.cpu import dev_compile_options, fast_compile_options, reshard_bits
 from boost_jax.config import ModelConfig, OptimConfig, TrainConfig
 from boost_jax.sharding.layout import is_layout, pad_tree, unpad_tree
 from boost_jax.sharding import parallel
@@ -94,7 +94,8 @@ class StepBundle:
 
     def logical_params(self, state):
         """Unpadded working weights (a jitted slice; for export and inspection)."""
-        return jax.jit(lambda p: unpad_tree(self.placement.layouts, p))(state["params"])
+        return jax.jit(lambda p: unpad_tree(self.placement.layouts, p),
+                       compiler_options=dev_compile_options())(state["params"])
 
 
 def constrain_tree(tree, shardings):

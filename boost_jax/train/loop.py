@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional
 import jax
 import numpy as np
 
-from boost_jax.backends.cpu import fast_compile_options
+from boost_jax.backends.cpu import dev_compile_options
 from boost_jax.checkpoints import run_config
 from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
 from boost_jax.cli import json_dump
@@ -118,11 +118,7 @@ def evaluate(bundle, params, val_batches) -> float:
 def _compiler_options(given: Optional[dict]) -> Optional[dict]:
     """`given`, else XLA's fast-compile options when BOOST_JAX_FAST_COMPILE=1 (development and
     tests on CPU: the step compiles ~5x faster and runs slower), else the defaults."""
-    if given is not None:
-        return given
-    if os.environ.get("BOOST_JAX_FAST_COMPILE", "") not in ("", "0"):
-        return fast_compile_options() or None
-    return None
+    return given if given is not None else dev_compile_options()
 
 
 def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False,
