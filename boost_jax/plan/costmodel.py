@@ -216,9 +216,10 @@ def dp_collectives(cfg, sizes, pl) -> list[Coll]:
     engine runs, its calls as XLA's combiners merge them), one Coll per kind of collective and
     group: calls and bytes summed over the weights, so the time (linear in both) is the sum of
     the weights' times."""
-    # a search costs each layout under every remat mode: the list does not depend on it
+    # a search costs each layout under every remat mode: of it the list reads only whether
+    # each layer's backward replays its forward (hpZ's secondary comes from that gather)
     key = (repr(cfg.model), repr(cfg.parallel), cfg.train.micro_batches, cfg.train.scan_layers,
-           tuple(sorted(sizes.items())))
+           cfg.train.remat == "full", cfg.mesh.topology, tuple(sorted(sizes.items())))
     if key not in _DP_CACHE:
         _DP_CACHE[key] = _grouped(cfg, sizes, pl)
     return list(_DP_CACHE[key])

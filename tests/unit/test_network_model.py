@@ -256,3 +256,24 @@ def test_list_levels_skip_axes_of_one_device():
     assert bytes_by_level(listed)["global"] == 0 and bytes_by_level(listed)["node"] > 0
     timed = {(c.name, c.kind, c.level) for c in C.dp_collectives(cfg, sizes, pl)}
     assert {(c.what, c.kind, c.level) for c in listed} == timed
+
+
+def test_collective_list_cache_tells_hpz_apart():
+    """ZeRO++ under train.remat=full cuts hpZ's secondary from the forward's gather (fewer node
+    bytes than under other remat modes): a layout costed after the same layout with another
+    remat mode gets its own list, not the cached one (a search costs every remat in turn)."""
+    sizes = {"pair": 2, "node": 4, "global": 8}
+    topo = get_topology("frontier")
+
+    def cfg(remat):
+        return C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{
+            "parallel.plan": "zeropp", "train.remat": remat, "train.micro_batches": 2,
+            "train.global_batch": 256})
+
+    C._DP_CACHE.clear()
+    alone = C.predict(cfg("full"), topo, sizes)
+    C._DP_CACHE.clear()
+    none = C.predict(cfg("none"), topo, sizes)
+    after = C.predict(cfg("full"), topo, sizes)
+    assert none.comm_bytes["node"] > alone.comm_bytes["node"]
+    assert after.comm_bytes == alone.comm_bytes and after.step_time == alone.step_time
