@@ -20,7 +20,8 @@ from boost_jax.plan import gpu_kernels
 from boost_jax.plan.roofline import Assumptions, BlockModel, block_kernels
 
 # XLA's GPU combiners merge a layer's independent all-gathers, reduce-scatters and all-reduces
-# into calls of up to 30 MiB each (kDefault*CombineThreshold, xla/service/collective_utils.h;
+# into calls whose results hold up to 30 MiB each, a reduce-scatter's its 1/n share
+# (kDefault*CombineThreshold, xla/service/collective_utils.h;
 # the launcher leaves the thresholds at their defaults): the calls, and so the latencies, the
 # GPU program runs. The engine itself bundles the all-to-alls (sharding/bucket.py).
 XLA_COMBINED = ("all-gather", "reduce-scatter", "all-reduce")

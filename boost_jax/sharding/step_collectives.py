@@ -262,12 +262,18 @@ def step_collectives(pl, passes: Passes, tied: bool = False) -> list[Collective]
     return out
 
 
+def combined_bytes(c: Collective) -> float:
+    """What XLA's combiners hold to their threshold: a merged call's result, for a
+    reduce-scatter its group's 1/n share of the payload."""
+    return c.payload / max(c.n, 1) if c.kind == "reduce-scatter" else c.payload
+
+
 def bucketed(colls: Sequence[Collective], kinds=BUCKETED,
              limit: float = math.inf) -> list[Collective]:
     """Collectives of `kinds` that run as one call (a fetch unit's weights with the same kind,
     axes, TP group and step: sharding/bucket.py for the engine's, XLA's combiners for the
-    others) merged, the payload the sum; a merged call holds at most `limit` bytes, so a
-    bucket over it is several calls."""
+    others) merged, the payload the sum; a merged call's result holds at most `limit` bytes
+    (combined_bytes), so a bucket over it is several calls."""
     out: list[Collective] = []
     at: dict[tuple, int] = {}
     for c in colls:
@@ -282,7 +288,7 @@ def bucketed(colls: Sequence[Collective], kinds=BUCKETED,
             i = at[key]
             out[i] = dataclasses.replace(out[i], payload=out[i].payload + c.payload)
     for i in at.values():
-        k = math.ceil(out[i].payload / limit)
+        k = math.ceil(combined_bytes(out[i]) / limit)
         if k > 1:
             out[i] = dataclasses.replace(out[i], payload=out[i].payload / k,
                                          calls=out[i].calls * k)
@@ -300,4 +306,5 @@ def bytes_by_level(colls: Sequence[Collective]) -> dict[str, float]:
 
 __all__ = ["Collective", "Passes", "step_collectives", "leaf_collectives",
            "ring_bytes", "int8_payload", "qgz_payloads",
-           "bytes_by_level", "bucketed", "leaves", "tp_local", "device_layers"]
+           "bytes_by_level", "bucketed", "combined_bytes", "leaves", "tp_local",
+           "device_layers"]

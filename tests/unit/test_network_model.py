@@ -179,6 +179,31 @@ def test_gathers_are_counted_as_xla_combines_them():
         sum(c.calls * c.payload for c in gathers))
 
 
+def test_reduce_scatters_combine_up_to_their_result():
+    """XLA's combiners hold a merged call's result to the 30 MiB threshold: a reduce-scatter's
+    result is its group's 1/n of the payload (the 20B's node-level gradient calls compiled for
+    the A100 reduce 234 MiB into 29 MiB), so a layer's gradients take ceil(P / n / 30 MiB)
+    calls, not ceil(P / 30 MiB)."""
+    from boost_jax.plan.overlap import XLA_COMBINE_BYTES, XLA_COMBINED
+    from boost_jax.sharding.step_collectives import bucketed, step_collectives
+
+    sizes = {"pair": 2, "node": 4, "global": 48}
+    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{
+        "data.seq_len": 256, "parallel.plan": "zero3", "train.micro_batches": 1,
+        "train.global_batch": 768})
+    _, pl = C.state_sizes(cfg, sizes)
+    listed = step_collectives(pl, C.passes(cfg))
+    layer = [c for c in listed if c.kind == "reduce-scatter" and c.leaf.startswith("blocks/")]
+    assert layer and len({(c.n, c.calls) for c in layer}) == 1
+    n, total = layer[0].n, sum(c.payload for c in layer)
+    assert total > XLA_COMBINE_BYTES  # over the threshold as a payload, not as a result
+    merged = [c for c in bucketed(listed, XLA_COMBINED, XLA_COMBINE_BYTES)
+              if c.kind == "reduce-scatter" and c.leaf == "blocks"]
+    k = math.ceil(total / n / XLA_COMBINE_BYTES)
+    assert len(merged) == 1 and merged[0].calls == layer[0].calls * k
+    assert merged[0].payload == pytest.approx(total / k)
+
+
 def test_measured_collectives_within_25pct_but_the_stated_gaps():
     """Every measured RCCL / NCCL collective is predicted within 25% except the rows in
     published.COLLECTIVE_GAPS, each with its reason; a gap that closes fails too. The rows
