@@ -151,18 +151,26 @@ def test_a_gpu_judged_step_is_no_shorter_than_its_node_egress():
     assert j.mfu == pytest.approx(p.mfu * p.step_time / p.time["nic"])
 
 
+def zero3_list(sizes: dict, micro: int, batch: int):
+    """(config, placement, step collective list) of CoLA-7B under zero3 with BTP over the
+    pair, 256-token sequences."""
+    from boost_jax.sharding.step_collectives import step_collectives
+
+    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{
+        "data.seq_len": 256, "parallel.plan": "zero3", "train.micro_batches": micro,
+        "train.global_batch": batch})
+    _, pl = C.state_sizes(cfg, sizes)
+    return cfg, pl, step_collectives(pl, C.passes(cfg))
+
+
 def test_gathers_are_counted_as_xla_combines_them():
     """The engine issues a layer's all-gathers one per weight; XLA's GPU combiners merge them
     into calls of at most 30 MiB: the cost model times those calls, with the engine's bytes."""
     from boost_jax.plan.overlap import XLA_COMBINE_BYTES, XLA_COMBINED
-    from boost_jax.sharding.step_collectives import bucketed, step_collectives
+    from boost_jax.sharding.step_collectives import bucketed
 
     sizes = {"pair": 2, "node": 4, "global": 48}
-    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{
-        "data.seq_len": 256, "parallel.plan": "zero3", "train.micro_batches": 1,
-        "train.global_batch": 768})
-    _, pl = C.state_sizes(cfg, sizes)
-    listed = step_collectives(pl, C.passes(cfg))
+    cfg, pl, listed = zero3_list(sizes, 1, 768)
     layer = [c for c in listed if c.what == "gather" and c.leaf.startswith("blocks/")]
     assert len(layer) > 10 and len({c.calls for c in layer}) == 1
     merged = [c for c in bucketed(listed, XLA_COMBINED, XLA_COMBINE_BYTES)
@@ -185,14 +193,9 @@ def test_reduce_scatters_combine_up_to_their_result():
     the A100 reduce 234 MiB into 29 MiB), so a layer's gradients take ceil(P / n / 30 MiB)
     calls, not ceil(P / 30 MiB)."""
     from boost_jax.plan.overlap import XLA_COMBINE_BYTES, XLA_COMBINED
-    from boost_jax.sharding.step_collectives import bucketed, step_collectives
+    from boost_jax.sharding.step_collectives import bucketed
 
-    sizes = {"pair": 2, "node": 4, "global": 48}
-    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{
-        "data.seq_len": 256, "parallel.plan": "zero3", "train.micro_batches": 1,
-        "train.global_batch": 768})
-    _, pl = C.state_sizes(cfg, sizes)
-    listed = step_collectives(pl, C.passes(cfg))
+    _, _, listed = zero3_list({"pair": 2, "node": 4, "global": 48}, 1, 768)
     layer = [c for c in listed if c.kind == "reduce-scatter" and c.leaf.startswith("blocks/")]
     assert layer and len({(c.n, c.calls) for c in layer}) == 1
     n, total = layer[0].n, sum(c.payload for c in layer)
@@ -268,14 +271,10 @@ def test_list_levels_skip_axes_of_one_device():
     """On one node the global axis has one device: a collective over it (zero3's gathers over
     pair, node and global) crosses the node link only, in the list's levels as in the cost
     model's timing, and nothing is sent across nodes."""
-    from boost_jax.sharding.step_collectives import bytes_by_level, step_collectives
+    from boost_jax.sharding.step_collectives import bytes_by_level
 
     sizes = {"pair": 2, "node": 4, "global": 1}
-    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **{
-        "data.seq_len": 256, "parallel.plan": "zero3", "train.micro_batches": 2,
-        "train.global_batch": 8})
-    _, pl = C.state_sizes(cfg, sizes)
-    listed = step_collectives(pl, C.passes(cfg))
+    cfg, pl, listed = zero3_list(sizes, 2, 8)
     assert any("global" in c.axes for c in listed)
     assert all(c.level != "global" for c in listed)
     assert bytes_by_level(listed)["global"] == 0 and bytes_by_level(listed)["node"] > 0
