@@ -59,6 +59,7 @@ class Coll:
     axes: tuple = ()
     host_members: int = 0  # k: members of one group on one host (0: unknown, taken as 1)
     host_groups: int = 0  # groups sharing a host's NICs (0: unknown, every device's own)
+    runs: str = ""  # the pass it runs in (step_collectives.RUNS); "" unknown (measured)
 
     @property
     def bytes_per_step(self) -> float:

@@ -9,9 +9,9 @@ compute   boost_jax.plan.roofline: every kernel of a block with its FLOPs and HB
 network   boost_jax.plan.collectives: ring collectives on the links they cross (a node's NICs
           shared by the groups leaving it) plus latency.
 overlap   as the step compiles with the launcher's XLA flags (mesh.GPU_XLA_SCHEDULE,
-          `overlap_exposed`): tensor-parallel collectives and pipeline sends on the critical
-          path, per-layer weight gathers and gradient reduce-scatters behind the neighbouring
-          layers' compute, once-per-step work exposed.
+          `exposed_dp`): TP collectives and pipeline sends on the critical path, per-layer
+          weight gathers and gradient reduce-scatters behind the neighbouring layers' compute
+          of their own pass (a deferred leg: its one pass), once-per-step work exposed.
 memory    boost_jax.plan.memory: persistent state from the placement's layouts (exact, padding
           included) + the buffers the GPU program keeps live at its peak (the gradient
           buffers of the double-buffered micro-batch loop, two layers' gathered weights,
@@ -164,7 +164,7 @@ class Prediction:
     micro_batches: int
     flops_per_device: float  # model FLOPs (3x forward, no recompute) per device per step
     executed_flops_per_device: float  # with recompute
-    time: dict  # compute / tp / dp / dp_exposed / step_comm / optimizer / total / total_overlapped
+    time: dict  # compute (forward: its forward passes') / tp / dp / dp_exposed / step_comm / ...
     comm_bytes: dict  # per level, bytes per device per step
     comm_time: dict  # per level seconds (unoverlapped)
     memory: dict  # bytes per device by component, total, hbm, fits
@@ -233,12 +233,12 @@ def _grouped(cfg, sizes, pl) -> list[Coll]:
     listed = step_collectives(pl, passes(cfg), cfg.model.tie_embeddings)
     for c in bucketed(listed, overlap.XLA_COMBINED, overlap.XLA_COMBINE_BYTES):
         axes = tuple(a for a in c.axes if sizes.get(a, 1) > 1)
-        key = (c.what, c.kind, axes, c.level, c.phase)
+        key = (c.what, c.kind, axes, c.level, c.phase, c.runs)
         calls, total = groups.get(key, (0.0, 0.0))
         groups[key] = (calls + c.calls, total + c.payload * c.calls)
     return [Coll(what, kind, total / calls, axis_size(sizes, axes), level, calls, phase,
-                 axes, *host_split(axes, sizes))
-            for (what, kind, axes, level, phase), (calls, total) in groups.items()]
+                 axes, *host_split(axes, sizes), runs=runs)
+            for (what, kind, axes, level, phase, runs), (calls, total) in groups.items()]
 
 
 def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) -> float:
@@ -327,6 +327,37 @@ def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hb
     t_f = L * bf + hf
     t_compute = sch.ticks * (t_f + t_f + L * (bb + br) + hb + hr) + launches
     return t_compute, t_compute * (sch.stages - 1) / sch.ticks  # the idle (masked) ticks
+
+
+def forward_share(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hbm: float,
+                  a: Assumptions) -> float:
+    """Of one micro-batch's compute, the forward pass's (the rest: backward and remat replay)."""
+    (bf, bb, br), (hf, hb, hr) = (block_times(cfg, bm, peak, hbm, a),
+                                  block_times(cfg, hm, peak, hbm, a))
+    fwd = L * bf + hf
+    return fwd / (fwd + L * (bb + br) + hb + hr)
+
+
+def exposed_dp(cfg, colls: list[Coll], t_dp: float, busy: float, t_fwd: float, L: int,
+               topo: Topology, a: Assumptions) -> tuple[float, float]:
+    """(exposed seconds, of them the once-per-step legs') of the data-parallel collectives.
+    `busy`: the compute they can hide behind; `t_fwd`: of it the forward's. Analytic lists without
+    a pipeline go pass by pass (overlap.pass_exposed); a pipeline's ticks interleave forward
+    and backward passes alike (and defer nothing), measured lists do not say which pass a
+    collective runs in, and overlap="none" and a share the GPU schedule measured
+    (overlap="gpu") are step-wide: those pool the step's traffic against its compute
+    (overlap_exposed). overlap="gpu" without a measured share is overlap="xla"."""
+    dp = [c for c in colls if c.phase == "dp"]
+    h = overlap.hidden(cfg.parallel.plan, cfg.parallel.tp_mode, "dp",
+                       cfg.train.micro_batches) if a.overlap == "gpu" else None
+    if a.overlap == "none" or h is not None or schedule(cfg) is not None or not dp or \
+            not all(c.runs for c in dp):
+        return overlap_exposed(t_dp, busy, L, a, h), 0.0
+    traffic: dict = {}
+    for c in dp:
+        traffic[c.runs] = traffic.get(c.runs, 0.0) + coll_time(c, topo, a)
+    m = cfg.train.micro_batches
+    return overlap.pass_exposed(traffic, m, t_fwd / m, (busy - t_fwd) / m, L)
 
 
 def tp_collectives(cfg, sizes, bm: BlockModel, hm: BlockModel, t: int) -> list[Coll]:
@@ -434,11 +465,11 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     t_quant = quant_seconds(cfg, sizes, st, pl, hbm, a)
     t_opt = optimizer_seconds(st, m.param_dtype, hbm, a)
     # the stage sends (part of t_tp: on the critical path), reported apart
-    p2p = sum(coll_time(c, topo, a) for c in colls if c.name == "stage_send") \
-        if measured is None else 0.0
-    h_dp = overlap.hidden(cfg.parallel.plan, mode, "dp", micro) if a.overlap == "gpu" else None
-    exposed_dp = overlap_exposed(t_dp, t_compute - t_bubble, L, a, h_dp)
-    total = t_compute + t_quant + t_tp + exposed_dp + t_stepc + t_opt
+    p2p = 0.0 if measured else sum(coll_time(c, topo, a) for c in colls if c.name == "stage_send")
+    busy = t_compute - t_bubble
+    t_fwd = forward_share(cfg, bm, hm, L, peak, hbm, a) * busy
+    x_dp, x_once = exposed_dp(cfg, [] if measured else colls, t_dp, busy, t_fwd, L, topo, a)
+    total = t_compute + t_quant + t_tp + x_dp + t_stepc + t_opt
     total_overlap = t_compute + t_quant + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt
     tokens = cfg.train.global_batch * s
     model_flops = flops_per_token(m, s)["train"] * tokens / n_dev
@@ -449,10 +480,10 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
         layout=_layout(cfg, mode, t, pl), sizes=dict(sizes), devices=n_dev,
         tokens_per_step=tokens, micro_batch_per_device=b, micro_batches=micro,
         flops_per_device=model_flops, executed_flops_per_device=model_flops * recompute_factor(cfg),
-        time=dict(compute=t_compute, bubble=t_bubble, tp=t_tp, dp=t_dp, quant=t_quant, p2p=p2p,
-                  dp_exposed=exposed_dp, dp_latency=comm.dp_latency, step_comm=t_stepc,
-                  optimizer=t_opt, nic=comm.nic_seconds(topo, a), total=total,
-                  total_overlapped=total_overlap),
+        time=dict(compute=t_compute, bubble=t_bubble, forward=t_fwd, tp=t_tp, dp=t_dp,
+                  quant=t_quant, p2p=p2p, dp_exposed=x_dp, dp_once_exposed=x_once,
+                  dp_latency=comm.dp_latency, step_comm=t_stepc, optimizer=t_opt,
+                  nic=comm.nic_seconds(topo, a), total=total, total_overlapped=total_overlap),
         comm_bytes={lv: comm.level_bytes.get(lv, 0.0) for lv in AXES},
         comm_time={lv: comm.level_time.get(lv, 0.0) for lv in AXES}, memory=mem,
         step_time=total, tokens_per_s=tokens / total, tflops_per_device=tflops,

@@ -7,9 +7,11 @@ from __future__ import annotations
 def critical_path(p) -> dict:
     """Where a step's time goes, in the order it is spent (seconds; sums to the step)."""
     t = p.time
+    once = t.get("dp_once_exposed", 0.0)  # a deferred leg's exposure in its one pass
     return {"compute": t["compute"] - t.get("bubble", 0.0) + t.get("quant", 0.0),
-            "exposed TP": t["tp"], "exposed DP": t["dp_exposed"],
-            "bubble": t.get("bubble", 0.0), "once-per-step": t["step_comm"] + t["optimizer"]}
+            "exposed TP": t["tp"], "exposed DP": t["dp_exposed"] - once,
+            "bubble": t.get("bubble", 0.0),
+            "once-per-step": t["step_comm"] + once + t["optimizer"]}
 
 
 def floor(p) -> dict:

@@ -86,6 +86,31 @@ def overlap_exposed(t_dp: float, t_compute: float, layers: int, a: Assumptions,
     return max(t_dp - t_compute, t_dp / max(layers, 1), 0.0)
 
 
+def pass_exposed(traffic: dict, passes: int, fwd_s: float, bwd_s: float,
+                 layers: int) -> tuple[float, float]:
+    """(exposed seconds, of them the once-per-step legs') of the data-parallel collectives when
+    each pass over the layers hides only its own traffic (overlap="xla", no pipeline).
+
+    `traffic`: seconds per step by the pass they run in (step_collectives.RUNS): every forward,
+    every backward, the first forward only (a deferred update), the last backward only (a
+    reduction in the backward). `passes` forward and as many backward passes of `fwd_s` /
+    `bwd_s` compute each. A pass with T traffic and C compute leaves max(T − C, T / L) exposed
+    (`overlap_exposed`); a once-per-step leg adds its traffic to its one pass, and what that
+    adds to the pass's exposure is its share. The scheduler cannot move a forward gather into
+    a backward, nor the first micro-batch's gathers into the second's compute."""
+    def exposed(t, c):
+        return max(t - c, t / max(layers, 1), 0.0)
+
+    total = once = 0.0
+    for every, only, c in (("forward", "first forward", fwd_s),
+                           ("backward", "last backward", bwd_s)):
+        t, o = traffic.get(every, 0.0) / passes, traffic.get(only, 0.0)
+        base, with_once = exposed(t, c), exposed(t + o, c)
+        total += (passes - 1) * base + with_once
+        once += with_once - base
+    return total, once
+
+
 def gpu_launch_seconds(cfg, bm: BlockModel, blocks: float, a: Assumptions) -> float:
     """The launches the GPU program makes beyond the roofline's kernel list, at launch_s each,
     for `blocks` block passes: under overlap="gpu" the plan x TP mode's ratio (GPU / analytic

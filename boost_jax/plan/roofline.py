@@ -99,7 +99,8 @@ class Assumptions:
             lines.append("overlap (the launcher's XLA flags): tensor-parallel collectives and "
                          "pipeline sends on the critical path; per micro-batch weight gathers "
                          "and gradient reduce-scatters behind the neighbouring layers' compute "
-                         "(one layer's worth per pass exposed, and whatever exceeds the compute); "
+                         "of the same pass (one layer's worth per pass exposed, and whatever "
+                         "exceeds the pass's compute; a deferred leg in its one pass); "
                          "once-per-step reduction, weight re-gather and optimizer exposed")
             lines += [f"  {flag}: {why}" for flag, why in GPU_XLA_SCHEDULE]
         elif self.overlap == "gpu":

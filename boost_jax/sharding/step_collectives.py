@@ -38,9 +38,16 @@ from boost_jax.layers.forward import path_keys
 from boost_jax.mesh import axis_size, level_of
 from boost_jax.sharding import quant
 from boost_jax.sharding.bucket import BUCKETED
-from boost_jax.sharding.gather import FORWARD, Gather, LeafFetch, qgz_stages
+from boost_jax.sharding.gather import BACKWARD, FORWARD, Gather, LeafFetch, qgz_stages
 from boost_jax.sharding.layout import LeafLayout, is_layout
 from boost_jax.sharding.stages import Schedule
+
+
+# Where a collective runs: in every forward or backward pass over the layers; in the first
+# forward or the last backward only (once per step, layer by layer: the deferred update, the
+# reduction in the backward); or outside the passes, once per step (STEP).
+FIRST_FORWARD, LAST_BACKWARD, STEP = "first forward", "last backward", "step"
+RUNS = (FORWARD, BACKWARD, FIRST_FORWARD, LAST_BACKWARD)
 
 
 def ring_bytes(kind: str, n: int, payload: float) -> float:
@@ -74,6 +81,7 @@ class Collective:
     phase: str  # dp: per pass, inside the layer loop | step: once per step
     level: str  # the slowest link its group crosses, size-1 axes aside (moving_level)
     bucket: tuple = ()  # what it shares one call with (sharding/bucket.py); () its own call
+    runs: str = STEP  # the pass it runs in (RUNS), or STEP: outside the passes
 
     @property
     def sent(self) -> float:
@@ -195,33 +203,36 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
 
     unit = path[:2] if block and not lay.layer_axis else path[:1]  # one fetch_tree call
 
-    def add(what, kind, axes, payload, calls, phase="dp", step=None):
+    def add(what, kind, axes, payload, calls, runs, step=None):
+        phase = "step" if runs == STEP else "dp"
         key = (unit, f.group, what, step) if phase == "dp" else ()
         if f.n(axes) > 1 and calls > 0 and payload > 0:
             out.extend(Collective(name, what, k, ax, f.n(ax), float(p), calls, phase,
-                                  moving_level(f._size, ax), key)
+                                  moving_level(f._size, ax), key, runs)
                        for k, ax, p in pl.collectives.stages(kind, axes, payload, a))
 
     for g in f.gathers():  # what the engine issues (LeafFetch.expand, secondary_source, ...)
-        add(g.what, "all-gather", g.axes, gather_payload(f, g), fwd if g.when == FORWARD else bwd)
+        add(g.what, "all-gather", g.axes, gather_payload(f, g),
+            fwd if g.when == FORWARD else bwd, g.when)
     int4 = dict(qgz_payloads(f)) if f.quantize_grads and f.dim is not None else {}
     for i, (kind, axes) in enumerate(f.grad_steps()):
         if kind == "all-to-all":
-            add("grad(int4)", kind, axes, int4[axes], grad_calls, step=i)
+            add("grad(int4)", kind, axes, int4[axes], grad_calls, BACKWARD, step=i)
         else:
-            add("grad", kind, axes, psi * a, grad_calls, step=i)
+            add("grad", kind, axes, psi * a, grad_calls, BACKWARD, step=i)
     # the reduction over R: per layer in the backward, or once per step on the whole leaf
     ar, rs = pl.deferred_reduction(lay)
-    per_layer, calls, phase = (1, layers, "dp") if pl.in_backward(lay) else (layers, 1, "step")
+    per_layer, calls, runs = (1, layers, LAST_BACKWARD) if pl.in_backward(lay) else \
+        (layers, 1, STEP)
     payload = psi * per_layer * a / (f.n(pl.grads_axes) if lay.dim is not None else 1)
     i = len(f.grad_steps())  # reduce_all's round of each step (R's in the backward after G's)
-    add("reduce", "all-reduce", ar, payload, calls, phase, i)
+    add("reduce", "all-reduce", ar, payload, calls, runs, i)
     step = f.cross_node_step(rs) if rs and lay.dim is not None else ("reduce-scatter", rs)
     if step[0] == "all-to-all":  # quantized across nodes (parallel.quantize_cross_node_grads)
         add(f"reduce(int{step[2]})", "all-to-all", rs,
-            quantized_rs_payload(f, rs, payload / a, step[2]), calls, phase, i + bool(ar))
+            quantized_rs_payload(f, rs, payload / a, step[2]), calls, runs, i + bool(ar))
     else:
-        add("reduce", "reduce-scatter", rs, payload, calls, phase, i + bool(ar))
+        add("reduce", "reduce-scatter", rs, payload, calls, runs, i + bool(ar))
     if lay.dim is not None:
         _update(pl, f, pl.defer_update and (block or lay.after_stack), layers, psi * w, add)
     return out
@@ -231,15 +242,15 @@ def _update(pl, f: LeafFetch, deferred: bool, layers: int, layer_bytes: float, a
     """The new weights to the params sharding: once per step after the optimizer, or
     `deferred`, per layer in the next step's first forward (the after-stack units: where it
     fetches them; the embedding: at its start, once per step)."""
-    per, calls, phase = (1, layers, "dp") if deferred else (layers, 1, "step")
+    per, calls, runs = (1, layers, FIRST_FORWARD) if deferred else (layers, 1, STEP)
     left = tuple(pl.opt_state_axes)
     for r, axes in enumerate(pl.update_stages()):
         src, left = left, tuple(x for x in left if x not in axes)  # the result's sharding
         if pl.xq_weights and "global" in axes:  # int8 blocks of each source shard
             add("update(int8)", "all-gather", axes,
-                per * int8_payload(f, src) / f.n(left), calls, phase, ("u", r))
+                per * int8_payload(f, src) / f.n(left), calls, runs, ("u", r))
         else:
-            add("update", "all-gather", axes, layer_bytes * per / f.n(left), calls, phase,
+            add("update", "all-gather", axes, layer_bytes * per / f.n(left), calls, runs,
                 ("u", r))
 
 
@@ -277,7 +288,7 @@ def bucketed(colls: Sequence[Collective], kinds=BUCKETED,
     out: list[Collective] = []
     at: dict[tuple, int] = {}
     for c in colls:
-        key = (c.bucket, c.kind, c.axes, c.calls, c.phase) if c.bucket and \
+        key = (c.bucket, c.kind, c.axes, c.calls, c.runs) if c.bucket and \
             c.kind in kinds else None
         if key is None or key not in at:
             if key is not None:
@@ -304,7 +315,7 @@ def bytes_by_level(colls: Sequence[Collective]) -> dict[str, float]:
     return out
 
 
-__all__ = ["Collective", "Passes", "step_collectives", "leaf_collectives",
+__all__ = ["Collective", "Passes", "RUNS", "STEP", "FIRST_FORWARD", "LAST_BACKWARD", "step_collectives", "leaf_collectives",
            "ring_bytes", "int8_payload", "qgz_payloads",
            "bytes_by_level", "bucketed", "combined_bytes", "leaves", "tp_local",
            "device_layers"]

@@ -97,9 +97,10 @@ def test_the_engine_issues_each_gather_as_its_record_says(mesh, case):
                                            out_specs=P(), check_vma=False), x)
         bwd = _traced(mesh, lambda s: bucket.run([f.expand(s)]), src)
         assert bwd == _moving(f, BACKWARD), (case, path, f.gathers())
-        listed = [(c.what, c.axes) for c in leaf_collectives(pl, path, lay, Passes.of(2))
+        listed = [(c.what, c.axes, c.runs) for c in leaf_collectives(pl, path, lay,
+                                                                      Passes.of(2))
                   if c.what in ("gather", "gather(S)", "regather", "regather(S)")]
-        assert listed == [(g.what, g.axes) for g in f.gathers() if f.n(g.axes) > 1]
+        assert listed == [(g.what, g.axes, g.when) for g in f.gathers() if f.n(g.axes) > 1]
         seen += len(fwd) + len(bwd)
     assert seen > 0
 
