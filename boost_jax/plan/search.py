@@ -260,8 +260,9 @@ def drop_staged_hierarchical(res: SearchResult) -> Optional[str]:
     staged = [c for c in res.candidates if c.plan == "hierarchical" and c.pp_stages > 1]
     valid = [c for c in staged if c.error is None]  # the invalid are counted in n_invalid
     fitting = res.fitting
-    shown = [c for c in fitting if c in valid]
-    res.candidates = [c for c in res.candidates if c not in staged]
+    gone, ok = {id(c) for c in staged}, {id(c) for c in valid}  # by identity: == compares deep
+    shown = [c for c in fitting if id(c) in ok]
+    res.candidates = [c for c in res.candidates if id(c) not in gone]
     res.n_unlisted += len(valid)
     head = f"hierarchical with pipeline stages is not listed ({len(valid)} valid layouts"
     why = "pipeline ticks keep its cross-node reduction and update once per step"

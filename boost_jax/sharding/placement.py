@@ -449,11 +449,26 @@ def _cross_node_quantization(par, pl: Placement) -> tuple[bool, str]:
     return w == "int8", g
 
 
+_LAYOUTS: dict = {}
+
+
 def make_layouts(cfg, mesh, abstract_params, pl: Placement):
-    """LeafLayout per param: one dim for every role, padded when nothing divides."""
+    """LeafLayout per param: one dim for every role, padded when nothing divides. Cached on
+    what the layouts read (the planner's search asks for the same ones under every remat mode
+    and micro-batch count); layouts are frozen and nothing writes into the tree."""
     roles = [pl.params_axes, pl.grads_axes, pl.opt_state_axes, pl.secondary_axes or ()]
     union = tuple(a for a in AXES if any(a in r for r in roles))
-    n = axis_size(mesh, union)
+    leaves, tree = jax.tree_util.tree_flatten(abstract_params)
+    par = cfg.parallel
+    key = (repr(cfg.model), par.tp_mode, tuple(par.tp_axes), cfg.train.scan_layers,
+           par.pp_stages, par.pp_virtual, union, tuple(dict(mesh.shape).items()), tree,
+           tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+    if key not in _LAYOUTS:
+        _LAYOUTS[key] = _layouts(cfg, mesh, abstract_params, axis_size(mesh, union))
+    return _LAYOUTS[key]
+
+
+def _layouts(cfg, mesh, abstract_params, n: int):
     tp_specs = None
     if cfg.parallel.tp_mode != "none":
         tp_specs = tp_param_specs(cfg, abstract_params)
