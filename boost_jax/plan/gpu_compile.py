@@ -219,7 +219,8 @@ def judged(pred, g: GpuCompile, a: Assumptions, hbm_bytes: float):
     hides, the step is no shorter than the node's NICs need for the bytes that leave it: what
     falls short of that floor is exposed data-parallel time."""
     t, ph = dict(pred.time), g.exposed["time_s_by_phase"]
-    t.update(tp=ph.get("tp", 0.0), dp_exposed=ph.get("dp", 0.0), step_comm=ph.get("step", 0.0))
+    t.update(tp=ph.get("tp", 0.0), dp_exposed=ph.get("dp", 0.0), step_comm=ph.get("step", 0.0),
+             dp_once_exposed=0.0)  # the schedule's phases do not split a pass by leg
     rest = t["compute"] + t["quant"] + t["tp"] + t["step_comm"] + t["optimizer"]
     t["dp_exposed"] = max(t["dp_exposed"], t.get("nic", 0.0) - rest)
     total = rest + t["dp_exposed"]
