@@ -13,9 +13,7 @@ the differences to the tolerances stated here (those of the qgZ study, benchmark
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks.common import markdown_table, write_result  # noqa: E402
-from benchmarks.qgz_demo import STEP_TOL, STEPS, VAL_TOL, demo_env  # noqa: E402
+from benchmarks.qgz_demo import STEP_TOL, STEPS, VAL_TOL, train  # noqa: E402
 
 OVERRIDES = ["--cpu-devices", "8", "parallel.plan=hierarchical", "train.micro_batches=2",
              f"train.steps={STEPS}", "train.log_every=1", f"train.eval_every={STEPS}",
@@ -38,23 +36,10 @@ RUNS = {"unquantized": [],
                                      "parallel.quantize_cross_node_grads=int4"]}
 
 
-def train(out_dir: str, extra: list) -> dict:
-    """Run train.py; {"loss": {step: loss}, "val_loss": last validation loss}."""
-    env = demo_env(out_dir)
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "demo.yaml"), *OVERRIDES, f"out_dir={out_dir}", *extra]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if p.returncode != 0:
-        raise RuntimeError(f"train.py exited {p.returncode}:\n{p.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
-    return {"loss": {r["step"]: r["loss"] for r in rows if "loss" in r},
-            "val_loss": [r["val_loss"] for r in rows if "val_loss" in r][-1]}
-
-
 def run_all(root: str) -> dict:
     """Every run and its differences (relative, against the unquantized one)."""
     t0 = time.perf_counter()
-    runs = {name: train(os.path.join(root, str(i)), extra)
+    runs = {name: train(os.path.join(root, str(i)), [*OVERRIDES, *extra])
             for i, (name, extra) in enumerate(RUNS.items())}
     base = runs["unquantized"]
     diffs = {name: {s: r["loss"][s] / base["loss"][s] - 1 for s in base["loss"]}

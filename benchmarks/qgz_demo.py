@@ -47,13 +47,13 @@ def demo_env(out_dir: str) -> dict:
     return env
 
 
-def train(out_dir: str, quantize_grads: bool) -> dict:
-    """Run train.py; {"loss": {step: loss}, "val_loss": last validation loss}."""
-    env = demo_env(out_dir)
+def train(out_dir: str, overrides: list, timeout: int = 900) -> dict:
+    """Run train.py on the demo config with `overrides`; {"loss": {step: loss}, "val_loss":
+    last validation loss}."""
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config",
-           os.path.join(ROOT, "configs", "demo.yaml"), *OVERRIDES, f"out_dir={out_dir}",
-           f"parallel.quantize_grads={'true' if quantize_grads else 'false'}"]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+           os.path.join(ROOT, "configs", "demo.yaml"), *overrides, f"out_dir={out_dir}"]
+    p = subprocess.run(cmd, cwd=ROOT, env=demo_env(out_dir), capture_output=True, text=True,
+                       timeout=timeout)
     if p.returncode != 0:
         raise RuntimeError(f"train.py exited {p.returncode}:\n{p.stderr[-3000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl"))]
@@ -64,8 +64,8 @@ def train(out_dir: str, quantize_grads: bool) -> dict:
 def run_pair(root: str) -> dict:
     """Both runs and their differences (relative, int4 against bf16)."""
     t0 = time.perf_counter()
-    q = train(os.path.join(root, "int4"), True)
-    b = train(os.path.join(root, "bf16"), False)
+    q = train(os.path.join(root, "int4"), [*OVERRIDES, "parallel.quantize_grads=true"], 600)
+    b = train(os.path.join(root, "bf16"), [*OVERRIDES, "parallel.quantize_grads=false"], 600)
     diff = {s: q["loss"][s] / b["loss"][s] - 1 for s in b["loss"]}
     return {"int4": q, "bf16": b, "step_diff": diff,
             "max_step_diff": max(abs(d) for d in diff.values()),

@@ -1,7 +1,8 @@
 """Layout search: plan × TP mode × TP axes × pipeline stages and virtual stages ×
 micro-batch size × remat × working-weight/gradient dtype × keeping the forward's gathered
-weights for the backward (`/keep`: parallel.secondary_axes=[], for zero3 and zeropp),
-ranked by the cost model. Where the config leaves parallel.secondary_dtype unset and a layout
+weights for the backward (`/keep`: parallel.secondary_axes=[], for zero3 and zeropp) ×
+hierarchical's cross-node legs in int8 weights / int4 gradients (`/xq`: they change the loss,
+within the qgZ study's tolerance on the demo, benchmarks/README.md §3), ranked by the cost model. Where the config leaves parallel.secondary_dtype unset and a layout
 keeps a secondary, both dtypes are costed and plan/secondary.py's rule keeps one (`/int8sec`,
 `/bf16sec`).
 
@@ -53,6 +54,7 @@ class Candidate:
     sizes: dict = field(default_factory=dict)  # the mesh: global = hosts / pp_stages
     low_precision: bool = False  # bf16 working weights and bf16 gradient reduction
     keep: bool = False  # the backward uses the forward's gathered weights (no re-gather)
+    xq: bool = False  # hierarchical's cross-node legs quantized (int8 weights, int4 gradients)
     secondary: Optional[Choice] = None  # the secondary dtype the search chose, and why
     prediction: Optional[Prediction] = None
     error: Optional[str] = None
@@ -67,7 +69,8 @@ class Candidate:
         bf = "/bf16" if self.low_precision else ""
         keep = "/keep" if self.keep else ""
         sec = f"/{SHORT[self.secondary.dtype]}sec" if self.secondary else ""
-        return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}{bf}{keep}{sec}"
+        xq = "/xq" if self.xq else ""
+        return f"{self.plan}/{tp}{pp}/b{self.micro_size}/{self.remat}{bf}{keep}{sec}{xq}"
 
     def config(self, cfg):
         par = dataclasses.replace(cfg.parallel, plan=self.plan, tp_mode=self.tp_mode,
@@ -77,6 +80,9 @@ class Candidate:
         model = cfg.model
         if self.keep:
             par = dataclasses.replace(par, secondary_axes=[])
+        if self.xq:
+            par = dataclasses.replace(par, quantize_cross_node_weights="int8",
+                                      quantize_cross_node_grads="int4")
         if self.secondary:  # explicit, so the emitted config runs what was ranked
             par = dataclasses.replace(par, secondary_dtype=self.secondary.dtype)
         if self.low_precision:
@@ -136,6 +142,7 @@ class SearchResult:
                              micro_size=c.micro_size, micro_batches=c.micro_batches,
                              pp_stages=c.pp_stages, pp_virtual=c.pp_virtual,
                              remat=c.remat, low_precision=c.low_precision, keep=c.keep,
+                             quantized_cross_node=c.xq,
                              secondary=c.secondary.to_dict() if c.secondary else None,
                              step_time=p.step_time, tokens_per_s=p.tokens_per_s,
                              tflops_per_device=p.tflops_per_device, mfu=p.mfu,
@@ -168,6 +175,16 @@ def keeps(plan: str, tp_axes: tuple, sz: dict) -> tuple:
     sec = PRESETS[plan]["secondary"]  # a secondary TP took whole is already /keep
     kept = sec is not None and not spans(sec)
     return KEEP.get(plan, (False,)) if spans(params) and not kept else (False,)
+
+
+def quantized_legs(cfg, plan: str, sz: dict) -> tuple:
+    """Whether to try /xq: hierarchical with one stage over several hosts (its cross-node legs
+    run in the first forward and the last backward, layer by layer), where the config leaves
+    both legs unquantized; a config that sets them is ranked as it is."""
+    par = cfg.parallel
+    unset = par.quantize_cross_node_weights == "none" and par.quantize_cross_node_grads == "none"
+    legs = plan == "hierarchical" and "stage" not in sz and sz["global"] > 1
+    return (False, True) if legs and unset else (False,)
 
 
 def collapses(plan: str, tp_axes: tuple, sizes: dict) -> bool:
@@ -203,10 +220,10 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
                     continue  # 1F1B needs at least as many micro-batches as stages
                 for v in PP_VIRTUAL if pp > 1 else (1,):
                     if v == 1 or (m % pp == 0 and pp * v <= cfg.model.n_layers):
-                        for low, keep in itertools.product(precisions,
-                                                           keeps(plan, axes, sz)):
+                        for low, keep, xq in itertools.product(
+                                precisions, keeps(plan, axes, sz), quantized_legs(cfg, plan, sz)):
                             out.append(Candidate(plan, mode, tuple(axes), b, m, remat, pp, v,
-                                                 sz, low, keep=keep))
+                                                 sz, low, keep=keep, xq=xq))
     return out
 
 
@@ -356,7 +373,7 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
         pp = f"{c.pp_stages}" + (f" x{c.pp_virtual}" if c.pp_virtual > 1 else "")
         plan = c.plan + (" keep" if c.keep else "") + (
-            f" {SHORT[c.secondary.dtype]} sec" if c.secondary else "")
+            f" {SHORT[c.secondary.dtype]} sec" if c.secondary else "") + (" xq" if c.xq else "")
         lines.append(f"| {i} | {plan} | {tp} | {pp} | {c.micro_size} | "
                      f"{c.micro_batches} | {c.remat} | {_precision(c, cfg)} | "
                      f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "

@@ -200,6 +200,35 @@ def test_search_ranks_fitting_layouts_best_first():
         assert keep.memory["secondary"] > base.memory.get("secondary", 0.0)
 
 
+def test_search_tries_hierarchical_with_quantized_cross_node_legs():
+    """/xq: hierarchical's unstaged layouts over several hosts also with int8 weights and int4
+    gradients across nodes (the config runs them); the same layout's node egress and
+    once-per-step legs shrink, nothing else moves. A config that sets the legs is ranked as
+    set, with no /xq row."""
+    from boost_jax.plan.search import search
+
+    cfg = load_config(None, [*TINY, "train.global_batch=64"])
+    sizes = {"pair": 2, "node": 2, "global": 2}
+    res = search(cfg, get_topology("frontier"), sizes)
+    fit = {c.key(): c for c in res.fitting}
+    xq = [c for c in res.fitting if c.xq]
+    assert xq and {c.plan for c in xq} == {"hierarchical"} and all(c.pp_stages == 1 for c in xq)
+    pairs = [(fit[c.key()[:-len("/xq")]].prediction, c) for c in xq if c.key()[:-3] in fit]
+    assert pairs
+    for base, c in pairs:
+        par = c.config(cfg).parallel
+        assert (par.quantize_cross_node_weights, par.quantize_cross_node_grads) == \
+            ("int8", "int4")
+        q = c.prediction
+        assert sum(q.node_egress.values()) < sum(base.node_egress.values())
+        assert q.time["compute"] == base.time["compute"]
+        assert q.layout["placement"]["quantize_cross_node"] == {"weights": "int8",
+                                                                "grads": "int4"}
+    set_ = load_config(None, [*TINY, "train.global_batch=64",
+                              "parallel.quantize_cross_node_grads=int8"])
+    assert not any(c.xq for c in search(set_, get_topology("frontier"), sizes).candidates)
+
+
 def test_search_skips_hierarchical_that_runs_as_zero1():
     """TP over pair and node leaves hierarchical no role inside the node: its layouts would be
     zero1's again, so the search lists zero1's and says why hierarchical's are missing."""

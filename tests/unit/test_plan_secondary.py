@@ -96,7 +96,8 @@ def test_search_costs_both_unless_the_config_sets_it():
                        None)
         assert c.secondary.dtype == S.pick(both)
         assert c.prediction.step_time == both[c.secondary.dtype].step_time
-        assert c.key().endswith(f"/{'int8' if c.secondary.dtype == 'int8' else 'bf16'}sec")
+        assert c.key().removesuffix("/xq").endswith(
+            f"/{'int8' if c.secondary.dtype == 'int8' else 'bf16'}sec")
         assert c.config(cfg).parallel.secondary_dtype == c.secondary.dtype
     fixed = search(C.with_overrides(cfg, **{"parallel.secondary_dtype": "int8"}), FRONTIER, sizes)
     hier = [c for c in fixed.candidates if c.plan == "hierarchical" and c.error is None]
