@@ -37,8 +37,8 @@ from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split
 from boost_jax.plan import memory, overlap
 from boost_jax.plan.overlap import gpu_exposed, gpu_launch_seconds, overlap_exposed
 from boost_jax.sharding.gather import qgz_stages
-from boost_jax.sharding.step_collectives import (Passes, bucketed, keeps_secondary,
-                                                 step_collectives)
+from boost_jax.sharding.step_collectives import (FIRST_FORWARD, LAST_BACKWARD, Passes,
+                                                 bucketed, keeps_secondary, step_collectives)
 from boost_jax.sharding.stages import Schedule, layers_per_stage
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
                                      head_model, op_time, resolve_attention)
@@ -242,7 +242,8 @@ def _grouped(cfg, sizes, pl) -> list[Coll]:
 
 
 def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) -> float:
-    """HBM time of the (de)quantization kernels ZeRO++ and the int8 secondaries run, per step.
+    """HBM time of the (de)quantization kernels ZeRO++, the int8 secondaries and quantized
+    cross-node legs (`cross_node_quant`) run, per step.
 
     Memory bound, as DeepSpeed's fused kernels run them: qwZ / an int8 secondary dequantizes
     every gathered weight (read q, write the working dtype; quantizing a shard is 1/|A| of it;
@@ -277,7 +278,33 @@ def quant_seconds(cfg, sizes, st: StateSizes, pl, hbm: float, a: Assumptions) ->
         nbytes += k * w_in * (4 + gb)
         kernels += 2 + 2 * len(qgz_stages(pl.grads_axes))
     calls = st.n_leaves - st.n_block_leaves + stage_layers(cfg) * st.n_block_leaves
-    return nbytes / (a.eta_hbm * hbm) + k * kernels * calls * a.launch_s
+    x_bytes, x_kernels = cross_node_quant(sizes, pl, W, pb, gb, q8, q4)
+    return (nbytes + x_bytes) / (a.eta_hbm * hbm) + (k * kernels + x_kernels) * calls * a.launch_s
+
+
+def cross_node_quant(sizes, pl, W: float, pb: float, gb: float, q8: float,
+                     q4: float) -> tuple[float, int]:
+    """(HBM bytes, kernels per weight) of hierarchical's quantized cross-node legs, once per
+    step (parallel.quantize_cross_node_*): the deferred update quantizes each source shard
+    (read the working dtype, write q₈) and dequantizes what the cross-node gather delivers;
+    the gradient's reduce-scatter over R ∩ O quantizes its input (read a, write q) and
+    dequantizes and sums what arrives (read q of the input, write fp32 of the result)."""
+    nbytes, kernels = 0.0, 0
+    if pl.xq_weights:
+        left = tuple(pl.opt_state_axes)
+        for axes in pl.update_stages():
+            src, left = left, tuple(x for x in left if x not in axes)
+            if "global" in axes:
+                nbytes += W / axis_size(sizes, src) * (pb + q8) + W / axis_size(sizes, left) * \
+                    (q8 + pb)
+                kernels += 2
+    if pl.xq_grads != "none":
+        q = q8 if pl.xq_grads == "int8" else q4
+        rs = tuple(x for x in pl.deferred_axes if x in pl.opt_state_axes)
+        w_in = W / axis_size(sizes, pl.grads_axes)
+        nbytes += w_in * (gb + q) + w_in * q + w_in / axis_size(sizes, rs) * 4
+        kernels += 2
+    return nbytes, kernels
 
 
 def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockModel,
@@ -346,16 +373,19 @@ def exposed_dp(cfg, colls: list[Coll], t_dp: float, busy: float, t_fwd: float, L
     and backward passes alike (and defer nothing), measured lists do not say which pass a
     collective runs in, and overlap="none" and a share the GPU schedule measured
     (overlap="gpu") are step-wide: those pool the step's traffic against its compute
-    (overlap_exposed). overlap="gpu" without a measured share is overlap="xla"."""
+    (overlap_exposed), the legs' share of it in proportion to their traffic. overlap="gpu"
+    without a measured share is overlap="xla"."""
     dp = [c for c in colls if c.phase == "dp"]
-    h = overlap.hidden(cfg.parallel.plan, cfg.parallel.tp_mode, "dp",
-                       cfg.train.micro_batches) if a.overlap == "gpu" else None
-    if a.overlap == "none" or h is not None or schedule(cfg) is not None or not dp or \
-            not all(c.runs for c in dp):
-        return overlap_exposed(t_dp, busy, L, a, h), 0.0
     traffic: dict = {}
     for c in dp:
         traffic[c.runs] = traffic.get(c.runs, 0.0) + coll_time(c, topo, a)
+    h = overlap.hidden(cfg.parallel.plan, cfg.parallel.tp_mode, "dp",
+                       cfg.train.micro_batches) if a.overlap == "gpu" else None
+    if a.overlap == "none" or h is not None or schedule(cfg) is not None or not dp or \
+            "" in traffic:
+        x = overlap_exposed(t_dp, busy, L, a, h)  # the legs' share of it: their traffic's
+        legs = traffic.get(FIRST_FORWARD, 0.0) + traffic.get(LAST_BACKWARD, 0.0)
+        return x, (x * legs / t_dp if t_dp else 0.0)
     m = cfg.train.micro_batches
     return overlap.pass_exposed(traffic, m, t_fwd / m, (busy - t_fwd) / m, L)
 

@@ -179,11 +179,12 @@ def keeps(plan: str, tp_axes: tuple, sz: dict) -> tuple:
 
 def quantized_legs(cfg, plan: str, sz: dict) -> tuple:
     """Whether to try /xq: hierarchical with one stage over several hosts (its cross-node legs
-    run in the first forward and the last backward, layer by layer), where the config leaves
-    both legs unquantized; a config that sets them is ranked as it is."""
+    run in the first forward and the last backward, layer by layer), its update deferred, where
+    the config leaves both legs unquantized; a config that sets them is ranked as it is."""
     par = cfg.parallel
     unset = par.quantize_cross_node_weights == "none" and par.quantize_cross_node_grads == "none"
-    legs = plan == "hierarchical" and "stage" not in sz and sz["global"] > 1
+    legs = plan == "hierarchical" and "stage" not in sz and sz["global"] > 1 and \
+        par.defer_update is not False  # int8 weights travel in the deferred update
     return (False, True) if legs and unset else (False,)
 
 

@@ -202,9 +202,9 @@ def test_search_ranks_fitting_layouts_best_first():
 
 def test_search_tries_hierarchical_with_quantized_cross_node_legs():
     """/xq: hierarchical's unstaged layouts over several hosts also with int8 weights and int4
-    gradients across nodes (the config runs them); the same layout's node egress and
-    once-per-step legs shrink, nothing else moves. A config that sets the legs is ranked as
-    set, with no /xq row."""
+    gradients across nodes (the config runs them); the same layout's node egress shrinks and
+    its (de)quantization kernels are charged, its compute is the same. A config that sets the
+    legs, or keeps the update after the optimizer, is ranked as set, with no /xq row."""
     from boost_jax.plan.search import search
 
     cfg = load_config(None, [*TINY, "train.global_batch=64"])
@@ -222,11 +222,12 @@ def test_search_tries_hierarchical_with_quantized_cross_node_legs():
         q = c.prediction
         assert sum(q.node_egress.values()) < sum(base.node_egress.values())
         assert q.time["compute"] == base.time["compute"]
+        assert q.time["quant"] > base.time["quant"]
         assert q.layout["placement"]["quantize_cross_node"] == {"weights": "int8",
                                                                 "grads": "int4"}
-    set_ = load_config(None, [*TINY, "train.global_batch=64",
-                              "parallel.quantize_cross_node_grads=int8"])
-    assert not any(c.xq for c in search(set_, get_topology("frontier"), sizes).candidates)
+    for extra in ("parallel.quantize_cross_node_grads=int8", "parallel.defer_update=false"):
+        set_ = load_config(None, [*TINY, "train.global_batch=64", extra])
+        assert not any(c.xq for c in search(set_, get_topology("frontier"), sizes).candidates)
 
 
 def test_search_skips_hierarchical_that_runs_as_zero1():
@@ -501,6 +502,16 @@ def test_the_list_says_which_pass_each_collective_runs_in():
     zero3 = runs("parallel.plan=zero3")
     assert {(w, r) for w, r, _ in zero3} == {("gather", "forward"), ("regather", "backward"),
                                             ("grad", "backward")}
+    # every collective on the critical path: the legs' share is their whole traffic
+    from boost_jax.plan.collectives import coll_time
+
+    cfg = load_config(None, [*TINY, "train.global_batch=64", "train.micro_batches=2",
+                             "parallel.plan=hierarchical"])
+    topo = get_topology("frontier")
+    none = C.predict(cfg, topo, sizes, C.Assumptions(overlap="none"))
+    legs = sum(coll_time(c, topo, none.assumptions) for c in none.collectives
+               if c.runs in ("first forward", "last backward"))
+    assert legs > 0 and none.time["dp_once_exposed"] == pytest.approx(legs)
 
 
 def test_search_result_sorts_an_unsorted_input_and_drops_what_does_not_fit():
