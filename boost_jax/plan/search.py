@@ -253,6 +253,11 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
         res.notes.append(f"{len(chose)} keep a secondary with parallel.secondary_dtype unset: "
                          f"costed in bfloat16 and int8, the faster that fits kept (int8 in "
                          f"{chose.count('int8')})")
+    xq = sum(c.xq for c in cands)
+    if xq:
+        res.notes.append(f"{xq} hierarchical layouts also costed with int8 weights and int4 "
+                         "gradients across nodes (/xq, xq: parallel.quantize_cross_node_*; they "
+                         "change the loss, within the qgZ study's tolerance on the demo)")
     if any(collapses("hierarchical", axes, sizes) for axes in TP_AXES):
         res.notes.append("hierarchical with TP over the whole node is not listed: no role is "
                          "left inside the node, so it runs as zero1 (listed as zero1)")
