@@ -65,13 +65,23 @@ def test_every_e2e_file_starts_a_process():
     assert not idle, f"tests/e2e files that start no process (move them to tests/unit): {idle}"
 
 
+def _starts_processes(module: str) -> bool:
+    """The module imports subprocess, or a name from another helper module that does."""
+    tree = _tree(importlib.util.find_spec(module).origin)
+    if "subprocess" in _imports(tree)[0]:
+        return True
+    return any(isinstance(n, ast.ImportFrom) and n.module in PROCESS_HELPERS.values()
+               and n.module != module and _starts_processes(n.module)
+               for n in ast.walk(tree))
+
+
 def test_the_process_helpers_do_start_one():
     for name, module in PROCESS_HELPERS.items():
-        spec = importlib.util.find_spec(module)
-        tree = _tree(spec.origin)
-        assert "subprocess" in _imports(tree)[0], module
+        tree = _tree(importlib.util.find_spec(module).origin)
+        assert _starts_processes(module), module
         assert any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) and n.name == name
                    for n in tree.body), (module, name)
+    assert not _starts_processes("benchmarks.common")  # imports no helper, no subprocess
 
 
 def test_test_files_live_in_one_folder_under_unique_names():
