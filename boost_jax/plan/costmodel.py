@@ -368,8 +368,8 @@ def forward_share(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hbm:
 def exposed_dp(cfg, colls: list[Coll], t_dp: float, busy: float, t_fwd: float, L: int,
                topo: Topology, a: Assumptions) -> tuple[float, float]:
     """(exposed seconds, of them the once-per-step legs') of the data-parallel collectives.
-    `busy`: the compute they can hide behind; `t_fwd`: of it the forward's. Analytic lists without
-    a pipeline go pass by pass (overlap.pass_exposed); a pipeline's ticks interleave forward
+    `busy`: the compute they can hide behind; `t_fwd`: of it the forward's. Analytic lists
+    without a pipeline go pass by pass (overlap.pass_exposed); a pipeline's ticks interleave forward
     and backward passes alike (and defer nothing), measured lists do not say which pass a
     collective runs in, and overlap="none" and a share the GPU schedule measured
     (overlap="gpu") are step-wide: those pool the step's traffic against its compute

@@ -2,9 +2,9 @@
 micro-batch size × remat × working-weight/gradient dtype × keeping the forward's gathered
 weights for the backward (`/keep`: parallel.secondary_axes=[], for zero3 and zeropp) ×
 hierarchical's cross-node legs in int8 weights / int4 gradients (`/xq`: they change the loss,
-within the qgZ study's tolerance on the demo, benchmarks/README.md §3), ranked by the cost model. Where the config leaves parallel.secondary_dtype unset and a layout
-keeps a secondary, both dtypes are costed and plan/secondary.py's rule keeps one (`/int8sec`,
-`/bf16sec`).
+within the qgZ study's tolerance on the demo, benchmarks/README.md §3), ranked by the cost
+model. Where the config leaves parallel.secondary_dtype unset and a layout keeps a secondary,
+both dtypes are costed and plan/secondary.py's rule keeps one (`/int8sec`, `/bf16sec`).
 
 Every candidate is costed analytically (boost_jax.plan.costmodel: compiling hundreds of layouts
 is too slow); those whose predicted memory fits are ranked by predicted step time (the global

@@ -315,7 +315,8 @@ def bytes_by_level(colls: Sequence[Collective]) -> dict[str, float]:
     return out
 
 
-__all__ = ["Collective", "Passes", "RUNS", "STEP", "FIRST_FORWARD", "LAST_BACKWARD", "step_collectives", "leaf_collectives",
+__all__ = ["Collective", "Passes", "RUNS", "STEP", "FIRST_FORWARD", "LAST_BACKWARD",
+           "step_collectives", "leaf_collectives",
            "ring_bytes", "int8_payload", "qgz_payloads",
            "bytes_by_level", "bucketed", "combined_bytes", "leaves", "tp_local",
            "device_layers"]
