@@ -182,11 +182,12 @@ class CommSummary:
     level_time: dict  # pair | node | global → seconds per step
     egress: dict = None  # tp | dp | step → bytes leaving one host through its NICs per step
     latency: dict = None  # tp | dp | step → of phase_time, the per-call latency (α) part
+    pass_time: dict = None  # of phase_time["dp"], by the pass it runs in (Coll.runs)
 
     @classmethod
     def of(cls, colls: Sequence[Coll], topo: Topology, a: "Assumptions") -> "CommSummary":
         ph = {p: 0.0 for p in ("tp", "dp", "step")}
-        eg, lat = dict(ph), dict(ph)
+        eg, lat, runs = dict(ph), dict(ph), {}
         lt = {lv: 0.0 for lv in AXES}
         for c in colls:
             t = coll_time(c, topo, a)
@@ -195,7 +196,9 @@ class CommSummary:
             lat[c.phase] = lat.get(c.phase, 0.0) + coll_latency(c, topo, a)
             if c.level in lt:
                 lt[c.level] += t
-        return cls(ph, per_level_bytes(colls), lt, eg, lat)
+            if c.phase == "dp":
+                runs[c.runs] = runs.get(c.runs, 0.0) + t
+        return cls(ph, per_level_bytes(colls), lt, eg, lat, runs)
 
     @property
     def dp_latency(self) -> float:
@@ -217,7 +220,7 @@ class CommSummary:
         return CommSummary(mix(self.phase_time, other.phase_time),
                            mix(self.level_bytes, other.level_bytes),
                            mix(self.level_time, other.level_time), mix(self.egress, other.egress),
-                           mix(self.latency, other.latency))
+                           mix(self.latency, other.latency), mix(self.pass_time, other.pass_time))
 
 
 def colls_from_report(report, tp_axes: Sequence[str], micro_batches: int) -> list[Coll]:

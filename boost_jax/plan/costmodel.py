@@ -290,19 +290,14 @@ def cross_node_quant(sizes, pl, W: float, pb: float, gb: float, q8: float,
     the gradient's reduce-scatter over R ∩ O quantizes its input (read a, write q) and
     dequantizes and sums what arrives (read q of the input, write fp32 of the result)."""
     nbytes, kernels = 0.0, 0
-    if pl.xq_weights:
-        left = tuple(pl.opt_state_axes)
-        for axes in pl.update_stages():
-            src, left = left, tuple(x for x in left if x not in axes)
-            if "global" in axes:
-                nbytes += W / axis_size(sizes, src) * (pb + q8) + W / axis_size(sizes, left) * \
-                    (q8 + pb)
-                kernels += 2
+    for axes, src, result in pl.update_steps() if pl.xq_weights else ():
+        if "global" in axes:
+            nbytes += (W / axis_size(sizes, src) + W / axis_size(sizes, result)) * (pb + q8)
+            kernels += 2
     if pl.xq_grads != "none":
         q = q8 if pl.xq_grads == "int8" else q4
-        rs = tuple(x for x in pl.deferred_axes if x in pl.opt_state_axes)
         w_in = W / axis_size(sizes, pl.grads_axes)
-        nbytes += w_in * (gb + q) + w_in * q + w_in / axis_size(sizes, rs) * 4
+        nbytes += w_in * (gb + q) + w_in * q + w_in / axis_size(sizes, pl.reduce_scatter_axes) * 4
         kernels += 2
     return nbytes, kernels
 
@@ -342,46 +337,35 @@ def block_times(cfg, model: BlockModel, peak: float, hbm: float,
 
 
 def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hbm: float,
-                    a: Assumptions) -> tuple[float, float]:
-    """(compute, pipeline bubble) seconds per step: m micro-batches of L blocks + head, or the
-    pipeline's ticks (see predict)."""
+                    a: Assumptions) -> tuple[float, float, float]:
+    """(compute, pipeline bubble, forward share) per step: m micro-batches of L blocks + head,
+    or the pipeline's ticks (see predict); the forward share is the forward pass's part of
+    one micro-batch's compute (the rest: backward and remat replay)."""
     (bf, bb, br), (hf, hb, hr) = (block_times(cfg, bm, peak, hbm, a),
                                   block_times(cfg, hm, peak, hbm, a))
     micro, sch = cfg.train.micro_batches, schedule(cfg)
     launches = gpu_launch_seconds(cfg, bm, L * passes(cfg).backward, a)
+    t_f, t_b = L * bf + hf, L * (bb + br) + hb + hr
     if sch is None:
-        return micro * (L * (bf + bb + br) + hf + hb + hr) + launches, 0.0
-    t_f = L * bf + hf
-    t_compute = sch.ticks * (t_f + t_f + L * (bb + br) + hb + hr) + launches
-    return t_compute, t_compute * (sch.stages - 1) / sch.ticks  # the idle (masked) ticks
+        return micro * (t_f + t_b) + launches, 0.0, t_f / (t_f + t_b)
+    t_compute = sch.ticks * (t_f + t_f + t_b) + launches
+    return t_compute, t_compute * (sch.stages - 1) / sch.ticks, t_f / (t_f + t_b)
 
 
-def forward_share(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hbm: float,
-                  a: Assumptions) -> float:
-    """Of one micro-batch's compute, the forward pass's (the rest: backward and remat replay)."""
-    (bf, bb, br), (hf, hb, hr) = (block_times(cfg, bm, peak, hbm, a),
-                                  block_times(cfg, hm, peak, hbm, a))
-    fwd = L * bf + hf
-    return fwd / (fwd + L * (bb + br) + hb + hr)
-
-
-def exposed_dp(cfg, colls: list[Coll], t_dp: float, busy: float, t_fwd: float, L: int,
-               topo: Topology, a: Assumptions) -> tuple[float, float]:
+def exposed_dp(cfg, traffic: dict, t_dp: float, busy: float, t_fwd: float, L: int,
+               a: Assumptions) -> tuple[float, float]:
     """(exposed seconds, of them the once-per-step legs') of the data-parallel collectives.
-    `busy`: the compute they can hide behind; `t_fwd`: of it the forward's. Analytic lists
-    without a pipeline go pass by pass (overlap.pass_exposed); a pipeline's ticks interleave forward
+    `traffic`: their seconds by the pass they run in (CommSummary.pass_time); `busy`: the
+    compute they can hide behind; `t_fwd`: of it the forward's. Analytic lists without a
+    pipeline go pass by pass (overlap.pass_exposed); a pipeline's ticks interleave forward
     and backward passes alike (and defer nothing), measured lists do not say which pass a
     collective runs in, and overlap="none" and a share the GPU schedule measured
     (overlap="gpu") are step-wide: those pool the step's traffic against its compute
     (overlap_exposed), the legs' share of it in proportion to their traffic. overlap="gpu"
     without a measured share is overlap="xla"."""
-    dp = [c for c in colls if c.phase == "dp"]
-    traffic: dict = {}
-    for c in dp:
-        traffic[c.runs] = traffic.get(c.runs, 0.0) + coll_time(c, topo, a)
     h = overlap.hidden(cfg.parallel.plan, cfg.parallel.tp_mode, "dp",
                        cfg.train.micro_batches) if a.overlap == "gpu" else None
-    if a.overlap == "none" or h is not None or schedule(cfg) is not None or not dp or \
+    if a.overlap == "none" or h is not None or schedule(cfg) is not None or not traffic or \
             "" in traffic:
         x = overlap_exposed(t_dp, busy, L, a, h)  # the legs' share of it: their traffic's
         legs = traffic.get(FIRST_FORWARD, 0.0) + traffic.get(LAST_BACKWARD, 0.0)
@@ -484,7 +468,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     pp, V = cfg.parallel.pp_stages, cfg.parallel.pp_virtual
     L = layers_per_stage(m.n_layers, pp, V) if pp > 1 else m.n_layers  # per F / B
     bm, hm = block_model(m, b, s, mode, t, a.attention), head_model(m, b, s, mode, t)
-    t_compute, t_bubble = compute_seconds(cfg, bm, hm, L, peak, hbm, a)
+    t_compute, t_bubble, fwd = compute_seconds(cfg, bm, hm, L, peak, hbm, a)
     # collectives: analytic, or measured from the compiled step
     colls = tp_collectives(cfg, sizes, bm, hm, t) + stage_sends(cfg, sizes, b) + \
         dp_collectives(cfg, sizes, pl)
@@ -497,8 +481,8 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     # the stage sends (part of t_tp: on the critical path), reported apart
     p2p = 0.0 if measured else sum(coll_time(c, topo, a) for c in colls if c.name == "stage_send")
     busy = t_compute - t_bubble
-    t_fwd = forward_share(cfg, bm, hm, L, peak, hbm, a) * busy
-    x_dp, x_once = exposed_dp(cfg, [] if measured else colls, t_dp, busy, t_fwd, L, topo, a)
+    t_fwd = fwd * busy
+    x_dp, x_once = exposed_dp(cfg, comm.pass_time or {}, t_dp, busy, t_fwd, L, a)
     total = t_compute + t_quant + t_tp + x_dp + t_stepc + t_opt
     total_overlap = t_compute + t_quant + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt
     tokens = cfg.train.global_batch * s

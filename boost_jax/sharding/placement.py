@@ -124,6 +124,21 @@ class Placement(Int8Copies):
         return tuple(tuple(a for a in hi if a not in lo) for hi, lo in zip(path, path[1:])
                      if set(hi) != set(lo))
 
+    def update_steps(self) -> tuple[tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]], ...]:
+        """(axes, source sharding, result sharding) of each update_stages gather, from the
+        opt_state sharding down to the params sharding."""
+        out, left = [], tuple(self.opt_state_axes)
+        for axes in self.update_stages():
+            src, left = left, tuple(x for x in left if x not in axes)
+            out.append((axes, src, left))
+        return tuple(out)
+
+    @property
+    def reduce_scatter_axes(self) -> tuple[str, ...]:
+        """R ∩ opt_state axes: the part of the reduction over R that scatters into the
+        opt_state shard (for the leaves that reduce into it)."""
+        return tuple(a for a in self.deferred_axes if a in self.opt_state_axes)
+
     # ------------------------------------------------------------------ shardings by role
     def named(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
@@ -179,7 +194,7 @@ class Placement(Int8Copies):
         R = self.deferred_axes
         if lay.dim is None or not self.reduces_into_opt_state(lay):
             return R, ()
-        rs = tuple(a for a in R if a in self.opt_state_axes)
+        rs = self.reduce_scatter_axes
         return tuple(a for a in R if a not in rs), rs
 
     def in_backward(self, lay: LeafLayout) -> bool:
@@ -441,8 +456,7 @@ def _cross_node_quantization(par, pl: Placement) -> tuple[bool, str]:
         raise ConfigError(f"parallel.quantize_cross_node_weights={w} needs a deferred update "
                           "that gathers across nodes (parallel.plan=hierarchical with "
                           "parallel.defer_update); drop it")
-    rs = [a for a in pl.deferred_axes if a in pl.opt_state_axes]
-    if g != "none" and "global" not in rs:
+    if g != "none" and "global" not in pl.reduce_scatter_axes:
         raise ConfigError(f"parallel.quantize_cross_node_grads={g} needs a gradient reduce-"
                           "scatter across nodes outside the micro-batch loop (parallel.plan="
                           "hierarchical, `global` not a grads axis); drop it")

@@ -243,9 +243,7 @@ def _update(pl, f: LeafFetch, deferred: bool, layers: int, layer_bytes: float, a
     `deferred`, per layer in the next step's first forward (the after-stack units: where it
     fetches them; the embedding: at its start, once per step)."""
     per, calls, runs = (1, layers, FIRST_FORWARD) if deferred else (layers, 1, STEP)
-    left = tuple(pl.opt_state_axes)
-    for r, axes in enumerate(pl.update_stages()):
-        src, left = left, tuple(x for x in left if x not in axes)  # the result's sharding
+    for r, (axes, src, left) in enumerate(pl.update_steps()):
         if pl.xq_weights and "global" in axes:  # int8 blocks of each source shard
             add("update(int8)", "all-gather", axes,
                 per * int8_payload(f, src) / f.n(left), calls, runs, ("u", r))
