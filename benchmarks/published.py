@@ -59,6 +59,13 @@ BOOST_METHODS = (("full", "full", "megatron"), ("vanilla", "cola", "vanilla"),
 LBP_SHAPE = dict(d=6144, L=44, H=64, d_ff=24576, vocab=50432, seq=2048)  # GPT-NeoX-20B
 LBP_PUBLISHED = {"lbp_over_zeropp": 1.71, "scaling_efficiency": 0.94, "zeropp_over_zero3": 1.405}
 LBP_NODES = 48
+# DeepSpeed, which the paper ran, gathers one submodule's parameters per call (ZeRO-3's
+# all_gather_coalesced; with qwZ it gathers the int8 weights and their scales as two calls):
+# deepspeed/runtime/zero/partition_parameters.py at microsoft/DeepSpeed@38327e07f6cd. Its
+# largest calls on the 20B are an MLP Linear's weight in bf16, d x d_ff x 2 bytes.
+DEEPSPEED_SOURCE = ("microsoft/DeepSpeed@38327e07f6cd, "
+                    "deepspeed/runtime/zero/partition_parameters.py: all_gather_coalesced")
+DEEPSPEED_CALL_BYTES = LBP_SHAPE["d"] * LBP_SHAPE["d_ff"] * 2
 
 # Where each published figure comes from
 SOURCES = [
@@ -591,6 +598,9 @@ def variants(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[tuple[st
          dict(assumptions=rep(assumptions, overlap="none"))),
         ("overlap and kernel launches as the GPU schedule shows (--overlap gpu, "
          "benchmarks/README.md section 12)", dict(assumptions=rep(assumptions, overlap="gpu"))),
+        (f"calls of up to {DEEPSPEED_CALL_BYTES / 2**20:.0f} MiB instead of 30 (the 20B's "
+         "largest Linear in bf16: DeepSpeed gathers a submodule per call)",
+         dict(assumptions=rep(assumptions, combine_bytes=DEEPSPEED_CALL_BYTES))),
         ("eta_flops 0.5", dict(assumptions=rep(assumptions, eta_flops=0.5))),
         ("eta_net 1.0", dict(assumptions=rep(assumptions, eta_net=1.0))),
         ("launch 2 us per kernel instead of 4", dict(assumptions=rep(assumptions,

@@ -211,27 +211,27 @@ def passes(cfg) -> Passes:
     return Passes.of(cfg.train.micro_batches, schedule(cfg))
 
 
-def dp_collectives(cfg, sizes, pl) -> list[Coll]:
+def dp_collectives(cfg, sizes, pl, combine: float = Assumptions.combine_bytes) -> list[Coll]:
     """The step's data-parallel / ZeRO collectives (sharding/step_collectives.py: what the
-    engine runs, its calls as XLA's combiners merge them), one Coll per kind of collective and
-    group: calls and bytes summed over the weights, so the time (linear in both) is the sum of
-    the weights' times."""
+    engine runs, its calls as XLA's combiners merge them, each result at most `combine` bytes),
+    one Coll per kind of collective and group: calls and bytes summed over the weights, so the
+    time (linear in both) is the sum of the weights' times."""
     # a search costs each layout under every remat mode: of it the list reads only whether
     # each layer's backward replays its forward (hpZ's secondary comes from that gather)
     key = (repr(cfg.model), repr(cfg.parallel), cfg.train.micro_batches, cfg.train.scan_layers,
-           cfg.train.remat == "full", cfg.mesh.topology, tuple(sorted(sizes.items())))
+           cfg.train.remat == "full", cfg.mesh.topology, tuple(sorted(sizes.items())), combine)
     if key not in _DP_CACHE:
-        _DP_CACHE[key] = _grouped(cfg, sizes, pl)
+        _DP_CACHE[key] = _grouped(cfg, sizes, pl, combine)
     return list(_DP_CACHE[key])
 
 
 _DP_CACHE: dict = {}
 
 
-def _grouped(cfg, sizes, pl) -> list[Coll]:
+def _grouped(cfg, sizes, pl, combine: float) -> list[Coll]:
     groups: dict = {}
     listed = step_collectives(pl, passes(cfg), cfg.model.tie_embeddings)
-    for c in bucketed(listed, overlap.XLA_COMBINED, overlap.XLA_COMBINE_BYTES):
+    for c in bucketed(listed, overlap.XLA_COMBINED, combine):
         axes = tuple(a for a in c.axes if sizes.get(a, 1) > 1)
         key = (c.what, c.kind, axes, c.level, c.phase, c.runs)
         calls, total = groups.get(key, (0.0, 0.0))
@@ -471,7 +471,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     t_compute, t_bubble, fwd = compute_seconds(cfg, bm, hm, L, peak, hbm, a)
     # collectives: analytic, or measured from the compiled step
     colls = tp_collectives(cfg, sizes, bm, hm, t) + stage_sends(cfg, sizes, b) + \
-        dp_collectives(cfg, sizes, pl)
+        dp_collectives(cfg, sizes, pl, a.combine_bytes)
     comm = measured if measured is not None else CommSummary.of(colls, topo, a)
     t_tp, t_stepc = (gpu_exposed(cfg, ph, comm.phase_time.get(ph, 0.0), a) for ph in ("tp", "step"))
     t_dp = comm.phase_time.get("dp", 0.0)

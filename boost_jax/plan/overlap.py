@@ -19,13 +19,8 @@ from typing import Optional
 from boost_jax.plan import gpu_kernels
 from boost_jax.plan.roofline import Assumptions, BlockModel, block_kernels
 
-# XLA's GPU combiners merge a layer's independent all-gathers, reduce-scatters and all-reduces
-# into calls whose results hold up to 30 MiB each, a reduce-scatter's its 1/n share
-# (kDefault*CombineThreshold, xla/service/collective_utils.h;
-# the launcher leaves the thresholds at their defaults): the calls, and so the latencies, the
-# GPU program runs. The engine itself bundles the all-to-alls (sharding/bucket.py).
+# the kinds XLA's GPU combiners merge (Assumptions.combine_bytes: how far)
 XLA_COMBINED = ("all-gather", "reduce-scatter", "all-reduce")
-XLA_COMBINE_BYTES = 30 * 2**20
 
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_overlap.json")
 

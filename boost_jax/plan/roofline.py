@@ -48,6 +48,10 @@ ASSUMPTION_SOURCES = {
     "launch_s": f"{_NOT_FOUND} (no kernel-launch latency for MI250X or A100)",
     "elem_kernels": f"{_NOT_FOUND}: counted from XLA's fusion of a block (norm, rope, "
                     "activation, residual + norm)",
+    "combine_bytes": "XLA's GPU combiners' default threshold, 30 MiB "
+                     "(kDefaultAllGatherCombineThreshold and its reduce-scatter and all-reduce "
+                     "twins, xla/service/collective_utils.h; the launcher leaves them as they "
+                     "are)",
     "overlap": "the launcher's XLA flags (boost_jax/mesh.py GPU_XLA_SCHEDULE)",
     "attention": "the configuration (model.attention), not a measured constant",
     "hbm_usable": f"{_NOT_FOUND}: allocator, runtime and fragmentation reserve",
@@ -67,6 +71,12 @@ class Assumptions:
     # elementwise kernels per block and pass once XLA has fused the elementwise ops (norm,
     # rope, activation, residual+norm); GEMMs and attention are a kernel each
     elem_kernels: int = 4
+    # the most one combined collective's result holds: XLA's GPU combiners merge a layer's
+    # independent all-gathers, reduce-scatters and all-reduces up to it, a reduce-scatter's
+    # result its 1/n share (kDefault*CombineThreshold, xla/service/collective_utils.h; the
+    # launcher leaves the thresholds at their defaults): the calls, and so the latencies, the
+    # GPU program runs. The engine itself bundles the all-to-alls (sharding/bucket.py).
+    combine_bytes: float = 30 * 2**20
     # xla: as the step compiled with mesh.GPU_XLA_SCHEDULE | gpu: the hidden shares the GPU
     # schedule shows (plan/overlap.py) | none
     overlap: str = "xla"
@@ -93,7 +103,8 @@ class Assumptions:
             f"{self.eta_net:.0%} of the ring's slowest link; a ring spanning nodes leaves each "
             "node once, the node's NICs shared by the groups leaving it; every call pays the "
             "library's own latency (base + a step latency per ring step inside and between "
-            "nodes, src/graph/tuning.cc)",
+            "nodes, src/graph/tuning.cc); a layer's collectives merged into calls of up to "
+            f"{self.combine_bytes / 2**20:.0f} MiB a result (XLA's combiners)",
         ]
         if self.overlap == "xla":
             lines.append("overlap (the launcher's XLA flags): tensor-parallel collectives and "

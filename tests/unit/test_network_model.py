@@ -166,9 +166,11 @@ def zero3_list(sizes: dict, micro: int, batch: int):
 def test_gathers_are_counted_as_xla_combines_them():
     """The engine issues a layer's all-gathers one per weight; XLA's GPU combiners merge them
     into calls of at most 30 MiB: the cost model times those calls, with the engine's bytes."""
-    from boost_jax.plan.overlap import XLA_COMBINE_BYTES, XLA_COMBINED
+    from boost_jax.plan.overlap import XLA_COMBINED
+    from boost_jax.plan.roofline import Assumptions
     from boost_jax.sharding.step_collectives import bucketed
 
+    XLA_COMBINE_BYTES = Assumptions().combine_bytes
     sizes = {"pair": 2, "node": 4, "global": 48}
     cfg, pl, listed = zero3_list(sizes, 1, 768)
     layer = [c for c in listed if c.what == "gather" and c.leaf.startswith("blocks/")]
@@ -192,9 +194,11 @@ def test_reduce_scatters_combine_up_to_their_result():
     result is its group's 1/n of the payload (the 20B's node-level gradient calls compiled for
     the A100 reduce 234 MiB into 29 MiB), so a layer's gradients take ceil(P / n / 30 MiB)
     calls, not ceil(P / 30 MiB)."""
-    from boost_jax.plan.overlap import XLA_COMBINE_BYTES, XLA_COMBINED
+    from boost_jax.plan.overlap import XLA_COMBINED
+    from boost_jax.plan.roofline import Assumptions
     from boost_jax.sharding.step_collectives import bucketed
 
+    XLA_COMBINE_BYTES = Assumptions().combine_bytes
     _, _, listed = zero3_list({"pair": 2, "node": 4, "global": 48}, 1, 768)
     layer = [c for c in listed if c.kind == "reduce-scatter" and c.leaf.startswith("blocks/")]
     assert layer and len({(c.n, c.calls) for c in layer}) == 1
@@ -205,6 +209,27 @@ def test_reduce_scatters_combine_up_to_their_result():
     k = math.ceil(total / n / XLA_COMBINE_BYTES)
     assert len(merged) == 1 and merged[0].calls == layer[0].calls * k
     assert merged[0].payload == pytest.approx(total / k)
+
+
+def test_the_combine_limit_sets_the_calls_the_prediction_times():
+    """Assumptions.combine_bytes is what predict merges calls up to: a larger limit (the
+    validation's DeepSpeed-sized variant) makes fewer, larger calls of the same bytes, and so
+    less per-call latency."""
+    from benchmarks import published as V
+
+    sizes = {"pair": 2, "node": 4, "global": 48}
+    cfg, pl, _ = zero3_list(sizes, 1, 768)
+    small, large = C.Assumptions(), C.Assumptions(combine_bytes=V.DEEPSPEED_CALL_BYTES)
+
+    def dp(a):
+        p = C.predict(cfg, get_topology("frontier"), sizes, a)
+        cs = [c for c in p.collectives if c.phase == "dp"]
+        return p, sum(c.calls for c in cs), sum(c.calls * c.payload for c in cs)
+
+    (p1, calls1, bytes1), (p2, calls2, bytes2) = dp(small), dp(large)
+    assert calls2 < calls1 and bytes2 == pytest.approx(bytes1)
+    assert p2.time["dp_latency"] < p1.time["dp_latency"]
+    assert calls1 == sum(c.calls for c in C.dp_collectives(cfg, sizes, pl) if c.phase == "dp")
 
 
 def test_measured_collectives_within_25pct_but_the_stated_gaps():
