@@ -50,15 +50,18 @@ WHY = """## Why the remaining gaps
   {hz3:.2f}x; the two published ratios multiply to {pub_hz3:.2f}x (were the "up to" reached at
   this setting). Held to the model's other two steps, the published pair asks ZeRO++ for a step
   of {zpp_need1:.2f} s (hierarchical's {hier_t:.2f} s x {pub_lz}) or {zpp_need2:.2f} s (ZeRO-3's
-  {z3_t:.2f} s / {pub_zz:.3f}); the model gives it {zpp_t:.2f} s.
+  {z3_t:.2f} s / {pub_zz:.3f}); the model gives it {zpp_t:.2f} s. Were nothing of hierarchical
+  exposed (its step only its {hier_c:.2f} s of compute), hierarchical / ZeRO++ would be at most
+  {bound:.2f}x: the published 1.71x needs a slower ZeRO++, which no schedule of hierarchical's gives.
 - **The verdict rests on how many ring calls a step makes.** XLA's combiners cut a layer's
   gathers into calls of up to 30 MiB; DeepSpeed, which the paper ran, gathers one submodule per
-  call, its largest here {ds_mib:.0f} MiB, and with qwZ the scales in a call of their own
-  ({ds_src}). With calls that large (sensitivity table) ZeRO-3 takes {ds_z3:.2f} s, ZeRO++
+  call, its largest here {ds_mib:.0f} MiB, and with qwZ the scales in calls of their own (not
+  counted here; {ds_src}). With calls that large (sensitivity table) ZeRO-3 takes {ds_z3:.2f} s, ZeRO++
   {ds_zpp:.2f} s and hierarchical {ds_h:.2f} s: ZeRO++ / ZeRO-3 {ds_zz:.2f}x, hierarchical /
   ZeRO++ {ds_hz:.2f}x. The published ordering then needs what the collective rows measure and
   the model leaves out: RCCL's all-gathers over 1024 GCDs take {ag_lo:.1f} to {ag_hi:.1f}x what
-  the model charges. The validation rows keep XLA's call sizes, those our own step makes.
+  the model charges (while its small reduce-scatter over 1024 GCDs matches): no one step
+  latency fits them all. The validation rows keep XLA's call sizes, those our own step makes.
 - **BTP is predicted a little too fast relative to full-rank (btp/full {btp_lo:+.0%}..{btp_hi:+.0%}).**
   The roofline charges BTP's small-K GEMMs (K = r = d/4 or N = d/t) and its extra elementwise
   kernels (SiLU on every latent, Online-RMSNorm statistics) at the same efficiency as Megatron's
@@ -174,7 +177,8 @@ def _one_gap(a, lbp: dict) -> dict:
                 ds_mib=V.DEEPSPEED_CALL_BYTES / 2**20, ds_src=V.DEEPSPEED_SOURCE,
                 ds_z3=d["zero3"], ds_zpp=d["zeropp"], ds_h=d["hierarchical"],
                 ds_zz=d["zero3"] / d["zeropp"], ds_hz=d["zeropp"] / d["hierarchical"],
-                ag_lo=min(ag), ag_hi=max(ag))
+                ag_lo=min(ag), ag_hi=max(ag), hier_c=lbp["hierarchical"].time["compute"],
+                bound=t["zeropp"] / lbp["hierarchical"].time["compute"])
 
 
 def busbw_table() -> str:
