@@ -206,6 +206,18 @@ def checksum_mismatch(got: dict, meta: dict) -> Optional[str]:
     return None
 
 
+def _one_writer_per_shard(nproc: int) -> None:
+    """In one process, orbax writes each replicated shard from one replica rather than 1/R of
+    it from each: the process writes every byte either way, and the split costs a slice kernel
+    (and its compile) per replica and array, 2.5 s of the demo's 9 s run on 8 CPU devices.
+    Across processes the split spreads the writes over hosts: orbax's default stays."""
+    if nproc == 1:
+        import jax
+
+        ocp.type_handlers.register_type_handler(
+            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+
+
 # --------------------------------------------------------------------------- the checkpointer
 
 
@@ -237,6 +249,7 @@ class Checkpointer:
         self._sealing: Optional[int] = None  # step whose save the seal callback belongs to
         # always orbax's async path: its post-finalisation hook seals the step before the
         # rename; a sync save waits for it at once (save)
+        _one_writer_per_shard(self._nproc)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, enable_async_checkpointing=True, create=True,
             cleanup_tmp_directories=True,
