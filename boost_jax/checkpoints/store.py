@@ -210,12 +210,28 @@ def _one_writer_per_shard(nproc: int) -> None:
     """In one process, orbax writes each replicated shard from one replica rather than 1/R of
     it from each: the process writes every byte either way, and the split costs a slice kernel
     (and its compile) per replica and array, 2.5 s of the demo's 9 s run on 8 CPU devices.
-    Across processes the split spreads the writes over hosts: orbax's default stays."""
-    if nproc == 1:
-        import jax
+    Across processes the split spreads the writes over hosts: orbax's default stays. Once per
+    process, and quietly: orbax logs every override, and a refused run must not write that
+    line into the run log of an out_dir it does not own."""
+    global _ONE_WRITER
+    if nproc != 1 or _ONE_WRITER:
+        return
+    import logging
 
+    import jax
+
+    absl = logging.getLogger("absl")  # orbax's logger
+    level = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
         ocp.type_handlers.register_type_handler(
             jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+    finally:
+        absl.setLevel(level)
+    _ONE_WRITER = True
+
+
+_ONE_WRITER = False
 
 
 # --------------------------------------------------------------------------- the checkpointer
