@@ -98,3 +98,29 @@ def test_orbax_step_record_is_under_the_seal(tmp_path):
     assert seal.check_seal(step) == f"file {seal.ORBAX_META} is missing"
     path.write_text(text)
     assert seal.check_seal(step) is None
+
+
+def test_one_process_saves_each_replicated_shard_from_one_replica(tmp_path, monkeypatch):
+    """In one process a replicated array is written whole from one replica: no slice per
+    replica (orbax's replica-parallel split, a kernel and a compile each), and it reads back."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from boost_jax.checkpoints.store import Checkpointer
+    from boost_jax.config import CheckpointConfig
+
+    sliced = []
+    real = jax.lax.slice_in_dim
+    monkeypatch.setattr(jax.lax, "slice_in_dim", lambda *a, **k: sliced.append(1) or real(*a, **k))
+    mesh = jax.make_mesh((8,), ("d",))
+    w = jax.device_put(jnp.arange(64.0).reshape(16, 4), NamedSharding(mesh, P()))  # 8 replicas
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
+    ck.save(1, {"w": w}, {"pos": 1}, {"x": 1})
+    ck.wait()
+    ck.close()
+    assert not sliced
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
+    state, _, _ = ck.restore(1, {"w": w})
+    ck.close()
+    assert (np.asarray(state["w"]) == np.asarray(w)).all()
