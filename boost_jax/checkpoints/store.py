@@ -224,8 +224,10 @@ def _one_writer_per_shard(nproc: int) -> None:
     level = absl.level
     absl.setLevel(logging.ERROR)
     try:
-        ocp.type_handlers.register_type_handler(
-            jax.Array, ocp.type_handlers.ArrayHandler(use_replica_parallel=False), override=True)
+        old = ocp.type_handlers.get_type_handler(jax.Array)  # keep its array-metadata store
+        ocp.type_handlers.register_type_handler(jax.Array, ocp.type_handlers.ArrayHandler(
+            use_replica_parallel=False,
+            array_metadata_store=getattr(old, "_array_metadata_store", None)), override=True)
     finally:
         absl.setLevel(level)
     _ONE_WRITER = True

@@ -120,6 +120,7 @@ def test_one_process_saves_each_replicated_shard_from_one_replica(tmp_path, monk
     ck.wait()
     ck.close()
     assert not sliced
+    assert list(tmp_path.glob("1/state/array_metadatas/*"))  # orbax's own metadata still written
     ck = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
     state, _, _ = ck.restore(1, {"w": w})
     ck.close()
