@@ -59,12 +59,14 @@ BOOST_METHODS = (("full", "full", "megatron"), ("vanilla", "cola", "vanilla"),
 LBP_SHAPE = dict(d=6144, L=44, H=64, d_ff=24576, vocab=50432, seq=2048)  # GPT-NeoX-20B
 LBP_PUBLISHED = {"lbp_over_zeropp": 1.71, "scaling_efficiency": 0.94, "zeropp_over_zero3": 1.405}
 LBP_NODES = 48
-# DeepSpeed, which the paper ran, gathers one submodule's parameters per call (ZeRO-3's
-# all_gather_coalesced; with qwZ it gathers the int8 weights and their scales as two calls):
-# deepspeed/runtime/zero/partition_parameters.py at microsoft/DeepSpeed@38327e07f6cd. Its
-# largest calls on the 20B are an MLP Linear's weight in bf16, d x d_ff x 2 bytes.
-DEEPSPEED_SOURCE = ("microsoft/DeepSpeed@38327e07f6cd, "
-                    "deepspeed/runtime/zero/partition_parameters.py: all_gather_coalesced")
+# DeepSpeed, which the paper ran, fetches a submodule's parameters at a time and prefetches the
+# next ones, up to stage3_prefetch_bucket_size (5e7 elements), in one coalesced all-gather;
+# with qwZ the int8 weights and their scales go as two calls. Read as of
+# microsoft/DeepSpeed@38327e07f6cd (not necessarily the paper's version). On the 20B its
+# calls are about one large Linear each: an MLP weight in bf16, d x d_ff x 2 bytes.
+DEEPSPEED_SOURCE = ("microsoft/DeepSpeed@38327e07f6cd, deepspeed/runtime/zero/"
+                    "partition_parameters.py (all_gather_coalesced) and "
+                    "partitioned_param_coordinator.py (fetch_sub_module)")
 DEEPSPEED_CALL_BYTES = LBP_SHAPE["d"] * LBP_SHAPE["d_ff"] * 2
 
 # Where each published figure comes from
@@ -85,17 +87,12 @@ SOURCES = [
 # prints it; tests/unit/test_plan.py fails if one of them comes within, or another falls out)
 KNOWN_GAPS = {
     "lbp_over_zeropp": "modelled as the paper ran it (the updated weights gathered across "
-                       "nodes once per step after the optimizer, in bf16, as 384-rank rings), "
-                       "hierarchical exposes that gather; ZeRO++'s forward gathers are exposed "
-                       "only where they outlast the forward's compute, so hierarchical leads "
-                       "by less than published: the published 1.71x needs more of ZeRO++'s "
-                       "traffic exposed than the model gives it. Our own rows beside it "
-                       "(deferred update, quantized legs) come closer",
-    "zeropp_over_zero3": "ZeRO-3 runs every layer's gathers and reduce-scatters (calls of up to "
-                         "30 MiB, as XLA's combiners make them) as 384-rank rings, each paying "
-                         "RCCL's per-call latency (1.1 ms with LL) that no compute hides; ZeRO++ "
-                         "sends half of them inside the node and in int8. The published gain "
-                         "(\"up to\" +40.5%) implies far fewer ring calls per step than ours",
+                       "nodes once per step after the optimizer, in bf16), hierarchical leads "
+                       "ZeRO++ by less than published, and would even were nothing of its own "
+                       "exposed: ZeRO++'s step over hierarchical's compute stays under 1.71x, "
+                       "so the gap needs a slower ZeRO++ than the model's (validation.md, "
+                       "'Why the remaining gaps'). Our own rows beside it (deferred update, "
+                       "quantized legs) come closer",
 }
 
 
@@ -599,7 +596,7 @@ def variants(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[tuple[st
         ("overlap and kernel launches as the GPU schedule shows (--overlap gpu, "
          "benchmarks/README.md section 12)", dict(assumptions=rep(assumptions, overlap="gpu"))),
         (f"calls of up to {DEEPSPEED_CALL_BYTES / 2**20:.0f} MiB instead of 30 (the 20B's "
-         "largest Linear in bf16: DeepSpeed gathers a submodule per call)",
+         "largest Linear in bf16: about one DeepSpeed prefetch bucket)",
          dict(assumptions=rep(assumptions, combine_bytes=DEEPSPEED_CALL_BYTES))),
         ("eta_flops 0.5", dict(assumptions=rep(assumptions, eta_flops=0.5))),
         ("eta_net 1.0", dict(assumptions=rep(assumptions, eta_net=1.0))),

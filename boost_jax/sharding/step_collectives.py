@@ -279,29 +279,46 @@ def combined_bytes(c: Collective) -> float:
 
 def bucketed(colls: Sequence[Collective], kinds=BUCKETED,
              limit: float = math.inf) -> list[Collective]:
-    """Collectives of `kinds` that run as one call (a fetch unit's weights with the same kind,
+    """Collectives of `kinds` that run together (a fetch unit's weights with the same kind,
     axes, TP group and step: sharding/bucket.py for the engine's, XLA's combiners for the
-    others) merged, the payload the sum; a merged call's result holds at most `limit` bytes
-    (combined_bytes), so a bucket over it is several calls."""
+    others) merged, the payload the sum, the calls those of combined(): a merged call's result
+    holds at most `limit` bytes (combined_bytes), and one weight's collective is never split."""
     out: list[Collective] = []
     at: dict[tuple, int] = {}
+    members: dict[int, list[float]] = {}
     for c in colls:
         key = (c.bucket, c.kind, c.axes, c.calls, c.runs) if c.bucket and \
             c.kind in kinds else None
         if key is None or key not in at:
             if key is not None:
                 at[key] = len(out)
+                members[len(out)] = []
                 c = dataclasses.replace(c, leaf="/".join(map(str, c.bucket[0])))
             out.append(c)
         else:
             i = at[key]
             out[i] = dataclasses.replace(out[i], payload=out[i].payload + c.payload)
-    for i in at.values():
-        k = math.ceil(combined_bytes(out[i]) / limit)
+        if key is not None:
+            members[at[key]].append(combined_bytes(c))
+    for i, sizes in members.items():
+        k = combined(sizes, limit)
         if k > 1:
             out[i] = dataclasses.replace(out[i], payload=out[i].payload / k,
                                          calls=out[i].calls * k)
     return out
+
+
+def combined(sizes: Sequence[float], limit: float) -> int:
+    """Calls XLA's combiners make of collectives whose results hold `sizes` bytes, in order:
+    each joins the open call while that call stays within `limit`; one over it runs alone
+    (collective_combiner_utils.h: it can never be combined), never cut."""
+    calls, held = 0, 0.0
+    for s in sizes:
+        if calls and held + s <= limit:
+            held += s
+        else:
+            calls, held = calls + 1, s
+    return calls
 
 
 def bytes_by_level(colls: Sequence[Collective]) -> dict[str, float]:

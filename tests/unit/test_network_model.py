@@ -164,29 +164,44 @@ def zero3_list(sizes: dict, micro: int, batch: int):
 
 
 def test_gathers_are_counted_as_xla_combines_them():
-    """The engine issues a layer's all-gathers one per weight; XLA's GPU combiners merge them
-    into calls of at most 30 MiB: the cost model times those calls, with the engine's bytes."""
+    """The engine issues a layer's all-gathers one per weight; XLA's GPU combiners merge them,
+    in order, into calls of at most 30 MiB: the cost model times those calls, with the
+    engine's bytes."""
     from boost_jax.plan.overlap import XLA_COMBINED
     from boost_jax.plan.roofline import Assumptions
-    from boost_jax.sharding.step_collectives import bucketed
+    from boost_jax.sharding.step_collectives import bucketed, combined
 
     XLA_COMBINE_BYTES = Assumptions().combine_bytes
     sizes = {"pair": 2, "node": 4, "global": 48}
     cfg, pl, listed = zero3_list(sizes, 1, 768)
-    layer = [c for c in listed if c.what == "gather" and c.leaf.startswith("blocks/")]
+    layer = [c for c in listed if c.what == "gather" and c.leaf.startswith("blocks/")
+             and c.runs == "forward"]
     assert len(layer) > 10 and len({c.calls for c in layer}) == 1
     merged = [c for c in bucketed(listed, XLA_COMBINED, XLA_COMBINE_BYTES)
-              if c.what == "gather" and c.leaf == "blocks"]
+              if c.what == "gather" and c.leaf == "blocks" and c.runs == "forward"]
     total = sum(c.payload for c in layer)
-    k = math.ceil(total / XLA_COMBINE_BYTES)
-    assert k > 1 and len(merged) == 1
+    k = combined([c.payload for c in layer], XLA_COMBINE_BYTES)
+    assert 1 < k < len(layer) and len(merged) == 1 and total > XLA_COMBINE_BYTES
     assert merged[0].calls == layer[0].calls * k
-    assert merged[0].payload == pytest.approx(total / k) and merged[0].payload <= 30 * 2**20
+    assert merged[0].payload == pytest.approx(total / k)
     timed = [c for c in C.dp_collectives(cfg, sizes, pl) if c.kind == "all-gather"]
     gathers = [c for c in listed if c.kind == "all-gather" and c.phase == "dp"]
     assert sum(c.calls for c in timed if c.phase == "dp") < sum(c.calls for c in gathers) / 3
     assert sum(c.calls * c.payload for c in timed if c.phase == "dp") == pytest.approx(
         sum(c.calls * c.payload for c in gathers))
+
+
+def test_combiners_pack_in_order_and_never_cut_one_collective():
+    """combined(): each result joins the open call while it stays within the limit; one over
+    the limit runs alone and whole (XLA never splits a collective, it only merges them)."""
+    from boost_jax.sharding.step_collectives import combined
+
+    assert combined([], 30) == 0
+    assert combined([10, 10, 10], 30) == 1
+    assert combined([10, 10, 11], 30) == 2
+    assert combined([288, 72, 72], 30) == 3  # the 20B's weights, each over 30 MiB
+    assert combined([5, 288, 5, 5], 30) == 3
+    assert combined([40.0] * 4, float("inf")) == 1
 
 
 def test_reduce_scatters_combine_up_to_their_result():
@@ -196,7 +211,7 @@ def test_reduce_scatters_combine_up_to_their_result():
     calls, not ceil(P / 30 MiB)."""
     from boost_jax.plan.overlap import XLA_COMBINED
     from boost_jax.plan.roofline import Assumptions
-    from boost_jax.sharding.step_collectives import bucketed
+    from boost_jax.sharding.step_collectives import bucketed, combined
 
     XLA_COMBINE_BYTES = Assumptions().combine_bytes
     _, _, listed = zero3_list({"pair": 2, "node": 4, "global": 48}, 1, 768)
@@ -206,7 +221,8 @@ def test_reduce_scatters_combine_up_to_their_result():
     assert total > XLA_COMBINE_BYTES  # over the threshold as a payload, not as a result
     merged = [c for c in bucketed(listed, XLA_COMBINED, XLA_COMBINE_BYTES)
               if c.kind == "reduce-scatter" and c.leaf == "blocks"]
-    k = math.ceil(total / n / XLA_COMBINE_BYTES)
+    k = combined([c.payload / n for c in layer], XLA_COMBINE_BYTES)
+    assert k < combined([c.payload for c in layer], XLA_COMBINE_BYTES)
     assert len(merged) == 1 and merged[0].calls == layer[0].calls * k
     assert merged[0].payload == pytest.approx(total / k)
 

@@ -388,17 +388,17 @@ def test_validation_ratios_within_25pct_but_the_stated_gaps():
 
 
 def test_hierarchical_over_zeropp_is_bounded_by_zeropps_step():
-    """validation.md's bound: hierarchical / ZeRO++ cannot exceed ZeRO++'s step over
-    hierarchical's compute, which stays under the published 1.71x; and with calls as large as
-    DeepSpeed's, ZeRO-3 gains more than ZeRO++ (the sensitivity row the page cites)."""
+    """validation.md's bound: ZeRO++'s step over hierarchical's compute (what hierarchical /
+    ZeRO++ would be with nothing of hierarchical exposed) stays under the published 1.71x; and
+    with calls as large as DeepSpeed's, ZeRO-3 gains more than ZeRO++ (the sensitivity row the
+    page cites)."""
     import dataclasses
 
     from benchmarks import published as V
 
     lbp = V.lbp_predictions()
     hier, zpp, z3 = lbp["hierarchical"], lbp["zeropp"], lbp["zero3"]
-    bound = zpp.step_time / hier.time["compute"]
-    assert zpp.step_time / hier.step_time <= bound < V.LBP_PUBLISHED["lbp_over_zeropp"]
+    assert zpp.step_time / hier.time["compute"] < V.LBP_PUBLISHED["lbp_over_zeropp"]
     ds = V.lbp_predictions(dataclasses.replace(V.VALIDATION_ASSUMPTIONS,
                                                combine_bytes=V.DEEPSPEED_CALL_BYTES))
     assert ds["zero3"].step_time < z3.step_time and ds["zeropp"].step_time <= zpp.step_time
