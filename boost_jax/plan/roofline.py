@@ -72,10 +72,11 @@ class Assumptions:
     # rope, activation, residual+norm); GEMMs and attention are a kernel each
     elem_kernels: int = 4
     # the most one combined collective's result holds: XLA's GPU combiners merge a layer's
-    # independent all-gathers, reduce-scatters and all-reduces up to it, a reduce-scatter's
-    # result its 1/n share (kDefault*CombineThreshold, xla/service/collective_utils.h; the
-    # launcher leaves the thresholds at their defaults): the calls, and so the latencies, the
-    # GPU program runs. The engine itself bundles the all-to-alls (sharding/bucket.py).
+    # independent all-gathers, reduce-scatters and all-reduces up to it (a reduce-scatter's
+    # result its 1/n share) and never cut one that is larger (kDefault*CombineThreshold,
+    # xla/service/collective_utils.h; the launcher leaves the thresholds at their defaults):
+    # the calls, and so the latencies, the GPU program runs (step_collectives.combined). The
+    # engine itself bundles the all-to-alls (sharding/bucket.py).
     combine_bytes: float = 30 * 2**20
     # xla: as the step compiled with mesh.GPU_XLA_SCHEDULE | gpu: the hidden shares the GPU
     # schedule shows (plan/overlap.py) | none
