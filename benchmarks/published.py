@@ -89,7 +89,8 @@ KNOWN_GAPS = {
     "lbp_over_zeropp": "modelled as the paper ran it (the updated weights gathered across "
                        "nodes once per step after the optimizer, in bf16), hierarchical leads "
                        "ZeRO++ by less than published, and would even were nothing of its own "
-                       "exposed: ZeRO++'s step over hierarchical's compute stays under 1.71x, "
+                       "exposed: ZeRO++'s step over hierarchical's compute, (de)quantization "
+                       "and optimizer stays under 1.71x, "
                        "so the gap needs a slower ZeRO++ than the model's (validation.md, "
                        "'Why the remaining gaps'). Our own rows beside it (deferred update, "
                        "quantized legs) come closer",

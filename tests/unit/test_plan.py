@@ -388,8 +388,9 @@ def test_validation_ratios_within_25pct_but_the_stated_gaps():
 
 
 def test_hierarchical_over_zeropp_is_bounded_by_zeropps_step():
-    """validation.md's bound: ZeRO++'s step over hierarchical's compute (what hierarchical /
-    ZeRO++ would be with nothing of hierarchical exposed) stays under the published 1.71x; and
+    """validation.md's bound: ZeRO++'s step over hierarchical's compute, (de)quantization and
+    optimizer (what hierarchical / ZeRO++ would be with none of hierarchical's communication
+    exposed) stays under the published 1.71x; and
     with calls as large as DeepSpeed's, ZeRO-3 gains more than ZeRO++ (the sensitivity row the
     page cites)."""
     import dataclasses
@@ -398,7 +399,9 @@ def test_hierarchical_over_zeropp_is_bounded_by_zeropps_step():
 
     lbp = V.lbp_predictions()
     hier, zpp, z3 = lbp["hierarchical"], lbp["zeropp"], lbp["zero3"]
-    assert zpp.step_time / hier.time["compute"] < V.LBP_PUBLISHED["lbp_over_zeropp"]
+    floor = sum(hier.time[k] for k in ("compute", "quant", "optimizer"))  # never hidden
+    assert hier.step_time >= floor
+    assert zpp.step_time / floor < V.LBP_PUBLISHED["lbp_over_zeropp"]
     ds = V.lbp_predictions(dataclasses.replace(V.VALIDATION_ASSUMPTIONS,
                                                combine_bytes=V.DEEPSPEED_CALL_BYTES))
     assert ds["zero3"].step_time < z3.step_time and ds["zeropp"].step_time <= zpp.step_time
