@@ -200,6 +200,12 @@ def lbp_predict(plan: str, nodes: int, assumptions: Assumptions = VALIDATION_ASS
                    {"pair": 2, "node": 4, "global": nodes}, assumptions)
 
 
+def never_hidden(p) -> float:
+    """Seconds of a prediction's step that no overlap takes off: its compute, (de)quantization
+    kernels and optimizer (the floor of validation.md's bound on hierarchical / ZeRO++)."""
+    return p.time["compute"] + p.time["quant"] + p.time["optimizer"]
+
+
 def lbp_predictions(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
                     micro_batches: int = 1, extra: tuple = ()) -> dict:
     """`extra`: config overrides for every LBP row (the sensitivity's variants)."""
