@@ -209,7 +209,7 @@ def checksum_mismatch(got: dict, meta: dict) -> Optional[str]:
 def _one_writer_per_shard(nproc: int) -> None:
     """In one process, orbax writes each replicated shard from one replica rather than 1/R of
     it from each: the process writes every byte either way, and the split costs a slice kernel
-    (and its compile) per replica and array, 2.5 s of the demo's 9 s run on 8 CPU devices.
+    per replica and array, each compiled at the first save.
     Across processes the split spreads the writes over hosts: orbax's default stays. Once per
     process, and quietly: orbax logs every override, and a refused run must not write that
     line into the run log of an out_dir it does not own."""
