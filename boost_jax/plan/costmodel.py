@@ -36,7 +36,7 @@ from boost_jax.mesh import AXES, STAGE, Topology, axis_size, level_of
 from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split
 from boost_jax.plan import memory, overlap
 from boost_jax.plan.overlap import gpu_exposed, gpu_launch_seconds, overlap_exposed
-from boost_jax.sharding.gather import qgz_stages
+from boost_jax.sharding.gather import BACKWARD, FORWARD, qgz_stages
 from boost_jax.sharding.step_collectives import (FIRST_FORWARD, LAST_BACKWARD, Passes,
                                                  bucketed, keeps_secondary, step_collectives)
 from boost_jax.sharding.stages import Schedule, layers_per_stage
@@ -216,26 +216,36 @@ def dp_collectives(cfg, sizes, pl, combine: float = Assumptions.combine_bytes) -
     engine runs, its calls as XLA's combiners merge them, each result at most `combine` bytes),
     one Coll per kind of collective and group: calls and bytes summed over the weights, so the
     time (linear in both) is the sum of the weights' times."""
-    # a search costs each layout under every remat mode: of it the list reads only whether
-    # each layer's backward replays its forward (hpZ's secondary comes from that gather)
-    key = (repr(cfg.model), repr(cfg.parallel), cfg.train.micro_batches, cfg.train.scan_layers,
+    return _grouped(sizes, _per_pass(cfg, sizes, pl, combine), passes(cfg))
+
+
+_PER_PASS: dict = {}
+ONE_PASS = Passes(1, 1, 1, 1)
+
+
+def _per_pass(cfg, sizes, pl, combine: float) -> list:
+    """The step's collectives, merged, for one pass of each kind (ONE_PASS), cached: a search
+    costs each layout at every micro-batch count, pipeline schedule and remat mode, and only
+    the calls of the per-pass collectives depend on the first two (Passes.per_step); of remat
+    the list reads only whether each layer's backward replays its forward (hpZ's secondary
+    comes from that gather)."""
+    key = (repr(cfg.model), repr(cfg.parallel), cfg.train.scan_layers,
            cfg.train.remat == "full", cfg.mesh.topology, tuple(sorted(sizes.items())), combine)
-    if key not in _DP_CACHE:
-        _DP_CACHE[key] = _grouped(cfg, sizes, pl, combine)
-    return list(_DP_CACHE[key])
+    if key not in _PER_PASS:
+        listed = step_collectives(pl, ONE_PASS, cfg.model.tie_embeddings)
+        _PER_PASS[key] = bucketed(listed, overlap.XLA_COMBINED, combine)
+    return _PER_PASS[key]
 
 
-_DP_CACHE: dict = {}
-
-
-def _grouped(cfg, sizes, pl, combine: float) -> list[Coll]:
+def _grouped(sizes, listed: list, per: Passes) -> list[Coll]:
     groups: dict = {}
-    listed = step_collectives(pl, passes(cfg), cfg.model.tie_embeddings)
-    for c in bucketed(listed, overlap.XLA_COMBINED, combine):
+    for c in listed:
+        calls = c.calls * per.per_step(c.leaf.split("/")[0] == "blocks", c.runs) \
+            if c.runs in (FORWARD, BACKWARD) else c.calls
         axes = tuple(a for a in c.axes if sizes.get(a, 1) > 1)
         key = (c.what, c.kind, axes, c.level, c.phase, c.runs)
-        calls, total = groups.get(key, (0.0, 0.0))
-        groups[key] = (calls + c.calls, total + c.payload * c.calls)
+        n, total = groups.get(key, (0.0, 0.0))
+        groups[key] = (n + calls, total + c.payload * calls)
     return [Coll(what, kind, total / calls, axis_size(sizes, axes), level, calls, phase,
                  axes, *host_split(axes, sizes), runs=runs)
             for (what, kind, axes, level, phase, runs), (calls, total) in groups.items()]

@@ -111,6 +111,14 @@ class Passes:
         ticks, v = schedule.ticks, schedule.virtual
         return cls(2 * ticks / v, ticks / v, 2 * ticks, ticks)
 
+    def per_step(self, block: bool, runs: str) -> float:
+        """How often a collective that runs in each pass's `runs` (FORWARD or BACKWARD) runs
+        per step, for a weight of the layer stack (`block`) or an end (whose backward only
+        reduces its gradient)."""
+        if runs == FORWARD:
+            return self.forward if block else self.ends_forward
+        return self.backward if block else self.ends_grads
+
 
 def int8_payload(f: LeafFetch, axes) -> float:
     """Bytes of q + scales of one layer's (TP-local) leaf when each shard over `axes` is
@@ -196,9 +204,9 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     psi = tp_local(f, lay) / layers  # one layer's elements
     w, a = itemsize(pl.param_dtype), itemsize(pl.grad_accum_dtype)
     block = path[:1] == ("blocks",)
-    fwd = layers * uses * (passes.forward if block else passes.ends_forward)
-    bwd = layers * passes.backward if block else 0  # the ends keep their fetched copy
-    grad_calls = layers * uses * (passes.backward if block else passes.ends_grads)
+    fwd = layers * uses * passes.per_step(block, FORWARD)
+    bwd = layers * passes.per_step(block, BACKWARD) if block else 0  # the ends keep theirs
+    grad_calls = layers * uses * passes.per_step(block, BACKWARD)
     out: list[Collective] = []
 
     unit = path[:2] if block and not lay.layer_axis else path[:1]  # one fetch_tree call
@@ -286,25 +294,24 @@ def bucketed(colls: Sequence[Collective], kinds=BUCKETED,
     out: list[Collective] = []
     at: dict[tuple, int] = {}
     members: dict[int, list[float]] = {}
+    payload: dict[int, float] = {}  # a bucket's summed payload (one replace per bucket)
     for c in colls:
         key = (c.bucket, c.kind, c.axes, c.calls, c.runs) if c.bucket and \
             c.kind in kinds else None
-        if key is None or key not in at:
-            if key is not None:
-                at[key] = len(out)
-                members[len(out)] = []
-                c = dataclasses.replace(c, leaf="/".join(map(str, c.bucket[0])))
+        if key is None:
             out.append(c)
-        else:
-            i = at[key]
-            out[i] = dataclasses.replace(out[i], payload=out[i].payload + c.payload)
-        if key is not None:
-            members[at[key]].append(combined_bytes(c))
+            continue
+        if key not in at:
+            at[key] = len(out)
+            members[len(out)], payload[len(out)] = [], 0.0
+            out.append(c)
+        i = at[key]
+        payload[i] += c.payload
+        members[i].append(combined_bytes(c))
     for i, sizes in members.items():
         k = combined(sizes, limit)
-        if k > 1:
-            out[i] = dataclasses.replace(out[i], payload=out[i].payload / k,
-                                         calls=out[i].calls * k)
+        out[i] = dataclasses.replace(out[i], leaf="/".join(map(str, out[i].bucket[0])),
+                                     payload=payload[i] / k, calls=out[i].calls * k)
     return out
 
 

@@ -335,10 +335,36 @@ def test_collective_list_cache_tells_hpz_apart():
             "parallel.plan": "zeropp", "train.remat": remat, "train.micro_batches": 2,
             "train.global_batch": 256})
 
-    C._DP_CACHE.clear()
+    C._PER_PASS.clear()
     alone = C.predict(cfg("full"), topo, sizes)
-    C._DP_CACHE.clear()
+    C._PER_PASS.clear()
     none = C.predict(cfg("none"), topo, sizes)
     after = C.predict(cfg("full"), topo, sizes)
     assert none.comm_bytes["node"] > alone.comm_bytes["node"]
     assert after.comm_bytes == alone.comm_bytes and after.step_time == alone.step_time
+
+
+@pytest.mark.parametrize("over", [
+    {"parallel.plan": "hierarchical", "train.micro_batches": 3, "train.global_batch": 96},
+    {"parallel.plan": "zeropp", "parallel.pp_stages": 2, "parallel.pp_virtual": 2,
+     "train.micro_batches": 4, "train.global_batch": 64},
+    {"parallel.plan": "zero3", "parallel.pp_stages": 4, "train.micro_batches": 5,
+     "train.global_batch": 40, "model.tie_embeddings": True},
+], ids=["hierarchical-m3", "zeropp-pp2v2", "zero3-pp4-tied"])
+def test_the_cached_per_pass_list_is_the_steps_own(over):
+    """The cost model lists a layout's collectives once for one pass of each kind and scales
+    the per-pass calls by the step's passes (a search costs a layout at every micro-batch
+    count and schedule): that is the list of the step itself, block and end weights apart."""
+    from boost_jax.plan import overlap
+    from boost_jax.sharding.step_collectives import bucketed, step_collectives
+
+    cfg = C.with_overrides(cfg7b("cola", "btp", "[pair]"), **over)
+    sizes = C.with_stages(cfg, {"pair": 2, "node": 4, "global": 8})
+    _, pl = C.state_sizes(cfg, sizes)
+    combine = C.Assumptions.combine_bytes
+    listed = step_collectives(pl, C.passes(cfg), cfg.model.tie_embeddings)
+    direct = C._grouped(sizes, bucketed(listed, overlap.XLA_COMBINED, combine), C.ONE_PASS)
+    C._PER_PASS.clear()
+    cached = C.dp_collectives(cfg, sizes, pl, combine)
+    assert C.passes(cfg) != C.ONE_PASS
+    assert sorted(map(repr, cached)) == sorted(map(repr, direct))
