@@ -83,7 +83,7 @@ def abstract_param_shapes(cfg):
     return _ABSTRACT_CACHE[key]
 
 
-@dataclass
+@dataclass(frozen=True)  # cached per layout (state_sizes): shared
 class StateSizes:
     """Per-device element counts of the state, by role, from the placement layouts."""
 
@@ -107,13 +107,26 @@ class StateSizes:
 
 def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
     """Exact per-device element counts (padding included) via the plan's own layouts."""
-    from boost_jax.sharding.layout import is_layout
     from boost_jax.sharding.placement import make_placement
-    import jax
 
     sizes = with_stages(cfg, sizes)
-    mesh = SizesMesh(sizes)
-    pl = make_placement(cfg, mesh, abstract_param_shapes(cfg))
+    pl = make_placement(cfg, SizesMesh(sizes), abstract_param_shapes(cfg))
+    # a search costs each layout at every micro-batch count: of it the counts read only
+    # whether there are several (Placement.accum_axes)
+    key = (repr(cfg.model), repr(cfg.parallel), repr(cfg.optim), cfg.train.micro_batches > 1,
+           cfg.train.remat, cfg.train.scan_layers, tuple(sorted(sizes.items())))
+    if key not in _SIZES:
+        _SIZES[key] = _count(cfg, sizes, pl)
+    return _SIZES[key], pl
+
+
+_SIZES: dict = {}
+
+
+def _count(cfg, sizes: dict[str, int], pl) -> StateSizes:
+    from boost_jax.sharding.layout import is_layout
+    import jax
+
     lays = jax.tree_util.tree_flatten_with_path(pl.layouts, is_leaf=is_layout)[0]
     acc = dict(tp=0.0, tpp=0.0, params=0.0, grads=0.0, opt=0.0, sec=0.0, rep=0.0, layer=0.0,
                out=0.0, out_grads=0.0, head=0.0, relayout=0.0)
@@ -148,7 +161,7 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
             acc["head"] += local if path[0].key in head else 0.0
     return StateSizes(acc["tp"], acc["tpp"], acc["params"], acc["grads"], acc["opt"],
                       acc["sec"], acc["rep"], acc["layer"], len(lays), nb, acc["out"],
-                      acc["out_grads"], acc["head"], acc["relayout"]), pl
+                      acc["out_grads"], acc["head"], acc["relayout"])
 
 
 # --------------------------------------------------------------------------- the model
