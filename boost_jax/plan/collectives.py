@@ -151,18 +151,21 @@ def call_cost(c: Coll, topo: Topology, a: Assumptions) -> tuple[float, float, st
     return best
 
 
+def coll_times(c: Coll, topo: Topology, a: Assumptions) -> tuple[float, float]:
+    """(seconds, of them the per-call latency part) of every call of the step."""
+    if c.n <= 1 or c.level not in AXES:
+        return 0.0, 0.0
+    lat, beta, _ = call_cost(c, topo, a)
+    return c.calls * (lat + beta), c.calls * lat
+
+
 def coll_latency(c: Coll, topo: Topology, a: Optional[Assumptions] = None) -> float:
     """The per-call latency part of coll_time, every call of the step."""
-    if c.n <= 1 or c.level not in AXES:
-        return 0.0
-    return c.calls * call_cost(c, topo, a or Assumptions())[0]
+    return coll_times(c, topo, a or Assumptions())[1]
 
 
 def coll_time(c: Coll, topo: Topology, a: Assumptions) -> float:
-    if c.n <= 1 or c.level not in AXES:
-        return 0.0
-    lat, beta, _ = call_cost(c, topo, a)
-    return c.calls * (lat + beta)
+    return coll_times(c, topo, a)[0]
 
 
 def per_level_bytes(colls: Sequence[Coll]) -> dict[str, float]:
@@ -190,10 +193,10 @@ class CommSummary:
         eg, lat, runs = dict(ph), dict(ph), {}
         lt = {lv: 0.0 for lv in AXES}
         for c in colls:
-            t = coll_time(c, topo, a)
+            t, alpha = coll_times(c, topo, a)
             ph[c.phase] = ph.get(c.phase, 0.0) + t
             eg[c.phase] = eg.get(c.phase, 0.0) + c.egress_per_step(topo)
-            lat[c.phase] = lat.get(c.phase, 0.0) + coll_latency(c, topo, a)
+            lat[c.phase] = lat.get(c.phase, 0.0) + alpha
             if c.level in lt:
                 lt[c.level] += t
             if c.phase == "dp":
