@@ -111,10 +111,10 @@ def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
 
     sizes = with_stages(cfg, sizes)
     pl = make_placement(cfg, SizesMesh(sizes), abstract_param_shapes(cfg))
-    # a search costs each layout at every micro-batch count: of it the counts read only
-    # whether there are several (Placement.accum_axes)
+    # a search costs each layout at every micro-batch count and remat mode: the counts read
+    # only whether there are several (Placement.accum_axes) and whether the backward replays
     key = (repr(cfg.model), repr(cfg.parallel), repr(cfg.optim), cfg.train.micro_batches > 1,
-           cfg.train.remat, cfg.train.scan_layers, tuple(sorted(sizes.items())))
+           cfg.train.remat == "full", cfg.train.scan_layers, tuple(sorted(sizes.items())))
     if key not in _SIZES:
         _SIZES[key] = _count(cfg, sizes, pl)
     return _SIZES[key], pl
@@ -239,7 +239,8 @@ ONE_PASS = Passes(1, 1, 1, 1)
 def _per_pass(cfg, sizes, pl, combine: float) -> list:
     """The step's collectives, merged, for one pass of each kind (ONE_PASS), cached: a search
     costs each layout at every micro-batch count, pipeline schedule and remat mode, and only
-    the calls of the per-pass collectives depend on the first two (Passes.per_step); of remat
+    the calls of the per-pass collectives depend on the first two (Passes.per_step: equal to
+    the step's own list up to rounding where the ticks do not divide by pp_virtual); of remat
     the list reads only whether each layer's backward replays its forward (hpZ's secondary
     comes from that gather)."""
     key = (repr(cfg.model), repr(cfg.parallel), cfg.train.scan_layers,
@@ -253,8 +254,8 @@ def _per_pass(cfg, sizes, pl, combine: float) -> list:
 def _grouped(sizes, listed: list, per: Passes) -> list[Coll]:
     groups: dict = {}
     for c in listed:
-        calls = c.calls * per.per_step(c.leaf.split("/")[0] == "blocks", c.runs) \
-            if c.runs in (FORWARD, BACKWARD) else c.calls
+        calls = c.calls * per.per_step(c.block, c.runs) if c.runs in (FORWARD, BACKWARD) \
+            else c.calls
         axes = tuple(a for a in c.axes if sizes.get(a, 1) > 1)
         key = (c.what, c.kind, axes, c.level, c.phase, c.runs)
         n, total = groups.get(key, (0.0, 0.0))

@@ -88,6 +88,11 @@ class Collective:
         """Bytes one device sends per optimizer step."""
         return ring_bytes(self.kind, self.n, self.payload) * self.calls
 
+    @property
+    def block(self) -> bool:
+        """A weight of the layer stack (a merged call: its bucket's leaf, named by the unit)."""
+        return self.leaf.split("/", 1)[0] == "blocks"
+
 
 @dataclass(frozen=True)
 class Passes:
@@ -205,7 +210,7 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     w, a = itemsize(pl.param_dtype), itemsize(pl.grad_accum_dtype)
     block = path[:1] == ("blocks",)
     fwd = layers * uses * passes.per_step(block, FORWARD)
-    bwd = layers * passes.per_step(block, BACKWARD) if block else 0  # the ends keep theirs
+    bwd = layers * passes.per_step(block, BACKWARD) if block else 0  # ends: the forward's copy
     grad_calls = layers * uses * passes.per_step(block, BACKWARD)
     out: list[Collective] = []
 
