@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from typing import Any
 
-from boost_jax.errors import EXIT_USER_ERROR
+from boost_jax.errors import EXIT_USER_ERROR, control_char, lone_surrogate
 
 
 class Parser(argparse.ArgumentParser):
@@ -80,3 +81,28 @@ def json_dumps(obj: Any, **kw) -> str:
 
 def json_dump(obj: Any, f, **kw) -> None:
     json.dump(json_finite(obj), f, allow_nan=False, **kw)
+
+
+def shell_word(text: str) -> str:
+    """`text` as one shell word on one line, for a command we print for the user to paste:
+    shell-quoted, or where it holds a control character (a newline would end the line) or
+    bytes that are not UTF-8, bash's $'...' with each of those bytes escaped."""
+    if control_char(text) is None and lone_surrogate(text) is None:
+        return shlex.quote(text)
+    out = []
+    for ch in text:
+        if ch in "\\'":
+            out.append("\\" + ch)
+        elif control_char(ch) is None and lone_surrogate(ch) is None:
+            out.append(ch)
+        else:
+            out += [f"\\x{b:02x}" for b in _utf8(ch)]
+    return "$'" + "".join(out) + "'"
+
+
+def _utf8(ch: str) -> bytes:
+    try:  # a byte of argv that was not UTF-8 comes back as itself
+        return ch.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return ch.encode("utf-8", "surrogatepass")
+

@@ -9,12 +9,15 @@
 3. A file is published whole: written to a temp file in the target's own directory, then linked
    or renamed onto the target in one step (`Staged`). Where the filesystem supports it the temp
    file has no name at all (O_TMPFILE), so a process killed mid-write leaves nothing behind;
-   elsewhere it is a unique `.NAME.*.tmp` from tempfile. Files that go together (a .bin and its
-   metadata) are published metadata first, data last (`publish`), so a reader never finds data
-   without the metadata that describes it.
+   elsewhere it is a unique `.NAME.*.boost_jax.tmp` (TMP_SUFFIX: the only names a later
+   writer's sweep removes). Files that go together (a .bin and its metadata) are published
+   metadata first, data last (`publish`), so a reader never finds data without the metadata
+   that describes it.
 4. Concurrent writers of one target: one wins, the other stops with one line. Without --force a
    target is created with link(), which fails if it appeared meanwhile; long writers also hold
-   `exclusive`, an flock on `.NAME.lock` next to the target, from the start.
+   `exclusive`, an flock on `.NAME.lock` next to the target, from the start. Whatever else
+   holds that name (a symlink, a folder, a FIFO, a file without a lock record) is the user's:
+   refused, never written through or removed.
 
 Published files and folders follow the umask (0644 / 0755 under umask 022) whatever mode the
 temp file was created with.
@@ -26,13 +29,22 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import secrets
 import shutil
 import socket
+import stat
 import tempfile
 from typing import IO, Iterable, Optional
 
 from boost_jax.errors import UserError
+
+
+# the end of every temp name our writers make: what a later writer's sweep may remove
+TMP_SUFFIX = ".boost_jax.tmp"
+# what a lock file holds (empty where the disk was full): a file of that name holding anything
+# else is the user's
+LOCK_RECORD = re.compile(r"pid \d+ on host \S*")
 
 
 class Refused(UserError):
@@ -161,7 +173,7 @@ class Staged:
         self.path: Optional[str] = None  # named temp file (fallback)
         fd = _anonymous(self.dir)
         if fd is None:
-            fd, self.path = tempfile.mkstemp(prefix=f".{self.name}.", suffix=".tmp",
+            fd, self.path = tempfile.mkstemp(prefix=f".{self.name}.", suffix=TMP_SUFFIX,
                                              dir=self.dir)
         self.fd = fd
         self.file: IO = os.fdopen(fd, "w" if text else "wb", closefd=False,
@@ -187,7 +199,7 @@ class Staged:
         dfd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
         try:
             while True:
-                name = f".{self.name}.{secrets.token_hex(4)}.tmp"
+                name = f".{self.name}.{secrets.token_hex(4)}{TMP_SUFFIX}"
                 try:
                     os.link(f"/proc/self/fd/{self.fd}", name, dst_dir_fd=dfd)
                     break
@@ -286,7 +298,7 @@ def write_text(target: str, text: str, force: bool, executable: bool = False) ->
 def staged_dir(target: str) -> str:
     """A temp folder next to `target` (made with the umask's mode) to build it in."""
     target = os.path.abspath(target)
-    d = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp",
+    d = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.", suffix=TMP_SUFFIX,
                          dir=os.path.dirname(target))
     os.chmod(d, dir_mode())
     return d
@@ -328,12 +340,13 @@ def _holder(fd: int) -> str:
 
 def _sweep(target: str) -> None:
     """Remove named temp files of `target` left by a writer that was killed (call only while
-    holding its lock: then no live writer owns them)."""
+    holding its lock: then no live writer owns them); only files named as ours are."""
     d, name = os.path.split(os.path.abspath(target))
     for entry in os.listdir(d):
-        if entry.startswith(f".{name}.") and entry.endswith(".tmp"):
+        if entry.startswith(f".{name}.") and entry.endswith(TMP_SUFFIX):
             with contextlib.suppress(OSError):
-                os.remove(os.path.join(d, entry))
+                if stat.S_ISREG(os.lstat(os.path.join(d, entry)).st_mode):
+                    os.remove(os.path.join(d, entry))
 
 
 @contextlib.contextmanager
@@ -357,14 +370,15 @@ def exclusive(targets: list[str], what: str, fix: str):
         yield
     finally:
         with contextlib.suppress(OSError):
-            os.remove(path)
+            if os.path.samestat(os.lstat(path), os.fstat(fd)):  # never what replaced it
+                os.remove(path)
         os.close(fd)
 
 
 def _lock(path: str, what: str, fix: str) -> Optional[int]:
     """The locked descriptor of the lock file at `path` (None: the filesystem cannot lock)."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        fd = _open_lock(path, what, fix)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -376,8 +390,32 @@ def _lock(path: str, what: str, fix: str) -> Optional[int]:
             os.close(fd)
             return None
         try:  # the holder we waited on may have removed the file: lock the one at the path
-            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            if os.path.samestat(os.lstat(path), os.fstat(fd)):
                 return fd
         except FileNotFoundError:
             pass
         os.close(fd)
+
+
+def _open_lock(path: str, what: str, fix: str) -> int:
+    """The lock file at `path`, created here or left by an earlier writer (a regular file,
+    empty or holding a LOCK_RECORD); anything else of that name is the user's: Refused."""
+    with contextlib.suppress(FileExistsError):
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)
+    kind = None
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as e:  # a symlink (ELOOP), a folder (EISDIR), ...
+        kind = "a symlink" if os.path.islink(path) else f"not a file ({e.strerror})"
+    else:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "not a regular file"
+        elif st.st_size and not LOCK_RECORD.fullmatch(
+                os.pread(fd, 256, 0).decode("utf-8", "replace").strip()):
+            kind = "a file that holds no lock record"
+        if kind is None:
+            return fd
+        os.close(fd)
+    raise Refused(f"{what}: {path!r}, the name of its lock file, is {kind} this command did "
+                  f"not write; move it away, or {fix}")

@@ -17,7 +17,7 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
-from boost_jax.cli import OverrideParser
+from boost_jax.cli import OverrideParser, shell_word
 from boost_jax.errors import UserError, cli_main
 
 
@@ -97,9 +97,10 @@ def _slurm(args, command: str) -> int:
     except OSError as e:
         raise UserError(f"cannot write {args.out!r} ({e.strerror}); choose another --out") \
             from None
-    print(f"wrote {args.out}: {job.nodes} nodes x {job.profile.processes_per_node} processes x "
-          f"{job.devices_per_process} device(s) on {topo.name}, out_dir {job.out_dir}; submit "
-          f"with: sbatch {args.out}", file=sys.stderr)
+    print(f"wrote {shell_word(args.out)}: {job.nodes} nodes x {job.profile.processes_per_node} "
+          f"processes x {job.devices_per_process} device(s) on {topo.name}, out_dir "
+          f"{shell_word(job.out_dir)}; submit with: sbatch {shell_word(args.out)}",
+          file=sys.stderr)
     return 0
 
 

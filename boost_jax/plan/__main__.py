@@ -23,7 +23,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from boost_jax.cli import OverrideParser, json_dumps
+from boost_jax.cli import OverrideParser, json_dumps, shell_word
 from boost_jax.names import KEPT_SECONDARY, MESH_AXES
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor_text
 
@@ -118,7 +118,7 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
     """The planned run as a YAML config: mesh.topology and mesh.shape carry the cluster layout,
     so `python -m boost_jax.launch slurm --config FILE` needs no --topology or --nodes."""
     from boost_jax.config import config_to_yaml
-    from boost_jax.errors import UserError
+    from boost_jax.errors import UserError, escape_controls
 
     lay, s = pred.layout, pred.sizes
     head = [f"# {cfg.name} on {topo.name}: {_hosts(s)} nodes, {_mesh_text(s)} = "
@@ -131,6 +131,7 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
             f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}",
             *([f"# {secondary.line}"] if secondary else []),
             f"# written by: {command}", ""]
+    head = [escape_controls(line) for line in head]  # a newline in a path would end a comment
     from boost_jax.safe_write import write_text
 
     try:
@@ -138,8 +139,9 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
     except OSError as e:
         raise UserError(f"cannot write --emit-config {path!r} ({e.strerror}); choose another "
                         "path") from None
-    print(f"wrote {path}: train with python train.py --config {path}, or write a batch job with "
-          f"python -m boost_jax.launch slurm --config {path}", file=sys.stderr)
+    word = shell_word(path)
+    print(f"wrote {word}: train with python train.py --config {word}, or write a batch job with "
+          f"python -m boost_jax.launch slurm --config {word}", file=sys.stderr)
 
 
 def _layout_line(p, cfg) -> str:
@@ -511,12 +513,10 @@ def run_plan(args, command: str) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    import shlex
-
     from boost_jax.errors import cli_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    command = "python -m boost_jax.plan " + shlex.join(argv)
+    command = "python -m boost_jax.plan " + " ".join(map(shell_word, argv))
     args = build_parser().parse(argv)
     return cli_main(run_plan)(args, command)
 

@@ -69,7 +69,7 @@ def test_exclusive_one_writer_and_a_killed_holder_is_taken_over(tmp_path):
                                           rf"{p.pid} on host .*\); wait for it to finish, or x"):
             with sw.exclusive([target], "OUT", "x"):
                 pass
-        open(tmp_path / ".c.bin.dead1234.tmp", "w").close()  # what a killed writer leaves
+        open(tmp_path / ".c.bin.dead1234.boost_jax.tmp", "w").close()  # a killed writer left
     finally:
         p.kill()
         p.wait()
@@ -136,6 +136,33 @@ def run(env, tmp_path_factory):
     refused = _cli(*cmd, env=env)
     forced = _cli(*cmd, "--force", env=env)
     return out, refused, forced
+
+
+def test_exclusive_never_writes_through_or_removes_what_holds_its_lock_name(tmp_path):
+    """`.NAME.lock` and `.NAME.*.tmp` may be the user's: a symlink there is never written
+    through, a folder, FIFO or file holding anything but a lock record is refused and left,
+    and the sweep of a killed writer's temp files takes only names our writers make."""
+    target, lock = str(tmp_path / "c.bin"), tmp_path / ".c.bin.lock"
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    theirs = tmp_path / ".c.bin.mine.tmp"
+    theirs.write_text("mine")
+    cases = {"symlink": lambda: os.symlink(victim, lock), "folder": lambda: lock.mkdir(),
+             "FIFO": lambda: os.mkfifo(lock), "file": lambda: lock.write_text("my notes")}
+    for name, make in cases.items():
+        make()
+        with pytest.raises(Refused, match=r"^OUT: '.*\.c\.bin\.lock', the name of its lock "
+                                          r"file, is .* this command did not write; move it "
+                                          r"away, or x$"):
+            with sw.exclusive([target], "OUT", "x"):
+                pass
+        assert os.path.lexists(lock), name
+        (os.rmdir if name == "folder" else os.remove)(lock)
+    assert victim.read_text() == "precious" and theirs.read_text() == "mine"
+    lock.write_text("pid 1 on host gone")  # a lock file a killed writer left: taken over
+    with sw.exclusive([target], "OUT", "x"):
+        assert sorted(os.listdir(tmp_path)) == [".c.bin.lock", ".c.bin.mine.tmp", "victim.txt"]
+    assert sorted(os.listdir(tmp_path)) == [".c.bin.mine.tmp", "victim.txt"]
 
 
 def test_failure_3_train_into_a_folder_of_the_users_files_is_refused_unless_forced(run):
@@ -320,6 +347,32 @@ def test_failure_5_plan_and_launch_never_overwrite_their_config(tmp_path):
     assert "mesh:" in (tmp_path / "plan").read_text()
     assert (tmp_path / "job").read_text().startswith("#!")
     assert cfg.read_text() == text and _mode(cfg) == 0o644
+
+
+def test_hostile_names_stay_one_line_in_what_plan_and_launch_write_and_print(tmp_path):
+    """A path holding a newline, quotes and $(...): the emitted config's header stays comments
+    (the YAML loads, no key injected) and the printed next commands are one line each, whose
+    words give back the exact path when pasted into bash (nothing runs)."""
+    import yaml
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(open(os.path.join(ROOT, "configs", "demo.yaml")).read())
+    evil = str(tmp_path / "a'\"$(echo PWNED >&2)`echo PWNED >&2`\nout_dir: EVIL\n#x")
+    plan, job = evil + ".yaml", evil + ".sbatch"
+    rows = _cli_all(["-m", "boost_jax.plan", "--config", str(cfg), "--topology", "cpu",
+                     "--nodes", "1", "--no-compile", "--emit-config", plan],
+                    ["-m", "boost_jax.launch", "slurm", "--config", str(cfg), "--topology",
+                     "cpu", "--nodes", "1", "--out", job])
+    assert [r.returncode for r in rows] == [0, 0], [r.stderr for r in rows]
+    text = open(plan).read()
+    assert all(ln.startswith("# ") for ln in text.splitlines() if "EVIL" in ln), text[:600]
+    assert yaml.safe_load(text)["out_dir"] != "EVIL"
+    for r, path, cmd in ((rows[0], plan, "python train.py --config "), (rows[1], job, "sbatch ")):
+        line = [ln for ln in r.stderr.splitlines() if ln.startswith("wrote ")]
+        assert len(line) == 1 and cmd in line[0], r.stderr
+        word = line[0].split(cmd, 1)[1].split(", or ")[0]
+        back = subprocess.run(["bash", "-c", "printf %s " + word], capture_output=True, text=True)
+        assert back.stdout == path and back.stderr == "", (word, back)
 
 
 def _corpus(path, mib):
