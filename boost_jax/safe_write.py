@@ -343,10 +343,11 @@ def _sweep(target: str) -> None:
     holding its lock: then no live writer owns them); only files named as ours are."""
     d, name = os.path.split(os.path.abspath(target))
     for entry in os.listdir(d):
+        path = os.path.join(d, entry)
         if entry.startswith(f".{name}.") and entry.endswith(TMP_SUFFIX):
             with contextlib.suppress(OSError):
-                if stat.S_ISREG(os.lstat(os.path.join(d, entry)).st_mode):
-                    os.remove(os.path.join(d, entry))
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    os.remove(path)
 
 
 @contextlib.contextmanager

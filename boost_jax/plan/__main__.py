@@ -118,20 +118,21 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
     """The planned run as a YAML config: mesh.topology and mesh.shape carry the cluster layout,
     so `python -m boost_jax.launch slurm --config FILE` needs no --topology or --nodes."""
     from boost_jax.config import config_to_yaml
-    from boost_jax.errors import UserError, escape_controls
+    from boost_jax.errors import UserError
+    from boost_jax.launch.script_values import comment
 
     lay, s = pred.layout, pred.sizes
-    head = [f"# {cfg.name} on {topo.name}: {_hosts(s)} nodes, {_mesh_text(s)} = "
-            f"{pred.devices} devices",
-            f"# layout: plan {lay['plan']}, TP {lay['tp_mode']} x{lay['tp']} over "
-            f"{lay['tp_axes'] or '-'}, {lay.get('pipeline_stages', 1)} pipeline stage(s), "
-            f"{pred.micro_batches} micro-batches, remat {lay['remat']}",
-            f"# predicted: {pred.memory['total'] / 2**30:.1f} GiB per device of "
-            f"{topo.hbm_bytes / 2**30:.0f} GiB, {pred.step_time:.3f} s per step, "
-            f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}",
-            *([f"# {secondary.line}"] if secondary else []),
-            f"# written by: {command}", ""]
-    head = [escape_controls(line) for line in head]  # a newline in a path would end a comment
+    notes = [f"{cfg.name} on {topo.name}: {_hosts(s)} nodes, {_mesh_text(s)} = "
+             f"{pred.devices} devices",
+             f"layout: plan {lay['plan']}, TP {lay['tp_mode']} x{lay['tp']} over "
+             f"{lay['tp_axes'] or '-'}, {lay.get('pipeline_stages', 1)} pipeline stage(s), "
+             f"{pred.micro_batches} micro-batches, remat {lay['remat']}",
+             f"predicted: {pred.memory['total'] / 2**30:.1f} GiB per device of "
+             f"{topo.hbm_bytes / 2**30:.0f} GiB, {pred.step_time:.3f} s per step, "
+             f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}",
+             *([secondary.line] if secondary else []),
+             f"written by: {command}"]
+    head = [*map(comment, notes), ""]  # one line each, whatever a path in them holds
     from boost_jax.safe_write import write_text
 
     try:
