@@ -98,6 +98,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/prepare_speed.py --mib 16 --rounds 3
 	$(PY) benchmarks/stream_speed.py
 	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/search_speed.py
 	$(PY) benchmarks/bench_time.py --since $(BENCH_START)
 
 clean:
