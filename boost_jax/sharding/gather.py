@@ -493,8 +493,8 @@ def to_params_all(fs, xs) -> list:
     params shard, the weights' r-th gathers (cross-node first) issued together."""
     xs = [jax.lax.stop_gradient(x) for x in xs]
     for r in range(max((len(f.update) for f in fs), default=0)):
-        xs = bucket.run([f.update_gather(x, r) if r < len(f.update) else x
-                         for f, x in zip(fs, xs)])
+        xs = _run(fs, [f.update_gather(x, r) if r < len(f.update) else x
+                       for f, x in zip(fs, xs)])
     return xs
 
 
@@ -604,8 +604,8 @@ def _sources(fs, xs, stored):
         return srcs, None
     if isinstance(stored, HpzBackward):
         return [s if h else v for h, s, v in zip(hpz, stored.secs, srcs)], None
-    arrived = bucket.run([f.flat_send(jax.lax.stop_gradient(x)) if h else None
-                          for f, x, h in zip(fs, xs, hpz)])
+    arrived = _run(fs, [f.flat_send(jax.lax.stop_gradient(x)) if h else None
+                        for f, x, h in zip(fs, xs, hpz)])
     if isinstance(stored, HpzForward):
         stored.secs = [f.flat_secondary(a) if h else None for f, a, h in zip(fs, arrived, hpz)]
     return [f.flat_full(a) if h else v for f, a, v, h in zip(fs, arrived, srcs, hpz)], \

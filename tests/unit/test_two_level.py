@@ -177,6 +177,28 @@ def test_two_level_step_keeps_groups_apart_counts_what_it_lists_and_equals_flat(
     np.testing.assert_allclose(two[:, 1], flat[:, 1], rtol=1e-4 if plan == "zeropp" else 1e-5)
 
 
+def test_hpz_flat_gather_runs_in_two_levels(mesh):
+    """zeropp with remat=full gathers each weight over every axis once (hpZ: the secondary
+    is cut from what arrived, sharding/hpz.py); that gather, like every fetch unit's, follows
+    parallel.collectives: no group mixes `global` with a node axis, the list is what is
+    compiled, and 3 steps' losses equal the flat step's."""
+    common = ("parallel.plan=zeropp", "train.micro_batches=2", "train.remat=full")
+    b, c, r = _build(mesh, *common, "parallel.collectives=two_level")
+    assert any(f.hpz for f in jax.tree.leaves(
+        b.engine.fetches, is_leaf=lambda v: hasattr(v, "hpz"))), "not an hpZ layout"
+    assert not _mixed(r), r.table()
+    lb, lc, mb, mc = _listed_vs_compiled(b, r, 2, ())
+    assert set(lb) == set(mb), r.table()
+    for key, v in mb.items():
+        assert v == pytest.approx(lb[key], rel=0.10, abs=16), (key, r.table())
+        if key[0] != "all-reduce":
+            assert mc[key] == lc[key], (key, r.table())
+    flat = build_step(load_config(None, ODD + list(common)), mesh, fast_compile_options())
+    init = jax.device_get(flat.init_state())
+    np.testing.assert_allclose(_losses(c, b, init), _losses(flat.train_step, flat, init),
+                               rtol=1e-4)
+
+
 def test_one_micro_batch_reduces_in_two_levels_inside_the_backward(mesh):
     """zero1 with one micro-batch reduce-scatters each layer's gradient over every axis in the
     backward (Placement.in_backward): in the node, then across, as listed. Under `auto`: on
