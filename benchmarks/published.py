@@ -155,6 +155,12 @@ OURS_LBP = [
      ("parallel.collectives=two_level",),
      ("parallel.defer_update=true", "parallel.quantize_cross_node_weights=int8",
       "parallel.quantize_cross_node_grads=int4")),
+    ("every plan's cross-node legs as log-step exchanges (`parallel.collectives=log_step`)",
+     ("parallel.collectives=log_step",), ()),
+    ("log-step exchanges, and hierarchical deferred with quantized legs",
+     ("parallel.collectives=log_step",),
+     ("parallel.defer_update=true", "parallel.quantize_cross_node_weights=int8",
+      "parallel.quantize_cross_node_grads=int4")),
     ("hierarchical's pair copy in bfloat16 (`parallel.secondary_dtype`), as the planner "
      "picks it here", (), ("parallel.secondary_dtype=bfloat16",)),
 ]

@@ -186,8 +186,9 @@ class ParallelConfig:
     pp_schedule: Literal["1f1b", "gpipe"] = "1f1b"
     pp_virtual: int = 1  # interleaved virtual stages per device (chunks of layers)
     # data-parallel collectives spanning hosts and a node: one flat group, or rank-aligned
-    # stages over `global` and inside the node (boost_jax/sharding/bucket.py); auto: per call
-    collectives: Literal["flat", "two_level", "auto"] = "flat"
+    # stages over `global` and inside the node (boost_jax/sharding/bucket.py); log_step: those,
+    # with gathers and reduce-scatters over hosts alone as log2 exchanges; auto: per call
+    collectives: Literal["flat", "two_level", "log_step", "auto"] = "flat"
 
     def validate(self) -> None:
         _positive("parallel.pp_stages", self.pp_stages)

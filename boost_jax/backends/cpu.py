@@ -12,7 +12,7 @@ HLO as a GPU would run it) are boost_jax/analysis/cpu_lowering.py.
    the TP-replicated leaves over TP) — exact, only with more backward all-reduces than the
    typed program. Can go when `python -c` of a pallas_call(interpret=True) under
    jax.shard_map(check_vma=True) runs (tests/unit/test_pallas_btp.py would keep passing).
-2. all_gather_bits / reshard_bits — XLA:CPU runs bf16/f16 collectives in f32 (convert →
+2. all_gather_bits / ppermute_bits / reshard_bits — XLA:CPU runs bf16/f16 collectives in f32 (convert →
    collective → convert), which doubles what a gather moves there. A gather is pure data
    movement, so moving the raw 16 bits as uint16 is exact and makes the CPU program move what a
    GPU would. Harmless elsewhere (the bitcasts are free). Can go when a bf16 all-gather in a
@@ -62,6 +62,14 @@ def all_gather_bits(x, axes, dim: int, to: str = "varying"):
         return jax.lax.all_gather(x, axes, axis=dim, tiled=True, to=to)
     u = jax.lax.all_gather(jax.lax.bitcast_convert_type(x, jnp.uint16), axes, axis=dim,
                            tiled=True, to=to)
+    return jax.lax.bitcast_convert_type(u, x.dtype)
+
+
+def ppermute_bits(x, axes, perm):
+    """jax.lax.ppermute that moves 16-bit floats as raw bits (2 above)."""
+    if not _is16(x):
+        return jax.lax.ppermute(x, axes, perm)
+    u = jax.lax.ppermute(jax.lax.bitcast_convert_type(x, jnp.uint16), axes, perm)
     return jax.lax.bitcast_convert_type(u, x.dtype)
 
 

@@ -14,7 +14,7 @@ latency   the library's own tuning model (topology.library, src/graph/tuning.cc)
           all-gather / reduce-scatter run as rings; an all-reduce as ring or tree; each call
           takes the (algorithm, protocol) of least latency + β / (protocol's bandwidth share),
           as the library's tuner picks. An all-to-all is n−1 Simple messages (k−1 in the host,
-          n−k across); a pipeline send one.
+          n−k across); a pipeline send or a log_step exchange (sharding/bucket.py) one.
 overhead  applied by boost_jax.plan.costmodel (see its docstring and GPU_XLA_FLAGS).
 
 The same functions cost *measured* collectives (a compiled step's HLO, boost_jax.analysis.comm),
@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 
 from boost_jax.analysis.comm import egress_bytes
 from boost_jax.mesh import AXES, PROTOCOLS, Topology
+from boost_jax.names import STAGE_AXIS
 from boost_jax.sharding.step_collectives import ring_bytes
 from boost_jax.plan.roofline import Assumptions
 
@@ -227,15 +228,17 @@ class CommSummary:
 
 
 def colls_from_report(report, tp_axes: Sequence[str], micro_batches: int) -> list[Coll]:
-    """Measured collectives (CommReport) → Colls. Phase: groups inside the TP axes are TP;
-    other collectives inside a loop (layers, micro-batches) are dp; the rest are "step"."""
+    """Measured collectives (CommReport) → Colls. Phase: groups inside the TP axes and the
+    pipeline's sends (permutes over `stage`) are TP; other collectives inside a loop (layers,
+    micro-batches; log_step's exchanges among them) are dp; the rest are "step"."""
     del micro_batches
     tp = set(tp_axes)
     sizes = dict(getattr(report, "mesh_shape", {}) or {})
     out = []
     for c in report.collectives:
         axes = tuple(c.axes)
-        if (tp and axes and set(axes) <= tp) or c.kind == "collective-permute":
+        if (tp and axes and set(axes) <= tp) or (c.kind == "collective-permute"
+                                                 and STAGE_AXIS in axes):
             phase = "tp"  # on the critical path: TP collectives and the pipeline's sends
         elif c.in_loop:
             phase = "dp"

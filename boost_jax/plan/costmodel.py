@@ -242,9 +242,11 @@ def _per_pass(cfg, sizes, pl, combine: float) -> list:
     the calls of the per-pass collectives depend on the first two (Passes.per_step: equal to
     the step's own list up to rounding where the ticks do not divide by pp_virtual); of remat
     the list reads only whether each layer's backward replays its forward (hpZ's secondary
-    comes from that gather)."""
+    comes from that gather), of the micro-batches only whether the last runs apart (where
+    log_step's exchanges run, gather.LeafFetch.of)."""
     key = (repr(cfg.model), repr(cfg.parallel), cfg.train.scan_layers,
-           cfg.train.remat == "full", cfg.mesh.topology, tuple(sorted(sizes.items())), combine)
+           cfg.train.remat == "full", cfg.train.micro_batches > 1, cfg.mesh.topology,
+           tuple(sorted(sizes.items())), combine)
     if key not in _PER_PASS:
         listed = step_collectives(pl, ONE_PASS, cfg.model.tie_embeddings)
         _PER_PASS[key] = bucketed(listed, overlap.XLA_COMBINED, combine)

@@ -1,4 +1,4 @@
-"""How one data-parallel collective is issued: bucketed into one call, run flat or in two levels.
+"""How a data-parallel collective is issued: bucketed; flat, in two levels or as exchanges.
 
 Every data-parallel collective of a fetch (sharding/gather.py) is first described as a `Send`:
 the buffer this device contributes and what to do with what arrives. `run` issues them: the
@@ -12,19 +12,19 @@ n devices: an all-gather's arrives stacked [n, *shape]; a reduce-scatter's is [n
 i for device i, and arrives summed [*rest]; an all-reduce's arrives summed, same shape; an
 all-to-all's [n, *rest] arrives as chunk i from device i.
 
-`parallel.collectives` (Policy): under two_level a call whose group spans hosts (`global`, or a
-pipeline's `stage`) and axes inside a host runs as rank-aligned sub-collectives, so no ring
-spans every rank: an all-gather over the host axes (one group per local rank, each leaving by
-its own NIC), then inside the node; a reduce-scatter inside the node, then across; an
-all-reduce as RS inside, AR across, AG inside (a scalar: two sums). Each keeps the flat
-result's layout exactly; all-to-alls stay as they are (their stages already go inside the
-node, then across). `Policy.stages` says what runs for a flat (kind, axes, payload), for the
-engine's calls and the step's list (step_collectives.py) alike; `auto` picks per call the
-cheaper under an α–β ring model of the topology's links (benchmarks/README.md §13).
+`parallel.collectives` (Policy): under two_level a call whose group spans hosts (`global`, a
+pipeline's `stage`) and a node runs as rank-aligned sub-collectives, no ring over every rank:
+an all-gather across (one group per local rank, each by its own NIC), then inside the node; a
+reduce-scatter the reverse; an all-reduce as RS inside, AR across, AG inside. Results keep
+the flat layout; all-to-alls stay as they are. `auto` picks per call under an α–β model;
+log_step runs the layer loop's legs over hosts as Bruck's ⌈log2 g⌉ exchanges, a fetch unit's
+buffers in one chain (PCCL's recursive backend, arXiv 2504.18658; `Policy.rings`). All in
+benchmarks/README.md §13. `Policy.stages` says what runs, for the engine and the step's list.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -32,7 +32,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from boost_jax.backends.cpu import all_gather_bits
+from boost_jax.backends.cpu import all_gather_bits, ppermute_bits
 from boost_jax.mesh import level_of
 from boost_jax.names import STAGE_AXIS
 
@@ -40,6 +40,17 @@ from boost_jax.names import STAGE_AXIS
 # ---------------------------------------------------------------- one call: flat or two levels
 OUTER = ("global", STAGE_AXIS)  # axes whose groups cross hosts
 SPLIT_KINDS = ("all-gather", "reduce-scatter", "all-reduce")
+LOG_KINDS = ("all-gather", "reduce-scatter")  # the kinds log_step runs as exchanges
+
+
+def exchanges(g: int) -> list[tuple[int, int]]:
+    """Bruck's all-gather over g ranks: (k, blocks) per exchange, k = 1, 2, 4, ... < g; in
+    exchange k each rank receives the first min(k, g − k) blocks rank +k holds (g − 1 in all)."""
+    out, k = [], 1
+    while k < g:
+        out.append((k, min(k, g - k)))
+        k *= 2
+    return out
 
 
 @dataclass(frozen=True)
@@ -85,10 +96,46 @@ class Policy:
             (n_in - 1) / n_in * payload / b_i
         return two < flat
 
+    def rings(self) -> "Policy":
+        """This policy for calls outside the scanned layer loop: log_step's exchanges become
+        rings there (two levels kept). Per-layer calls are where a ring's latency adds up;
+        and XLA:CPU keys every collective-permute's rendezvous alike (JAX gives each channel
+        1), so two exchange chains in flight at once abort a CPU run: inside the layer loop
+        one runs at a time, next to it the ends' and the once-per-step calls could overlap."""
+        return dataclasses.replace(self, mode="two_level") if self.mode == "log_step" else self
+
+    def log_step(self, kind: str, axes) -> bool:
+        """Whether a call of `kind` over `axes` runs as Bruck exchanges (log_step: a group
+        over hosts alone)."""
+        axes = tuple(axes)
+        return self.mode == "log_step" and kind in LOG_KINDS and bool(axes) and \
+            set(axes) <= set(OUTER) and self.n(axes) > 1
+
+    def bucketed(self, kind: str, axes) -> bool:
+        """Whether a fetch unit's buffers of `kind` over `axes` travel in one call (`run`):
+        qgZ's all-to-alls, and under log_step the gathers and reduce-scatters whose group spans
+        hosts (each exchange costs a latency, as each peer of an all-to-all does)."""
+        if kind in BUCKETED:
+            return True
+        return self.mode == "log_step" and kind in LOG_KINDS and \
+            self.n(tuple(a for a in axes if a in OUTER)) > 1
+
     def stages(self, kind: str, axes, payload: float, itemsize: int = 4) -> list[tuple]:
         """(kind, axes, payload) of each call that runs for the flat collective (payload: its
-        ring formula's P, step_collectives.ring_bytes; itemsize: an all-reduce's element)."""
-        axes = tuple(axes)
+        ring formula's P, step_collectives.ring_bytes; itemsize: an all-reduce's element); a
+        leg run as exchanges lists each as a collective-permute of the blocks it sends."""
+        out = []
+        for k, ax, p in self._levels(kind, tuple(axes), payload, itemsize):
+            if not self.log_step(k, ax):
+                out.append((k, ax, p))
+                continue
+            g = self.n(ax)
+            steps = exchanges(g) if k == "all-gather" else exchanges(g)[::-1]
+            out += [("collective-permute", ax, b * p / g) for _, b in steps]
+        return out
+
+    def _levels(self, kind: str, axes: tuple, payload: float, itemsize: int) -> list[tuple]:
+        """stages() before its exchanges: the flat call, or its two levels."""
         sp = self.split(kind, axes, payload)
         if sp is None:
             return [(kind, axes, payload)]
@@ -118,14 +165,52 @@ def _reorder(y, src, dst, policy: Policy):
     return jnp.transpose(y, perm).reshape(-1, *rest)
 
 
+def _exchange_gather(x, axes, g: int):
+    """Bruck's all-gather: x → stacked [g, *x.shape] in rank order over `axes`. After the
+    exchanges row i holds rank me + i's block; one roll by the rank puts rows in rank order."""
+    me = jax.lax.axis_index(axes)
+    buf = x[None]
+    for k, b in exchanges(g):  # receive rank me + k's first b rows
+        perm = [((r + k) % g, r) for r in range(g)]
+        buf = jnp.concatenate([buf, ppermute_bits(buf[:b], axes, perm)])
+    return jnp.roll(buf, me, axis=0)
+
+
+def _exchange_scatter(x, axes, g: int):
+    """The transpose of _exchange_gather: x [g, *rest], chunk i for rank i → this rank's sum.
+    Rows rolled back (row i: rank me + i's chunk); each exchange, last first, sends the rows
+    it had received to the rank they came from, which adds them to its first rows."""
+    me = jax.lax.axis_index(axes)
+    buf = jnp.roll(x, -me, axis=0)
+    for k, b in exchanges(g)[::-1]:
+        perm = [(r, (r + k) % g) for r in range(g)]
+        buf = buf[:k].at[:b].add(ppermute_bits(buf[k:k + b], axes, perm))
+    return buf[0]
+
+
+def _gather_leg(x, axes, policy: Policy, to: str = "varying"):
+    """One level's all-gather: x → stacked [n, *x.shape], as a ring or as exchanges."""
+    if policy.log_step("all-gather", axes):
+        return _exchange_gather(x, tuple(axes), policy.n(axes))
+    return all_gather_bits(x[None], tuple(axes), 0, to)
+
+
+def _scatter_leg(x, axes, policy: Policy):
+    """One level's reduce-scatter: x [n, *rest] → this device's summed [*rest]."""
+    if policy.log_step("reduce-scatter", axes):
+        return _exchange_scatter(x, tuple(axes), policy.n(axes))
+    return jax.lax.psum_scatter(x, tuple(axes), scatter_dimension=0, tiled=True)[0]
+
+
 def all_gather(x, axes, policy: Policy = FLAT, to: str = "varying"):
-    """x (any shape) → stacked [n, *x.shape], shard i from the i-th device over `axes`."""
+    """x (any shape) → stacked [n, *x.shape], shard i from the i-th device over `axes`.
+    Exchanges type their result varying over `axes`: `to="invarying"` keeps a ring."""
     axes = tuple(axes)
     sp = policy.split("all-gather", axes, policy.n(axes) * x.size * x.dtype.itemsize)
     if sp is None:
-        return all_gather_bits(x[None], axes, 0, to)
+        return _gather_leg(x, axes, policy if to == "varying" else FLAT, to)
     inner, outer = sp
-    y = all_gather_bits(x[None], outer, 0)  # [g, *shape]: one group per local rank
+    y = _gather_leg(x, outer, policy)  # [g, *shape]: one group per local rank
     y = all_gather_bits(y[None], inner, 0, to)  # [n_in, g, *shape]
     return _reorder(y.reshape(-1, *x.shape), inner + outer, axes, policy)
 
@@ -135,12 +220,12 @@ def reduce_scatter(x, axes, policy: Policy = FLAT):
     axes = tuple(axes)
     sp = policy.split("reduce-scatter", axes, x.size * x.dtype.itemsize)
     if sp is None:
-        return jax.lax.psum_scatter(x, axes, scatter_dimension=0, tiled=True)[0]
+        return _scatter_leg(x, axes, policy)
     inner, outer = sp
     y = _reorder(x, axes, inner + outer, policy)
     y = y.reshape(policy.n(inner), policy.n(outer), *x.shape[1:])
     y = jax.lax.psum_scatter(y, inner, scatter_dimension=0, tiled=True)[0]  # [g, *rest]
-    return jax.lax.psum_scatter(y, outer, scatter_dimension=0, tiled=True)[0]
+    return _scatter_leg(y, outer, policy)
 
 
 def _invariant(y, axes) -> str:
@@ -172,7 +257,8 @@ def all_reduce(x, axes, policy: Policy = FLAT):
 def tiled_all_gather(x, axes, dim: int, policy: Policy = FLAT, to: str = "varying"):
     """jax.lax.all_gather(x, axes, axis=dim, tiled=True), in two levels where policy says."""
     axes = tuple(axes)
-    if policy.split("all-gather", axes, policy.n(axes) * x.size * x.dtype.itemsize) is None:
+    if policy.split("all-gather", axes, policy.n(axes) * x.size * x.dtype.itemsize) is None \
+            and (to != "varying" or not policy.log_step("all-gather", axes)):
         return all_gather_bits(x, axes, dim, to)
     stacked = all_gather(x, axes, policy, to)
     y = jnp.moveaxis(stacked, 0, dim)
@@ -182,7 +268,8 @@ def tiled_all_gather(x, axes, dim: int, policy: Policy = FLAT, to: str = "varyin
 def psum_scatter(x, axes, dim: int, policy: Policy = FLAT):
     """jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True), in two levels."""
     axes = tuple(axes)
-    if policy.split("reduce-scatter", axes, x.size * x.dtype.itemsize) is None:
+    if policy.split("reduce-scatter", axes, x.size * x.dtype.itemsize) is None and \
+            not policy.log_step("reduce-scatter", axes):
         return jax.lax.psum_scatter(x, axes, scatter_dimension=dim, tiled=True)
     n = policy.n(axes)
     y = jnp.moveaxis(x, dim, 0)
@@ -252,12 +339,12 @@ _COLLECTIVE = {"all-gather": _all_gather, "reduce-scatter": _reduce_scatter,
 
 def run(requests: list, policy: Policy = FLAT) -> list:
     """Each request a Send or a ready value (passed through) → its result: one collective per
-    (kind, axes, dtype, group) among the Sends of a kind in BUCKETED, one per Send otherwise,
+    (kind, axes, dtype, group) among the Sends `policy.bucketed`, one per Send otherwise,
     flat or in two levels as `policy` says."""
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(requests):
         if isinstance(r, Send):
-            own = None if r.kind in BUCKETED else i
+            own = None if policy.bucketed(r.kind, r.axes) else i
             groups.setdefault((r.kind, r.axes, jnp.dtype(r.buf.dtype), r.group, own),
                               []).append(i)
     out = list(requests)
@@ -268,5 +355,5 @@ def run(requests: list, policy: Policy = FLAT) -> list:
     return out
 
 
-__all__ = ["Policy", "FLAT", "all_gather", "reduce_scatter", "all_reduce", "tiled_all_gather",
+__all__ = ["Policy", "FLAT", "exchanges", "all_gather", "reduce_scatter", "all_reduce", "tiled_all_gather",
            "psum_scatter", "BUCKETED", "Send", "run", "merge_stacked"]

@@ -38,6 +38,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from boost_jax.layers.forward import SECONDARY_NAME, is_stacked
 from boost_jax.mesh import axis_size
+from boost_jax.names import STAGE_AXIS
 from boost_jax.sharding import bucket, quant
 from boost_jax.sharding.bucket import FLAT, Policy, Send, merge_stacked
 from boost_jax.sharding.layout import LeafLayout, unpad
@@ -184,18 +185,26 @@ class LeafFetch(Int8Copies):
     replay: bool = False  # train.remat=full: each layer's backward replays its forward
     xq_weights: bool = False  # the deferred update's cross-node gather in int8
     xq_grads: str = "none"  # the gradient's cross-node reduce-scatter: none | int8 | int4
-    collectives: Policy = FLAT  # flat or two-level (sharding/bucket.py)
+    collectives: Policy = FLAT  # the once-per-step legs' (deferred update, reduction over R)
+    per_pass: Policy = FLAT  # every pass's gathers and gradient reductions (sharding/bucket.py)
 
     @classmethod
     def of(cls, pl, lay: LeafLayout) -> "LeafFetch":
         """The fetch of one leaf of a placement (per-layer layout of a stacked leaf)."""
         in_bwd = pl.deferred_reduction(lay) if pl.in_backward(lay) else ((), ())
         update = pl.update_stages() if pl.defer_update and lay.dim is not None else ()
-        return cls(lay.sliced(), tuple((a, int(n)) for a, n in pl.mesh.shape.items()),
+        sizes = tuple((a, int(n)) for a, n in pl.mesh.shape.items())
+        # log_step's exchanges run where one chain is in flight at a time (Policy.rings): in
+        # the scanned layer stack without pipeline ticks, and, where the last micro-batch
+        # runs apart from the others (reduce_in_backward), in the legs of its own passes only
+        looped = lay.layer_axis and dict(sizes).get(STAGE_AXIS, 1) == 1
+        legs = pl.collectives if looped else pl.collectives.rings()
+        apart = pl.reduce_in_backward and pl.micro_batches > 1
+        return cls(lay.sliced(), sizes,
                    pl.batch_axes, pl.params_axes, pl.grads_axes, pl.secondary_axes,
                    pl.quantize_gather, pl.int8_secondary, pl.quant_block, pl.param_dtype,
                    pl.grad_accum_dtype, pl.quantize_grads, in_bwd, update, pl.replay,
-                   pl.xq_weights, pl.xq_grads, pl.collectives)
+                   pl.xq_weights, pl.xq_grads, legs, legs.rings() if apart else legs)
 
     @functools.cached_property
     def _size(self) -> dict:  # (not a field: equality and hashing ignore it)
@@ -475,9 +484,20 @@ def qgz_stages(G: tuple[str, ...]) -> list[tuple[str, ...]]:
     return [G]
 
 
-def _run(fs, requests) -> list:
-    """bucket.run under the fetch unit's collectives policy (one per placement)."""
-    return bucket.run(requests, fs[0].collectives if fs else FLAT)
+def _run(fs, requests, legs=False) -> list:
+    """bucket.run under the fetch unit's policy: its passes' (`per_pass`) or, `legs`, its
+    once-per-step legs' (`collectives`); `legs` a list: one flag per request."""
+    if not fs:
+        return bucket.run(requests)
+    flags = legs if isinstance(legs, list) else [legs] * len(requests)
+    out = list(requests)
+    for flag in set(flags):
+        idx = [i for i, f in enumerate(flags) if f == flag]
+        done = bucket.run([requests[i] for i in idx],
+                          fs[0].collectives if flag else fs[0].per_pass)
+        for i, v in zip(idx, done):
+            out[i] = v
+    return out
 
 
 def expand_all(fs, srcs, ready=None) -> list:
@@ -494,7 +514,7 @@ def to_params_all(fs, xs) -> list:
     xs = [jax.lax.stop_gradient(x) for x in xs]
     for r in range(max((len(f.update) for f in fs), default=0)):
         xs = _run(fs, [f.update_gather(x, r) if r < len(f.update) else x
-                       for f, x in zip(fs, xs)])
+                       for f, x in zip(fs, xs)], legs=True)
     return xs
 
 
@@ -516,7 +536,7 @@ def reduce_all(fs, cts, prior=None) -> list:
             cts = [_plus(ct, p) if r == a else ct for ct, p, a in zip(cts, prior, at)]
         if r < max(map(len, steps), default=0):
             cts = _run(fs, [f.reduce_step(ct, *st[r]) if r < len(st) else ct
-                              for f, ct, st in zip(fs, cts, steps)])
+                            for f, ct, st in zip(fs, cts, steps)], [r >= a for a in at])
     return [f.reduce_end(ct) for f, ct in zip(fs, cts)]
 
 

@@ -17,11 +17,11 @@ Once per step, on the whole leaf (engine.reduce_deferred, step/build.make_step_f
     update     AG of the new weights opt_state → grads → params (Placement.update_stages)
     grad norm  one fp32 partial sum per leaf, all-reduced over every axis
 int8 payloads are q(Ψ) = Ψ + 4·blocks (one fp32 scale per block of ≤ quant_block); qgZ's int4
-payloads Ψ/2 + 4·blocks. Under parallel.collectives two_level / auto, a collective whose group
-spans hosts and a node is listed as the stages that run instead (Policy.stages).
+payloads Ψ/2 + 4·blocks. Under parallel.collectives two_level / auto / log_step, a collective
+whose group spans hosts and a node is listed as the stages that run instead (Policy.stages),
+log_step's exchanges as collective-permutes of the blocks each sends, merged per fetch unit.
 
-Derivation (every case of each row, bucketing, the quantized cross-node legs, the two-level
-stages): benchmarks/README.md §3, "Derivations moved from the code".
+Derivations (each row, bucketing, quantized legs, stages): benchmarks/README.md §3.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class Collective:
 
     leaf: str  # the weight's path, e.g. blocks/attn/wq/A
     what: str  # gather | gather(S) | regather | regather(S) | grad | grad(int4) | reduce | ...
-    kind: str  # all-gather | reduce-scatter | all-reduce | all-to-all
+    kind: str  # all-gather | reduce-scatter | all-reduce | all-to-all | collective-permute
     axes: tuple[str, ...]
     n: int  # devices in one group
     payload: float  # bytes of one call's un-sharded buffer (the ring formulas' P)
@@ -82,6 +82,7 @@ class Collective:
     level: str  # the slowest link its group crosses, size-1 axes aside (moving_level)
     bucket: tuple = ()  # what it shares one call with (sharding/bucket.py); () its own call
     runs: str = STEP  # the pass it runs in (RUNS), or STEP: outside the passes
+    merged: bool = False  # one call with its bucket's in the engine (Policy.bucketed)
 
     @property
     def sent(self) -> float:
@@ -219,10 +220,15 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     def add(what, kind, axes, payload, calls, runs, step=None):
         phase = "step" if runs == STEP else "dp"
         key = (unit, f.group, what, step) if phase == "dp" else ()
+        pol = pl.collectives.rings() if phase == "step" else \
+            f.collectives if runs in (FIRST_FORWARD, LAST_BACKWARD) else f.per_pass
+        merged = phase == "dp" and pol.bucketed(kind, axes)
         if f.n(axes) > 1 and calls > 0 and payload > 0:
             out.extend(Collective(name, what, k, ax, f.n(ax), float(p), calls, phase,
-                                  moving_level(f._size, ax), key, runs)
-                       for k, ax, p in pl.collectives.stages(kind, axes, payload, a))
+                                  moving_level(f._size, ax), key + (j,) if merged else key,
+                                  runs, merged)
+                       for j, (k, ax, p) in enumerate(
+                           pol.stages(kind, axes, payload, a)))
 
     for g in f.gathers():  # what the engine issues (LeafFetch.expand, secondary_source, ...)
         add(g.what, "all-gather", g.axes, gather_payload(f, g),
@@ -292,9 +298,9 @@ def combined_bytes(c: Collective) -> float:
 
 def bucketed(colls: Sequence[Collective], kinds=BUCKETED,
              limit: float = math.inf) -> list[Collective]:
-    """Collectives of `kinds` that run together (a fetch unit's weights with the same kind,
-    axes, TP group and step: sharding/bucket.py for the engine's, XLA's combiners for the
-    others) merged, the payload the sum, the calls those of combined(): a merged call's result
+    """Collectives of `kinds` (or `merged`) that run together (a fetch unit's weights with the
+    same kind, axes, TP group and step: sharding/bucket.py for the engine's, XLA's combiners
+    for the others) merged, the payload the sum, the calls those of combined(): a merged call's result
     holds at most `limit` bytes (combined_bytes), and one weight's collective is never split."""
     out: list[Collective] = []
     at: dict[tuple, int] = {}
@@ -302,7 +308,7 @@ def bucketed(colls: Sequence[Collective], kinds=BUCKETED,
     payload: dict[int, float] = {}  # a bucket's summed payload (one replace per bucket)
     for c in colls:
         key = (c.bucket, c.kind, c.axes, c.calls, c.runs) if c.bucket and \
-            c.kind in kinds else None
+            (c.kind in kinds or c.merged) else None
         if key is None:
             out.append(c)
             continue

@@ -1,4 +1,5 @@
-"""The optimizer step's own collectives in two levels (parallel.collectives two_level / auto):
+"""The optimizer step's own collectives in two levels (parallel.collectives other than flat;
+log_step's exchanges are for the layer loop, so rings here, Policy.rings):
 the new weights' gathers between shardings and the clip's global norm, which step/build.py
 otherwise leaves to XLA's partitioner (one flat group over every axis they span).
 
@@ -41,7 +42,7 @@ def update_gather(pl, tree, src, dst):
             return reshard_bits(x, NamedSharding(pl.mesh, lay.spec(dst)),
                                 NamedSharding(pl.mesh, lay.spec(src)))
         body = lambda v: bucket.tiled_all_gather(  # noqa: E731
-            v, extra, lay.dim, pl.collectives)
+            v, extra, lay.dim, pl.collectives.rings())
         return _smap(pl.mesh, body, lay.spec(src), lay.spec(dst))(x)
 
     return jax.tree.map(one, pl.layouts, tree, is_leaf=is_layout)
@@ -69,7 +70,7 @@ def global_norm(pl, grads, axes):
                 if a not in held:
                     first &= jax.lax.axis_index(a) == 0
             parts.append(jnp.where(first, jnp.sum(jnp.square(x.astype(jnp.float32))), 0.0))
-        sums = bucket.all_reduce(jnp.stack(parts), every, pl.collectives)
+        sums = bucket.all_reduce(jnp.stack(parts), every, pl.collectives.rings())
         return jnp.sqrt(jnp.sum(sums))
 
     return _smap(pl.mesh, body, tuple(specs), jax.sharding.PartitionSpec())(*leaves)

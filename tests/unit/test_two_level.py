@@ -4,6 +4,8 @@ sub-collectives (sharding/bucket.py). 8 simulated devices as (pair, node, global
 axis order); the compiled step's groups never mix `global` with a node axis; losses equal the
 flat step's; the step's list (step_collectives.py) is what is compiled."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +75,42 @@ def test_an_op_issues_no_group_that_mixes_global_with_a_node_axis(mesh):
     assert r.collectives
     assert all(c.axes == ("global",) or "global" not in c.axes for c in r.collectives), \
         r.table()
+
+
+@pytest.mark.parametrize("g", [3, 5, 6, 8])
+def test_exchanges_equal_the_ring_and_take_log2_steps(g):
+    """log_step over g hosts (a (1, 1, g) mesh of the first g devices): Bruck's all-gather and
+    its transpose give the ring's results exactly (fp32 and bf16, awkward widths) and compile
+    to ⌈log2 g⌉ collective-permutes each, with no ring collective left."""
+    from jax.sharding import Mesh
+
+    from boost_jax.analysis.comm import analyze
+
+    mesh = Mesh(np.array(jax.devices()[:g]).reshape(1, 1, g), ("pair", "node", "global"))
+    pol = Policy.of("log_step", mesh.shape)
+    assert pol.log_step("all-gather", ("global",)) and pol.bucketed("all-gather", ("global",))
+    assert [b for _, b in bucket.exchanges(g)] and sum(b for _, b in bucket.exchanges(g)) == g - 1
+    spec = P("global")
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = (jnp.arange(g * 3 * g * 5, dtype=jnp.float32) % 13 - 6).astype(dtype)
+        x = x.reshape(g * 3, g * 5)
+
+        def both(v):
+            ag = jax.lax.all_gather(v, "global", axis=1, tiled=True) - \
+                bucket.tiled_all_gather(v, ("global",), 1, pol)
+            rs = jax.lax.psum_scatter(v, "global", scatter_dimension=1, tiled=True) - \
+                bucket.psum_scatter(v, ("global",), 1, pol)
+            return ag[:, :v.shape[1]], jnp.tile(rs, (1, g))
+
+        f = jax.shard_map(both, mesh=mesh, in_specs=spec, out_specs=(spec, spec))
+        assert not any(np.any(np.asarray(d)) for d in jax.jit(f)(x)), (g, dtype)
+    for op in (lambda v: bucket.tiled_all_gather(v, ("global",), 1, pol),
+               lambda v: bucket.psum_scatter(v, ("global",), 1, pol)):
+        f = jax.shard_map(op, mesh=mesh, in_specs=spec, out_specs=spec)
+        r = analyze(f, [jax.ShapeDtypeStruct((g * 3, g * 5), jnp.bfloat16)], mesh)
+        kinds = [c.kind for c in r.collectives]
+        assert kinds == ["collective-permute"] * math.ceil(math.log2(g)), r.table()
+        assert all(c.level == "global" and c.dtypes == ["u16"] for c in r.collectives), r.table()
 
 
 # ---------------------------------------------------------------- the training step
@@ -197,6 +235,42 @@ def test_hpz_flat_gather_runs_in_two_levels(mesh):
     init = jax.device_get(flat.init_state())
     np.testing.assert_allclose(_losses(c, b, init), _losses(flat.train_step, flat, init),
                                rtol=1e-4)
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_log_step_runs_cross_node_legs_as_exchanges_and_equals_flat(mesh, flat_runs, plan):
+    """log_step with BTP: in the layer loop every data-parallel gather or reduce-scatter that
+    crosses hosts is an exchange (collective-permute) over `global` alone, one chain per
+    fetch unit; outside it they stay rings (Policy.rings); the list has the compiled kinds,
+    levels, bytes and calls; the planner reads the exchanges as data-parallel, not as
+    pipeline sends; 3 steps' losses equal flat's."""
+    from boost_jax.plan.collectives import colls_from_report
+
+    init, flat = flat_runs(plan, "btp")
+    b, c, r = _build(mesh, f"parallel.plan={plan}", "train.micro_batches=2", *TP["btp"],
+                     "parallel.collectives=log_step")
+    assert not _mixed(r), r.table()
+    # the layer stack's legs over hosts are exchanges; the ends', the step's, all-reduces
+    # (ddp's gradients, in two levels) and qgZ's all-to-alls keep their kinds
+    listed = step_collectives(b.placement, Passes.of(2))
+    legs = [c for c in listed if c.block and c.phase == "dp" and c.axes == ("global",)]
+    assert not [c for c in legs if c.kind in ("all-gather", "reduce-scatter")], legs
+    if plan != "ddp":
+        assert [c for c in legs if c.kind == "collective-permute"], listed
+    assert all(x.in_loop and x.axes == ("global",) for x in r.collectives
+               if x.kind == "collective-permute"), r.table()
+    lb, lc, mb, mc = _listed_vs_compiled(b, r, 2, ("pair",))
+    assert set(lb) == set(mb), r.table()
+    for key, v in mb.items():
+        assert v == pytest.approx(lb[key], rel=0.10, abs=16), (key, r.table())
+        if key[0] != "all-reduce":
+            assert mc[key] == lc[key], (key, r.table())
+    phases = {x.phase for x in colls_from_report(r, ("pair",), 2)
+              if x.kind == "collective-permute"}
+    assert phases <= {"dp", "step"}, phases
+    two = _losses(c, b, init)
+    np.testing.assert_allclose(two[:, 0], flat[:, 0], rtol=1e-6)
+    np.testing.assert_allclose(two[:, 1], flat[:, 1], rtol=1e-4 if plan == "zeropp" else 1e-5)
 
 
 def test_one_micro_batch_reduces_in_two_levels_inside_the_backward(mesh):
