@@ -5,9 +5,9 @@ the buffer this device contributes and what to do with what arrives. `run` issue
 kinds in BUCKETED (qgZ's int4 all-to-alls) are grouped per fetch unit by (kind, axes, dtype,
 group), concatenated, sent in one call and split exactly (every element lands where the
 weight's own collective would put it); a cross-node all-to-all costs a latency per peer, so a
-CoLA-7B layer's sixteen weights in one call save fifteen. All-gathers, reduce-scatters and
-all-reduces stay one per weight, for XLA's GPU combiners to merge (why: benchmarks/README.md
-§3). `group` keeps apart buffers that JAX types differently (a weight's TP axes). Buffers over
+CoLA-7B layer's sixteen weights in one call save fifteen (so do log_step's exchanges). Other
+calls stay one per weight, for XLA's GPU combiners to merge (why: benchmarks/README.md §3).
+`group` keeps apart buffers that JAX types differently (a weight's TP axes). Buffers over
 n devices: an all-gather's arrives stacked [n, *shape]; a reduce-scatter's is [n, *rest], chunk
 i for device i, and arrives summed [*rest]; an all-reduce's arrives summed, same shape; an
 all-to-all's [n, *rest] arrives as chunk i from device i.
@@ -100,16 +100,17 @@ class Policy:
         """This policy for calls outside the scanned layer loop: log_step's exchanges become
         rings there (two levels kept). Per-layer calls are where a ring's latency adds up;
         and XLA:CPU keys every collective-permute's rendezvous alike (JAX gives each channel
-        1), so two exchange chains in flight at once abort a CPU run: inside the layer loop
-        one runs at a time, next to it the ends' and the once-per-step calls could overlap."""
+        1), so exchange chains in separate regions at once abort a CPU run: one layer body
+        runs at a time, while the ends' and the once-per-step calls could run beside it."""
         return dataclasses.replace(self, mode="two_level") if self.mode == "log_step" else self
 
     def log_step(self, kind: str, axes) -> bool:
         """Whether a call of `kind` over `axes` runs as Bruck exchanges (log_step: a group
-        over hosts alone)."""
-        axes = tuple(axes)
-        return self.mode == "log_step" and kind in LOG_KINDS and bool(axes) and \
-            set(axes) <= set(OUTER) and self.n(axes) > 1
+        whose one axis of more than one device crosses hosts; size-1 axes aside, so ranks
+        count alike in axis_index and ppermute)."""
+        moving = tuple(a for a in axes if self.n((a,)) > 1)
+        return self.mode == "log_step" and kind in LOG_KINDS and len(moving) == 1 and \
+            moving[0] in OUTER
 
     def bucketed(self, kind: str, axes) -> bool:
         """Whether a fetch unit's buffers of `kind` over `axes` travel in one call (`run`):

@@ -89,6 +89,9 @@ def test_exchanges_equal_the_ring_and_take_log2_steps(g):
     mesh = Mesh(np.array(jax.devices()[:g]).reshape(1, 1, g), ("pair", "node", "global"))
     pol = Policy.of("log_step", mesh.shape)
     assert pol.log_step("all-gather", ("global",)) and pol.bucketed("all-gather", ("global",))
+    assert pol.log_step("reduce-scatter", ("pair", "node", "global"))  # size-1 axes aside
+    two_axes = Policy.of("log_step", {"global": 3, "stage": 2})  # ranks would count unlike
+    assert not two_axes.log_step("all-gather", ("stage", "global"))
     assert [b for _, b in bucket.exchanges(g)] and sum(b for _, b in bucket.exchanges(g)) == g - 1
     spec = P("global")
     for dtype in (jnp.float32, jnp.bfloat16):
@@ -237,17 +240,27 @@ def test_hpz_flat_gather_runs_in_two_levels(mesh):
                                rtol=1e-4)
 
 
-@pytest.mark.parametrize("plan", PLANS)
-def test_log_step_runs_cross_node_legs_as_exchanges_and_equals_flat(mesh, flat_runs, plan):
-    """log_step with BTP: in the layer loop every data-parallel gather or reduce-scatter that
-    crosses hosts is an exchange (collective-permute) over `global` alone, one chain per
-    fetch unit; outside it they stay rings (Policy.rings); the list has the compiled kinds,
-    levels, bytes and calls; the planner reads the exchanges as data-parallel, not as
-    pipeline sends; 3 steps' losses equal flat's."""
+@pytest.mark.parametrize("plan,tp", [(p, "btp") for p in PLANS] + [("zero3", "vanilla")])
+def test_log_step_runs_cross_node_legs_as_exchanges_and_equals_flat(mesh, flat_runs, plan, tp):
+    """log_step with BTP (and vanilla TP: two chains per layer, one per TP group): in the layer
+    loop every data-parallel gather or reduce-scatter that crosses hosts is an exchange
+    (collective-permute) over `global` alone, one chain per fetch unit and group; outside it
+    they stay rings (Policy.rings); the list has the compiled kinds, levels, bytes and calls;
+    the planner reads the exchanges as data-parallel, not as pipeline sends; 3 steps' losses
+    equal flat's."""
     from boost_jax.plan.collectives import colls_from_report
 
-    init, flat = flat_runs(plan, "btp")
-    b, c, r = _build(mesh, f"parallel.plan={plan}", "train.micro_batches=2", *TP["btp"],
+    over = TP["btp"] if tp == "btp" else ["model.rank=8", "parallel.tp_mode=vanilla",
+                                           "parallel.tp_axes=[pair]"]
+    if tp == "btp":
+        init, flat = flat_runs(plan, "btp")
+    else:
+        fb = build_step(load_config(None, ODD + [f"parallel.plan={plan}",
+                                                 "train.micro_batches=2", *over]),
+                        mesh, fast_compile_options())
+        init = jax.device_get(fb.init_state())
+        flat = _losses(fb.train_step, fb, init)
+    b, c, r = _build(mesh, f"parallel.plan={plan}", "train.micro_batches=2", *over,
                      "parallel.collectives=log_step")
     assert not _mixed(r), r.table()
     # the layer stack's legs over hosts are exchanges; the ends', the step's, all-reduces
