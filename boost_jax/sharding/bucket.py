@@ -356,5 +356,5 @@ def run(requests: list, policy: Policy = FLAT) -> list:
     return out
 
 
-__all__ = ["Policy", "FLAT", "exchanges", "all_gather", "reduce_scatter", "all_reduce", "tiled_all_gather",
-           "psum_scatter", "BUCKETED", "Send", "run", "merge_stacked"]
+__all__ = ["Policy", "FLAT", "exchanges", "all_gather", "reduce_scatter", "all_reduce",
+           "tiled_all_gather", "psum_scatter", "BUCKETED", "Send", "run", "merge_stacked"]
