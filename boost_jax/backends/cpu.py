@@ -58,19 +58,20 @@ def _is16(x) -> bool:
 def all_gather_bits(x, axes, dim: int, to: str = "varying"):
     """Tiled all-gather inside shard_map that moves 16-bit floats as raw bits (2 above); `to`:
     the result's type over `axes` (jax.lax.all_gather's)."""
-    if not _is16(x):
-        return jax.lax.all_gather(x, axes, axis=dim, tiled=True, to=to)
-    u = jax.lax.all_gather(jax.lax.bitcast_convert_type(x, jnp.uint16), axes, axis=dim,
-                           tiled=True, to=to)
-    return jax.lax.bitcast_convert_type(u, x.dtype)
+    return _as_bits(lambda v: jax.lax.all_gather(v, axes, axis=dim, tiled=True, to=to), x)
 
 
 def ppermute_bits(x, axes, perm):
     """jax.lax.ppermute that moves 16-bit floats as raw bits (2 above)."""
+    return _as_bits(lambda v: jax.lax.ppermute(v, axes, perm), x)
+
+
+def _as_bits(move, x):
+    """move(x), a 16-bit float moved as its raw uint16 bits (2 above)."""
     if not _is16(x):
-        return jax.lax.ppermute(x, axes, perm)
-    u = jax.lax.ppermute(jax.lax.bitcast_convert_type(x, jnp.uint16), axes, perm)
-    return jax.lax.bitcast_convert_type(u, x.dtype)
+        return move(x)
+    return jax.lax.bitcast_convert_type(move(jax.lax.bitcast_convert_type(x, jnp.uint16)),
+                                        x.dtype)
 
 
 def reshard_bits(x, sharding, src=None):

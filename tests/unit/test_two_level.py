@@ -161,6 +161,16 @@ def _listed_vs_compiled(b, r, micro: int, tp: tuple) -> tuple[dict, dict, dict, 
     return lb, lc, mb, mc
 
 
+def _assert_listed_is_compiled(b, r, micro: int, tp: tuple) -> None:
+    """The list has the compiled kinds and levels, their bytes (10%) and calls."""
+    lb, lc, mb, mc = _listed_vs_compiled(b, r, micro, tp)
+    assert set(lb) == set(mb), r.table()
+    for key, v in mb.items():
+        assert v == pytest.approx(lb[key], rel=0.10, abs=16), (key, r.table())
+        if key[0] != "all-reduce":  # XLA:CPU's combiner merges all-reduces; bytes still count
+            assert mc[key] == lc[key], (key, r.table())
+
+
 def _batch(bundle):
     rng = np.random.default_rng(0)
     x = rng.integers(0, 256, (16, 16)).astype(np.int32)
@@ -205,12 +215,7 @@ def test_two_level_step_keeps_groups_apart_counts_what_it_lists_and_equals_flat(
                      "parallel.collectives=two_level")
     assert not _mixed(r), r.table()
     assert r.filter(level="global") and r.filter(level="node"), r.table()
-    lb, lc, mb, mc = _listed_vs_compiled(b, r, 2, ("pair",) if tp != "none" else ())
-    assert set(lb) == set(mb), r.table()
-    for key, v in mb.items():
-        assert v == pytest.approx(lb[key], rel=0.10, abs=16), (key, r.table())
-        if key[0] != "all-reduce":  # XLA:CPU's combiner merges all-reduces; bytes still count
-            assert mc[key] == lc[key], (key, r.table())
+    _assert_listed_is_compiled(b, r, 2, ("pair",) if tp != "none" else ())
     two = _losses(c, b, init)
     np.testing.assert_allclose(two[:, 0], flat[:, 0], rtol=1e-6)  # the losses
     # the norms: one sum of per-leaf partial sums, not the partitioner's order; zeropp's qgZ
@@ -228,12 +233,7 @@ def test_hpz_flat_gather_runs_in_two_levels(mesh):
     assert any(f.hpz for f in jax.tree.leaves(
         b.engine.fetches, is_leaf=lambda v: hasattr(v, "hpz"))), "not an hpZ layout"
     assert not _mixed(r), r.table()
-    lb, lc, mb, mc = _listed_vs_compiled(b, r, 2, ())
-    assert set(lb) == set(mb), r.table()
-    for key, v in mb.items():
-        assert v == pytest.approx(lb[key], rel=0.10, abs=16), (key, r.table())
-        if key[0] != "all-reduce":
-            assert mc[key] == lc[key], (key, r.table())
+    _assert_listed_is_compiled(b, r, 2, ())
     flat = build_step(load_config(None, ODD + list(common)), mesh, fast_compile_options())
     init = jax.device_get(flat.init_state())
     np.testing.assert_allclose(_losses(c, b, init), _losses(flat.train_step, flat, init),
@@ -273,12 +273,7 @@ def test_log_step_runs_cross_node_legs_as_exchanges_and_equals_flat(mesh, flat_r
     assert [c for c in legs if c.kind == "collective-permute"], listed
     assert all(x.in_loop and x.axes == ("global",) for x in r.collectives
                if x.kind == "collective-permute"), r.table()
-    lb, lc, mb, mc = _listed_vs_compiled(b, r, 2, ("pair",))
-    assert set(lb) == set(mb), r.table()
-    for key, v in mb.items():
-        assert v == pytest.approx(lb[key], rel=0.10, abs=16), (key, r.table())
-        if key[0] != "all-reduce":
-            assert mc[key] == lc[key], (key, r.table())
+    _assert_listed_is_compiled(b, r, 2, ("pair",))
     phases = {x.phase for x in colls_from_report(r, ("pair",), 2)
               if x.kind == "collective-permute"}
     assert phases <= {"dp", "step"}, phases
