@@ -101,6 +101,13 @@ class Placement(Int8Copies):
     xq_grads: str = "none"  # the gradient's cross-node reduce-scatter: none | int8 | int4
 
     @property
+    def step_policy(self) -> Policy:
+        """How the once-per-step calls (the deferred reduction, the optimizer's norm and
+        update gathers) run: the run's policy with log_step's exchanges as rings (Policy.rings:
+        they run beside the layer loop's chains)."""
+        return self.collectives.rings()
+
+    @property
     def stored_axes(self) -> tuple[str, ...]:
         """What the step's `params` are stored over: the params axes, or with `defer_update`
         the opt_state axes (the optimizer's output, cast; the next step's first forward

@@ -220,7 +220,7 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     def add(what, kind, axes, payload, calls, runs, step=None):
         phase = "step" if runs == STEP else "dp"
         key = (unit, f.group, what, step) if phase == "dp" else ()
-        pol = pl.collectives.rings() if phase == "step" else \
+        pol = pl.step_policy if phase == "step" else \
             f.collectives if runs in (FIRST_FORWARD, LAST_BACKWARD) else f.per_pass
         merged = phase == "dp" and pol.bucketed(kind, axes)
         if f.n(axes) > 1 and calls > 0 and payload > 0:

@@ -42,7 +42,7 @@ def update_gather(pl, tree, src, dst):
             return reshard_bits(x, NamedSharding(pl.mesh, lay.spec(dst)),
                                 NamedSharding(pl.mesh, lay.spec(src)))
         body = lambda v: bucket.tiled_all_gather(  # noqa: E731
-            v, extra, lay.dim, pl.collectives.rings())
+            v, extra, lay.dim, pl.step_policy)
         return _smap(pl.mesh, body, lay.spec(src), lay.spec(dst))(x)
 
     return jax.tree.map(one, pl.layouts, tree, is_leaf=is_layout)
@@ -70,7 +70,7 @@ def global_norm(pl, grads, axes):
                 if a not in held:
                     first &= jax.lax.axis_index(a) == 0
             parts.append(jnp.where(first, jnp.sum(jnp.square(x.astype(jnp.float32))), 0.0))
-        sums = bucket.all_reduce(jnp.stack(parts), every, pl.collectives.rings())
+        sums = bucket.all_reduce(jnp.stack(parts), every, pl.step_policy)
         return jnp.sqrt(jnp.sum(sums))
 
     return _smap(pl.mesh, body, tuple(specs), jax.sharding.PartitionSpec())(*leaves)

@@ -147,7 +147,7 @@ class Engine:
         if self.placement.in_backward(lay):
             return acc
         ar, rs = self.placement.deferred_reduction(lay)
-        policy = self.placement.collectives.rings()  # flat, or two levels (bucket.py)
+        policy = self.placement.step_policy
         if ar:
             acc = bucket.all_reduce(acc, ar, policy)
         if rs and f.cross_node_step(rs)[0] == "all-to-all":
