@@ -4,6 +4,7 @@ The schedule reader and the CLI's errors run everywhere; the compiles need the g
 (the CUDA plugin's compiler) and run in `make gpu-compile-test`."""
 
 import json
+import re
 
 import pytest
 
@@ -240,3 +241,31 @@ def test_flash_attention_compiles_to_cudnn_on_nvidia(capsys):
     mix = json.loads(capsys.readouterr().out)["gpu_compile"]["programs"][-1]["mix"]
     cudnn = {k: v for k, v in mix.items() if "cudnn" in k.lower() and "fmha" in k.lower()}
     assert len(cudnn) >= 2, mix  # the forward and the backward kernels
+
+
+@needs_plugin
+def test_log_step_exchanges_compile_for_a100(capsys):
+    """parallel.collectives=log_step for an NVIDIA target (zero3, 4 nodes): the layer loop's
+    cross-node gathers and reduce-scatters compile to point-to-point sends over `global` alone,
+    each k = 1 or 2 nodes away with k blocks (Bruck's exchanges for g = 4),
+    and every gather and reduce-scatter keeps its group inside a node or over `global` alone."""
+    from boost_jax.plan.__main__ import main
+
+    args = ["--config", "configs/demo.yaml", "--topology", "perlmutter", "--nodes", "4",
+            "parallel.plan=zero3", "parallel.collectives=log_step", "model.n_layers=3",
+            "data.seq_len=64", "train.micro_batches=2", "train.global_batch=32",
+            "--gpu-compile", "--json"]
+    assert main(args) == 0
+    g = json.loads(capsys.readouterr().out)["gpu_compile"]
+    assert g["sizes"] == {"pair": 2, "node": 2, "global": 4}
+    colls = g["programs"][-1]["collectives"]
+    sends = [c for c in colls if c["kind"] == "collective-permute"]
+    assert sends and all(c["axes"] == ["global"] for c in sends)
+    for c in sends:  # exchange k moves min(k, g - k) blocks k nodes away (either way)
+        k = {min((t - s) % 4, (s - t) % 4) for s, t in c["groups"]}
+        blocks = {int(re.match(r"\w+\[(\d+),", sh).group(1)) for sh in c["shapes"]}
+        assert len(k) == 1 and blocks == k, c
+    assert {min((t - s) % 4, (s - t) % 4) for c in sends for s, t in c["groups"]} == {1, 2}
+    for c in colls:
+        if c["kind"] in ("all-gather", "reduce-scatter"):
+            assert c["axes"] in (["global"], ["pair", "node"]), c
