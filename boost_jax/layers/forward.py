@@ -455,8 +455,9 @@ def remat_wrapper(remat: str, gathers: bool = False, prevent_cse: bool = False) 
 
     With gathered weights the gathered copy is never saved (backward re-fetches it), so
     remat="none" saves every matmul output plus the named values instead (weights are inputs
-    of matmuls, never outputs). prevent_cse: jax.checkpoint's (True for the unscanned
-    single-device model, whose layers are not inside a scan)."""
+    of matmuls, never outputs). prevent_cse: jax.checkpoint's, for layers not inside a scan
+    (sharding/parallel.ParallelLayout.checkpoint says why; XLA:CPU drops the barriers before
+    its CSE, so a CPU program merges the replay all the same)."""
     cp = jax.checkpoint_policies
     saved = {"none": (LATENT_NAME, RESIDUAL_NAME, REDUCED_NAME), "full": (),
              "lowrank": (LATENT_NAME, RESIDUAL_NAME)}

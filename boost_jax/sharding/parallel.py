@@ -51,6 +51,7 @@ class ParallelLayout:
     placement: Optional[Placement]  # None: the decoder stack alone (resolve_layers)
     tp: Optional[TPContext]  # None: tp_mode none
     remat: str  # train.remat
+    scan_layers: bool  # train.scan_layers: False, a Python loop of layers (prevent_cse below)
     pipeline: Optional[Schedule]  # the step's (sharding/stages.py); None: no `stage` axis of 2+
     micro_batches: int
     check_vma: bool  # the step's shard_map's (False only for interpreted kernels)
@@ -68,8 +69,12 @@ class ParallelLayout:
         return step_collectives.step_collectives(self.placement, passes, self.model.tie_embeddings)
 
     def checkpoint(self, gathers: bool) -> Callable:
-        """The per-layer remat wrapper (layers/forward.remat_wrapper); `gathers`: weights are gathered."""
-        return remat_wrapper(self.remat, gathers)
+        """The per-layer remat wrapper (layers/forward.remat_wrapper); `gathers`: weights are
+        gathered. Unscanned layers need prevent_cse: else XLA merges each layer's backward
+        replay, gathers included, with its forward, and every layer's gathered weights and
+        activations stay alive until the backward (3x the temp memory of a small zero3 step
+        compiled for an A100, tests/unit/test_gpu_compile.py)."""
+        return remat_wrapper(self.remat, gathers, prevent_cse=not self.scan_layers)
 
 
 def _layout(cfg, mesh, placement: Optional[Placement]) -> ParallelLayout:
@@ -79,7 +84,8 @@ def _layout(cfg, mesh, placement: Optional[Placement]) -> ParallelLayout:
     return ParallelLayout(
         model=cfg.model, mesh=mesh, placement=placement,
         tp=make_context(cfg, mesh) if par.tp_mode != "none" else None,
-        remat=cfg.train.remat, pipeline=pipeline, micro_batches=micro,
+        remat=cfg.train.remat, scan_layers=cfg.train.scan_layers, pipeline=pipeline,
+        micro_batches=micro,
         check_vma=check_vma(cfg))
 
 

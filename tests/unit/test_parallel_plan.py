@@ -71,6 +71,22 @@ def test_resolve_holds_what_the_engine_needs(mesh):
     assert parallel.resolve_layers(cfg, mesh).placement is None
 
 
+@pytest.mark.parametrize("scan", [True, False])
+def test_unscanned_layers_keep_their_backward_replay_apart(mesh, scan):
+    """A Python loop of layers (train.scan_layers=false) is checkpointed with prevent_cse, so
+    XLA cannot merge a layer's backward replay (its gathers) into its forward; a scan's body
+    needs no barrier (tests/unit/test_gpu_compile.py holds the compiled effect on an A100)."""
+    import jax
+    import jax.numpy as jnp
+
+    cfg = _cfg("parallel.plan=zero3", f"train.scan_layers={str(scan).lower()}")
+    layout = parallel.resolve(cfg, mesh, abstract_params(cfg.model, cfg.train)[1])
+    layer = layout.checkpoint(True)(lambda w, h: jnp.sin(w * h))
+    jaxpr = jax.make_jaxpr(jax.grad(lambda w, h: layer(w, h).sum()))(1.0, jnp.ones(3))
+    remat = [e for e in jaxpr.eqns if "prevent_cse" in e.params]
+    assert remat and all(e.params["prevent_cse"] is not scan for e in remat)
+
+
 def test_engine_and_pipeline_take_no_config():
     def params(f):
         return inspect.signature(f).parameters
