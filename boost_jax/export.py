@@ -56,6 +56,8 @@ def _check_out(run_dir: str, out: str, force: bool) -> None:
     from boost_jax.safe_write import Refused, refuse_existing, refuse_inputs, refuse_special
 
     what = f"--out {out!r}"
+    if not out:
+        raise Refused(f"{what} is an empty path; name a folder, e.g. hf/NAME")
     refuse_inputs(out, {"the run": run_dir}, what, "choose a folder outside the run, e.g. "
                   "hf/NAME")
     refuse_special(out, what, "choose another folder", folder=True)

@@ -2,17 +2,18 @@
 --emit-config, launch slurm, analysis.comm --dump-hlo):
 
 1. It never deletes or overwrites a file it did not create in this run unless the user passed
-   --force (`refuse_existing`), and never, even with --force, anything but a
-   regular file or folder: a device, FIFO or socket is refused (`refuse_special`).
+   --force (`refuse_existing`); never, even forced, anything but a regular file or folder (a
+   device, FIFO, socket, or a link where a file goes: `refuse_special`), an empty path or a
+   folder's name for a file (`refuse_unusable`).
 2. With or without --force it refuses a target that is, contains or lies inside one of its
-   inputs: the run it reads, the source, the config, the tokenizer (`refuse_inputs`).
+   inputs (the run it reads, the source, the config, the tokenizer), or whose lock or temp
+   file would take an input's name (`refuse_inputs`).
 3. A file is published whole: written to a temp file in the target's own directory, then linked
    or renamed onto the target in one step (`Staged`). Where the filesystem supports it the temp
    file has no name at all (O_TMPFILE), so a process killed mid-write leaves nothing behind;
    elsewhere it is a unique `.NAME.*.boost_jax.tmp` (TMP_SUFFIX: the only names a later
    writer's sweep removes). Files that go together (a .bin and its metadata) are published
-   metadata first, data last (`publish`), so a reader never finds data without the metadata
-   that describes it.
+   metadata first, data last (`publish`): no reader finds data without its metadata.
 4. Concurrent writers of one target: one wins, the other stops with one line. Without --force a
    target is created with link(), which fails if it appeared meanwhile; long writers also hold
    `exclusive`, an flock on `.NAME.lock` next to the target, from the start. Whatever else
@@ -92,7 +93,8 @@ def _same(a: str, b: str) -> bool:
 
 def refuse_inputs(target: str, inputs: dict, what: str, fix: str) -> None:
     """Refuse `target` (labelled `what`, e.g. "--out 'x'") if it is, contains or lies inside an
-    input ({label: path}; None paths are skipped). --force does not lift this."""
+    input ({label: path}; None paths are skipped), or if an input bears a name the writer of
+    `target` takes beside it (its lock file, its temp files). --force does not lift this."""
     t = _real(target)
     for label, path in inputs.items():
         if not path:
@@ -104,10 +106,30 @@ def refuse_inputs(target: str, inputs: dict, what: str, fix: str) -> None:
             how = "contains"
         elif _inside(t, p):
             how = "lies inside"
+        elif _beside(target, path):
+            how = "would write its lock or temp file over"
         else:
             continue
         raise Refused(f"{what} {how} {label} {path!r}; writing it would destroy what this "
                       f"command reads (--force does not change that): {fix}")
+
+
+def _beside(target: str, path: str) -> bool:
+    """`path` is the lock file of `target` or named as one of its temp files (`_sweep`)."""
+    if _same(lock_path(target), path):
+        return True
+    d, name = os.path.split(_real(target))
+    pd, pname = os.path.split(_real(path))
+    return pd == d and pname.startswith(f".{name}.") and pname.endswith(TMP_SUFFIX)
+
+
+def refuse_unusable(target: str, what: str, fix: str) -> None:
+    """Refuse an empty path and one that ends in a separator (a folder's name) where a file is
+    to be written: neither names the file the user meant."""
+    if not target:
+        raise Refused(f"{what} is an empty path; {fix}")
+    if target.endswith((os.sep, "/.", "/..")) or target in (".", ".."):
+        raise Refused(f"{what} names a folder, not a file; {fix}")
 
 
 def _names(paths: list) -> str:
@@ -128,11 +150,14 @@ def refuse_existing(paths: Iterable[str], force: bool, fix: str, what: str = "")
 
 def refuse_special(target: str, what: str, fix: str, folder: bool = False) -> None:
     """Refuse a target that exists as anything but a regular file (or, with `folder`, a
-    directory): a device, FIFO or socket is the machine's, never ours to replace; --force does
-    not lift this."""
+    directory): a device, FIFO or socket is the machine's, never ours to replace, and a file
+    target that is a link is the user's (replacing it would drop the link, writing through it
+    would write elsewhere); --force does not lift this."""
     from boost_jax.file_kind import special
 
     kind = special(target, folder)
+    if kind is None and not folder and os.path.islink(target):
+        kind = f"a link (to {os.path.realpath(target)!r})"
     if kind is not None:
         raise Refused(f"{what} is {kind}, not a {'folder' if folder else 'regular file'}; a "
                       f"command replaces only what it could have written (--force does not "
@@ -141,6 +166,7 @@ def refuse_special(target: str, what: str, fix: str, folder: bool = False) -> No
 
 def check_target(target: str, inputs: dict, force: bool, what: str, fix: str) -> None:
     """The checks for one file a command is about to write."""
+    refuse_unusable(target, what, fix)
     refuse_inputs(target, inputs, what, fix)
     refuse_special(target, what, fix)
     refuse_existing([target], force, fix, what)

@@ -186,6 +186,16 @@ def check_inputs(cfg: Config, out_dir: str) -> None:
     from boost_jax.safe_write import refuse_inputs, refuse_special
 
     refuse_special(out_dir, f"out_dir {out_dir!r}", "choose another out_dir=...", folder=True)
+    inputs = run_inputs(cfg)
+    for name in (*OUTPUTS, LOCK_FILE):
+        target = os.path.join(out_dir, name)
+        refuse_inputs(target, inputs, f"the run's {name} {target!r}",
+                      "choose another out_dir=...")
+
+
+def run_inputs(cfg) -> dict:
+    """{label: path} of the files a run of `cfg` reads: data.source(s), their metadata and
+    tokenizer files, data.tokenizer and model.init_from (what no writer may replace)."""
     inputs = {"model.init_from": cfg.model.init_from}
     if cfg.data.tokenizer not in ("byte", "bpe"):
         inputs["data.tokenizer"] = cfg.data.tokenizer
@@ -193,10 +203,7 @@ def check_inputs(cfg: Config, out_dir: str) -> None:
     sources += [(f"data.sources[{i}]", s.path) for i, s in enumerate(cfg.data.sources or [])]
     for label, path in sources:
         inputs.update(_source_files(label, path))
-    for name in OUTPUTS:
-        target = os.path.join(out_dir, name)
-        refuse_inputs(target, inputs, f"the run's {name} {target!r}",
-                      "choose another out_dir=...")
+    return inputs
 
 
 def _source_files(label: str, path: Optional[str]) -> dict:
@@ -221,7 +228,9 @@ def _listing(folder: str) -> list[str]:
 def holds_run(out_dir: str) -> bool:
     """A run of ours was here: its lock, a numbered entry of its config history, or a step of
     its checkpoints (a bare `configs/` or `checkpoints/` folder is anybody's)."""
-    if os.path.lexists(os.path.join(out_dir, LOCK_FILE)):
+    from boost_jax.train.run_lock import is_run_lock
+
+    if is_run_lock(os.path.join(out_dir, LOCK_FILE)):
         return True
     if any(HISTORY_ENTRY.match(n) for n in _listing(os.path.join(out_dir, HISTORY_DIR))):
         return True
@@ -268,6 +277,9 @@ def check_out_dir(out_dir: str, force: bool, config: Optional[str] = None) -> No
     from boost_jax.safe_write import Refused, refuse_inputs
 
     _refuse_odd_entries(out_dir)
+    lock = os.path.join(out_dir, LOCK_FILE)
+    refuse_inputs(lock, {"--config": config}, f"the run's lock {lock!r}",
+                  "keep the config elsewhere")
     if holds_run(out_dir):
         return
     for name in OUTPUTS:

@@ -327,12 +327,14 @@ def _progress(total: int, enabled: bool):
     return Progress(*cols, transient=True, disable=not enabled, console=Console(stderr=True))
 
 
-def _check_targets(source: str, out: str, spec: str, force: bool) -> None:
-    """safe_write's rule for OUT and its metadata: never one of the inputs (even with --force),
-    never an existing file without --force."""
+def _check_targets(source: str, files: list, out: str, spec: str, force: bool) -> None:
+    """safe_write's rule for OUT and its metadata: never one of the inputs (SOURCE, each file
+    read from it, links followed, and the tokenizer; even with --force), never an existing file
+    without --force."""
     from boost_jax.safe_write import refuse_existing, refuse_inputs, refuse_special
 
     inputs = {"SOURCE": source, "--tokenizer": None if spec in ("byte", "bpe") else spec}
+    inputs.update((f"file {i} of SOURCE", f) for i, f in enumerate(files) if f != source)
     meta = meta_path(out)
     fix = "choose another OUT (its metadata goes to <OUT without .bin>.json)"
     refuse_inputs(out, inputs, f"OUT {out!r}", fix)
@@ -396,7 +398,7 @@ def prepare(source: str, out: str, spec: str, workers: int = 1, field: str = "te
     from boost_jax.safe_write import Staged, exclusive, publish
 
     files = source_files(source)
-    _check_targets(source, out, spec, force)
+    _check_targets(source, files, out, spec, force)
     if spec == "bpe":
         from boost_jax.data.tokenizers import check_bpe_vocab_size
 
@@ -409,7 +411,7 @@ def prepare(source: str, out: str, spec: str, workers: int = 1, field: str = "te
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with exclusive(targets, f"OUT {out!r}", "choose another OUT"), \
                 contextlib.ExitStack() as stack:
-            _check_targets(source, out, spec, force)  # a writer that finished meanwhile
+            _check_targets(source, files, out, spec, force)  # a writer finished meanwhile
             tok_text, first = None, []
             if spec == "bpe":
                 tok, tok_text, staged = _stage_bpe(stack, files, out, field, bpe_vocab_size,

@@ -64,11 +64,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 @cli_main
 def _slurm(args, command: str) -> int:
     from boost_jax.config import load_config
-    from boost_jax.launch.slurm import make_job, render
+    from boost_jax.launch.slurm import NODE_CHECK, TRAIN_PY, make_job, render
     from boost_jax.mesh import get_topology
-    from boost_jax.safe_write import check_target, write_text
+    from boost_jax.checkpoints.run_config import run_inputs
+    from boost_jax.safe_write import check_target, refuse_inputs, write_text
 
-    if args.out is not None:  # safe_write's rule: never the --config, nothing else unforced
+    # safe_write's rule: never an input (the --config before it is read; then what the job
+    # reads and the Python it runs), nothing else unforced
+    if args.out is not None:
         check_target(args.out, {"--config": args.config}, args.force, f"--out {args.out!r}",
                      "choose another --out")
     cfg = load_config(args.config, args.overrides)
@@ -76,6 +79,11 @@ def _slurm(args, command: str) -> int:
     job = make_job(cfg, topo, args.nodes, account=args.account, time=args.time,
                    partition=args.partition, qos=args.qos, modules=args.module,
                    python=args.python, command=command)
+    if args.out is not None:
+        python = job.python if os.sep in job.python else None  # a path, not a name on PATH
+        runs = {"the job's --python": python, "train.py": TRAIN_PY, "the node check": NODE_CHECK}
+        refuse_inputs(args.out, {**run_inputs(cfg), **runs}, f"--out {args.out!r}",
+                      "choose another --out")
     from boost_jax.data.sources import refuse_demo_corpus
 
     refuse_demo_corpus(job.cfg, job.nodes, topo.name, args.allow_demo_data)

@@ -307,8 +307,15 @@ def render(job: Job) -> str:
     yaml_text = config_to_yaml(job.cfg)
     L += ["", f"OUT_DIR={job.out_dir}", 'CONFIG="$OUT_DIR/job_config.yaml"',
           'mkdir -p -- "$OUT_DIR" || exit 1',
-          "# the resolved config (train.py --config takes it unchanged)",
-          *sv.heredoc('"$CONFIG"', yaml_text, "BOOST_JAX_CONFIG"),
+          "# the resolved config (train.py --config takes it unchanged), published whole: never",
+          "# written through a link or into a special file of that name",
+          'if [ -L "$CONFIG" ] || { [ -e "$CONFIG" ] && [ ! -f "$CONFIG" ]; }; then',
+          '    echo "boost_jax: $CONFIG is a link or not a regular file; move it away" >&2',
+          "    exit 1",
+          "fi",
+          'NEW_CONFIG=$(mktemp "$OUT_DIR/.job_config.yaml.XXXXXX") || exit 1',
+          *sv.heredoc('"$NEW_CONFIG"', yaml_text, "BOOST_JAX_CONFIG"),
+          'mv -f -- "$NEW_CONFIG" "$CONFIG" || exit 1',
           "", "# one task per node: JAX, its backend and every device, or stop here",
           node_check_command(job) + ' || { echo "boost_jax: node check failed; not training"; '
           "exit 1; }",

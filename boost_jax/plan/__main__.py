@@ -357,9 +357,15 @@ def _load_plan_inputs(args):
     from boost_jax.mesh import get_topology
 
     check_args(args)
-    if args.emit_config:  # before any work: the file may not be written at all
+    if args.emit_config is not None:  # before any work: the file may not be written at all
         check_emit_target(args.emit_config, args.config, args.force)
     cfg = load_config(args.config, args.overrides)  # neither imports JAX
+    if args.emit_config is not None:  # nor what the planned run will read
+        from boost_jax.checkpoints.run_config import run_inputs
+        from boost_jax.safe_write import refuse_inputs
+
+        refuse_inputs(args.emit_config, run_inputs(cfg), f"--emit-config {args.emit_config!r}",
+                      "choose another FILE")
     topo = get_topology(cfg.mesh.topology if args.topology is None else args.topology)
     if args.gpu_compile:  # before JAX starts; a profile without a GPU target says so first
         from boost_jax.plan.gpu_target import prepare_env, target_name

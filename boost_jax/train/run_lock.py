@@ -22,6 +22,7 @@ import fcntl
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from typing import Callable, Optional
@@ -35,6 +36,34 @@ _UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 class OutDirBusy(UserError):
     """Another live run holds out_dir."""
+
+
+FOREIGN = object()  # a lock file holding something no run wrote
+
+
+def lock_record(raw: bytes):
+    """What a lock file's bytes say: None (empty: a run ended cleanly, or none wrote yet), the
+    record of the run that holds or held it (a JSON object with its pid), or FOREIGN."""
+    if not raw.strip():
+        return None
+    try:
+        rec = json.loads(raw)
+    except (ValueError, RecursionError):
+        return FOREIGN
+    return rec if isinstance(rec, dict) and "pid" in rec else FOREIGN
+
+
+def is_run_lock(path: str) -> bool:
+    """`path` is a regular file a run's lock left (empty or holding a run's record)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and \
+            lock_record(os.pread(fd, 1 << 16, 0)) is not FOREIGN
+    finally:
+        os.close(fd)
 
 
 def _describe(record: dict) -> str:
@@ -76,16 +105,8 @@ class RunLock:
         self.path = os.path.join(out_dir, LOCK_FILE)
         self._fd: Optional[int] = None
 
-    def _read(self, fd: int) -> Optional[dict]:
-        os.lseek(fd, 0, os.SEEK_SET)
-        raw = os.read(fd, 1 << 16)
-        if not raw.strip():
-            return None
-        try:
-            rec = json.loads(raw)
-        except (ValueError, RecursionError):
-            return {}
-        return rec if isinstance(rec, dict) else {}
+    def _read(self, fd: int):
+        return lock_record(os.pread(fd, 1 << 16, 0))
 
     def _lock(self) -> Optional[int]:
         """The locked fd of the file at self.path, None where the filesystem cannot lock. A
@@ -98,7 +119,8 @@ class RunLock:
             except BlockingIOError:
                 rec = self._read(fd)
                 os.close(fd)
-                who = _describe(rec) if rec else "its details are not written yet"
+                who = _describe(rec) if isinstance(rec, dict) else \
+                    "its details are not written yet"
                 raise OutDirBusy(
                     f"out_dir {self.out_dir!r} is in use by another run ({who}); wait for it "
                     "to finish or stop it, or choose another out_dir=...") from None
@@ -118,6 +140,12 @@ class RunLock:
         if fd is None:
             return False, None
         stale = self._read(fd)
+        if stale is FOREIGN:  # the user's file of that name: never emptied or taken over
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise UserError(f"out_dir {self.out_dir!r} holds {LOCK_FILE}, a file no run wrote "
+                            "(it holds no run record) where a run keeps its lock; move it away "
+                            "or choose another out_dir=...")
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
               "argv": [os.path.basename(sys.argv[0])] + sys.argv[1:]}
         os.ftruncate(fd, 0)
@@ -191,7 +219,7 @@ def hold_out_dir(out_dir: str, primary: bool, nproc: int, warn: Callable[[str], 
                  "another run from writing into it at the same time")
         if stale is not None:
             warn(f"out_dir {out_dir!r} was held by a run that died without releasing it "
-                 f"({_describe(stale) if stale else 'no details'}); taking it over")
+                 f"({_describe(stale)}); taking it over")
         yield
     except BaseException:
         if primary and fresh is not None and error is None:

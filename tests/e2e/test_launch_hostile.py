@@ -209,3 +209,50 @@ def test_out_dir_reaches_train_py_as_the_same_folder(value, tmp_path, capsys):
     got = load_config(os.path.join(ROOT, "configs", "demo.yaml"), [override]).out_dir
     assert os.path.samefile(run_dir / got, run_dir / value)
     assert os.listdir(run_dir) == [value]
+
+
+def test_launch_never_writes_over_what_the_job_runs_or_reads(tmp_path, capsys):
+    """--out is never the job's --python, train.py or a file the run reads (its data.source),
+    not even with --force: one line, exit 2, the file unchanged."""
+    py = tmp_path / "mypy"
+    py.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("some text\n" * 100)
+    cfg = tmp_path / "job.yaml"
+    yaml.safe_dump({"data": {"source": str(corpus)}}, open(cfg, "w"))
+    base = ["slurm", "--config", str(cfg), "--topology", "cpu", "--nodes", "1", "--force"]
+    for out, extra, label in ((py, ["--python", str(py)], r"the job's --python"),
+                              (os.path.join(ROOT, "train.py"), [], "train.py"),
+                              (corpus, [], r"data\.source")):
+        before = open(out, "rb").read()
+        code, err = _launch(capsys, [*base, *extra, "--out", str(out)])
+        assert code == 2 and re.fullmatch(rf"error: --out '.*' is {label} '.*'; writing it "
+                                          r"would destroy what this command reads .*\n", err), err
+        assert open(out, "rb").read() == before
+
+
+def test_the_job_never_writes_its_config_through_a_link(tmp_path, capsys):
+    """The script publishes job_config.yaml whole (a temp file renamed onto it): a link there is
+    refused before anything is written, the linked file unchanged; a regular file is replaced."""
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    cfg = tmp_path / "job.yaml"
+    yaml.safe_dump({"out_dir": str(out_dir)}, open(cfg, "w"))
+    job = tmp_path / "job.sbatch"
+    assert _launch(capsys, ["slurm", "--config", str(cfg), "--topology", "cpu", "--nodes", "1",
+                            "--out", str(job)])[0] == 0
+    env = dict(os.environ, PATH=_stubs(str(tmp_path / "bin")) + os.pathsep + os.environ["PATH"],
+               STUB_LOG=str(tmp_path), SLURM_JOB_ID="7")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("precious\n")
+    os.symlink(notes, out_dir / "job_config.yaml")
+    r = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "is a link or not a regular file" in r.stderr, r.stderr
+    assert notes.read_text() == "precious\n" and not (tmp_path / "srun").exists()
+    os.remove(out_dir / "job_config.yaml")
+    (out_dir / "job_config.yaml").write_text("an older job's config\n")
+    r = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    written = yaml.safe_load((out_dir / "job_config.yaml").read_text())
+    assert written["out_dir"] == str(out_dir) and sorted(os.listdir(out_dir)) == [
+        "job_config.yaml"]

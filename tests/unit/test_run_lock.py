@@ -55,3 +55,22 @@ def test_a_lock_file_unlinked_after_another_run_opened_it_is_opened_anew(tmp_pat
     with pytest.raises(run_lock.OutDirBusy):
         run_lock.RunLock(str(tmp_path)).acquire()
     second.release()
+
+
+def test_a_lock_file_no_run_wrote_is_the_users(tmp_path):
+    """A .lock holding anything but a run's record is refused, never emptied or taken over, and
+    is no sign of a run (holds_run); an empty one or a dead run's record is."""
+    from boost_jax.checkpoints.run_config import holds_run
+
+    lock = tmp_path / run_lock.LOCK_FILE
+    lock.write_text("my lock notes\n")
+    with pytest.raises(UserError, match=r"holds \.lock, a file no run wrote .*; move it away"):
+        run_lock.RunLock(str(tmp_path)).acquire()
+    assert lock.read_text() == "my lock notes\n" and not holds_run(str(tmp_path))
+    lock.write_text('{"pid": 12, "host": "n1", "started": 0, "argv": ["train.py"]}')
+    assert holds_run(str(tmp_path))
+    held = run_lock.RunLock(str(tmp_path))
+    locked, stale = held.acquire()  # a dead run's record: taken over, reported
+    assert locked and stale["pid"] == 12
+    held.release()
+    assert lock.read_text() == "" and holds_run(str(tmp_path))

@@ -196,3 +196,54 @@ def test_run_files_that_are_links_or_fifos_are_refused_even_forced(tmp_path):
     with pytest.raises(Refused, match=r"^the run's tb '.*' is a FIFO, not a folder"):
         run_config.check_out_dir(str(d), force=True)
     assert victim.read_text() == "keep"
+
+
+def test_an_input_named_as_a_writers_lock_or_temp_file_is_refused(tmp_path):
+    """A writer takes .NAME.lock and .NAME.*.boost_jax.tmp beside its target: an input of those
+    names is refused (its lock would empty it, its sweep delete it), even forced; a run's lock
+    is never its data.source."""
+    from types import SimpleNamespace
+
+    from boost_jax.checkpoints.run_config import check_inputs
+
+    out = str(tmp_path / "d.bin")
+    for name in (".d.bin.lock", ".d.bin.x1.boost_jax.tmp"):
+        with pytest.raises(Refused, match=r"^OUT .* would write its lock or temp file over "
+                                          rf"SOURCE '.*/\.d\.bin\..*'; .*\(--force does not"):
+            sw.refuse_inputs(out, {"SOURCE": str(tmp_path / name)}, f"OUT {out!r}", "fix")
+    sw.refuse_inputs(out, {"SOURCE": str(tmp_path / ".d.bin.notes")}, "OUT", "fix")
+    cfg = SimpleNamespace(data=SimpleNamespace(source=str(tmp_path / "r" / ".lock"),
+                                               sources=None, tokenizer="byte"),
+                          model=SimpleNamespace(init_from=None))
+    with pytest.raises(Refused, match=r"^the run's \.lock .* is data\.source"):
+        check_inputs(cfg, str(tmp_path / "r"))
+
+
+def test_a_file_target_is_never_a_link_an_empty_path_or_a_folders_name(tmp_path):
+    (tmp_path / "user.txt").write_text("mine")
+    os.symlink("user.txt", tmp_path / "ul")
+    cases = {str(tmp_path / "ul"): r"is a link \(to '.*/user\.txt'\), not a regular file",
+             "": r"is an empty path", str(tmp_path / "new") + "/": r"names a folder, not a file",
+             ".": r"names a folder"}
+    for target, why in cases.items():
+        with pytest.raises(Refused, match=rf"^--out {re.escape(repr(target))} {why}"):
+            sw.check_target(target, {}, True, f"--out {target!r}", "choose another --out")
+    assert os.path.islink(tmp_path / "ul") and (tmp_path / "user.txt").read_text() == "mine"
+    assert not os.path.exists(tmp_path / "new")
+    sw.check_target(str(tmp_path / "user.txt"), {}, True, "--out", "fix")  # a file: forced, ok
+
+
+def test_prepare_never_writes_over_a_file_it_reads_through_a_link_in_source(tmp_path):
+    from boost_jax.data.prepare import prepare
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text("a document\n")
+    (tmp_path / "old.json").write_text("precious notes\n")
+    os.symlink("../old.json", corpus / "link.txt")
+    (tmp_path / "old.bin").write_bytes(b"x")
+    with pytest.raises(Refused, match=r"^the metadata file '.*old\.json' of OUT is file \d of "
+                                      r"SOURCE '.*link\.txt'; .*\(--force does not"):
+        prepare(str(corpus), str(tmp_path / "old.bin"), "byte", force=True, progress=False)
+    assert (tmp_path / "old.json").read_text() == "precious notes\n"
+    assert (tmp_path / "old.bin").read_bytes() == b"x"
