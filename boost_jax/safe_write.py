@@ -123,6 +123,13 @@ def _beside(target: str, path: str) -> bool:
     return pd == d and pname.startswith(f".{name}.") and pname.endswith(TMP_SUFFIX)
 
 
+def leaving(paths: list, folder: str) -> list:
+    """Those of `paths` whose real location lies outside `folder` (reached through a link):
+    what a check of `folder` as a whole does not cover."""
+    root = _real(folder)
+    return [p for p in paths if not _inside(_real(p), root) and _real(p) != root]
+
+
 def refuse_unusable(target: str, what: str, fix: str) -> None:
     """Refuse an empty path and one that ends in a separator (a folder's name) where a file is
     to be written: neither names the file the user meant."""

@@ -327,14 +327,14 @@ def _progress(total: int, enabled: bool):
     return Progress(*cols, transient=True, disable=not enabled, console=Console(stderr=True))
 
 
-def _check_targets(source: str, files: list, out: str, spec: str, force: bool) -> None:
-    """safe_write's rule for OUT and its metadata: never one of the inputs (SOURCE, each file
-    read from it, links followed, and the tokenizer; even with --force), never an existing file
-    without --force."""
+def _check_targets(source: str, linked: list, out: str, spec: str, force: bool) -> None:
+    """safe_write's rule for OUT and its metadata: never one of the inputs (SOURCE, the files
+    read from it that links take outside it (`linked`), the tokenizer; even with --force),
+    never an existing file without --force."""
     from boost_jax.safe_write import refuse_existing, refuse_inputs, refuse_special
 
     inputs = {"SOURCE": source, "--tokenizer": None if spec in ("byte", "bpe") else spec}
-    inputs.update((f"file {i} of SOURCE", f) for i, f in enumerate(files) if f != source)
+    inputs.update((f"a file of SOURCE, {f!r}, linked to", os.path.realpath(f)) for f in linked)
     meta = meta_path(out)
     fix = "choose another OUT (its metadata goes to <OUT without .bin>.json)"
     refuse_inputs(out, inputs, f"OUT {out!r}", fix)
@@ -395,10 +395,11 @@ def prepare(source: str, out: str, spec: str, workers: int = 1, field: str = "te
     """Tokenize `source` into `out` (+ metadata, + with spec=bpe the tokenizer trained here);
     returns the metadata. The files are written as temp files and published together,
     tokenizer and metadata first (boost_jax/safe_write.py)."""
-    from boost_jax.safe_write import Staged, exclusive, publish
+    from boost_jax.safe_write import Staged, exclusive, leaving, publish
 
     files = source_files(source)
-    _check_targets(source, files, out, spec, force)
+    linked = leaving(files, source)
+    _check_targets(source, linked, out, spec, force)
     if spec == "bpe":
         from boost_jax.data.tokenizers import check_bpe_vocab_size
 
@@ -411,7 +412,7 @@ def prepare(source: str, out: str, spec: str, workers: int = 1, field: str = "te
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         with exclusive(targets, f"OUT {out!r}", "choose another OUT"), \
                 contextlib.ExitStack() as stack:
-            _check_targets(source, files, out, spec, force)  # a writer finished meanwhile
+            _check_targets(source, linked, out, spec, force)  # a writer finished meanwhile
             tok_text, first = None, []
             if spec == "bpe":
                 tok, tok_text, staged = _stage_bpe(stack, files, out, field, bpe_vocab_size,

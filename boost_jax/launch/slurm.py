@@ -286,6 +286,12 @@ def node_check_command(job: Job) -> str:
                      str(job.topo.devices_per_node)])
 
 
+def _or_exit(heredoc: list[str]) -> list[str]:
+    """A heredoc's lines that stop the script when writing fails (a full disk): a config cut
+    short is never renamed into place."""
+    return [heredoc[0] + ' || { rm -f -- "$NEW_CONFIG"; exit 1; }', *heredoc[1:]]
+
+
 def render(job: Job) -> str:
     check_values(job)
     pr = job.profile
@@ -314,7 +320,9 @@ def render(job: Job) -> str:
           "    exit 1",
           "fi",
           'NEW_CONFIG=$(mktemp "$OUT_DIR/.job_config.yaml.XXXXXX") || exit 1',
-          *sv.heredoc('"$NEW_CONFIG"', yaml_text, "BOOST_JAX_CONFIG"),
+          *_or_exit(sv.heredoc('"$NEW_CONFIG"', yaml_text, "BOOST_JAX_CONFIG")),
+          "# mktemp made it 0600: the mode a new file gets under the umask",
+          'chmod "$(printf %o $((0666 & ~0$(umask))))" "$NEW_CONFIG" || exit 1',
           'mv -f -- "$NEW_CONFIG" "$CONFIG" || exit 1',
           "", "# one task per node: JAX, its backend and every device, or stop here",
           node_check_command(job) + ' || { echo "boost_jax: node check failed; not training"; '

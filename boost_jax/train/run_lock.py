@@ -42,14 +42,16 @@ FOREIGN = object()  # a lock file holding something no run wrote
 
 
 def lock_record(raw: bytes):
-    """What a lock file's bytes say: None (empty: a run ended cleanly, or none wrote yet), the
-    record of the run that holds or held it (a JSON object with its pid), or FOREIGN."""
-    if not raw.strip():
+    """What a lock file's bytes say: None (empty, or zeros a crash left: a run ended, or none
+    wrote yet), the record of the run that holds or held it (a JSON object with its pid; {} for
+    one cut short), or FOREIGN."""
+    raw = raw.strip(b"\0 \t\r\n")
+    if not raw:
         return None
     try:
         rec = json.loads(raw)
     except (ValueError, RecursionError):
-        return FOREIGN
+        return {} if raw.startswith(b'{"pid": ') else FOREIGN
     return rec if isinstance(rec, dict) and "pid" in rec else FOREIGN
 
 
@@ -119,7 +121,7 @@ class RunLock:
             except BlockingIOError:
                 rec = self._read(fd)
                 os.close(fd)
-                who = _describe(rec) if isinstance(rec, dict) else \
+                who = _describe(rec) if rec and rec is not FOREIGN else \
                     "its details are not written yet"
                 raise OutDirBusy(
                     f"out_dir {self.out_dir!r} is in use by another run ({who}); wait for it "
@@ -146,8 +148,9 @@ class RunLock:
             raise UserError(f"out_dir {self.out_dir!r} holds {LOCK_FILE}, a file no run wrote "
                             "(it holds no run record) where a run keeps its lock; move it away "
                             "or choose another out_dir=...")
+        argv = [os.path.basename(sys.argv[0])] + sys.argv[1:]  # a few KiB at most: read whole
         me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-              "argv": [os.path.basename(sys.argv[0])] + sys.argv[1:]}
+              "argv": [a[:200] for a in argv[:40]]}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         self._fd = fd
@@ -219,7 +222,7 @@ def hold_out_dir(out_dir: str, primary: bool, nproc: int, warn: Callable[[str], 
                  "another run from writing into it at the same time")
         if stale is not None:
             warn(f"out_dir {out_dir!r} was held by a run that died without releasing it "
-                 f"({_describe(stale)}); taking it over")
+                 f"({_describe(stale) if stale else 'no details'}); taking it over")
         yield
     except BaseException:
         if primary and fresh is not None and error is None:

@@ -251,8 +251,10 @@ def test_the_job_never_writes_its_config_through_a_link(tmp_path, capsys):
     assert notes.read_text() == "precious\n" and not (tmp_path / "srun").exists()
     os.remove(out_dir / "job_config.yaml")
     (out_dir / "job_config.yaml").write_text("an older job's config\n")
-    r = subprocess.run(["bash", str(job)], env=env, capture_output=True, text=True, timeout=60)
+    r = subprocess.run(["bash", "-c", f"umask 027 && bash {job}"], env=env, capture_output=True,
+                       text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+    assert stat.S_IMODE(os.stat(out_dir / "job_config.yaml").st_mode) == 0o640  # the umask's
     written = yaml.safe_load((out_dir / "job_config.yaml").read_text())
     assert written["out_dir"] == str(out_dir) and sorted(os.listdir(out_dir)) == [
         "job_config.yaml"]

@@ -74,3 +74,9 @@ def test_a_lock_file_no_run_wrote_is_the_users(tmp_path):
     assert locked and stale["pid"] == 12
     held.release()
     assert lock.read_text() == "" and holds_run(str(tmp_path))
+    for crashed in (b"\0" * 64, b'{"pid": 12, "host": "n1", "sta'):  # zeros, or cut short
+        lock.write_bytes(crashed)
+        assert holds_run(str(tmp_path))
+        held = run_lock.RunLock(str(tmp_path))
+        assert held.acquire()[0]
+        held.release()

@@ -242,8 +242,9 @@ def test_prepare_never_writes_over_a_file_it_reads_through_a_link_in_source(tmp_
     (tmp_path / "old.json").write_text("precious notes\n")
     os.symlink("../old.json", corpus / "link.txt")
     (tmp_path / "old.bin").write_bytes(b"x")
-    with pytest.raises(Refused, match=r"^the metadata file '.*old\.json' of OUT is file \d of "
-                                      r"SOURCE '.*link\.txt'; .*\(--force does not"):
+    with pytest.raises(Refused, match=r"^the metadata file '.*old\.json' of OUT is a file of "
+                                      r"SOURCE, '.*link\.txt', linked to '.*old\.json'; .*"
+                                      r"\(--force does not"):
         prepare(str(corpus), str(tmp_path / "old.bin"), "byte", force=True, progress=False)
     assert (tmp_path / "old.json").read_text() == "precious notes\n"
     assert (tmp_path / "old.bin").read_bytes() == b"x"
