@@ -484,12 +484,12 @@ def qgz_stages(G: tuple[str, ...]) -> list[tuple[str, ...]]:
     return [G]
 
 
-def _run(fs, requests, legs=False) -> list:
-    """bucket.run under the fetch unit's policy: its passes' (`per_pass`) or, `legs`, its
-    once-per-step legs' (`collectives`); `legs` a list: one flag per request."""
+def _run(fs, requests, legs=None) -> list:
+    """bucket.run under the fetch unit's policy: its passes' (`per_pass`), or its once-per-step
+    legs' (`collectives`) for the requests whose flag in `legs` is set."""
     if not fs:
         return bucket.run(requests)
-    flags = legs if isinstance(legs, list) else [legs] * len(requests)
+    flags = legs or [False] * len(requests)
     out = list(requests)
     for flag in set(flags):
         idx = [i for i, f in enumerate(flags) if f == flag]
@@ -514,7 +514,7 @@ def to_params_all(fs, xs) -> list:
     xs = [jax.lax.stop_gradient(x) for x in xs]
     for r in range(max((len(f.update) for f in fs), default=0)):
         xs = _run(fs, [f.update_gather(x, r) if r < len(f.update) else x
-                       for f, x in zip(fs, xs)], legs=True)
+                       for f, x in zip(fs, xs)], [True] * len(fs))
     return xs
 
 
