@@ -114,6 +114,30 @@ def _check_optimizer(saved: dict, cfg: Config, step: int, where: str) -> None:
                         "resume, or use a new out_dir")
 
 
+# what decides each leaf's stored shape: its zero padding and its pipeline stacking
+LAYOUT_KEYS = ("parallel.plan", "parallel.tp_mode", "parallel.tp_axes", "parallel.pp_stages",
+               "parallel.pp_virtual")
+
+
+def check_adafactor_layout(saved: dict, meta: dict, cfg: Config, step: int, where: str) -> None:
+    """Adafactor's state is restored only under the layout that saved it. Its second-moment
+    statistics hold its epsilon (1e-30) where the layout pads with zeros, which a restore under
+    another mesh, plan, TP or pipeline split drops (its checksums then fail, and a fall-back
+    would move newer steps aside), and its (1,) placeholders for unfactored weights do not
+    restage across pipeline splits. `saved`, `meta`: the checkpoint's metadata and this run's."""
+    if cfg.optim.name != "adafactor" or not saved.get("config"):
+        return
+    was, now = flatten(saved["config"]), flatten(cfg.to_dict())
+    diff = [(k, was[k], now.get(k)) for k in LAYOUT_KEYS if k in was and was[k] != now.get(k)]
+    if saved.get("mesh") is not None and list(saved["mesh"]) != list(meta["mesh"]):
+        diff.append(("the device mesh", saved["mesh"], meta["mesh"]))
+    if diff:
+        raise UserError(f"checkpoint step {step} in {where} holds optim.name=adafactor state "
+                        f"saved under another layout ({describe(diff)}), and Adafactor's state "
+                        "is restored only under the layout that saved it: set those back to "
+                        "resume, or use a new out_dir")
+
+
 def load_saved(path: str) -> Optional[dict]:
     """A config.yaml written by an earlier run (None if absent or unreadable)."""
     from boost_jax.config_read import CONFIG_LIMIT

@@ -152,6 +152,7 @@ def _resume_check(cfg: Config, out_dir: str, meta: dict, accepted: list):
     def check_meta(step: int, saved: dict) -> None:
         accepted[:] = run_config.check_resume(saved.get("config") or legacy, cfg, step, out_dir)
         check_unchanged(saved.get("inputs"), meta["inputs"], cfg, step, out_dir)
+        run_config.check_adafactor_layout(saved, meta, cfg, step, out_dir)
         if saved.get("model") != meta["model"]:
             diff = {k: (saved.get("model", {}).get(k), v) for k, v in meta["model"].items()
                     if saved.get("model", {}).get(k) != v}

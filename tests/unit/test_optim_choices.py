@@ -10,7 +10,7 @@ import pytest
 
 from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import load_config
-from boost_jax.errors import ConfigError
+from boost_jax.errors import ConfigError, UserError
 from boost_jax.layers import forward
 from boost_jax.mesh import mesh_from_config
 from boost_jax.names import OPTIMIZERS
@@ -158,3 +158,28 @@ def test_one_moment_state_compiles_to_the_planners_bytes():
                              "mesh.topology=cpu", "parallel.plan=zero3", "optim.name=lion"])
     mem = dry_run(cfg, get_topology("cpu"), None, jax.device_count(), full_layers_max=2).memory
     assert mem["arguments_compiled"] == pytest.approx(mem["arguments_formula"], abs=64)
+
+
+def test_adafactor_resumes_only_under_the_layout_that_saved_it():
+    """Adafactor's statistics hold its epsilon in the layout's zero padding: a resume under
+    another mesh, plan or pipeline split is one line naming the change, before any step is
+    restored or moved aside; the same layout resumes, and other optimizers restage."""
+    from boost_jax.checkpoints.run_config import check_adafactor_layout
+    from boost_jax.config import load_config
+
+    base = ["optim.name=adafactor", "parallel.plan=zero3"]
+    saved = {"config": load_config(None, base).to_dict(), "mesh": [2, 2, 2]}
+    check_adafactor_layout(saved, {"mesh": [2, 2, 2]}, load_config(None, base), 5, "runs/x")
+    for extra, mesh, change in (([], [2, 1, 3], r"the device mesh \[2, 2, 2\] -> \[2, 1, 3\]"),
+                                (["parallel.plan=hierarchical"], [2, 2, 2],
+                                 r"parallel\.plan 'zero3' -> 'hierarchical'"),
+                                (["parallel.pp_stages=2"], [2, 2, 2],
+                                 r"parallel\.pp_stages 1 -> 2")):
+        with pytest.raises(UserError, match=rf"^checkpoint step 5 in runs/x holds optim\.name="
+                                            rf"adafactor state saved under another layout "
+                                            rf"\({change}\), .*: set those back to resume"):
+            check_adafactor_layout(saved, {"mesh": mesh}, load_config(None, base + extra), 5,
+                                   "runs/x")
+    adam = {"config": load_config(None, ["parallel.plan=zero3"]).to_dict(), "mesh": [2, 2, 2]}
+    check_adafactor_layout(adam, {"mesh": [2, 1, 3]},
+                           load_config(None, ["parallel.plan=hierarchical"]), 5, "runs/x")
