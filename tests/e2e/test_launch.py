@@ -44,7 +44,7 @@ def _parse_script(text: str) -> dict:
     exports = dict(re.findall(r"^export (\w+)=(.*)$", text, re.M))
     exports = {k: shlex.split(v)[0] for k, v in exports.items()}
     modules = re.findall(r"^module load (\S+)", text, re.M)
-    config = re.search(r"<<'(BOOST_JAX_CONFIG_\w+)'\n(.*?)\n\1$", text, re.S | re.M)
+    config = re.search(r"<<'(BOOST_JAX_CONFIG_\w+)'[^\n]*\n(.*?)\n\1$", text, re.S | re.M)
     sruns = re.findall(r"^srun (.*?[^\\])$", text, re.S | re.M)
     assert len(sruns) == 2 and "node_check.py" in sruns[0]  # the node check, then training
     srun = sruns[1]
