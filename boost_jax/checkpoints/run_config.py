@@ -119,13 +119,23 @@ LAYOUT_KEYS = ("parallel.plan", "parallel.tp_mode", "parallel.tp_axes", "paralle
                "parallel.pp_virtual")
 
 
+# meta["adafactor_statistics"] of a step whose Adafactor statistics are stored as the unpadded
+# weights give them (step/optim.py: layout_free_statistics); older steps hold optax's counts
+LAYOUT_FREE = "layout-free"
+
+
+def in_optax_counts(saved: dict, cfg: Config) -> bool:
+    """Whether a checkpoint's metadata `saved` holds Adafactor statistics in optax's counts
+    (written before they were stored layout-free)."""
+    return cfg.optim.name == "adafactor" and saved.get("adafactor_statistics") != LAYOUT_FREE
+
+
 def check_adafactor_layout(saved: dict, meta: dict, cfg: Config, step: int, where: str) -> None:
-    """Adafactor's state is restored only under the layout that saved it. Its second-moment
-    statistics hold its epsilon (1e-30) where the layout pads with zeros, which a restore under
-    another mesh, plan, TP or pipeline split drops (its checksums then fail, and a fall-back
-    would move newer steps aside), and its (1,) placeholders for unfactored weights do not
-    restage across pipeline splits. `saved`, `meta`: the checkpoint's metadata and this run's."""
-    if cfg.optim.name != "adafactor" or not saved.get("config"):
+    """An older step's Adafactor state (in optax's counts, with its epsilon in the layout's zero
+    padding) restores only under the layout that saved it: another mesh, plan, TP or pipeline
+    split drops or moves that padding, which its checksums then refuse (and a fall-back would
+    move newer steps aside). `saved`, `meta`: the checkpoint's metadata and this run's."""
+    if not in_optax_counts(saved, cfg) or not saved.get("config"):
         return
     was, now = flatten(saved["config"]), flatten(cfg.to_dict())
     diff = [(k, was[k], now.get(k)) for k in LAYOUT_KEYS if k in was and was[k] != now.get(k)]
@@ -133,9 +143,10 @@ def check_adafactor_layout(saved: dict, meta: dict, cfg: Config, step: int, wher
         diff.append(("the device mesh", saved["mesh"], meta["mesh"]))
     if diff:
         raise UserError(f"checkpoint step {step} in {where} holds optim.name=adafactor state "
-                        f"saved under another layout ({describe(diff)}), and Adafactor's state "
-                        "is restored only under the layout that saved it: set those back to "
-                        "resume, or use a new out_dir")
+                        f"saved by an older boost_jax under another layout ({describe(diff)}), "
+                        "which restores only under the layout that saved it: set those back "
+                        "to resume (its next checkpoint restores under any layout), or use a "
+                        "new out_dir")
 
 
 def load_saved(path: str) -> Optional[dict]:

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from boost_jax.mesh import axis_size
@@ -162,6 +163,20 @@ def unpad(lay: LeafLayout, x):
     return x[tuple(slice(0, s) for s in shape)]
 
 
+def real_positions(lay: LeafLayout) -> list:
+    """Per stored dim, a boolean vector of the indices that hold the logical array; the real
+    elements of the stored array are their outer product (padding is at the end of a dim, the
+    owner is one slot of dim 0, interleaving permutes dim 0: every case is separable)."""
+    import numpy as np
+
+    vecs = [np.arange(p) < s for s, p in zip(lay.shape, lay.padded)]
+    if lay.owner is not None:
+        vecs[0] = np.arange(lay.padded[0]) == lay.owner
+    if lay.interleave:
+        vecs[0] = np.asarray(interleave(vecs[0], *lay.interleave))
+    return vecs
+
+
 def pad_tree(layouts, tree):
     return jax.tree.map(pad, layouts, tree, is_leaf=is_layout)
 
@@ -171,4 +186,4 @@ def unpad_tree(layouts, tree):
 
 
 __all__ = ["LeafLayout", "choose_layout", "spec_entry", "is_layout", "pad", "unpad", "interleave",
-           "pad_tree", "unpad_tree"]
+           "real_positions", "pad_tree", "unpad_tree"]

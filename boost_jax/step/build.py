@@ -210,7 +210,7 @@ def build_step(cfg, mesh, compiler_options: dict | None = None) -> StepBundle:
     layout = parallel.resolve(cfg, mesh, abstract_params(model, train)[1])
     pl = layout.placement
     check_factoring(optim, pl.layouts)
-    tx = make_optimizer(optim, train.steps)
+    tx = make_optimizer(optim, train.steps, pl.layouts)
     abstract_state, state_sh = state_layout(pl, tx, jnp.dtype(model.param_dtype))
     engine = Engine(layout)
     batch_sh, rep = pl.batch_sharding(), pl.replicated()

@@ -10,11 +10,18 @@ plan. Adafactor's factored second moment (row and column means) is also unchange
 padding: the padding scales the row statistic and the column statistic by factors that cancel.
 Its update clipping and parameter scaling take an RMS over the whole (padded) weight, so they
 are off (the step clips by global norm), and `check_factoring` refuses a padding that changes
-which dims are factored. Clipping is applied outside (the step needs the norm for logging).
+which dims are factored. Its statistics add an epsilon (1e-30) to every squared gradient, the
+padding's zeros included, and count the padding in their means: `layout_free_statistics`
+stores them as the unpadded weights give them, so every array of the state is zero in its
+padding and means the same in every layout, as restores under another layout (and the
+state's checksums) assume. Clipping is applied outside (the step needs the norm for logging).
 """
 
 from __future__ import annotations
 
+import math
+
+import jax.numpy as jnp
 import optax
 
 from boost_jax.config import OptimConfig
@@ -43,8 +50,10 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([ramp, after], [warmup])
 
 
-def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransformation:
-    """optax's optimizer `cfg.name` on the schedule; weight decay skips the norm gains."""
+def make_optimizer(cfg: OptimConfig, total_steps: int,
+                   layouts=None) -> optax.GradientTransformation:
+    """optax's optimizer `cfg.name` on the schedule; weight decay skips the norm gains.
+    `layouts`: the stored arrays' layouts (sharding/layout.py), where they may be padded."""
     lr = lr_schedule(cfg, total_steps)
     if cfg.name == "lion":
         return optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
@@ -54,11 +63,65 @@ def make_optimizer(cfg: OptimConfig, total_steps: int) -> optax.GradientTransfor
         return optax.chain(optax.add_decayed_weights(cfg.weight_decay, _decay_mask),
                            optax.sgd(lr, momentum=momentum))
     if cfg.name == "adafactor":
-        return optax.adafactor(lr, multiply_by_parameter_scale=False, clipping_threshold=None,
-                               weight_decay_rate=cfg.weight_decay or None,
-                               weight_decay_mask=_decay_mask)
+        tx = optax.adafactor(lr, multiply_by_parameter_scale=False, clipping_threshold=None,
+                             weight_decay_rate=cfg.weight_decay or None,
+                             weight_decay_mask=_decay_mask)
+        return tx if layouts is None else layout_free_statistics(tx, layouts)
     return optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                        weight_decay=cfg.weight_decay, mask=_decay_mask)
+
+
+STATISTICS = ("v_row", "v_col", "v")  # optax's FactoredState: the second moment's arrays
+
+
+def layout_free_statistics(tx: optax.GradientTransformation,
+                           layouts) -> optax.GradientTransformation:
+    """`tx` (Adafactor) storing its statistics as the unpadded weights would give them: zero
+    outside each weight's real elements, and a row (column) mean over a padded dim counted over
+    its real elements (optax's counts the padding's too). Each update runs on the statistics
+    scaled back to optax's counts and leaves (1 - decay)·epsilon > 0 in the padding, zeroed
+    after it: a padded element's update is 0·finite = 0."""
+
+    def update(updates, state, params=None):
+        updates, state = tx.update(updates, rescale_statistics(state, layouts, True), params)
+        return updates, rescale_statistics(state, layouts, False)
+
+    return optax.GradientTransformation(tx.init, update)
+
+
+def rescale_statistics(state, layouts, to_optax: bool):
+    """An Adafactor state's statistics in optax's counts (`to_optax`) or layout-free (zero
+    padding, means over real elements); also what converts a state that an older step saved in
+    optax's counts. Other optimizers' states and unpadded weights are returned as they are."""
+    import jax
+    from optax._src.factorized import _factored_dims
+
+    from boost_jax.sharding.layout import is_layout, real_positions
+
+    by_path = {path_keys(p): lay for p, lay in
+               jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)[0]}
+
+    def one(path, x):
+        key = path_keys(path)
+        at = next((i for i, k in enumerate(key) if k in STATISTICS), None)
+        lay = None if at is None else by_path.get(key[at + 1:])
+        if lay is None or x.shape == (1,) != lay.padded:
+            return x  # not a statistic, or a placeholder
+        vecs, real = real_positions(lay), 1.0
+        if all(v.all() for v in vecs):
+            return x
+        if key[at] != "v":  # v_row averages the largest dim away, v_col the second largest
+            dims = _factored_dims(lay.padded, True, 128)
+            drop = dims[1] if key[at] == "v_row" else dims[0]
+            real = float(vecs[drop].mean())
+            vecs = vecs[:drop] + vecs[drop + 1:]
+        if to_optax:
+            return x * real
+        keep = math.prod(jnp.asarray(v).reshape([-1 if j == i else 1 for j in range(len(vecs))])
+                         for i, v in enumerate(vecs))
+        return jnp.where(keep, x / real, jnp.zeros_like(x))
+
+    return jax.tree_util.tree_map_with_path(one, state)
 
 
 # fp32 optimizer-state elements per weight element (the planner's memory model)

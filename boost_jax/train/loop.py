@@ -228,8 +228,10 @@ def _resume_or_init(cfg: Config, out_dir: str, bundle, data, ckpt: Checkpointer,
     check_meta = _resume_check(cfg, out_dir, meta, accepted)
     restored = ckpt.restore_latest(bundle.abstract_state, check_meta) if existing else None
     if restored is not None:
-        start, state, data_state, _ = restored
+        start, state, data_state, saved = restored
         data.train_iter.set_state(data_state)
+        if run_config.in_optax_counts(saved, cfg):
+            state = _layout_free(bundle, state)
         return start, state, True, accepted
     state = bundle.init_state()
     if cfg.model.init_from:
@@ -239,6 +241,18 @@ def _resume_or_init(cfg: Config, out_dir: str, bundle, data, ckpt: Checkpointer,
         state = hf.init_state_from(bundle, state, cfg.model.init_from)
         say(f"initialised from {cfg.model.init_from}")
     return 0, state, False, accepted
+
+
+def _layout_free(bundle, state) -> dict:
+    """A state whose Adafactor statistics an older step saved in optax's counts, converted to
+    what this run's step stores (step/optim.py: layout_free_statistics)."""
+    from boost_jax.backends.cpu import dev_compile_options
+    from boost_jax.step.optim import rescale_statistics
+
+    sh = bundle.state_shardings["opt_state"]
+    fn = jax.jit(lambda s: rescale_statistics(s, bundle.placement.layouts, False),
+                 out_shardings=sh, compiler_options=dev_compile_options())
+    return dict(state, opt_state=fn(state["opt_state"]))
 
 
 def _open_logger(cfg: Config, out_dir: str, start: int, resumed: bool, accepted: list,
@@ -316,7 +330,8 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
     ckpt, existing = _open_checkpointer(cfg, out_dir, warn)
     meta = {"model": run_config.model_signature(cfg), "mesh": list(mesh.devices.shape),
             "plan": cfg.parallel.plan, "tp_mode": cfg.parallel.tp_mode, "processes": nproc,
-            "config": cfg.to_dict(), "inputs": identities(cfg)}
+            "config": cfg.to_dict(), "inputs": identities(cfg),
+            "adafactor_statistics": run_config.LAYOUT_FREE}
     start, state, resumed, accepted = _resume_or_init(cfg, out_dir, bundle, data, ckpt,
                                                       existing, meta, say)
     if resumed and start >= cfg.train.steps:  # e.g. the same command again, or another's

@@ -160,26 +160,108 @@ def test_one_moment_state_compiles_to_the_planners_bytes():
     assert mem["arguments_compiled"] == pytest.approx(mem["arguments_formula"], abs=64)
 
 
-def test_adafactor_resumes_only_under_the_layout_that_saved_it():
-    """Adafactor's statistics hold its epsilon in the layout's zero padding: a resume under
-    another mesh, plan or pipeline split is one line naming the change, before any step is
-    restored or moved aside; the same layout resumes, and other optimizers restage."""
-    from boost_jax.checkpoints.run_config import check_adafactor_layout
-    from boost_jax.config import load_config
+def test_adafactor_state_restores_under_another_mesh_and_plan(tmp_path):
+    """Adafactor's statistics add an epsilon to every squared gradient, the padding's zeros
+    included, and count the padding in their means; the step stores them as the unpadded
+    weights give them. So a zero3 state padded for 8 devices restores
+    (with the checksums resume checks) into zero1 on 5 devices, padded otherwise, and
+    trains on as the saved layout does."""
+    from boost_jax.checkpoints.store import Checkpointer
+    from boost_jax.config import CheckpointConfig
+    from boost_jax.mesh import make_mesh
+
+    run = CFG + ["optim.name=adafactor", "train.global_batch=40"]
+    cfg = load_config(None, run)
+    rng = np.random.default_rng(1)
+    batches = [{k: rng.integers(0, 260, (40, 16), dtype=np.int32) for k in ("inputs", "targets")}
+               for _ in range(STEPS)]
+
+    def train(bundle, state, part):
+        for b in part:
+            state, _ = bundle.train_step(state, jax.device_put(b, bundle.batch_sharding))
+        return state
+
+    saved = build_step(cfg, mesh_from_config(cfg), fast_compile_options())
+    state = train(saved, saved.init_state(), batches[:2])
+    ck = Checkpointer(str(tmp_path), CheckpointConfig(async_save=False))
+    ck.save(2, state, {}, {"config": cfg.to_dict()}, force=True)
+    want = jax.device_get(saved.logical_params(train(saved, state, batches[2:])))
+
+    other = load_config(None, run + ["parallel.plan=zero1"])
+    bundle = build_step(other, make_mesh("cpu", (1, 1, 5)), fast_compile_options())
+    pads = lambda b: {lay.padded for lay in jax.tree.leaves(  # noqa: E731
+        b.placement.layouts, is_leaf=lambda x: isinstance(x, LeafLayout)) if lay.pad}
+    assert pads(saved) and pads(bundle) and pads(saved) != pads(bundle)
+    step, restored, _, _ = ck.restore_latest(bundle.abstract_state)
+    ck.close()
+    assert step == 2  # the checksums held: nothing was set aside
+    got = jax.device_get(bundle.logical_params(train(bundle, restored, batches[2:])))
+    # the two layouts reduce in another order: 8e-7 apart over 4 steps without a checkpoint
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=2e-6), got, want)
+
+def test_adafactor_statistics_are_stored_as_the_unpadded_weights_give_them():
+    """The step's Adafactor makes optax's updates, and stores optax's statistics zeroed in the
+    padding and rescaled to means over the real elements: what rescale_statistics makes of an
+    older step's state (in optax's counts), and what the unpadded weights give."""
+    from boost_jax.sharding.layout import pad_tree, unpad_tree
+    from boost_jax.step.optim import rescale_statistics
+
+    layouts = {"w": LeafLayout((130, 140), (136, 140), 0, ((), ())),  # factored, dim 0 padded
+               "b": LeafLayout((5,), (8,), 0, ((),))}  # unfactored
+    cfg = load_config(None, ["optim.name=adafactor"]).optim
+    txs = {"optax": make_optimizer(cfg, STEPS), "ours": make_optimizer(cfg, STEPS, layouts),
+           "unpadded": make_optimizer(cfg, STEPS)}
+    rng = np.random.default_rng(0)
+    logical = {k: jnp.asarray(rng.normal(size=lay.shape), jnp.float32)
+               for k, lay in layouts.items()}
+    params = {"unpadded": logical, "optax": pad_tree(layouts, logical)}
+    params["ours"] = params["optax"]
+    states = {k: tx.init(params[k]) for k, tx in txs.items()}
+    for _ in range(3):
+        g = {k: jnp.asarray(rng.normal(size=lay.shape), jnp.float32)
+             for k, lay in layouts.items()}
+        grads = {"unpadded": g, "optax": pad_tree(layouts, g), "ours": pad_tree(layouts, g)}
+        ups = {}
+        for k, tx in txs.items():
+            ups[k], states[k] = tx.update(grads[k], states[k], params[k])
+        # updates of about 1e-2: float32 rounding of the rescaled statistics, 1e-9 at most
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-8),
+                     ups["ours"], ups["optax"])
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-8),
+                     unpad_tree(layouts, ups["ours"]), ups["unpadded"])
+    ours, converted = states["ours"][0], rescale_statistics(states["optax"], layouts, False)[0]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), converted, ours)
+    assert not ours.v_row["w"][130:].any() and not ours.v["b"][5:].any()
+    assert not np.asarray(states["optax"][0].v["b"][5:] == 0).any()  # optax's: epsilon there
+    # v_col averages the padded dim: over its 130 real rows, as the unpadded weight's does
+    np.testing.assert_allclose(ours.v_col["w"], states["unpadded"][0].v_col["w"], rtol=1e-6)
+    np.testing.assert_allclose(ours.v_row["w"][:130], states["unpadded"][0].v_row["w"],
+                               rtol=1e-6)
+
+
+def test_an_older_adafactor_step_resumes_only_under_the_layout_that_saved_it():
+    """A step saved before the statistics were stored layout-free holds optax's epsilon in the
+    layout's padding: under another mesh, plan or pipeline split its resume is one line naming
+    the change, before any step is restored or moved aside; newer steps and other optimizers
+    restore under any layout."""
+    from boost_jax.checkpoints.run_config import LAYOUT_FREE, check_adafactor_layout
 
     base = ["optim.name=adafactor", "parallel.plan=zero3"]
-    saved = {"config": load_config(None, base).to_dict(), "mesh": [2, 2, 2]}
-    check_adafactor_layout(saved, {"mesh": [2, 2, 2]}, load_config(None, base), 5, "runs/x")
+    old = {"config": load_config(None, base).to_dict(), "mesh": [2, 2, 2]}
+    check_adafactor_layout(old, {"mesh": [2, 2, 2]}, load_config(None, base), 5, "runs/x")
     for extra, mesh, change in (([], [2, 1, 3], r"the device mesh \[2, 2, 2\] -> \[2, 1, 3\]"),
                                 (["parallel.plan=hierarchical"], [2, 2, 2],
                                  r"parallel\.plan 'zero3' -> 'hierarchical'"),
                                 (["parallel.pp_stages=2"], [2, 2, 2],
                                  r"parallel\.pp_stages 1 -> 2")):
+        other = load_config(None, base + extra)
         with pytest.raises(UserError, match=rf"^checkpoint step 5 in runs/x holds optim\.name="
-                                            rf"adafactor state saved under another layout "
-                                            rf"\({change}\), .*: set those back to resume"):
-            check_adafactor_layout(saved, {"mesh": mesh}, load_config(None, base + extra), 5,
-                                   "runs/x")
+                                            rf"adafactor state saved by an older boost_jax under "
+                                            rf"another layout \({change}\), .*: set those back "
+                                            rf"to resume"):
+            check_adafactor_layout(old, {"mesh": mesh}, other, 5, "runs/x")
+        check_adafactor_layout(dict(old, adafactor_statistics=LAYOUT_FREE), {"mesh": mesh},
+                               other, 5, "runs/x")
     adam = {"config": load_config(None, ["parallel.plan=zero3"]).to_dict(), "mesh": [2, 2, 2]}
     check_adafactor_layout(adam, {"mesh": [2, 1, 3]},
                            load_config(None, ["parallel.plan=hierarchical"]), 5, "runs/x")

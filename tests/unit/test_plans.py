@@ -182,6 +182,24 @@ def test_layouts_divide_or_pad():
     assert lay.spec(("node", "global")) == P(None, ("pair", "node", "global"))
 
 
+def test_real_positions_mark_what_pad_fills():
+    """The per-dim vectors of real_positions multiply out to the elements `pad` fills from the
+    logical array: a padded dim, an end weight in its owner's slot, an interleaved layer stack
+    with padded layers."""
+    from boost_jax.sharding.layout import LeafLayout, pad, real_positions
+
+    for lay in (LeafLayout((5, 3), (5, 4), 1, ((), ())),
+                LeafLayout((4, 6), (4, 6), None, ((), ()), layer_axis=True, owner=2),
+                LeafLayout((7, 3), (8, 4), 1, ((), ()), layer_axis=True, interleave=(2, 2))):
+        vecs = real_positions(lay)
+        logical = lay.shape[1:] if lay.owner is not None else lay.shape
+        want = np.asarray(pad(lay, jnp.ones(logical))) != 0
+        got = np.ones(lay.padded, bool)
+        for i, v in enumerate(vecs):
+            got &= v.reshape([-1 if j == i else 1 for j in range(len(vecs))])
+        np.testing.assert_array_equal(got, want)
+
+
 def test_padding_is_reported_in_memory(mesh):
     pl = make_placement(_cfg("parallel.plan=zero3"), mesh,
                         __import__("boost_jax.step.build", fromlist=["x"]).abstract_params(
