@@ -5,8 +5,8 @@ Each source is cut into windows like a single corpus (pipeline.py) and shuffled 
 `MapDataset.mix` interleaves them deterministically in the proportions of the weights (scaled
 so the smallest is 100, then rounded down: exact to about 1%). A source smaller than its share
 simply repeats more often. The stream is a pure function of (files, weights, seq_len, seed), so
-the iterator state is still grain's `{"next_index": k}`, saved in every checkpoint: a resumed
-run continues the mixture at the same window.
+the iterator state is still the count of windows taken (`{"windows": n}`, pipeline.py), saved
+in every checkpoint: a resumed run continues the mixture at the same window.
 
 Validation: each source keeps its own contiguous tail (data.val_fraction of its tokens, as for
 one .bin); the eval windows are drawn from those tails in proportion to the weights (largest

@@ -7,9 +7,11 @@ every epoch by grain (per-epoch seed = seed + epoch). Process p of P takes strea
 p, p+P, p+2P, …, so at step k the P per-process batches together are exactly global positions
 [k·B, (k+1)·B) with B = P·b: the data of a step does not depend on the process count.
 
-Iterator state is grain's `{"next_index": k}` (k = batches taken), plain JSON, and the same on
-every process at the same step. `data.sources` mixes several corpora into that one global
-stream before the per-process shard (data/mixture.py), so all of the above holds for a mixture.
+Iterator state is `{"windows": n}`, the global stream's windows taken (plain JSON, the same on
+every process at the same step), so a resume under another train.global_batch continues at
+window n (an older step's `{"next_index": k}` counts batches of this run's global_batch).
+`data.sources` mixes several corpora into that one global stream before the per-process shard
+(data/mixture.py), so all of the above holds for a mixture.
 """
 
 from __future__ import annotations
@@ -59,13 +61,38 @@ def _windows(tokens: np.ndarray, seq_len: int, seed: int) -> grain.MapDataset:
             .repeat())
 
 
-def _batches(ds: grain.MapDataset, batch_size_per_process: int, process_index: int,
-             process_count: int):
-    """This process's share of the global stream, batched; grain's resumable iterator."""
-    ds = (ds.slice(slice(process_index, None, process_count))
-          .batch(batch_size_per_process, drop_remainder=True)
-          .map(_to_example))
-    return iter(ds.to_iter_dataset(_READ))
+class WindowBatches:
+    """This process's batches of a global window stream (grain's iterator from window n on),
+    resumable by the count of windows taken: get_state() / set_state({"windows": n})."""
+
+    def __init__(self, ds: grain.MapDataset, batch_size_per_process: int, process_index: int,
+                 process_count: int):
+        self._ds, self._b, self._p, self._n = ds, batch_size_per_process, process_index, \
+            process_count
+        self.set_state({"windows": 0})
+
+    def get_state(self) -> dict:
+        return {"windows": self._start + self._taken * self._b * self._n}
+
+    def set_state(self, state: dict) -> None:
+        if set(state) == {"windows"}:
+            start = int(state["windows"])
+        elif set(state) == {"next_index"}:  # an older step's: batches of this global_batch
+            start = int(state["next_index"]) * self._b * self._n
+        else:
+            raise UserError(f"the checkpoint's data position {state} is not a packed corpus's "
+                            "or a mixture's; resume with the data.source(s) it was trained on")
+        ds = (self._ds.slice(slice(start, None)).slice(slice(self._p, None, self._n))
+              .batch(self._b, drop_remainder=True).map(_to_example))
+        self._start, self._taken, self._it = start, 0, iter(ds.to_iter_dataset(_READ))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        batch = next(self._it)
+        self._taken += 1
+        return batch
 
 
 def _check_process(process_index: int, process_count: int) -> None:
@@ -77,8 +104,8 @@ def make_train_iterator(tokens: np.ndarray, seq_len: int, batch_size_per_process
                         seed: int, process_index: int = 0, process_count: int = 1):
     """Infinite iterator of {"inputs","targets"}: int32[batch_size_per_process, seq_len].
 
-    Returns grain's DatasetIterator: `get_state()` (JSON-serialisable dict) and
-    `set_state(state)` resume exactly.
+    Returns a WindowBatches: `get_state()` (JSON-serialisable dict) and `set_state(state)`
+    resume exactly.
     """
     _check_process(process_index, process_count)
     n = len(PackedSequences(tokens, seq_len))
@@ -88,8 +115,8 @@ def make_train_iterator(tokens: np.ndarray, seq_len: int, batch_size_per_process
             f"the training split has {len(tokens)} tokens = {n} sequences of "
             f"data.seq_len+1={seq_len + 1}, fewer than one global batch of {need}; use a larger "
             "corpus (data.source / data.max_bytes) or lower data.seq_len or train.global_batch")
-    return _batches(_windows(tokens, seq_len, seed), batch_size_per_process, process_index,
-                    process_count)
+    return WindowBatches(_windows(tokens, seq_len, seed), batch_size_per_process, process_index,
+                         process_count)
 
 
 def make_mixture_iterator(tokens: list, weights: list, seq_len: int,
@@ -106,8 +133,8 @@ def make_mixture_iterator(tokens: list, weights: list, seq_len: int,
                 f"sequence of data.seq_len+1={seq_len + 1}; use a larger corpus or lower "
                 "data.seq_len")
     parts = [_windows(t, seq_len, source_seed(seed, j)) for j, t in enumerate(tokens)]
-    return _batches(grain.MapDataset.mix(parts, list(weights)), batch_size_per_process,
-                    process_index, process_count)
+    return WindowBatches(grain.MapDataset.mix(parts, list(weights)), batch_size_per_process,
+                         process_index, process_count)
 
 
 def make_eval_batches(tokens: np.ndarray, seq_len: int, batch: int, n_batches: int) -> list[dict]:

@@ -403,7 +403,7 @@ def prepare(source: str, out: str, spec: str, workers: int = 1, field: str = "te
     if spec == "bpe":
         from boost_jax.data.tokenizers import check_bpe_vocab_size
 
-        check_bpe_vocab_size(bpe_vocab_size)
+        check_bpe_vocab_size(bpe_vocab_size, "--bpe-vocab-size ")
     tok = None if spec == "bpe" else load_tokenizer(spec)
     total = sum(os.path.getsize(f) for f in files)
     t0 = time.perf_counter()

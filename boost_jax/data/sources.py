@@ -248,16 +248,25 @@ def _load_bin(data_cfg, tokenizer: Tokenizer):
     return arr[: n - n_val], arr[n - n_val:]
 
 
+def _stamp(source: str) -> Optional[tuple]:
+    """What the cache of load_corpus checks for changes: the size and mtime of the source file,
+    or of each text file under a source folder (a folder's own mtime misses edits in place)."""
+    if source == "stdlib":
+        return None
+    paths = [source]
+    if os.path.isdir(source):
+        paths = [os.path.join(source, r) for r in _walk(source, TEXT_EXTS, {"__pycache__"})]
+    stats = [os.stat(p) for p in paths]
+    return (os.path.abspath(source),) + tuple((p, st.st_mtime_ns, st.st_size)
+                                              for p, st in zip(paths, stats))
+
+
 def load_corpus(data_cfg, cache_dir: Optional[str] = None) -> Corpus:
     """Read, split and tokenize `data.source`; see the module docstring."""
     source = data_cfg.source
     if source != "stdlib":
         _check_exists(source)
-    stamp = None
-    if source != "stdlib":
-        st = os.stat(source)
-        stamp = (os.path.abspath(source), st.st_mtime_ns, st.st_size)
-    key = (source, stamp, data_cfg.tokenizer, data_cfg.bpe_vocab_size, data_cfg.max_bytes,
+    key = (source, _stamp(source), data_cfg.tokenizer, data_cfg.bpe_vocab_size, data_cfg.max_bytes,
            data_cfg.val_fraction, data_cfg.bin_dtype, os.path.abspath(cache_dir or ""))
     if key in _CACHE:
         return _CACHE[key]

@@ -127,10 +127,11 @@ class HFTokenizer:
         return np.concatenate(parts)
 
 
-def check_bpe_vocab_size(vocab_size: int) -> None:
+def check_bpe_vocab_size(vocab_size: int, option: str = "data.bpe_vocab_size=") -> None:
+    """`option`: how the user gave the size (the config key, or prepare's flag)."""
     if vocab_size < BPE_MIN_VOCAB:
         raise UserError(
-            f"data.bpe_vocab_size={vocab_size} is too small for a byte-level BPE (256 bytes + EOS "
+            f"{option}{vocab_size} is too small for a byte-level BPE (256 bytes + EOS "
             f"+ merges); use at least {BPE_MIN_VOCAB}")
 
 

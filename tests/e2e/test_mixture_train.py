@@ -63,7 +63,7 @@ def test_mixture_resumes_exactly_after_sigkill(corpora, jax_cache, tmp_path):
     assert t.kill() == -signal.SIGKILL  # after the step-3 checkpoint, mid-training
     assert not os.path.exists(out / "checkpoints" / str(STEPS))
     state = json.load(open(out / "checkpoints" / "3" / "data" / "metadata"))
-    assert state == {"next_index": 3}  # the mixture's position, saved with the weights
+    assert state == {"windows": 3 * 8}  # the mixture's position (8 windows a step)
     t = Train(out, env)
     assert t.wait() == 0, t.output
     assert "resumed from step" in t.output

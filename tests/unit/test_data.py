@@ -120,6 +120,19 @@ def test_folder_source(folder):
     assert [k for k, _ in capped] == keys[: len(capped)]  # the cap keeps a sorted prefix
 
 
+def test_a_folder_source_edited_in_place_is_read_again(folder):
+    """The corpus cache of one process checks each file of a folder, not the folder's own
+    mtime (which an edit in place leaves unchanged)."""
+    before = load_corpus(_cfg(folder, val_fraction=0.5))
+    assert load_corpus(_cfg(folder, val_fraction=0.5)) is before  # cached
+    mtime = os.stat(folder).st_mtime_ns
+    (folder / "sub" / "f01.py").write_text("x = 1\n" * 500)
+    assert os.stat(folder).st_mtime_ns == mtime
+    after = load_corpus(_cfg(folder, val_fraction=0.5))
+    assert after is not before and len(after.train) + len(after.val) != \
+        len(before.train) + len(before.val)
+
+
 def test_jsonl_source(tmp_path):
     f = tmp_path / "c.jsonl"
     f.write_text("\n".join(json.dumps({"text": _text(i), "id": i}) for i in range(30)) + "\n\n")
@@ -211,6 +224,35 @@ def test_pipeline_resume_through_json():
     it2 = make_train_iterator(TOKS, 16, 4, seed=3)
     it2.set_state(state)
     assert _same(head + _take(it2, 5), straight)
+
+
+def test_pipeline_resumes_at_its_window_under_another_global_batch():
+    """The saved position counts windows: 3 batches of 4, then batches of 8 (an accepted
+    train.global_batch change) or of 4 over 2 processes, continue the stream at window 12;
+    an older step's {"next_index": k} counts batches of this run's size; a streaming source's
+    position is a one-line error."""
+    whole = np.concatenate([b["inputs"] for b in
+                            _take(make_train_iterator(TOKS, 16, 12, seed=3), 3)])
+    it = make_train_iterator(TOKS, 16, 4, seed=3)
+    head = np.concatenate([b["inputs"] for b in _take(it, 3)])
+    state = json.loads(json.dumps(it.get_state()))
+    assert state == {"windows": 12}
+    bigger = make_train_iterator(TOKS, 16, 8, seed=3)
+    bigger.set_state(state)
+    np.testing.assert_array_equal(np.concatenate([head, _take(bigger, 3)[0]["inputs"]]),
+                                  whole[:20])
+    procs = [make_train_iterator(TOKS, 16, 2, 3, p, 2) for p in range(2)]
+    for p in procs:
+        p.set_state(state)
+    rows = [_take(p, 1)[0]["inputs"] for p in procs]
+    np.testing.assert_array_equal(np.stack(rows, 1).reshape(4, 16), whole[12:16])
+    assert procs[0].get_state() == {"windows": 16}
+    older = make_train_iterator(TOKS, 16, 4, seed=3)
+    older.set_state({"next_index": 3})
+    np.testing.assert_array_equal(_take(older, 1)[0]["inputs"], whole[12:16])
+    with pytest.raises(UserError, match=r"^the checkpoint's data position \{'piece': 2, "
+                                        r"'offset': 0\} is not a packed corpus's"):
+        older.set_state({"piece": 2, "offset": 0})
 
 
 def test_pipeline_sharding_disjoint_union():

@@ -126,5 +126,9 @@ def test_tokenizer_bpe_trains_saves_and_names_it(tmp_path, capsys):
     assert e.value.code == 2
     assert "c.tokenizer.json' already exist" in capsys.readouterr().err
     before = open(tok_path).read()
+    with pytest.raises(SystemExit) as e:  # the flag it came from, not the config key
+        main(argv + ["--force", "--bpe-vocab-size", "100"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --bpe-vocab-size 100 is too small ")
     assert main(argv + ["--force", "--bpe-vocab-size", "520"]) == 0
     assert open(tok_path).read() != before and HFTokenizer.from_file(tok_path).vocab_size == 520
