@@ -109,9 +109,11 @@ def _well_formed(want) -> bool:
         for n, v in want.items())
 
 
-def check_seal(step_dir: str, part: int = 0, parts: int = 1) -> Optional[str]:
+def check_seal(step_dir: str, part: int = 0, parts: int = 1,
+               item: Optional[str] = None) -> Optional[str]:
     """None if the step's files match its seal, else what differs (one clause). With `parts`
-    processes, each checks the files whose index is `part` modulo `parts`."""
+    processes, each checks the files whose index is `part` modulo `parts`; with `item` (one of
+    ITEMS), only that item's files are read."""
     try:
         with open(os.path.join(step_dir, SEAL_FILE)) as f:
             record = json.load(f)
@@ -131,7 +133,8 @@ def check_seal(step_dir: str, part: int = 0, parts: int = 1) -> Optional[str]:
     extra = sorted(set(have) - set(want))
     if extra:
         return f"file {extra[0]} was not there when it was written"
-    mine = [n for i, n in enumerate(sorted(want)) if i % parts == part]
+    mine = [n for i, n in enumerate(sorted(want)) if i % parts == part
+            and (item is None or n.startswith(item + "/"))]
     for name in mine:
         path = os.path.join(step_dir, name)
         if not os.path.isfile(path):

@@ -389,18 +389,15 @@ class Checkpointer:
     def restore_meta(self, step: int) -> dict:
         return self.mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
-    def _check_seal(self, step: int, meta: dict) -> Optional[str]:
-        """The step's files against its seal (each process checks its share of the files);
-        None for a step saved before seals were written."""
-        if not meta.get("seal"):
-            return None
-        return check_seal(os.path.join(self.directory, str(step)), self._pid, self._nproc)
-
-    def _sealed_error(self, step: int) -> Optional[str]:
-        """What the step's seal finds wrong, when it has one (None otherwise)."""
+    def _check_seal(self, step: int, meta: dict, item: Optional[str] = None) -> Optional[str]:
+        """The step's files against its seal (each process checks its share of the files, or
+        all of `item`'s); None for a step saved before seals were written. A seal file counts
+        even where the metadata (changed, say) does not name it."""
         step_dir = os.path.join(self.directory, str(step))
-        if not os.path.exists(os.path.join(step_dir, SEAL_FILE)):
+        if not meta.get("seal") and not os.path.exists(os.path.join(step_dir, SEAL_FILE)):
             return None
+        if item is not None:
+            return check_seal(step_dir, item=item)
         return check_seal(step_dir, self._pid, self._nproc)
 
     def _agree(self, ok: bool) -> bool:
@@ -428,8 +425,11 @@ class Checkpointer:
                 meta = self.restore_meta(step)
             except Exception as e:  # noqa: BLE001
                 # a sealed step names the changed file (the metadata's own, say)
-                err = self._sealed_error(step) or \
+                err = self._check_seal(step, {}) or \
                     f"its metadata cannot be read: {error_reason(e)}"
+            # the metadata's own files first (they are small): a changed one must not be
+            # taken for another config by check_meta
+            err = err or self._check_seal(step, meta, "meta")
             if not self._agree(err is None):
                 bad.append((step, err or "another process could not read its metadata"))
                 continue

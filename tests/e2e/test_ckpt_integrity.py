@@ -98,6 +98,33 @@ def test_any_changed_byte_of_the_latest_checkpoint_is_caught(reference, tmp_path
         shutil.rmtree(out)
 
 
+def test_a_changed_metadata_item_is_caught_before_its_config_is_compared(reference, tmp_path):
+    """The latest step's metadata edited but still JSON (its model's d_model): the seal finds
+    the changed file before resume compares the saved config with the run's, so the step is
+    set aside and the previous one restored, rather than the run refused as another model."""
+    from boost_jax.mesh import mesh_from_config
+    from boost_jax.step.build import build_step
+
+    out = str(tmp_path / "run")
+    shutil.copytree(reference, out)
+    ckpt_dir = os.path.join(out, "checkpoints")
+    path = os.path.join(ckpt_dir, str(STEPS), "meta", "metadata")
+    text = open(path).read()
+    assert text.count('"d_model": 32,') == 2
+    open(path, "w").write(text.replace('"d_model": 32,', '"d_model": 64,'))
+
+    def check_meta(step, meta):
+        if meta["model"]["d_model"] != 32:
+            raise UserError("another model")
+
+    cfg = load_config(None, RUN + [f"out_dir={out}"])
+    warnings = []
+    found = Checkpointer(ckpt_dir, cfg.checkpoint, warn=warnings.append).restore_latest(
+        build_step(cfg, mesh_from_config(cfg)).abstract_state, check_meta)
+    assert found[0] == STEPS - 2
+    assert len(warnings) == 1 and "(file meta/metadata " in warnings[0], warnings
+
+
 def test_resume_past_a_changed_byte_trains_on_like_the_reference(reference, tmp_path, capfd):
     """The real resume: a byte changed in the largest array data file of the latest step; the
     run warns, restarts from the previous step and its losses equal the uninterrupted run's."""
