@@ -130,11 +130,13 @@ def leaving(paths: list, folder: str) -> list:
     return [p for p in paths if not _inside(_real(p), root) and _real(p) != root]
 
 
-def refuse_unusable(target: str, what: str, fix: str) -> None:
-    """Refuse an empty path and one that ends in a separator (a folder's name) where a file is
-    to be written: neither names the file the user meant."""
+def refuse_unusable(target: str, what: str, fix: str, folder: bool = False) -> None:
+    """Refuse an empty path, and where a file is to be written (not a `folder`) one that ends
+    in a separator (a folder's name): neither names what the user meant."""
     if not target:
         raise Refused(f"{what} is an empty path; {fix}")
+    if folder:
+        return
     if target.endswith((os.sep, "/.", "/..")) or target in (".", ".."):
         raise Refused(f"{what} names a folder, not a file; {fix}")
 

@@ -286,10 +286,11 @@ def node_check_command(job: Job) -> str:
                      str(job.topo.devices_per_node)])
 
 
-def _or_exit(heredoc: list[str]) -> list[str]:
-    """A heredoc's lines that stop the script when writing fails (a full disk): a config cut
-    short is never renamed into place."""
-    return [heredoc[0] + ' || { rm -f -- "$NEW_CONFIG"; exit 1; }', *heredoc[1:]]
+def _heredoc_or_exit(target: str, text: str, tag: str) -> list[str]:
+    """The lines that write `text` to `target` (quoted) and stop the script when writing fails
+    (a full disk): a file cut short is removed, never renamed into place."""
+    lines = sv.heredoc(target, text, tag)
+    return [lines[0] + f" || {{ rm -f -- {target}; exit 1; }}", *lines[1:]]
 
 
 def render(job: Job) -> str:
@@ -320,7 +321,7 @@ def render(job: Job) -> str:
           "    exit 1",
           "fi",
           'NEW_CONFIG=$(mktemp "$OUT_DIR/.job_config.yaml.XXXXXX") || exit 1',
-          *_or_exit(sv.heredoc('"$NEW_CONFIG"', yaml_text, "BOOST_JAX_CONFIG")),
+          *_heredoc_or_exit('"$NEW_CONFIG"', yaml_text, "BOOST_JAX_CONFIG"),
           "# mktemp made it 0600: the mode a new file gets under the umask",
           'chmod "$(printf %o $((0666 & ~0$(umask))))" "$NEW_CONFIG" || exit 1',
           'mv -f -- "$NEW_CONFIG" "$CONFIG" || exit 1',
