@@ -47,6 +47,7 @@ def run_val_windows(run) -> np.ndarray:
     """The run's own eval windows [n, seq_len + 1] (as train/loop.py evaluates them)."""
     import os
 
+    from boost_jax.data.fingerprint import input_files
     from boost_jax.data.pipeline import eval_batches, load_splits
     from boost_jax.infer.load import TOKENIZER_DIR
 
@@ -57,6 +58,10 @@ def run_val_windows(run) -> np.ndarray:
         raise UserError(f"the run's data source {lost[0]!r} is a relative path that does not "
                         "exist from here; run from the folder the run was trained in, or pass "
                         "--data FILE")
+    for key, path in input_files(cfg).items():
+        if key != "data.tokenizer":
+            run.check_input(key, path, "its validation split would be other data: restore "
+                            "it, or pass --data FILE")
     _, _, vals, weights = load_splits(cfg, os.path.join(run.path, TOKENIZER_DIR))
     batches = eval_batches(vals, weights, cfg.data.seq_len, cfg.train.global_batch,
                            cfg.train.eval_batches)
@@ -97,11 +102,12 @@ def windows_of(tokens, seq_len: int, max_tokens) -> list:
 
 
 def target_bytes(tokenizer, targets: np.ndarray) -> int:
-    """UTF-8 bytes of the text the targets spell (document breaks count none)."""
-    from boost_jax.data.tokenizers import ByteTokenizer
-
-    if isinstance(tokenizer, ByteTokenizer):
-        return int(np.count_nonzero(targets != tokenizer.eos_id))
+    """UTF-8 bytes of the text the targets spell (document breaks count none). Counted per id
+    where ids are bytes or byte-level BPE tokens: a character split between two windows counts
+    its bytes once (decoded, each half would count as a 3-byte U+FFFD)."""
+    table = tokenizer.byte_lengths()
+    if table is not None:
+        return int(table[np.asarray(targets)].sum())
     return sum(len(tokenizer.decode(row).encode("utf-8")) for row in targets)
 
 

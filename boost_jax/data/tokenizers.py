@@ -33,6 +33,8 @@ class Tokenizer(Protocol):
 
     def encode_documents(self, docs: Sequence[str]) -> np.ndarray: ...  # docs joined by EOS
 
+    def byte_lengths(self) -> Optional[np.ndarray]: ...  # UTF-8 bytes per id, if ids alone have
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255, nothing to download.
@@ -60,6 +62,12 @@ class ByteTokenizer:
     def encode_documents(self, docs: Sequence[str]) -> np.ndarray:
         return self.encode("\x00".join(docs))
 
+    def byte_lengths(self) -> np.ndarray:
+        """One byte per id but EOS, which decodes to none."""
+        out = np.ones(self.vocab_size, np.int64)
+        out[self.eos_id] = 0
+        return out
+
 
 class HFTokenizer:
     """A Hugging Face `tokenizers` tokenizer.json.
@@ -77,6 +85,7 @@ class HFTokenizer:
             eos = BPE_EOS
         self.eos_id = int(tok.token_to_id(eos))
         self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+        self._byte_lengths = None
 
     @property
     def fingerprint(self) -> str:
@@ -84,6 +93,23 @@ class HFTokenizer:
         import hashlib
 
         return "sha256:" + hashlib.sha256(self._tok.to_str().encode("utf-8")).hexdigest()
+
+    def byte_lengths(self) -> Optional[np.ndarray]:
+        """UTF-8 bytes each id decodes to, for a byte-level BPE (each character of a token
+        stands for one byte; special tokens decode to none); None for other decoders, whose
+        ids need not decode alone to whole characters."""
+        import json
+
+        if self._byte_lengths is None:
+            decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+            if decoder.get("type") != "ByteLevel":
+                return None
+            added = self._tok.get_added_tokens_decoder()
+            self._byte_lengths = np.array(
+                [(0 if added[i].special else len(added[i].content.encode("utf-8")))
+                 if i in added else len(self._tok.id_to_token(i) or "")
+                 for i in range(self.vocab_size)], np.int64)
+        return self._byte_lengths
 
     @classmethod
     def from_file(cls, path: str) -> "HFTokenizer":

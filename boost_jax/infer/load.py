@@ -13,7 +13,7 @@ checksums saved with them (checkpoints/store.py), so any changed byte is refused
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from boost_jax.config import Config, config_from_dict
@@ -31,6 +31,20 @@ class Run:
     step: int
     params: Any  # logical (unpadded) weights on one device, model.param_dtype
     tokenizer: Tokenizer
+    inputs: dict = field(default_factory=dict)  # the step's input identities (meta)
+
+    def check_input(self, key: str, path: str, fix: str) -> None:
+        """A one-line error if input file `key` (data/fingerprint.py) at `path` is not the one
+        the step was trained on (a step from before fingerprints records none)."""
+        from boost_jax.data.fingerprint import source_identity
+        from boost_jax.data.shards import is_streaming
+
+        want = self.inputs.get(key)
+        streamed = key.startswith("data.sources") and is_streaming(path)
+        if want is not None and source_identity(path, streamed) != want:
+            raise UserError(f"checkpoint step {self.step} of run {self.path!r} was trained on "
+                            f"{key} {path!r} as it was then, and that file has changed since "
+                            f"(or another file has its name here); {fix}")
 
 
 def quiet_libraries() -> None:
@@ -159,6 +173,12 @@ def open_run(run_dir: str, step: Optional[int] = None, device=None) -> Run:
     check_step_files(ckpt_dir, step, meta or {})
     cfg = _saved_config(run_dir, meta or {})
     tokenizer = run_tokenizer(cfg, run_dir)
-    params = restore_params(mngr, step, cfg, device, meta)
+    inputs = (meta or {}).get("inputs")
+    run = Run(os.path.abspath(run_dir), cfg, step, None, tokenizer,
+              inputs if isinstance(inputs, dict) else {})
+    if cfg.data.tokenizer not in ("byte", "bpe"):
+        run.check_input("data.tokenizer", cfg.data.tokenizer, "its ids would not match the "
+                        "model's: put back the tokenizer it was trained with")
+    run.params = restore_params(mngr, step, cfg, device, meta)
     mngr.close()
-    return Run(os.path.abspath(run_dir), cfg, step, params, tokenizer)
+    return run

@@ -54,6 +54,24 @@ def test_byte_tokenizer_round_trip():
     assert tok.decode(joined) == "abcd"  # decode drops EOS
 
 
+def test_evaluate_counts_each_byte_once_where_windows_split_a_character():
+    """bits per byte divides by the bytes the targets spell: per id for byte-level BPE, so a
+    3-byte character split between two windows counts 3 bytes, not two U+FFFD of 3 each."""
+    from boost_jax.evaluate import target_bytes
+
+    text = "".join(chr(0x4E00 + i * 7919 % 2000) for i in range(3000))  # 3 bytes each
+    tok = train_bpe([text], 600)
+    ids = tok.encode(text)
+    cut = len(ids) // 7 * 7
+    rows = ids[:cut].reshape(-1, 7)
+    decoded = sum(len(tok.decode(r).encode()) for r in rows)
+    assert decoded > len(text.encode())  # what decoding each window alone counts
+    assert target_bytes(tok, rows) + target_bytes(tok, ids[None, cut:]) == len(text.encode())
+    eos = np.array([[5, 0, 7]])  # document breaks count none
+    assert target_bytes(ByteTokenizer(), eos) == 2
+    assert target_bytes(tok, np.array([[tok.eos_id]])) == 0
+
+
 def test_bpe_train_cache_and_reload(tmp_path):
     texts = [_text(i) for i in range(30)]
     calls = []

@@ -115,3 +115,33 @@ def test_a_changed_tokenizer_file_is_named_unless_accepted(tmp_path):
         cfg.checkpoint.accept_changes = accept
         check_unchanged(saved, identities(cfg), cfg, 5, "runs/x")
     check_unchanged({}, identities(cfg), cfg, 5, "runs/x")  # saved before fingerprints
+
+
+def test_generate_evaluate_and_export_refuse_a_changed_tokenizer_or_val_source(tmp_path):
+    """open_run (generate, evaluate, export, lm_eval) checks the run's tokenizer file against
+    the step's record, and evaluate's own validation windows its data source: another file
+    under either name would give other ids or other windows with no word said."""
+    from boost_jax.data.tokenizers import train_bpe
+    from boost_jax.evaluate import run_val_windows
+    from boost_jax.infer.load import open_run
+
+    src, tok = tmp_path / "corpus.txt", tmp_path / "tok.json"
+    src.write_text(TEXT)
+    train_bpe([TEXT], 520, save_path=str(tok))
+    out = tmp_path / "run"
+    _train(out, f"data.source={src}", f"data.tokenizer={tok}", "model.vocab_size=null",
+           "train.steps=2")
+    assert len(run_val_windows(open_run(str(out))))
+    kept = tok.read_bytes()
+    train_bpe([TEXT.upper()], 520, save_path=str(tok))
+    with pytest.raises(UserError, match=rf"^checkpoint step 2 of run '{out}' was trained on "
+                       rf"data\.tokenizer '{tok}' as it was then, and that file has changed "
+                       r"since .*; its ids would not match the model's"):
+        open_run(str(out))
+    tok.write_bytes(kept)
+    src.write_text(TEXT.replace("2", "3"))
+    run = open_run(str(out))
+    with pytest.raises(UserError, match=rf"was trained on data\.source '{src}' as it was then.*"
+                       r"its validation split would be other data: restore it, or pass "
+                       r"--data FILE$"):
+        run_val_windows(run)
