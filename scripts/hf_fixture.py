@@ -12,9 +12,8 @@ transformers, copy boost_jax/hf_remote/*.py into it, as export does). torch and 
 not dependencies of the project; make the fixture in an environment that has them besides
 boost_jax's own:
 
-    python3 -m venv /tmp/venv-hf
-    /tmp/venv-hf/bin/pip install -e . torch==2.13.0 transformers==5.24.0
-    /tmp/venv-hf/bin/python scripts/hf_fixture.py [--out tests/fixtures/hf] [full svd cola lax ...]
+    make .venv-hf/.installed  # or: pip install -e '.[test,hf-live]' (pyproject.toml's pins)
+    .venv-hf/bin/python scripts/hf_fixture.py [--out tests/fixtures/hf] [full svd cola lax ...]
 """
 
 from __future__ import annotations
@@ -50,10 +49,10 @@ MODELS = {
                  d_ff=128, max_seq_len=32, init_std=0.2, tie_embeddings=True, norm_eps=1e-5),
 }
 # every other arch x GPT family: svd loads as the family's transformers class (merged), cola and
-# lax through the export's remote code; lax with the r x r gate and three blocks
+# lax through the export's remote code; lax with the r x r gate, three blocks and GQA
 for _fam in ("gpt_neox", "gpt2"):
     for _arch, _extra in (("svd", {}), ("cola", {}),
-                          ("lax", dict(n_layers=3, lax_gate="gate"))):
+                          ("lax", dict(n_layers=3, lax_gate="gate", n_kv_heads=2))):
         MODELS[f"{_arch}_{_fam}"] = dict(MODELS[_fam], arch=_arch, rank=8, **_extra)
 REMOTE_DIGEST = "remote_code.sha256"  # what a cola / lax fixture keeps of its remote code
 GREEDY_NEW = 8  # tokens transformers' generate() continues TOKENS[:, :PROMPT] by, greedily

@@ -72,9 +72,12 @@ class _Call:
         return self.fn(x)
 
 
-def _fused_qkv(box, family, heads):
+def _fused_qkv(box, family, heads, kv_heads):
     def qkv(x):
         q, k, v = box.q(x), box.k(x), box.v(x)
+        if kv_heads != heads:  # grouped-query: query head h reads kv head h // (heads/kv_heads)
+            k, v = (t.view(*t.shape[:-1], kv_heads, -1).repeat_interleave(
+                heads // kv_heads, dim=-2).flatten(-2) for t in (k, v))
         if family == "gpt2":  # q | k | v
             return torch.cat([q, k, v], dim=-1)
         split = [t.view(*t.shape[:-1], heads, -1) for t in (q, k, v)]  # NeoX: per head q, k, v
@@ -96,12 +99,16 @@ def _swap_gpt_layer(layer, family, config, carry):
                                    else config.intermediate_size) or 4 * config.hidden_size
     if not hasattr(layer, "attn"):
         layer.attn = nn.Module()
-    dims = {"q": (d, d), "k": (d, d), "v": (d, d), "o": (d, d), "up": (d, d_ff), "down": (d_ff, d)}
+    heads = config.num_attention_heads
+    kv_heads = config.boost_jax["model"].get("n_kv_heads") or heads
+    kv = d // heads * kv_heads
+    dims = {"q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d), "up": (d, d_ff),
+            "down": (d_ff, d)}
     for name, (d_in, d_out) in dims.items():
         box = layer.attn if name in "qkvo" else layer.mlp
         setattr(box, name, LowRankProjection(d_in, d_out, rank, kind, gate, eps, name, carry,
                                              bias=True))
-    calls = (_fused_qkv(layer.attn, family, config.num_attention_heads), layer.attn.o,
+    calls = (_fused_qkv(layer.attn, family, heads, kv_heads), layer.attn.o,
              layer.mlp.up, layer.mlp.down)
     for (owner, attr), fn in zip(GPT_SLOTS[family], calls):
         owner = getattr(layer, owner)
