@@ -45,8 +45,9 @@ def layers_per_stage(n_layers: int, stages: int, virtual: int = 1) -> int:
     what = (f"parallel.pp_stages={stages}" if virtual == 1 else
             f"parallel.pp_stages={stages} x parallel.pp_virtual={virtual}")
     if chunks > n_layers:
+        most = "stages" if virtual == 1 else "stages x virtual stages"
         raise ConfigError(f"{what} is more stages than the model's {n_layers} layers "
-                          f"(model.n_layers); use at most {n_layers} stages")
+                          f"(model.n_layers); use at most {n_layers} {most}")
     k = math.ceil(n_layers / chunks)
     if (chunks - 1) * k >= n_layers:
         raise ConfigError(

@@ -74,7 +74,7 @@ ROWS = {
     "pp_virtual_too_many": (
         ["parallel.pp_stages=2", "parallel.pp_virtual=2", "train.micro_batches=2"],
         r"parallel\.pp_stages=2 x parallel\.pp_virtual=2 is more stages than the model's 2 "
-        r"layers"),
+        r"layers \(model\.n_layers\); use at most 2 stages x virtual stages$"),
     "pp_tied_embeddings": (
         ["model.tie_embeddings=true", "parallel.pp_stages=2", "train.micro_batches=2"],
         r"model\.tie_embeddings=true with parallel\.pp_stages>1"),

@@ -393,6 +393,9 @@ def test_unstacked_layers_equal_single_device(mesh):
                                         "degree 8"),
     ("btp", "cola", 4, dict(n_kv_heads=2), "model.n_kv_heads=2"),
     ("btp", "cola", 8, dict(d_ff=60), "model.d_ff=60"),
+    ("btp", "cola", 8, dict(n_heads=4, d_ff=60), "model.n_heads=4 and model.d_ff=60 are not "
+                                                 "divisible by the tensor-parallel degree 8 "
+                                                 "(parallel.tp_axes"),
     ("vanilla", "cola", 4, dict(rank=6), "model.rank=6"),
     ("megatron", "full", 8, dict(vocab_size=60), "model.vocab_size=60"),
 ])

@@ -79,12 +79,16 @@ def validate_tp(cfg, mesh) -> None:
                  ("model.n_kv_heads", m.kv_heads), ("model.d_ff", m.d_ff)]
     else:  # vanilla cuts every projection at its rank
         need += [("model.rank", m.r)]
-    for key, value in need:
-        if value % t:
-            raise ConfigError(
-                f"{key}={value} is not divisible by the tensor-parallel degree {t} "
-                f"(parallel.tp_axes={axes}, tp_mode={mode}); make {key} a multiple of {t} "
-                f"or use fewer TP axes")
+    if m.n_kv_heads is None:  # it follows model.n_heads, which is named already
+        need = [(k, v) for k, v in need if k != "model.n_kv_heads"]
+    bad = [(key, value) for key, value in need if value % t]  # all of them, in one line
+    if bad:
+        names = " and ".join(f"{key}={value}" for key, value in bad)
+        which = bad[0][0] if len(bad) == 1 else "each"
+        raise ConfigError(
+            f"{names} {'is' if len(bad) == 1 else 'are'} not divisible by the tensor-parallel "
+            f"degree {t} (parallel.tp_axes={axes}, tp_mode={mode}); make {which} a multiple of "
+            f"{t} or use fewer TP axes")
 
 
 # --------------------------------------------------------------------------- param specs
