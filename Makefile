@@ -81,6 +81,7 @@ gpu-compile-bench: $(GPUC_VENV)/.installed
 	$(GPUC_VENV)/bin/python benchmarks/gpu_kernels.py
 	$(GPUC_VENV)/bin/python benchmarks/gpu_compile.py $(ARGS)
 	$(GPUC_VENV)/bin/python benchmarks/gpu_overlap.py
+	$(GPUC_VENV)/bin/python benchmarks/gpu_scan_layers.py
 
 # Every CPU figure of benchmarks/README.md and benchmarks/results/ (not the GPU check, gpu.sh,
 # and not `make convergence`); each script writes its results file and copies it into the README.

@@ -33,7 +33,8 @@ def test_make_bench_runs_every_script_that_writes_a_results_file():
         if os.path.basename(path) == "convergence.md":
             assert m.group(0) in apart, "make convergence does not run benchmarks/convergence.py"
             continue
-        if os.path.basename(path) in ("gpu_compile.md", "gpu_overlap.md", "gpu_kernels.md"):
+        if os.path.basename(path) in ("gpu_compile.md", "gpu_overlap.md", "gpu_kernels.md",
+                                      "gpu_scan_layers.md"):
             assert m.group(0) in gpuc, f"make gpu-compile-bench does not run {m.group(0)}"
             continue
         assert f"benchmarks/{m.group(1)}.py" in recipe, f"make bench does not run {m.group(0)}"
