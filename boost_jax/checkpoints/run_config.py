@@ -130,12 +130,23 @@ def in_optax_counts(saved: dict, cfg: Config) -> bool:
     return cfg.optim.name == "adafactor" and saved.get("adafactor_statistics") != LAYOUT_FREE
 
 
-def check_adafactor_layout(saved: dict, meta: dict, cfg: Config, step: int, where: str) -> None:
+def check_adafactor_layout(saved: dict, meta: dict, cfg: Config, step: int, where: str,
+                           transposed: tuple = ()) -> None:
     """An older step's Adafactor state (in optax's counts, with its epsilon in the layout's zero
     padding) restores only under the layout that saved it: another mesh, plan, TP or pipeline
     split drops or moves that padding, which its checksums then refuse (and a fall-back would
-    move newer steps aside). `saved`, `meta`: the checkpoint's metadata and this run's."""
-    if not in_optax_counts(saved, cfg) or not saved.get("config"):
+    move newer steps aside). Nor where this version stores a weight's row and column
+    statistics the other way round (`transposed`: their names; step/optim.py). `saved`,
+    `meta`: the checkpoint's metadata and this run's."""
+    if not in_optax_counts(saved, cfg):
+        return
+    if transposed:
+        raise UserError(f"checkpoint step {step} in {where} holds optim.name=adafactor state "
+                        f"saved by an older boost_jax, which kept the row and column "
+                        f"statistics of {transposed[0]} (padded by this layout) the other way "
+                        "round: resume it with the boost_jax that saved it, or use a new "
+                        "out_dir")
+    if not saved.get("config"):
         return
     was, now = flatten(saved["config"]), flatten(cfg.to_dict())
     diff = [(k, was[k], now.get(k)) for k in LAYOUT_KEYS if k in was and was[k] != now.get(k)]
@@ -147,6 +158,16 @@ def check_adafactor_layout(saved: dict, meta: dict, cfg: Config, step: int, wher
                         "which restores only under the layout that saved it: set those back "
                         "to resume (its next checkpoint restores under any layout), or use a "
                         "new out_dir")
+
+
+def data_position(state: Any, saved: dict) -> Any:
+    """The saved data position as this version reads it: an older step's `{"next_index": k}`
+    (batches of the run's train.global_batch then) becomes the windows it had taken, so an
+    accepted global_batch change continues where the stream stood (data/pipeline.py)."""
+    batch = flatten((saved or {}).get("config") or {}).get("train.global_batch")
+    if isinstance(state, dict) and set(state) == {"next_index"} and isinstance(batch, int):
+        return {"windows": int(state["next_index"]) * batch}
+    return state
 
 
 def load_saved(path: str) -> Optional[dict]:

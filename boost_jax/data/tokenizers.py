@@ -100,16 +100,16 @@ class HFTokenizer:
         ids need not decode alone to whole characters."""
         import json
 
-        if self._byte_lengths is None:
+        if self._byte_lengths is None:  # False: not byte-level (asked once)
             decoder = json.loads(self._tok.to_str()).get("decoder") or {}
-            if decoder.get("type") != "ByteLevel":
-                return None
-            added = self._tok.get_added_tokens_decoder()
-            self._byte_lengths = np.array(
-                [(0 if added[i].special else len(added[i].content.encode("utf-8")))
-                 if i in added else len(self._tok.id_to_token(i) or "")
-                 for i in range(self.vocab_size)], np.int64)
-        return self._byte_lengths
+            self._byte_lengths = False
+            if decoder.get("type") == "ByteLevel":
+                added = self._tok.get_added_tokens_decoder()
+                self._byte_lengths = np.array(
+                    [(0 if added[i].special else len(added[i].content.encode("utf-8")))
+                     if i in added else len(self._tok.id_to_token(i) or "")
+                     for i in range(self.vocab_size)], np.int64)
+        return None if self._byte_lengths is False else self._byte_lengths
 
     @classmethod
     def from_file(cls, path: str) -> "HFTokenizer":

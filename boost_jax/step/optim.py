@@ -20,6 +20,7 @@ state's checksums) assume. Clipping is applied outside (the step needs the norm 
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import jax.numpy as jnp
 import optax
@@ -77,24 +78,79 @@ STATISTICS = ("v_row", "v_col", "v")  # optax's FactoredState: the second moment
 def layout_free_statistics(tx: optax.GradientTransformation,
                            layouts) -> optax.GradientTransformation:
     """`tx` (Adafactor) storing its statistics as the unpadded weights would give them: zero
-    outside each weight's real elements, and a row (column) mean over a padded dim counted over
-    its real elements (optax's counts the padding's too). Each update runs on the statistics
-    scaled back to optax's counts and leaves (1 - decay)·epsilon > 0 in the padding, zeroed
-    after it: a padded element's update is 0·finite = 0."""
+    outside each weight's real elements, a row (column) mean over a padded dim counted over its
+    real elements (optax's counts the padding's too), and rows and columns as the logical shape
+    orders its dims (`transposed`). Each update runs on the statistics turned back into optax's
+    and leaves (1 - decay)·epsilon > 0 in the padding, zeroed after it: a padded element's
+    update is 0·finite = 0."""
+
+    def init(params):
+        return transpose_statistics(tx.init(params), layouts)
 
     def update(updates, state, params=None):
-        updates, state = tx.update(updates, rescale_statistics(state, layouts, True), params)
-        return updates, rescale_statistics(state, layouts, False)
+        state = rescale_statistics(transpose_statistics(state, layouts), layouts, True)
+        updates, state = tx.update(updates, state, params)
+        return updates, transpose_statistics(rescale_statistics(state, layouts, False), layouts)
 
-    return optax.GradientTransformation(tx.init, update)
+    return optax.GradientTransformation(init, update)
+
+
+def _factored(shape) -> Optional[tuple]:
+    """optax's (d1, d0) of a weight: its second largest and largest dim (None: unfactored)."""
+    from optax._src.factorized import _factored_dims
+
+    return _factored_dims(tuple(shape), True, 128)
+
+
+def transposed(lay) -> bool:
+    """Whether padding makes optax factor a weight the other way round from its logical shape
+    (a padded dim overtakes another of equal size: a d x d weight padded on one dim), so that
+    its v_row and v_col swap meaning."""
+    a, b = _factored(lay.padded), _factored(lay.shape)
+    return a is not None and b is not None and a != b
+
+
+def transposed_weights(layouts) -> tuple:
+    """Names (key paths) of the `transposed` weights of a layout."""
+    import jax
+
+    from boost_jax.sharding.layout import is_layout
+
+    return tuple(jax.tree_util.keystr(p) for p, lay in jax.tree_util.tree_flatten_with_path(
+        layouts, is_leaf=is_layout)[0] if transposed(lay))
+
+
+def transpose_statistics(state, layouts):
+    """Swap v_row and v_col of every `transposed` weight (between optax's order and the
+    logical one; its own inverse)."""
+    import jax
+    from optax._src.factorized import FactoredState
+
+    from boost_jax.sharding.layout import is_layout
+
+    by_path = {path_keys(p): lay for p, lay in
+               jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)[0]}
+
+    def swap(fs):
+        if not isinstance(fs, FactoredState):
+            return fs
+        rows, treedef = jax.tree_util.tree_flatten_with_path(fs.v_row)
+        cols = jax.tree.leaves(fs.v_col)
+        flip = [path_keys(p) in by_path and transposed(by_path[path_keys(p)]) for p, _ in rows]
+        new_rows = [c if f else r for (_, r), c, f in zip(rows, cols, flip)]
+        new_cols = [r if f else c for (_, r), c, f in zip(rows, cols, flip)]
+        return fs._replace(v_row=treedef.unflatten(new_rows),
+                           v_col=treedef.unflatten(new_cols))
+
+    return jax.tree.map(swap, state, is_leaf=lambda x: isinstance(x, FactoredState))
 
 
 def rescale_statistics(state, layouts, to_optax: bool):
-    """An Adafactor state's statistics in optax's counts (`to_optax`) or layout-free (zero
-    padding, means over real elements); also what converts a state that an older step saved in
-    optax's counts. Other optimizers' states and unpadded weights are returned as they are."""
+    """An Adafactor state's statistics (in optax's order of rows and columns) in optax's counts
+    (`to_optax`) or layout-free (zero padding, means over real elements); also what converts a
+    state that an older step saved in optax's counts. Other optimizers' states and unpadded
+    weights are returned as they are."""
     import jax
-    from optax._src.factorized import _factored_dims
 
     from boost_jax.sharding.layout import is_layout, real_positions
 
@@ -111,7 +167,7 @@ def rescale_statistics(state, layouts, to_optax: bool):
         if all(v.all() for v in vecs):
             return x
         if key[at] != "v":  # v_row averages the largest dim away, v_col the second largest
-            dims = _factored_dims(lay.padded, True, 128)
+            dims = _factored(lay.padded)
             drop = dims[1] if key[at] == "v_row" else dims[0]
             real = float(vecs[drop].mean())
             vecs = vecs[:drop] + vecs[drop + 1:]
@@ -134,12 +190,11 @@ def check_factoring(cfg: OptimConfig, layouts) -> None:
     if cfg.name != "adafactor":
         return
     import jax
-    from optax._src.factorized import _factored_dims
 
     from boost_jax.sharding.layout import is_layout
 
     def dims(shape):
-        d = _factored_dims(tuple(shape), True, 128)
+        d = _factored(shape)
         return None if d is None else tuple(sorted(d))
 
     for path, lay in jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)[0]:

@@ -144,15 +144,18 @@ def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False,
             return _run(cfg, out_dir, log, compiler_options)
 
 
-def _resume_check(cfg: Config, out_dir: str, meta: dict, accepted: list):
+def _resume_check(cfg: Config, out_dir: str, meta: dict, accepted: list, layouts):
     """check_meta for Checkpointer.restore_latest: the saved config (checkpoints/run_config.py), then the
     model shapes the checkpoint holds."""
+    from boost_jax.step.optim import transposed_weights
+
     legacy = run_config.load_saved(os.path.join(out_dir, CONFIG_FILE))
 
     def check_meta(step: int, saved: dict) -> None:
         accepted[:] = run_config.check_resume(saved.get("config") or legacy, cfg, step, out_dir)
         check_unchanged(saved.get("inputs"), meta["inputs"], cfg, step, out_dir)
-        run_config.check_adafactor_layout(saved, meta, cfg, step, out_dir)
+        run_config.check_adafactor_layout(saved, meta, cfg, step, out_dir,
+                                          transposed_weights(layouts))
         if saved.get("model") != meta["model"]:
             diff = {k: (saved.get("model", {}).get(k), v) for k, v in meta["model"].items()
                     if saved.get("model", {}).get(k) != v}
@@ -225,11 +228,11 @@ def _resume_or_init(cfg: Config, out_dir: str, bundle, data, ckpt: Checkpointer,
     """(start step, state, resumed, accepted config changes): the latest checkpoint that
     restores (with the data iterator's position), else a fresh or model.init_from state."""
     accepted: list = []
-    check_meta = _resume_check(cfg, out_dir, meta, accepted)
+    check_meta = _resume_check(cfg, out_dir, meta, accepted, bundle.placement.layouts)
     restored = ckpt.restore_latest(bundle.abstract_state, check_meta) if existing else None
     if restored is not None:
         start, state, data_state, saved = restored
-        data.train_iter.set_state(data_state)
+        data.train_iter.set_state(run_config.data_position(data_state, saved))
         if run_config.in_optax_counts(saved, cfg):
             state = _layout_free(bundle, state)
         return start, state, True, accepted

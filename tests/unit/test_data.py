@@ -268,6 +268,13 @@ def test_pipeline_resumes_at_its_window_under_another_global_batch():
     older = make_train_iterator(TOKS, 16, 4, seed=3)
     older.set_state({"next_index": 3})
     np.testing.assert_array_equal(_take(older, 1)[0]["inputs"], whole[12:16])
+    # train.py reads an older step's position with the global_batch its config saved
+    from boost_jax.checkpoints.run_config import data_position
+
+    saved = {"config": {"train": {"global_batch": 4}}}
+    assert data_position({"next_index": 3}, saved) == {"windows": 12}
+    assert data_position({"windows": 12}, saved) == {"windows": 12}
+    assert data_position({"piece": 1, "offset": 5}, saved) == {"piece": 1, "offset": 5}
     with pytest.raises(UserError, match=r"^the checkpoint's data position \{'piece': 2, "
                                         r"'offset': 0\} is not a packed corpus's"):
         older.set_state({"piece": 2, "offset": 0})

@@ -16,7 +16,7 @@ from boost_jax.mesh import mesh_from_config
 from boost_jax.names import OPTIMIZERS
 from boost_jax.sharding.layout import LeafLayout
 from boost_jax.step.build import build_step
-from boost_jax.step.optim import check_factoring, lr_schedule, make_optimizer
+from boost_jax.step.optim import check_factoring, lr_schedule, make_optimizer, transposed
 
 STEPS = 4
 # d_model 132 and vocab 260 do not divide by 8: zero3 pads the embedding (dim 0) and the head
@@ -162,15 +162,15 @@ def test_one_moment_state_compiles_to_the_planners_bytes():
 
 def test_adafactor_state_restores_under_another_mesh_and_plan(tmp_path):
     """Adafactor's statistics add an epsilon to every squared gradient, the padding's zeros
-    included, and count the padding in their means; the step stores them as the unpadded
-    weights give them. So a zero3 state padded for 8 devices restores
-    (with the checksums resume checks) into zero1 on 5 devices, padded otherwise, and
-    trains on as the saved layout does."""
+    included, count the padding in their means and, for a d x d weight padded on one dim, swap
+    rows and columns; the step stores them as the unpadded weights give them. So a zero3 state
+    padded for 8 devices restores (with the checksums resume checks) into zero1 on 4 devices,
+    unpadded, and trains on as the saved layout does."""
     from boost_jax.checkpoints.store import Checkpointer
     from boost_jax.config import CheckpointConfig
     from boost_jax.mesh import make_mesh
 
-    run = CFG + ["optim.name=adafactor", "train.global_batch=40"]
+    run = CFG + ["model.arch=full", "optim.name=adafactor", "train.global_batch=40"]
     cfg = load_config(None, run)
     rng = np.random.default_rng(1)
     batches = [{k: rng.integers(0, 260, (40, 16), dtype=np.int32) for k in ("inputs", "targets")}
@@ -188,10 +188,12 @@ def test_adafactor_state_restores_under_another_mesh_and_plan(tmp_path):
     want = jax.device_get(saved.logical_params(train(saved, state, batches[2:])))
 
     other = load_config(None, run + ["parallel.plan=zero1"])
-    bundle = build_step(other, make_mesh("cpu", (1, 1, 5)), fast_compile_options())
-    pads = lambda b: {lay.padded for lay in jax.tree.leaves(  # noqa: E731
-        b.placement.layouts, is_leaf=lambda x: isinstance(x, LeafLayout)) if lay.pad}
-    assert pads(saved) and pads(bundle) and pads(saved) != pads(bundle)
+    bundle = build_step(other, make_mesh("cpu", (1, 1, 4)), fast_compile_options())
+    layouts = lambda b: jax.tree.leaves(  # noqa: E731
+        b.placement.layouts, is_leaf=lambda x: isinstance(x, LeafLayout))
+    assert any(lay.pad for lay in layouts(saved)) and not any(lay.pad for lay in layouts(bundle))
+    # the 132 x 132 weights padded to 136 x 132: optax factors them the other way round
+    assert any(transposed(lay) for lay in layouts(saved))
     step, restored, _, _ = ck.restore_latest(bundle.abstract_state)
     ck.close()
     assert step == 2  # the checksums held: nothing was set aside
@@ -204,9 +206,10 @@ def test_adafactor_statistics_are_stored_as_the_unpadded_weights_give_them():
     padding and rescaled to means over the real elements: what rescale_statistics makes of an
     older step's state (in optax's counts), and what the unpadded weights give."""
     from boost_jax.sharding.layout import pad_tree, unpad_tree
-    from boost_jax.step.optim import rescale_statistics
+    from boost_jax.step.optim import rescale_statistics, transpose_statistics
 
     layouts = {"w": LeafLayout((130, 140), (136, 140), 0, ((), ())),  # factored, dim 0 padded
+               "q": LeafLayout((132, 132), (136, 132), 0, ((), ())),  # factored the other way
                "b": LeafLayout((5,), (8,), 0, ((),))}  # unfactored
     cfg = load_config(None, ["optim.name=adafactor"]).optim
     txs = {"optax": make_optimizer(cfg, STEPS), "ours": make_optimizer(cfg, STEPS, layouts),
@@ -229,7 +232,9 @@ def test_adafactor_statistics_are_stored_as_the_unpadded_weights_give_them():
                      ups["ours"], ups["optax"])
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-8),
                      unpad_tree(layouts, ups["ours"]), ups["unpadded"])
-    ours, converted = states["ours"][0], rescale_statistics(states["optax"], layouts, False)[0]
+    ours = states["ours"][0]
+    converted = transpose_statistics(rescale_statistics(states["optax"], layouts, False),
+                                     layouts)[0]
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), converted, ours)
     assert not ours.v_row["w"][130:].any() and not ours.v["b"][5:].any()
     assert not np.asarray(states["optax"][0].v["b"][5:] == 0).any()  # optax's: epsilon there
@@ -237,6 +242,9 @@ def test_adafactor_statistics_are_stored_as_the_unpadded_weights_give_them():
     np.testing.assert_allclose(ours.v_col["w"], states["unpadded"][0].v_col["w"], rtol=1e-6)
     np.testing.assert_allclose(ours.v_row["w"][:130], states["unpadded"][0].v_row["w"],
                                rtol=1e-6)
+    assert transposed(layouts["q"]) and ours.v_row["q"].shape == (136,)  # rows: dim 0
+    np.testing.assert_allclose(ours.v_row["q"][:132], states["unpadded"][0].v_row["q"], rtol=1e-6)
+    np.testing.assert_allclose(ours.v_col["q"], states["unpadded"][0].v_col["q"], rtol=1e-6)
 
 
 def test_an_older_adafactor_step_resumes_only_under_the_layout_that_saved_it():
@@ -262,6 +270,17 @@ def test_an_older_adafactor_step_resumes_only_under_the_layout_that_saved_it():
             check_adafactor_layout(old, {"mesh": mesh}, other, 5, "runs/x")
         check_adafactor_layout(dict(old, adafactor_statistics=LAYOUT_FREE), {"mesh": mesh},
                                other, 5, "runs/x")
+    # where this layout pads a d x d weight, optax kept its rows and columns the other way
+    with pytest.raises(UserError, match=r"^checkpoint step 5 in runs/x holds optim\.name=adafactor "
+                                        r"state saved by an older boost_jax, which kept the row "
+                                        r"and column statistics of \['q'\] \(padded by this "
+                                        r"layout\) the other way round: resume it with the "
+                                        r"boost_jax that saved it, or use a new out_dir$"):
+        check_adafactor_layout(old, {"mesh": [2, 2, 2]}, load_config(None, base), 5, "runs/x",
+                               ("['q']",))
+    check_adafactor_layout(dict(old, adafactor_statistics=LAYOUT_FREE), {"mesh": [2, 2, 2]},
+                           load_config(None, base), 5, "runs/x", ("['q']",))
     adam = {"config": load_config(None, ["parallel.plan=zero3"]).to_dict(), "mesh": [2, 2, 2]}
     check_adafactor_layout(adam, {"mesh": [2, 1, 3]},
-                           load_config(None, ["parallel.plan=hierarchical"]), 5, "runs/x")
+                           load_config(None, ["parallel.plan=hierarchical"]), 5, "runs/x",
+                           ("['q']",))

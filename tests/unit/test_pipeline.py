@@ -256,20 +256,21 @@ def test_training_and_restore_across_stage_counts(tmp_path):
 
 
 def test_adafactor_state_restores_across_stage_counts(tmp_path):
-    """Adafactor under 2 stages (3 layers: one empty layer slot; end weights in their owner's
-    slot; (1,) placeholders for the unfactored weights' row and column statistics) restores
-    into 1 stage with the same checksums resume checks, and the same logical weights."""
-    cfg = pp_cfg(2, "1f1b", "zero3")
-    cfg.optim.name = "adafactor"
+    """Adafactor under 2 stages x 2 virtual stages (7 layers: one empty layer slot, stored
+    interleaved; end weights in their owner's slot; (1,) placeholders for the unfactored
+    weights' row and column statistics) restores into 1 stage with the same checksums resume
+    checks, and the same logical weights."""
+    cfg = pp_cfg(2, "1f1b", "zero3", n_layers=7)
+    cfg.optim.name, cfg.parallel.pp_virtual = "adafactor", 2
     rng = np.random.default_rng(0)
     toks = rng.integers(0, cfg.model.vocab_size, (2, cfg.train.global_batch,
                                                   cfg.data.seq_len + 1)).astype(np.int32)
     batches = [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in toks]
     bundle, state, _ = _train(cfg.validate(), mesh_of(2), 2, batches)
-    ck = Checkpointer(str(tmp_path), cfg.checkpoint, stages=(2, 1))
+    ck = Checkpointer(str(tmp_path), cfg.checkpoint, stages=(2, 2))
     ck.save(2, state, {}, {"config": cfg.to_dict()}, force=True)
     ck.wait()
-    one = pp_cfg(2, "1f1b", "zero3", micro=2)
+    one = pp_cfg(2, "1f1b", "zero3", micro=2, n_layers=7)
     one.optim.name, one.parallel.pp_stages = "adafactor", 1
     other = build_step(one.validate(), make_mesh("cpu", shape=[2, 2, 2]), FAST)
     restored, _, _ = Checkpointer(str(tmp_path), cfg.checkpoint).restore(2, other.abstract_state)

@@ -198,6 +198,7 @@ def test_real_positions_mark_what_pad_fills():
         for i, v in enumerate(vecs):
             got &= v.reshape([-1 if j == i else 1 for j in range(len(vecs))])
         np.testing.assert_array_equal(got, want)
+        jax.make_jaxpr(lambda: [jnp.asarray(v) for v in real_positions(lay)])()  # jit-safe
 
 
 def test_padding_is_reported_in_memory(mesh):
