@@ -53,7 +53,7 @@ def _check_out(run_dir: str, out: str, force: bool) -> None:
     """safe_write's rule for --out: never the run, a folder holding it or a folder inside it
     (even with --force); an existing --out only with --force, and only an earlier export."""
     from boost_jax.export_manifest import not_ours
-    from boost_jax.safe_write import refuse_existing, refuse_inputs, refuse_special, \
+    from boost_jax.safe_write import Refused, refuse_existing, refuse_inputs, refuse_special, \
         refuse_unusable
 
     what = f"--out {out!r}"

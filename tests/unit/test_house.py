@@ -1,10 +1,13 @@
 """House rules read from boost_jax's syntax trees: no docstring over 25 lines (a long
-derivation belongs in benchmarks/README.md, with a pointer from the code), and no function of 60
-lines or more."""
+derivation belongs in benchmarks/README.md, with a pointer from the code), no function of 60
+lines or more, and no name that a function reads but nothing defines (an import dropped from
+an error path only fails when that error happens)."""
 
 import ast
+import builtins
 import glob
 import os
+import symtable
 
 from train_proc import ROOT
 
@@ -62,6 +65,37 @@ def test_no_function_of_60_lines():
     assert not bad, "functions of 60 lines or more:\n" + "\n".join(bad)
 
 
+def undefined_names(sources=None):
+    """`path name` for each global name a function reads that its module never binds and
+    builtins lack (symtable's scopes: what pyflakes calls an undefined name)."""
+    found = []
+    for path, text in sources or ((p, open(os.path.join(ROOT, p)).read()) for p, _ in _trees()):
+        top = symtable.symtable(text, path, "exec")
+        bound = {s.get_name() for s in top.get_symbols()
+                 if s.is_assigned() or s.is_imported() or s.is_namespace()}
+
+        def walk(table):
+            for s in table.get_symbols():
+                name = s.get_name()
+                if s.is_referenced() and s.is_global() and not (s.is_assigned() or s.is_imported()) \
+                        and name not in bound and not hasattr(builtins, name) \
+                        and name not in ("__file__", "__name__"):
+                    found.append(f"{path} {table.get_name()}: {name}")
+            for child in table.get_children():
+                walk(child)
+
+        walk(top)
+    return found
+
+
+def test_no_undefined_names():
+    bad = undefined_names()
+    assert not bad, "names read but defined nowhere:\n" + "\n".join(bad)
+
+
 def test_the_checkers_can_fail():
-    """Each checker finds what it looks for once the limit is low enough."""
+    """Each checker finds what it looks for once the limit is low enough, or the name gone."""
     assert long_docstrings(limit=1) and long_functions(limit=5)
+    lost = "from x import Refused\n\ndef f():\n    raise Refused('no')\n"
+    assert undefined_names([("a.py", lost.split("\n", 1)[1])]) == ["a.py f: Refused"]
+    assert undefined_names([("a.py", lost)]) == []
