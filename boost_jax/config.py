@@ -97,8 +97,13 @@ class ModelConfig:
         for k in ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "rope_theta",
                   "norm_eps", "init_std"):
             _positive(f"model.{k}", getattr(self, k))
+        if self.n_kv_heads is not None:  # 0 would read as n_heads (kv_heads)
+            _positive("model.n_kv_heads", self.n_kv_heads)
         if self.vocab_size is not None:
             _positive("model.vocab_size", self.vocab_size)
+            if self.vocab_size > MAX_VOCAB:  # token ids are int32
+                raise ConfigError(f"model.vocab_size={self.vocab_size} is above {MAX_VOCAB} "
+                                  "(int32 token ids); use the tokenizer's size")
         if self.max_seq_len > MAX_SEQ_LEN:
             raise ConfigError(f"model.max_seq_len={self.max_seq_len} is above {MAX_SEQ_LEN} (2^20) "
                               "tokens; use the sequence length the model will see")
@@ -423,8 +428,9 @@ class DistributedConfig:
     init_timeout_s: int = 300
 
     def validate(self) -> None:
-        if self.init_timeout_s < 1:
-            raise ConfigError(f"distributed.init_timeout_s={self.init_timeout_s} must be >= 1")
+        if not 1 <= self.init_timeout_s <= MAX_TIMEOUT_S:  # JAX takes an int32 of seconds
+            raise ConfigError(f"distributed.init_timeout_s={self.init_timeout_s} must be in "
+                              f"1..{MAX_TIMEOUT_S} seconds")
         for k in ("num_processes", "local_cpu_devices"):
             if getattr(self, k) is not None:
                 _positive(f"distributed.{k}", getattr(self, k))
@@ -468,6 +474,13 @@ class Config:
         if self.data.seq_len > m.max_seq_len:
             raise ConfigError(
                 f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        t = self.train
+        held = t.eval_batches * t.global_batch * (self.data.seq_len + 1)
+        if held > MAX_EVAL_TOKENS:  # the eval batches are held in memory (data/pipeline.py)
+            raise ConfigError(
+                f"train.eval_batches={t.eval_batches} holds {held:,} tokens of eval batches "
+                f"(x train.global_batch x data.seq_len+1), above {MAX_EVAL_TOKENS:,}; use "
+                f"at most {max(1, MAX_EVAL_TOKENS // (held // t.eval_batches))} eval batches")
         # what needs the model and the mesh together (pipeline split, TP cut) is
         # sharding/parallel.check's, run by train.py, the planner and the launcher
         return self
@@ -499,6 +512,9 @@ def resolve_vocab_size(data: DataConfig) -> int:
 
 
 MAX_SEQ_LEN = 2**20  # a million positions: beyond it a table or a mask no longer fits a device
+MAX_VOCAB = 2**31 - 1  # token ids are int32
+MAX_TIMEOUT_S = 2**31 - 1  # JAX's distributed client takes an int32 of seconds
+MAX_EVAL_TOKENS = 2**30  # 4 GiB of int32 eval batches held in memory
 
 
 def _positive(key: str, value) -> None:

@@ -20,6 +20,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import reprlib
 import types
 import typing
@@ -222,15 +223,16 @@ def build(cls, data: dict, prefix: str = "", root=None):
                 full += f".{key}"
             raise unknown_key(root, full)
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
-            kwargs[key] = build(tp, value or {}, prefix + key + ".", root)
+        if dataclasses.is_dataclass(tp):  # an empty section (`model:`) keeps the defaults
+            kwargs[key] = build(tp, {} if value is None else value, prefix + key + ".", root)
         else:
             kwargs[key] = _coerce(prefix + key, value, tp)
     return cls(**kwargs)
 
 
 def set_dotted(root, tree: dict, key: str, value: Any) -> None:
-    """tree[a][b][c] = value for key `a.b.c` (an unknown key is named against `root`'s)."""
+    """tree[a][b][c] = value for key `a.b.c` (an unknown key is named against `root`'s). A
+    section (`model={d_model: 64}`) takes a mapping, merged into what the file set."""
     parts = key.split(".")
     node = tree
     for p in parts[:-1]:
@@ -238,6 +240,13 @@ def set_dotted(root, tree: dict, key: str, value: Any) -> None:
         if not isinstance(nxt, dict):
             raise unknown_key(root, key)
         node = nxt
+    if dataclasses.is_dataclass(annotation(root, key)):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={shown(value)} sets a whole section: give its keys, e.g. "
+                              f"{key}.KEY=VALUE, or a mapping such as {key}={{KEY: VALUE}}")
+        for k, v in value.items():
+            set_dotted(root, tree, f"{key}.{k}", v)
+        return
     node[parts[-1]] = value
 
 
@@ -279,7 +288,7 @@ def parse_overrides(overrides: list[str], root=None) -> list[tuple[str, Any]]:
             value = None if tp is not str and raw in YAML_NULLS else raw
         else:
             try:
-                value = yaml.safe_load(raw) if raw != "" else ""
+                value = yaml.load(raw, Loader=_PlainNumbers) if raw != "" else ""
             except yaml.YAMLError:
                 value = raw
             except RecursionError:
@@ -292,8 +301,24 @@ def parse_overrides(overrides: list[str], root=None) -> list[tuple[str, Any]]:
 # --------------------------------------------------------------------------- YAML files
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+class _PlainNumbers(yaml.SafeLoader):
+    """SafeLoader reading numbers as written: YAML 1.1's octal (`010` is 8) and base-60
+    (`1:30` is 90) integers and floats stay text, which a number key then refuses."""
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+_PlainNumbers.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in rules if tag not in (_INT, _FLOAT)]
+    for first, rules in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_PlainNumbers.add_implicit_resolver(_INT, re.compile(r"^[-+]?(?:0|[1-9][0-9_]*)$"),
+                                    list("-+0123456789"))
+_PlainNumbers.add_implicit_resolver(_FLOAT, re.compile(
+    r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?"
+    r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+
+
+class _StrictLoader(_PlainNumbers):
+    """_PlainNumbers that refuses a key given twice in one mapping (PyYAML keeps the last)."""
 
     def construct_mapping(self, node, deep=False):
         seen = {}

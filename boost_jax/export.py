@@ -57,7 +57,8 @@ def _check_out(run_dir: str, out: str, force: bool) -> None:
         refuse_unusable
 
     what = f"--out {out!r}"
-    refuse_unusable(out, what, "name a folder, e.g. hf/NAME", folder=True)
+    refuse_unusable(out, what, "name a folder, e.g. hf/NAME", folder=True,
+                    config_value=True)  # model.init_from names it
     refuse_inputs(out, {"the run": run_dir}, what, "choose a folder outside the run, e.g. "
                   "hf/NAME")
     refuse_special(out, what, "choose another folder", folder=True)

@@ -40,11 +40,12 @@ def read_regular(path: str, what: str, limit: int) -> bytes:
     except OSError as e:
         raise UserError(f"cannot read {what} {path!r} ({e.strerror}); check the path and its "
                         "permissions") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):  # before fdopen, which refuses a folder with a traceback
+        os.close(fd)
+        raise UserError(f"{what} {path!r} is {describe(st.st_mode)}, not a regular file; "
+                        "pass a file (devices, FIFOs and sockets are never read)")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UserError(f"{what} {path!r} is {describe(st.st_mode)}, not a regular file; "
-                            "pass a file (devices, FIFOs and sockets are never read)")
         if st.st_size > limit:
             raise UserError(f"{what} {path!r} is {st.st_size:,} bytes, more than the "
                             f"{limit:,} a {what} may have; pass the right file")

@@ -130,11 +130,20 @@ def leaving(paths: list, folder: str) -> list:
     return [p for p in paths if not _inside(_real(p), root) and _real(p) != root]
 
 
-def refuse_unusable(target: str, what: str, fix: str, folder: bool = False) -> None:
+def refuse_unusable(target: str, what: str, fix: str, folder: bool = False,
+                    config_value: bool = False) -> None:
     """Refuse an empty path, and where a file is to be written (not a `folder`) one that ends
-    in a separator (a folder's name): neither names what the user meant."""
+    in a separator (a folder's name). With `config_value` (what is written is named in a
+    config: a corpus, an export), also one holding a control character, which a config value
+    may not hold."""
+    from boost_jax.errors import control_char
+
     if not target:
         raise Refused(f"{what} is an empty path; {fix}")
+    bad = control_char(target) if config_value else None
+    if bad is not None:
+        raise Refused(f"{what} holds a control character ({bad}), which no config can name; "
+                      f"{fix}")
     if folder:
         return
     if target.endswith((os.sep, "/.", "/..")) or target in (".", ".."):

@@ -120,14 +120,17 @@ LAYOUT_KEYS = ("parallel.plan", "parallel.tp_mode", "parallel.tp_axes", "paralle
 
 
 # meta["adafactor_statistics"] of a step whose Adafactor statistics are stored as the unpadded
-# weights give them (step/optim.py: layout_free_statistics); older steps hold optax's counts
-LAYOUT_FREE = "layout-free"
+# weights give them (step/optim.py: layout_free_statistics). Older steps hold optax's counts
+# (no value) or, written by one development commit, OPTAX_ORDER: zero padding and real means
+# but optax's order of rows and columns.
+LAYOUT_FREE = "logical"
+OPTAX_ORDER = "layout-free"
 
 
 def in_optax_counts(saved: dict, cfg: Config) -> bool:
     """Whether a checkpoint's metadata `saved` holds Adafactor statistics in optax's counts
-    (written before they were stored layout-free)."""
-    return cfg.optim.name == "adafactor" and saved.get("adafactor_statistics") != LAYOUT_FREE
+    (written before they were stored layout-free), which a resume converts."""
+    return cfg.optim.name == "adafactor" and saved.get("adafactor_statistics") is None
 
 
 def check_adafactor_layout(saved: dict, meta: dict, cfg: Config, step: int, where: str,
@@ -138,7 +141,7 @@ def check_adafactor_layout(saved: dict, meta: dict, cfg: Config, step: int, wher
     move newer steps aside). Nor where this version stores a weight's row and column
     statistics the other way round (`transposed`: their names; step/optim.py). `saved`,
     `meta`: the checkpoint's metadata and this run's."""
-    if not in_optax_counts(saved, cfg):
+    if cfg.optim.name != "adafactor" or saved.get("adafactor_statistics") == LAYOUT_FREE:
         return
     if transposed:
         raise UserError(f"checkpoint step {step} in {where} holds optim.name=adafactor state "

@@ -37,7 +37,7 @@ from typing import Iterator
 
 import numpy as np
 
-from boost_jax.cli import Parser
+from boost_jax.cli import Parser, shell_word
 from boost_jax.data.shards import list_shards
 from boost_jax.data.token_bin import FORMAT, meta_path
 from boost_jax.errors import UserError, cli_main, lone_surrogate
@@ -331,12 +331,14 @@ def _check_targets(source: str, linked: list, out: str, spec: str, force: bool) 
     """safe_write's rule for OUT and its metadata: never one of the inputs (SOURCE, the files
     read from it that links take outside it (`linked`), the tokenizer; even with --force),
     never an existing file without --force."""
-    from boost_jax.safe_write import refuse_existing, refuse_inputs, refuse_special
+    from boost_jax.safe_write import refuse_existing, refuse_inputs, refuse_special, \
+        refuse_unusable
 
     inputs = {"SOURCE": source, "--tokenizer": None if spec in ("byte", "bpe") else spec}
     inputs.update((f"a file of SOURCE, {f!r}, linked to", os.path.realpath(f)) for f in linked)
     meta = meta_path(out)
     fix = "choose another OUT (its metadata goes to <OUT without .bin>.json)"
+    refuse_unusable(out, f"OUT {out!r}", fix, config_value=True)  # data.source names it
     refuse_inputs(out, inputs, f"OUT {out!r}", fix)
     refuse_inputs(meta, inputs, f"the metadata file {meta!r} of OUT", fix)
     targets = [out, meta]
@@ -483,7 +485,8 @@ def main(argv=None):
           f"{meta['n_documents']:,} documents, in {meta['seconds']:.1f} s ({rate:,.0f} tokens/s, "
           f"{args.workers} worker{'s' if args.workers != 1 else ''}); metadata in "
           f"{meta_path(args.out)}\n"
-          f"train on it with: data.source={args.out} data.tokenizer={meta['tokenizer']} "
+          f"train on it with: {shell_word('data.source=' + args.out)} "
+          f"{shell_word('data.tokenizer=' + meta['tokenizer'])} "
           f"data.bin_dtype={meta['dtype']} data.max_bytes=null")
     return 0
 

@@ -17,6 +17,7 @@ from boost_jax.errors import UserError
 
 TOKENIZER_FILE = "tokenizer.json"
 BPE_MIN_VOCAB = 512  # 256 bytes + EOS leave no merges below ~257; 512 is a useful minimum
+BPE_MAX_VOCAB = 2**22  # 4M: 16x the largest public BPE vocabularies
 BPE_EOS = "<|endoftext|>"
 # Special tokens we accept as a user tokenizer's end-of-document marker, in preference order.
 _EOS_NAMES = (BPE_EOS, "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]", "<|im_end|>")
@@ -159,6 +160,9 @@ def check_bpe_vocab_size(vocab_size: int, option: str = "data.bpe_vocab_size=") 
         raise UserError(
             f"{option}{vocab_size} is too small for a byte-level BPE (256 bytes + EOS "
             f"+ merges); use at least {BPE_MIN_VOCAB}")
+    if vocab_size > BPE_MAX_VOCAB:  # the trainer allocates per entry: far larger aborts it
+        raise UserError(f"{option}{vocab_size} is above {BPE_MAX_VOCAB:,} tokens, more than "
+                        f"any corpus gives merges for; use at most {BPE_MAX_VOCAB}")
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, save_path: Optional[str] = None) -> HFTokenizer:

@@ -299,8 +299,9 @@ def check_args(args) -> None:
     if args.gpu_compile and args.search and not args.compile_top:
         raise UserError("--search --gpu-compile compiles the best layouts for the GPU: add "
                         "--compile-top K (e.g. 3)")
-    if args.layers not in ("auto", "full") and not (args.layers.isdigit()
-                                                    and int(args.layers) >= 1):
+    if args.layers not in ("auto", "full") and not (args.layers.isascii() and
+                                                    args.layers.isdigit() and
+                                                    int(args.layers) >= 1):
         raise UserError(f"--layers {args.layers!r} must be auto, full or a number >= 1")
 
 
@@ -312,6 +313,7 @@ def run_gpu_compile(args, cfg, topo, full: dict, a) -> int:
     from boost_jax.plan.costmodel import predict
 
     gpu_compile.gpu_target.target_name(topo)  # a profile without a GPU target fails first
+    _check_layout(cfg, full)
     try:
         pred = predict(cfg, topo, full, a)
     except ValueError as e:
@@ -415,6 +417,15 @@ def run_search(args, cfg, topo, full: dict, a, command: str) -> int:
     return 0
 
 
+def _check_layout(cfg, full: dict) -> None:
+    """What train.py checks of the layout (parallel.check: pipeline split, TP cut), also for
+    the analytic model alone: --no-compile must not pass, or emit, a layout training refuses."""
+    from boost_jax.plan.costmodel import SizesMesh
+    from boost_jax.sharding import parallel
+
+    parallel.check(cfg, SizesMesh(full))
+
+
 def _dry_run_or_predict(args, cfg, topo, full: dict, a):
     """(out, compiled, failure): the dry run when compiling, else (or when the step fails
     to compile) the analytic prediction."""
@@ -424,6 +435,7 @@ def _dry_run_or_predict(args, cfg, topo, full: dict, a):
     from boost_jax.plan.costmodel import predict
 
     compiled, failure = not args.no_compile, None
+    _check_layout(cfg, full)
     try:
         if compiled:
             import jax

@@ -32,8 +32,12 @@ from boost_jax.names import OPTIMIZERS
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    warmup = max(1, int(cfg.warmup_frac * total_steps))
+    """The learning rate by optimizer step (0 first): `warmup_frac` = 0 starts at optim.lr."""
+    warmup = int(cfg.warmup_frac * total_steps)
+    warmup = max(1, warmup) if cfg.warmup_frac > 0 else 0
     end = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "cosine" and warmup == 0:
+        return optax.cosine_decay_schedule(cfg.lr, max(total_steps, 1), alpha=cfg.min_lr_ratio)
     if cfg.schedule == "cosine":
         return optax.warmup_cosine_decay_schedule(
             init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
@@ -48,7 +52,7 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
         decay = max(1, min(rest, int(round(cfg.decay_frac * total_steps))))
         after = optax.join_schedules([optax.constant_schedule(cfg.lr),
                                       optax.linear_schedule(cfg.lr, end, decay)], [rest - decay])
-    return optax.join_schedules([ramp, after], [warmup])
+    return optax.join_schedules([ramp, after], [warmup]) if warmup else after
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int,

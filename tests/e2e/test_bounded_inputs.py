@@ -143,6 +143,8 @@ def test_a_prompt_file_or_tokenizer_that_is_a_device_or_fifo_is_named(tmp_path):
               "/dev/zero"], r"--prompt-file '/dev/zero' is a character device"),
             (["-m", "boost_jax.generate", "--run", str(tmp_path / "none"), "--prompt-file",
               str(fifo)], r"--prompt-file '.*/fifo' is a FIFO"),
+            (["-m", "boost_jax.generate", "--run", str(tmp_path / "none"), "--prompt-file",
+              str(tmp_path)], r"--prompt-file '.*' is a folder, not a regular file"),
             (["-m", "boost_jax.data.prepare", str(src), str(tmp_path / "o.bin"), "--tokenizer",
               str(fifo)], r"tokenizer file '.*/fifo' is a FIFO")):
         rc, secs, mb, err = _measured(argv)

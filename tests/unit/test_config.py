@@ -1,6 +1,7 @@
 import pytest
 
 from boost_jax.config import ConfigError, load_config
+from boost_jax.errors import UserError
 from train_proc import ROOT
 
 
@@ -38,10 +39,36 @@ def test_int_promotes_to_float_not_reverse():
     ("model.init_std=1e308", "far above any useful scale"),
     ("data.sources=[{path: a.bin, weight: 1e308}, {path: a.bin, weight: 1e308}]",
      "are out of scale"),
+    # a whole section set to a scalar used to fall back to the defaults without a word
+    ("model=0", r"^model=0 sets a whole section: give its keys, e\.g\. model\.KEY=VALUE"),
+    ("model=null", "model=None sets a whole section"),
+    ("train=[]", r"train=\[\] sets a whole section"),
+    # YAML 1.1 read these as octal 8 and base-60 90
+    ("train.steps=010", "train.steps='010' has the wrong type"),
+    ("train.steps=1:30", "train.steps='1:30' has the wrong type"),
+    ("model.vocab_size=1000000000000", r"is above 2147483647 \(int32 token ids\)"),
+    ("model.n_kv_heads=0", "model.n_kv_heads=0 must be > 0"),
+    ("train.eval_batches=1000000000000", "tokens of eval batches .* use at most"),
+    ("distributed.init_timeout_s=2147483648", r"must be in 1\.\.2147483647 seconds"),
 ])
 def test_bad_input_errors(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
+
+
+def test_a_section_override_merges_and_a_file_reads_numbers_as_written(tmp_path):
+    """`optim={lr: ...}` changes that key of the file's optim section and keeps the rest; a
+    file's `1:30` or `010` is text, refused where a number goes."""
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 0.01\n  warmup_frac: 0.05\nmodel:\n")
+    cfg = load_config(str(path), ["optim={lr: 0.001}"])
+    assert cfg.optim.lr == pytest.approx(1e-3) and cfg.optim.warmup_frac == pytest.approx(0.05)
+    assert cfg.model.d_model == load_config(None).model.d_model  # an empty section: defaults
+    path.write_text("train:\n  stop_after: 1:30\n")
+    with pytest.raises(ConfigError, match="train.stop_after='1:30' has the wrong type"):
+        load_config(str(path))
+    with pytest.raises(UserError, match=r"data\.bpe_vocab_size=999999999999 is above "):
+        load_config(None, ["data.tokenizer=bpe", "data.bpe_vocab_size=999999999999"])
 
 
 def test_all_shipped_configs_load():

@@ -88,6 +88,12 @@ def test_schedules_warm_up_then_follow_their_shape():
     np.testing.assert_allclose(values["linear"][10:], np.linspace(lr, lo, 91), rtol=1e-6)
     c = values["cosine"]
     assert c[100] == pytest.approx(lo) and c[55] == pytest.approx((lr + lo) / 2, rel=1e-3)
+    for s in ("cosine", "linear", "wsd", "constant"):  # no warmup: the first step runs at lr
+        cfg = load_config(None, [f"optim.schedule={s}", f"optim.lr={lr}", "optim.warmup_frac=0",
+                                 f"optim.min_lr_ratio={lo}"])
+        f = lr_schedule(cfg.optim, 100)
+        assert float(f(0)) == pytest.approx(lr) and float(f(100)) == pytest.approx(
+            lr if s == "constant" else lo), s
 
 
 def test_adafactor_refuses_a_padding_that_changes_its_factoring():
@@ -252,7 +258,8 @@ def test_an_older_adafactor_step_resumes_only_under_the_layout_that_saved_it():
     layout's padding: under another mesh, plan or pipeline split its resume is one line naming
     the change, before any step is restored or moved aside; newer steps and other optimizers
     restore under any layout."""
-    from boost_jax.checkpoints.run_config import LAYOUT_FREE, check_adafactor_layout
+    from boost_jax.checkpoints.run_config import (LAYOUT_FREE, OPTAX_ORDER,
+                                                  check_adafactor_layout, in_optax_counts)
 
     base = ["optim.name=adafactor", "parallel.plan=zero3"]
     old = {"config": load_config(None, base).to_dict(), "mesh": [2, 2, 2]}
@@ -280,6 +287,17 @@ def test_an_older_adafactor_step_resumes_only_under_the_layout_that_saved_it():
                                ("['q']",))
     check_adafactor_layout(dict(old, adafactor_statistics=LAYOUT_FREE), {"mesh": [2, 2, 2]},
                            load_config(None, base), 5, "runs/x", ("['q']",))
+    # one development commit stored them layout-free but in optax's order: as old where a
+    # weight is transposed or the layout changed, else as new (no counts to convert)
+    mid = dict(old, adafactor_statistics=OPTAX_ORDER)
+    with pytest.raises(UserError, match=r"kept the row and column statistics of \['q'\]"):
+        check_adafactor_layout(mid, {"mesh": [2, 2, 2]}, load_config(None, base), 5, "runs/x",
+                               ("['q']",))
+    with pytest.raises(UserError, match=r"under another layout \(the device mesh"):
+        check_adafactor_layout(mid, {"mesh": [2, 1, 3]}, load_config(None, base), 5, "runs/x")
+    check_adafactor_layout(mid, {"mesh": [2, 2, 2]}, load_config(None, base), 5, "runs/x")
+    assert not in_optax_counts(mid, load_config(None, base))
+    assert in_optax_counts(old, load_config(None, base))
     adam = {"config": load_config(None, ["parallel.plan=zero3"]).to_dict(), "mesh": [2, 2, 2]}
     check_adafactor_layout(adam, {"mesh": [2, 1, 3]},
                            load_config(None, ["parallel.plan=hierarchical"]), 5, "runs/x",

@@ -231,6 +231,15 @@ def test_a_file_target_is_never_a_link_an_empty_path_or_a_folders_name(tmp_path)
     assert os.path.islink(tmp_path / "ul") and (tmp_path / "user.txt").read_text() == "mine"
     assert not os.path.exists(tmp_path / "new")
     sw.check_target(str(tmp_path / "user.txt"), {}, True, "--out", "fix")  # a file: forced, ok
+    # what a config names (prepare's OUT, an export) cannot hold a control character
+    sw.check_target(str(tmp_path / "nl\nx.yaml"), {}, True, "--out", "fix")
+    with pytest.raises(Refused, match=r"^OUT '.*' holds a control character \(\\n\), which "
+                                      r"no config can name; fix$"):
+        sw.refuse_unusable(str(tmp_path / "nl\nx.bin"), f"OUT {str(tmp_path / 'nl')!r}", "fix",
+                           config_value=True)
+    with pytest.raises(Refused, match=r"holds a control character \(\\t\)"):
+        sw.refuse_unusable(str(tmp_path / "a\tb"), "--out", "fix", folder=True,
+                           config_value=True)
 
 
 def test_prepare_never_writes_over_a_file_it_reads_through_a_link_in_source(tmp_path):
