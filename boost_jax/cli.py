@@ -34,10 +34,20 @@ class Parser(argparse.ArgumentParser):
         sys.exit(EXIT_USER_ERROR)
 
 
+class _Once(argparse.Action):
+    """An option given once: a second --config would silently drop the first."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} is given twice ({getattr(namespace, self.dest)!r} "
+                         f"and {values!r}); give one, and set single keys as key=value")
+        setattr(namespace, self.dest, values)
+
+
 class OverrideParser(Parser):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.add_argument("--config", default=None,
+        self.add_argument("--config", default=None, action=_Once,
                           help="YAML config (default: built-in defaults)")
         self.add_argument("overrides", nargs="*", metavar="key=value",
                           help="dotted config overrides, anywhere on the line, e.g. "

@@ -173,8 +173,10 @@ def make_job(cfg: Config, topo: Topology, nodes: Optional[int], account: Optiona
     if not os.path.isfile(TRAIN_PY):
         raise UserError(f"train.py is not at {TRAIN_PY}; run the launcher from a checkout of "
                         "boost_jax (pip install -e .)")
-    job = Job(cfg, topo, profile, sizes, account, time, partition or profile.partition,
-              qos or profile.qos, tuple(profile.modules if modules is None else modules),
+    job = Job(cfg, topo, profile, sizes, account, time,  # "": the flag given empty, refused
+              profile.partition if partition is None else partition,
+              profile.qos if qos is None else qos,
+              tuple(profile.modules if modules is None else modules),
               out_dir_expr(cfg, profile, account), python, command, predicted)
     check_values(job)
     return job

@@ -158,11 +158,13 @@ def test_hostile_values_stay_data(field, tmp_path, capsys):
 
 
 def test_bad_option_values_are_one_line_from_the_command(tmp_path):
-    """The real command: --time with a leading newline, --account with a trailing one."""
+    """The real command: --time with a leading newline, --account with a trailing one, an
+    empty --qos (once quietly the profile's)."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     for opt, value, msg in (("--time", "\n02:00:00", "--time '\\n02:00:00' is not a SLURM time"),
                             ("--account", "abc\n", "--account 'abc\\n' is not a project id"),
-                            ("--qos", "q\ntouch x", "--qos 'q\\ntouch x' is not valid in a")):
+                            ("--qos", "q\ntouch x", "--qos 'q\\ntouch x' is not valid in a"),
+                            ("--qos", "", "--qos '' is not valid in a batch script")):
         out = tmp_path / "job.sbatch"
         r = subprocess.run([sys.executable, "-m", "boost_jax.launch", "slurm", "--config",
                             "configs/demo.yaml", "--topology", "cpu", "--nodes", "2", opt, value,

@@ -117,3 +117,14 @@ def test_an_unknown_option_reads_the_same_wherever_it_stands(argv, capsys):
     assert e.value.code == 2
     assert capsys.readouterr().err == ("error: unrecognized arguments: --cpu-devcies; see "
                                        "train.py --help\n")
+
+
+def test_a_second_config_is_refused_not_dropped(capsys):
+    from boost_jax.cli import OverrideParser
+
+    with pytest.raises(SystemExit) as e:
+        OverrideParser(prog="train.py").parse(["--config", "a.yaml", "x=1", "--config", "b.yaml"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith(
+        "error: --config is given twice ('a.yaml' and 'b.yaml'); give one")
+    assert OverrideParser(prog="train.py").parse(["--config", "a.yaml"]).config == "a.yaml"
