@@ -2,7 +2,6 @@
 (tests/e2e/test_prepare_memory.py: its memory, which must not grow with the corpus)."""
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -133,27 +132,3 @@ def test_tokenizer_bpe_trains_saves_and_names_it(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: --bpe-vocab-size 100 is too small ")
     assert main(argv + ["--force", "--bpe-vocab-size", "520"]) == 0
     assert open(tok_path).read() != before and HFTokenizer.from_file(tok_path).vocab_size == 520
-
-
-def test_the_printed_training_line_pastes_back_the_exact_path(tmp_path, capsys):
-    """OUT with a space, quotes and $(...): the printed `train on it with:` words give back the
-    path when pasted into bash (nothing runs); OUT with a newline, which no config value may
-    hold, is refused before anything is written."""
-    import subprocess
-
-    from boost_jax.data.prepare import main
-
-    src = tmp_path / "c.txt"
-    src.write_text("def f(x):\n    return x\n" * 200)
-    out = str(tmp_path / "my corpus '$(echo PWNED >&2)'.bin")
-    assert main([str(src), out, "--tokenizer", "byte", "--workers", "1", "--no-progress"]) == 0
-    line = capsys.readouterr().out.split("train on it with: ", 1)[1].splitlines()[0]
-    back = subprocess.run(["bash", "-c", f"printf '%s\\n' {line}"], capture_output=True,
-                          text=True)
-    assert back.stderr == "" and back.stdout.splitlines()[0] == "data.source=" + out
-    with pytest.raises(SystemExit) as e:
-        main([str(src), str(tmp_path / "nl\nx.bin"), "--tokenizer", "byte", "--workers", "1"])
-    assert e.value.code == 2
-    assert "holds a control character (\\n), which no config can name" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["c.txt", os.path.basename(out), os.path.basename(out)[:-4] + ".json"])
