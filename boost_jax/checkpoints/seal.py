@@ -109,6 +109,12 @@ def _well_formed(want) -> bool:
         for n, v in want.items())
 
 
+def sealed(step_dir: str, meta: dict) -> bool:
+    """Whether a step has a seal to check: its metadata names one, or the file is there (a
+    changed metadata may no longer name it); a step saved before seals has neither."""
+    return bool(meta.get("seal")) or os.path.exists(os.path.join(step_dir, SEAL_FILE))
+
+
 def check_seal(step_dir: str, part: int = 0, parts: int = 1,
                item: Optional[str] = None) -> Optional[str]:
     """None if the step's files match its seal, else what differs (one clause). With `parts`

@@ -38,7 +38,7 @@ import orbax.checkpoint as ocp
 
 from boost_jax.backends.cpu import dev_compile_options
 from boost_jax.checkpoints import restage
-from boost_jax.checkpoints.seal import SEAL_FILE, check_seal, write_seal
+from boost_jax.checkpoints.seal import SEAL_FILE, check_seal, sealed, write_seal
 from boost_jax.config import CheckpointConfig
 from boost_jax.errors import UserError
 from boost_jax.names import UNUSABLE_DIR
@@ -391,10 +391,9 @@ class Checkpointer:
 
     def _check_seal(self, step: int, meta: dict, item: Optional[str] = None) -> Optional[str]:
         """The step's files against its seal (each process checks its share of the files, or
-        all of `item`'s); None for a step saved before seals were written. A seal file counts
-        even where the metadata (changed, say) does not name it."""
+        all of `item`'s); None for a step saved before seals were written (seal.sealed)."""
         step_dir = os.path.join(self.directory, str(step))
-        if not meta.get("seal") and not os.path.exists(os.path.join(step_dir, SEAL_FILE)):
+        if not sealed(step_dir, meta):
             return None
         if item is not None:
             return check_seal(step_dir, item=item)

@@ -70,12 +70,16 @@ def input_files(cfg) -> dict:
     return {k: p for k, p in files.items() if os.path.exists(p)}
 
 
-def identities(cfg) -> dict:
-    """{config key: identity} of every input file (saved in each checkpoint's meta)."""
+def identity(key: str, path: str) -> str:
+    """The identity of input `key` (a config key of input_files) at `path`."""
     from boost_jax.data.shards import is_streaming
 
-    return {key: source_identity(path, key.startswith("data.sources") and is_streaming(path))
-            for key, path in input_files(cfg).items()}
+    return source_identity(path, key.startswith("data.sources") and is_streaming(path))
+
+
+def identities(cfg) -> dict:
+    """{config key: identity} of every input file (saved in each checkpoint's meta)."""
+    return {key: identity(key, path) for key, path in input_files(cfg).items()}
 
 
 def check_unchanged(saved: Optional[dict], now: dict, cfg, step: int, where: str) -> None:

@@ -36,12 +36,10 @@ class Run:
     def check_input(self, key: str, path: str, fix: str) -> None:
         """A one-line error if input file `key` (data/fingerprint.py) at `path` is not the one
         the step was trained on (a step from before fingerprints records none)."""
-        from boost_jax.data.fingerprint import source_identity
-        from boost_jax.data.shards import is_streaming
+        from boost_jax.data.fingerprint import identity
 
         want = self.inputs.get(key)
-        streamed = key.startswith("data.sources") and is_streaming(path)
-        if want is not None and source_identity(path, streamed) != want:
+        if want is not None and identity(key, path) != want:
             raise UserError(f"checkpoint step {self.step} of run {self.path!r} was trained on "
                             f"{key} {path!r} as it was then, and that file has changed since "
                             f"(or another file has its name here); {fix}")
@@ -136,10 +134,10 @@ def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dic
 def check_step_files(ckpt_dir: str, step: int, meta: dict) -> None:
     """A one-line error if any file of the step differs from its seal (checkpoints/seal.py); a
     step saved before seals were written has none and is read unchecked."""
-    from boost_jax.checkpoints.seal import SEAL_FILE, check_seal
+    from boost_jax.checkpoints.seal import check_seal, sealed
 
     step_dir = os.path.join(ckpt_dir, str(step))
-    if not meta.get("seal") and not os.path.exists(os.path.join(step_dir, SEAL_FILE)):
+    if not sealed(step_dir, meta):
         return
     bad = check_seal(step_dir)
     if bad:

@@ -167,8 +167,6 @@ def real_positions(lay: LeafLayout) -> list:
     """Per stored dim, a boolean vector of the indices that hold the logical array; the real
     elements of the stored array are their outer product (padding is at the end of a dim, the
     owner is one slot of dim 0, interleaving permutes dim 0: every case is separable)."""
-    import numpy as np
-
     vecs = [np.arange(p) < s for s, p in zip(lay.shape, lay.padded)]
     if lay.owner is not None:
         vecs[0] = np.arange(lay.padded[0]) == lay.owner

@@ -114,14 +114,21 @@ def transposed(lay) -> bool:
     return a is not None and b is not None and a != b
 
 
-def transposed_weights(layouts) -> tuple:
-    """Names (key paths) of the `transposed` weights of a layout."""
+def _by_path(layouts) -> dict:
+    """{path keys of a weight: its layout}: what a statistic of the optimizer state is matched
+    to (optax nests the weights' tree inside its state)."""
     import jax
 
     from boost_jax.sharding.layout import is_layout
 
-    return tuple(jax.tree_util.keystr(p) for p, lay in jax.tree_util.tree_flatten_with_path(
-        layouts, is_leaf=is_layout)[0] if transposed(lay))
+    return {path_keys(p): lay for p, lay in
+            jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)[0]}
+
+
+def transposed_weights(layouts) -> tuple:
+    """Names (key paths) of the `transposed` weights of a layout."""
+    return tuple("".join(f"[{k!r}]" for k in keys) for keys, lay in _by_path(layouts).items()
+                 if transposed(lay))
 
 
 def transpose_statistics(state, layouts):
@@ -130,10 +137,7 @@ def transpose_statistics(state, layouts):
     import jax
     from optax._src.factorized import FactoredState
 
-    from boost_jax.sharding.layout import is_layout
-
-    by_path = {path_keys(p): lay for p, lay in
-               jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)[0]}
+    by_path = _by_path(layouts)
 
     def swap(fs):
         if not isinstance(fs, FactoredState):
@@ -156,10 +160,9 @@ def rescale_statistics(state, layouts, to_optax: bool):
     weights are returned as they are."""
     import jax
 
-    from boost_jax.sharding.layout import is_layout, real_positions
+    from boost_jax.sharding.layout import real_positions
 
-    by_path = {path_keys(p): lay for p, lay in
-               jax.tree_util.tree_flatten_with_path(layouts, is_leaf=is_layout)[0]}
+    by_path = _by_path(layouts)
 
     def one(path, x):
         key = path_keys(path)
