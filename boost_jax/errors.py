@@ -56,12 +56,33 @@ def cli_main(fn):
         except UserError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(EXIT_USER_ERROR)
+        except Exception as e:
+            if (line := out_of_memory(e)) is None:
+                raise
+            print(f"error: {line}", file=sys.stderr)
+            sys.exit(EXIT_USER_ERROR)
         except KeyboardInterrupt as e:  # SIGTERM 143 (schedulers requeue on it), Ctrl-C 130
             signum = getattr(e, "signum", signal.SIGINT)
             print(f"interrupted (signal {int(signum)})", file=sys.stderr)
             _exit_now(128 + int(signum))
 
     return wrapper
+
+
+_OOM = re.compile(r"(?i)(?:RESOURCE_EXHAUSTED: )?(out of memory[^\n;]*?)\.?(?:\n|;|$)")
+
+
+def out_of_memory(e: BaseException) -> Optional[str]:
+    """The one-line error for XLA running out of device memory (a model, batch or layout too
+    big for it, as it compiles or runs), else None. Matched by name: this module loads no JAX."""
+    if type(e).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
+        return None
+    m = _OOM.search(str(e))
+    if m is None:
+        return None
+    return (f"the devices ran out of memory ({m.group(1)}); use a smaller model, batch or "
+            "sequence, more train.micro_batches or train.remat=full, or a layout that "
+            "python -m boost_jax.plan says fits")
 
 
 EXIT_MACHINE = 1  # the machine's own failure (a full disk), not the user's input

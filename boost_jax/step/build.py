@@ -43,7 +43,7 @@ from boost_jax.sharding import parallel
 from boost_jax.sharding import step_two_level
 from boost_jax.sharding.placement import Placement
 from boost_jax.step.engine import Engine
-from boost_jax.step.optim import check_factoring, lr_schedule, make_optimizer
+from boost_jax.step.optim import check_factoring, lr_schedule, make_optimizer, update_count
 
 
 def model_factory(model: ModelConfig, train: TrainConfig) -> Callable[[], nnx.Module]:
@@ -170,10 +170,12 @@ def make_step_fn(train: TrainConfig, optim: OptimConfig, pl: Placement, engine: 
         if mixed:
             new_state["master"] = new_master
         if train.skip_nonfinite:
-            # A bad batch leaves the weights and moments untouched; the step counter advances.
+            # A bad batch leaves the weights, moments and schedule untouched; the step counter
+            # advances.
             kept = dict(state, step=state["step"] + 1)
             new_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_state, kept)
-        metrics = {"loss": loss, "grad_norm": gnorm, "lr": schedule(state["step"]),
+        lr = schedule(update_count(state["opt_state"]))  # applied: a skipped step keeps it
+        metrics = {"loss": loss, "grad_norm": gnorm, "lr": lr,
                    "finite": finite}
         return new_state, metrics
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -32,27 +33,39 @@ from boost_jax.names import OPTIMIZERS
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
-    """The learning rate by optimizer step (0 first): `warmup_frac` = 0 starts at optim.lr."""
-    warmup = int(cfg.warmup_frac * total_steps)
-    warmup = max(1, warmup) if cfg.warmup_frac > 0 else 0
+    """The learning rate of update k + 1 at optimizer count k (0 first). The warmup's first
+    update runs at optim.lr / warmup steps and its last at optim.lr (warmup_frac = 0: the
+    first update does); the decay reaches optim.lr × min_lr_ratio at update `total_steps`."""
+    peak_at = max(1, int(cfg.warmup_frac * total_steps))  # the update that runs at optim.lr
+    rest = total_steps - peak_at  # the updates after it
     end = cfg.lr * cfg.min_lr_ratio
-    if cfg.schedule == "cosine" and warmup == 0:
-        return optax.cosine_decay_schedule(cfg.lr, max(total_steps, 1), alpha=cfg.min_lr_ratio)
-    if cfg.schedule == "cosine":
-        return optax.warmup_cosine_decay_schedule(
-            init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
-            decay_steps=max(total_steps, warmup + 1), end_value=end)
-    ramp = optax.linear_schedule(0.0, cfg.lr, warmup)
-    rest = max(1, total_steps - warmup)
-    if cfg.schedule == "linear":
-        after = optax.linear_schedule(cfg.lr, end, rest)
-    elif cfg.schedule == "constant":
+    if rest <= 0 or cfg.schedule == "constant":
         after = optax.constant_schedule(cfg.lr)
+    elif cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, rest, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "linear":
+        after = optax.linear_schedule(cfg.lr, end, rest)
     else:  # wsd: stable, then a linear cooldown over the last decay_frac of the steps
         decay = max(1, min(rest, int(round(cfg.decay_frac * total_steps))))
         after = optax.join_schedules([optax.constant_schedule(cfg.lr),
                                       optax.linear_schedule(cfg.lr, end, decay)], [rest - decay])
-    return optax.join_schedules([ramp, after], [warmup]) if warmup else after
+    if peak_at == 1:
+        return after
+    ramp = optax.linear_schedule(cfg.lr / peak_at, cfg.lr, peak_at - 1)
+    return optax.join_schedules([ramp, after], [peak_at - 1])
+
+
+def update_count(opt_state) -> jax.Array:
+    """The optimizer's own update count: its schedule reads the next update's lr from it (a
+    step that train.skip_nonfinite skips leaves it, and so the schedule, where it was)."""
+    def found(x):
+        return isinstance(x, optax.ScaleByScheduleState)
+
+    counts = [s.count for s in jax.tree.leaves(opt_state, is_leaf=found) if found(s)]
+    if len(counts) != 1:
+        raise ValueError(f"expected one scheduled learning rate in the optimizer state, "
+                         f"found {len(counts)}")
+    return counts[0]
 
 
 def make_optimizer(cfg: OptimConfig, total_steps: int,

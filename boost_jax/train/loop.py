@@ -201,6 +201,7 @@ def _build(cfg: Config, out_dir: str, pid: int, nproc: int, compiler_options: Op
     copts = _compiler_options(compiler_options)
     bundle = build_step(cfg, mesh, copts) if copts else build_step(cfg, mesh)
     topo = get_topology(cfg.mesh.topology)
+    topo.peak_flops  # the CPU's peak is probed or read from the environment: refused here
     require_wandb(cfg)
 
     # build_data checks batch divisibility over processes and the tokenizer's vocab size
@@ -337,9 +338,9 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
             "adafactor_statistics": run_config.LAYOUT_FREE}
     start, state, resumed, accepted = _resume_or_init(cfg, out_dir, bundle, data, ckpt,
                                                       existing, meta, say)
-    if resumed and start >= cfg.train.steps:  # e.g. the same command again, or another's
-        say(f"{out_dir} holds a run finished at step {start} (train.steps={cfg.train.steps}): "
-            "nothing to train; raise train.steps to continue it, or choose another out_dir=...")
+    if resumed and start >= cfg.train.steps:  # e.g. the same command again: nothing written
+        _nothing_to_train(cfg, out_dir, start, ckpt, say)
+        return {"start_step": start, "final_step": start}
     logger = _open_logger(cfg, out_dir, start, resumed, accepted, main_proc, nproc, say)
     thr = _throughput(cfg, mesh, topo, bundle, data, logger)
 
@@ -353,6 +354,17 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
             log.exception("writing the run's final outputs failed", e)
             raise _write_failed(e, ckpt, log) from None
     return summary
+
+
+def _nothing_to_train(cfg: Config, out_dir: str, start: int, ckpt: Checkpointer, say) -> None:
+    """The latest step is at or past train.steps: say so and leave every output as it is."""
+    ckpt.close()
+    steps = cfg.train.steps
+    if start > steps:
+        raise UserError(f"{out_dir} holds step {start}, past train.steps={steps}; use "
+                        f"train.steps={start} or more to continue it, or another out_dir=...")
+    say(f"{out_dir} holds step {start} of train.steps={steps}: nothing to train; raise "
+        "train.steps to continue it, or choose another out_dir=...")
 
 
 def _close_quietly(logger: MetricsLogger, log: RunLog) -> None:
@@ -402,6 +414,7 @@ class _LoopState:
     start: int  # the step this process started (or resumed) from
     saved_steps: set  # steps with a checkpoint: never saved twice
     t_start: float  # perf_counter when the loop started
+    first_step_s: float = 0.0  # the first step's time, compilation included
     pending_finite: list = field(default_factory=list)  # device flags not yet checked
 
 
@@ -431,12 +444,13 @@ def _take_step(ctx: _RunCtx, ls: _LoopState, prof: StepProfiler, summary: dict) 
     ls.state, m = ctx.bundle.train_step(ls.state, batch)
     ls.step += 1
     ls.pending_finite.append(m["finite"])
+    ctx.thr.tick()
     if (trace := prof.after(ls.step, m["loss"])) is not None:
         ctx.say(f"profile of steps {prof.first}-{ls.step} written to {trace}")
-    ctx.thr.tick()
+        ctx.thr.skip(prof.write_s)  # writing the trace is not training
     if ls.step == ls.start + 1:  # the first step includes compilation: timed on its own
         jax.block_until_ready(m["loss"])
-        summary["first_step_s"] = time.perf_counter() - ls.t_start
+        ls.first_step_s = summary["first_step_s"] = time.perf_counter() - ls.t_start
         ctx.thr.reset()
     return m
 
@@ -450,12 +464,13 @@ def _maybe_log_metrics(ctx: _RunCtx, ls: _LoopState, m: dict, row: dict) -> None
     perf = thr.report() if thr.steps else {}
     row.update(loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
                lr=float(m["lr"]), **perf)
-    eta = (tcfg.steps - step) * perf.get("step_time_s", float("nan"))
-    ctx.logger.line(
-        f"step {step}/{tcfg.steps} | loss {row['loss']:.4f} | "
-        f"{perf.get('tokens_per_s', 0):,.0f} tok/s | "
-        f"{perf.get('tflops_per_device', 0):.3f} TFLOP/s/dev | "
-        f"MFU {perf.get('mfu', 0):.1%} | ETA {format_eta(eta)}")
+    if perf:
+        eta = (tcfg.steps - step) * perf["step_time_s"]
+        speed = (f"{perf['tokens_per_s']:,.0f} tok/s | {perf['tflops_per_device']:.3f} "
+                 f"TFLOP/s/dev | MFU {perf['mfu']:.1%} | ETA {format_eta(eta)}")
+    else:  # the first step since the start: its time is mostly compilation
+        speed = f"first step {ls.first_step_s:.1f} s, compilation included"
+    ctx.logger.line(f"step {step}/{tcfg.steps} | loss {row['loss']:.4f} | {speed}")
     thr.reset()
 
 
@@ -472,6 +487,7 @@ def _maybe_evaluate(ctx: _RunCtx, ls: _LoopState, row: dict) -> None:
 def _maybe_save(ctx: _RunCtx, ls: _LoopState) -> None:
     if ls.step % ctx.cfg.checkpoint.every == 0 or ls.step == ctx.cfg.train.steps:
         _save(ctx, ls)
+        ctx.thr.reset()  # the save's blocking part is not training
 
 
 def _should_stop(ctx: _RunCtx, ls: _LoopState, stop: StopSignal, summary: dict) -> bool:
@@ -481,6 +497,10 @@ def _should_stop(ctx: _RunCtx, ls: _LoopState, stop: StopSignal, summary: dict) 
         _save(ctx, ls, force=True)
         ctx.say(f"stop_after={tcfg.stop_after}: saved step {step}, exiting")
         return True
+    if step >= tcfg.steps:  # finished (saved, evaluated): nothing for a rerun to resume
+        if stop.received is not None:
+            ctx.say(f"signal {stop.received} after the last step: the run is finished")
+        return False
     signum = agree_stop(stop.received, ctx.nproc)
     if signum is not None:
         _save(ctx, ls, force=True)

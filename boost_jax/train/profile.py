@@ -8,6 +8,7 @@ profile plugin (`tensorboard --logdir out_dir/profile`, tab "Profile") or drop t
 """
 
 import os
+import time
 from typing import Optional
 
 import jax
@@ -19,6 +20,7 @@ class StepProfiler:
         self.dir = os.path.join(out_dir, "profile")
         self.enabled = enabled and steps is not None
         self.active = False
+        self.write_s = 0.0  # how long writing the trace took (not training: the meter skips it)
 
     def before(self, step: int) -> None:
         """Call with the step about to run (1-based)."""
@@ -36,6 +38,8 @@ class StepProfiler:
     def stop(self) -> Optional[str]:
         if not self.active:
             return None
+        t = time.perf_counter()
         jax.profiler.stop_trace()
+        self.write_s = time.perf_counter() - t
         self.active = False
         return self.dir

@@ -156,15 +156,26 @@ def test_resume_with_another_data_stream_is_refused_until_accepted(env, saved, t
     assert f"source: {corpus}" in (out / "config.yaml").read_text()
 
 
-def test_a_finished_run_given_no_more_steps_says_so_first(env, saved, tmp_path):
+def _files(out):
+    """Every file of a run but its lock, with its size and modification time."""
+    return {str(p.relative_to(out)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+def test_a_finished_run_given_no_more_steps_says_so_and_writes_nothing(env, saved, tmp_path):
     out = _copy(saved, tmp_path)
+    before = _files(out)
     t = Train(out, env, "train.steps=3", "logging.tensorboard=false")
     assert t.wait() == 0, t.output
-    line = (f"{out} holds a run finished at step 3 (train.steps=3): nothing to train; raise "
-            "train.steps to continue it, or choose another out_dir=...")
-    assert line in t.lines and t.lines.index(line) < [
-        i for i, x in enumerate(t.lines) if x.startswith("resumed from step 3")][0], t.output
-    assert max(r["step"] for r in _rows(out)) == 3
+    line = (f"{out} holds step 3 of train.steps=3: nothing to train; raise train.steps to "
+            "continue it, or choose another out_dir=...")
+    assert line in t.lines and not any("resumed" in x for x in t.lines), t.output
+    assert _files(out) == before  # summary.json, config.yaml, configs/, tb/ left as they were
+    t = Train(out, env, "train.steps=2", "logging.tensorboard=false")
+    assert t.wait() == 2, t.output
+    assert t.lines[-1] == (f"error: {out} holds step 3, past train.steps=2; use train.steps=3 "
+                           "or more to continue it, or another out_dir=..."), t.output
+    assert _files(out) == before
 
 
 # --------------------------------------------------------------------------- disk full

@@ -6,6 +6,8 @@
 - With train.skip_nonfinite=true a validation loss that is not finite is recorded as such:
   metrics.jsonl and summary.json hold JSON null plus a `*_nonfinite` flag, never a bare NaN (not
   valid JSON) and never dropped.
+- A signal that lands after the last step (during its evaluation) ends a finished run: exit 0,
+  no "rerun to resume" (a batch script would requeue a 143).
 """
 
 import json
@@ -75,3 +77,29 @@ def test_nonfinite_val_loss_is_recorded_as_null_with_a_flag(env, tmp_path):
     for k in ("final_val_loss", "last_val_loss"):
         assert summary[k] is None and summary[k + "_nonfinite"] is True, summary
     assert summary["last_val_step"] == 4 and summary["initial_val_loss"] == vals[0]["val_loss"]
+
+
+# train.py that receives SIGTERM during its third evaluation: the last step's (steps 0, 2, 4)
+_SIGTERM_IN_LAST_EVAL = (
+    "import os, runpy, signal, sys; import boost_jax.train.loop as loop; real = loop.evaluate\n"
+    "calls = []\n"
+    "def evaluate(*a, **k):\n"
+    "    calls.append(1)\n"
+    "    if len(calls) == 3:\n"
+    "        os.kill(os.getpid(), signal.SIGTERM)\n"
+    "    return real(*a, **k)\n"
+    "loop.evaluate = evaluate; sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+def test_a_signal_after_the_last_step_ends_a_finished_run(env, tmp_path):
+    out = tmp_path / "run"
+    t = Train(out, env, "train.steps=4", "train.eval_every=2",
+              python_prefix=("-c", _SIGTERM_IN_LAST_EVAL))
+    assert t.wait() == 0, t.output
+    assert "signal 15 after the last step: the run is finished" in t.lines, t.output
+    assert "rerun" not in t.output, t.output
+    with open(out / "summary.json") as f:
+        summary = json.load(f, parse_constant=_no_constant)
+    assert "stopped_by_signal" not in summary and summary["final_step"] == 4, summary
+    assert isinstance(summary["final_val_loss"], float), summary

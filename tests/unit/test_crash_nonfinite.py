@@ -1,11 +1,14 @@
 """Crash safety, in-process: a NaN loss stops the run naming the step, before any checkpoint
-holds it (tests/e2e/test_crash.py: SIGKILL, SIGTERM, corrupted checkpoints, failed saves)."""
+holds it, and running out of device memory is one line, exit 2 (tests/e2e/test_crash.py:
+SIGKILL, SIGTERM, corrupted checkpoints, failed saves)."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from boost_jax.config import load_config
+from boost_jax.errors import cli_main
 from boost_jax.infer.load import open_run
 from boost_jax.train.loop import NonFiniteError, run
 from crash_run import RUN, nan_at_step  # noqa: F401 (a fixture)
@@ -28,3 +31,17 @@ def test_nan_loss_stops_the_run_naming_the_step_and_writes_no_bad_checkpoint(nan
     assert checkpoint_steps(out) == [2, 4]
     params = jax.device_get(open_run(out, 4).params)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
+def test_running_out_of_device_memory_is_one_line_and_exit_2(capsys):
+    @cli_main
+    def command():  # 1 TiB: more than any machine this runs on gives XLA
+        return jax.jit(lambda: jnp.ones((2 ** 40,), jnp.int8))().shape
+
+    with pytest.raises(SystemExit) as e:
+        command()
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == ["error: the devices ran out of memory (Out of memory allocating 1099511627776 "
+                   "bytes); use a smaller model, batch or sequence, more train.micro_batches or "
+                   "train.remat=full, or a layout that python -m boost_jax.plan says fits"], err

@@ -2,6 +2,8 @@
 against the same optax optimizer on one device and unpadded weights, the schedules' shapes,
 and the one-line refusals."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +18,8 @@ from boost_jax.mesh import mesh_from_config
 from boost_jax.names import OPTIMIZERS
 from boost_jax.sharding.layout import LeafLayout
 from boost_jax.step.build import build_step
-from boost_jax.step.optim import check_factoring, lr_schedule, make_optimizer, transposed
+from boost_jax.step.optim import (check_factoring, lr_schedule, make_optimizer, transposed,
+                                  update_count)
 
 STEPS = 4
 # d_model 132 and vocab 260 do not divide by 8: zero3 pads the embedding (dim 0) and the head
@@ -74,26 +77,65 @@ def test_sharded_padded_step_matches_one_device(name):
 
 
 def test_schedules_warm_up_then_follow_their_shape():
+    """Update k (1..100) runs at f(k - 1): the warmup's first update above 0, its 10th at lr,
+    the decay's end at the 100th, the last update there is."""
     lr, lo = 1.0, 0.1
     values = {}
     for s in ("cosine", "linear", "wsd", "constant"):
         cfg = load_config(None, [f"optim.schedule={s}", f"optim.lr={lr}", "optim.warmup_frac=0.1",
                                  "optim.decay_frac=0.2", f"optim.min_lr_ratio={lo}"])
         f = lr_schedule(cfg.optim, 100)
-        values[s] = np.array([float(f(i)) for i in range(101)])
-        np.testing.assert_allclose(values[s][:11], np.linspace(0, lr, 11), rtol=1e-6)
-    np.testing.assert_allclose(values["constant"][10:], lr)
-    np.testing.assert_allclose(values["wsd"][10:81], lr)  # stable until the last 20 steps
-    np.testing.assert_allclose(values["wsd"][80:], np.linspace(lr, lo, 21), rtol=1e-6)
-    np.testing.assert_allclose(values["linear"][10:], np.linspace(lr, lo, 91), rtol=1e-6)
+        values[s] = np.array([float(f(k - 1)) for k in range(1, 101)])  # index k - 1: update k
+        np.testing.assert_allclose(values[s][:10], np.linspace(lr / 10, lr, 10), rtol=1e-6)
+    np.testing.assert_allclose(values["constant"][9:], lr)
+    np.testing.assert_allclose(values["wsd"][9:80], lr)  # stable until the last 20 updates
+    np.testing.assert_allclose(values["wsd"][79:], np.linspace(lr, lo, 21), rtol=1e-6)
+    np.testing.assert_allclose(values["linear"][9:], np.linspace(lr, lo, 91), rtol=1e-6)
     c = values["cosine"]
-    assert c[100] == pytest.approx(lo) and c[55] == pytest.approx((lr + lo) / 2, rel=1e-3)
-    for s in ("cosine", "linear", "wsd", "constant"):  # no warmup: the first step runs at lr
+    assert c[99] == pytest.approx(lo) and c[9 + 45] == pytest.approx((lr + lo) / 2, rel=1e-6)
+    assert np.all(np.diff(c[9:]) < 0)
+    for s in ("cosine", "linear", "wsd", "constant"):  # no warmup: the first update runs at lr
         cfg = load_config(None, [f"optim.schedule={s}", f"optim.lr={lr}", "optim.warmup_frac=0",
                                  f"optim.min_lr_ratio={lo}"])
         f = lr_schedule(cfg.optim, 100)
-        assert float(f(0)) == pytest.approx(lr) and float(f(100)) == pytest.approx(
+        assert float(f(0)) == pytest.approx(lr) and float(f(99)) == pytest.approx(
             lr if s == "constant" else lo), s
+        one = lr_schedule(cfg.optim, 1)  # a one-step run trains, at lr
+        assert float(one(0)) == pytest.approx(lr), s
+
+
+def test_the_logged_lr_is_the_one_applied_when_a_step_is_skipped():
+    """train.skip_nonfinite keeps the optimizer's count, so the schedule waits; the logged lr
+    is read from that count (update_count), not from the step counter."""
+    cfg = load_config(None, ["optim.schedule=linear", "optim.warmup_frac=0", "optim.lr=1.0",
+                             "optim.min_lr_ratio=0.0"])
+    for name in OPTIMIZERS:
+        tx = make_optimizer(dataclasses.replace(cfg.optim, name=name), 4)
+        params = {"w": jnp.ones((3, 2))}
+        state = tx.init(params)
+        assert int(update_count(state)) == 0, name
+        _, state = tx.update({"w": jnp.ones((3, 2))}, state, params)
+        assert int(update_count(state)) == 1, name
+    s = lr_schedule(cfg.optim, 4)
+    assert [float(s(k)) for k in range(4)] == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0])
+
+
+def test_a_skipped_step_leaves_the_schedule_and_logs_the_lr_it_applies():
+    cfg = load_config(None, CFG + ["train.skip_nonfinite=true", "optim.schedule=linear",
+                                   "optim.warmup_frac=0", "optim.lr=1.0", "optim.min_lr_ratio=0",
+                                   "parallel.plan=ddp"])
+    bundle = build_step(cfg, mesh_from_config(cfg), fast_compile_options())
+    rng = np.random.default_rng(0)
+    batch = jax.device_put({k: rng.integers(0, 260, (8, 16), dtype=np.int32)
+                            for k in ("inputs", "targets")}, bundle.batch_sharding)
+    state, m = bundle.train_step(bundle.init_state(), batch)
+    good = state["params"]
+    nan = dict(state, params=jax.tree.map(lambda x: x * np.nan, good))
+    state, skipped = bundle.train_step(nan, batch)  # skipped: the optimizer's count stays 1
+    state, after = bundle.train_step(dict(state, params=good), batch)
+    assert [bool(x["finite"]) for x in (m, skipped, after)] == [True, False, True]
+    assert int(state["step"]) == 3 and int(update_count(state["opt_state"])) == 2
+    assert [float(x["lr"]) for x in (m, skipped, after)] == pytest.approx([1.0, 2 / 3, 2 / 3])
 
 
 def test_adafactor_refuses_a_padding_that_changes_its_factoring():

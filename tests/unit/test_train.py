@@ -41,6 +41,12 @@ def test_short_run_lowers_loss_and_writes_outputs(straight):
     train_rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in train_rows] == list(range(1, 21))
     assert all({"loss", "tokens_per_s", "grad_norm", "lr"} <= set(r) for r in train_rows[1:])
+    assert "tokens_per_s" not in train_rows[0]  # the first step is mostly compilation
+    assert summary["first_step_s"] > 0
+    # warmup over 2 of 20 updates: the first trains at half the lr; the last ends the decay
+    lrs = [r["lr"] for r in train_rows]
+    assert lrs[:2] == pytest.approx([0.005, 0.01])
+    assert lrs[-1] == pytest.approx(0.01 * _cfg(out).optim.min_lr_ratio)
     assert {r["step"] for r in rows if "val_loss" in r} == {0, 10, 20}
     assert os.listdir(os.path.join(out, "tb"))
     assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
