@@ -479,8 +479,8 @@ class Config:
         if held > MAX_EVAL_TOKENS:  # the eval batches are held in memory (data/pipeline.py)
             raise ConfigError(
                 f"train.eval_batches={t.eval_batches} holds {held:,} tokens of eval batches "
-                f"(x train.global_batch x data.seq_len+1), above {MAX_EVAL_TOKENS:,}; use "
-                f"at most {max(1, MAX_EVAL_TOKENS // (held // t.eval_batches))} eval batches")
+                f"(x train.global_batch x data.seq_len+1), above {MAX_EVAL_TOKENS:,}; "
+                + _fewer_eval_tokens(held // t.eval_batches))
         # what needs the model and the mesh together (pipeline split, TP cut) is
         # sharding/parallel.check's, run by train.py, the planner and the launcher
         return self
@@ -509,6 +509,14 @@ def resolve_vocab_size(data: DataConfig) -> int:
 
         n = HFTokenizer.from_file(data.tokenizer).vocab_size
     return -(-n // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+
+
+def _fewer_eval_tokens(per_batch: int) -> str:
+    """The fix for too many held eval tokens: fewer batches, or (one batch already too many)
+    a smaller batch or sequence."""
+    if per_batch <= MAX_EVAL_TOKENS:
+        return f"use at most {MAX_EVAL_TOKENS // per_batch} eval batches"
+    return "one batch alone holds too many: use a smaller train.global_batch or data.seq_len"
 
 
 MAX_SEQ_LEN = 2**20  # a million positions: beyond it a table or a mask no longer fits a device

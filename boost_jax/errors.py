@@ -69,7 +69,9 @@ def cli_main(fn):
     return wrapper
 
 
-_OOM = re.compile(r"(?i)(?:RESOURCE_EXHAUSTED: )?(out of memory[^\n;]*?)\.?(?:\n|;|$)")
+# XLA's words for it: the CPU and BFC allocators' "Out of memory ...", the GPU runtime's
+# "RESOURCE_EXHAUSTED: Failed to allocate ..."
+_OOM = re.compile(r"(?i)out of memory.*|(?<=RESOURCE_EXHAUSTED: ).*allocat.*")
 
 
 def out_of_memory(e: BaseException) -> Optional[str]:
@@ -77,11 +79,12 @@ def out_of_memory(e: BaseException) -> Optional[str]:
     big for it, as it compiles or runs), else None. Matched by name: this module loads no JAX."""
     if type(e).__name__ not in ("JaxRuntimeError", "XlaRuntimeError"):
         return None
-    m = _OOM.search(str(e))
-    if m is None:
+    found = (m.group() for m in map(_OOM.search, str(e).splitlines()) if m)
+    what = next(found, None)
+    if what is None:
         return None
-    return (f"the devices ran out of memory ({m.group(1)}); use a smaller model, batch or "
-            "sequence, more train.micro_batches or train.remat=full, or a layout that "
+    return (f"the devices ran out of memory ({what.rstrip('. ')[:200]}); use a smaller model, "
+            "batch or sequence, more train.micro_batches or train.remat=full, or a layout that "
             "python -m boost_jax.plan says fits")
 
 

@@ -330,6 +330,18 @@ SOURCED_FIELDS = ("pair", "node", "bw_pair", "bw_node", "bw_global", "nominal_pe
                   "hbm_bytes", "library")
 
 
+def check_node_shape(shape: Optional[Sequence[int]], topo: Topology, nodes: int) -> None:
+    """mesh.shape's pair x node must be the devices one node of `topo` holds."""
+    if shape is None:
+        return
+    p, n, _ = shape
+    if p * n != topo.devices_per_node:
+        raise UserError(
+            f"mesh.shape={list(shape)} puts pair {p} x node {n} = {p * n} devices on each node "
+            f"but a {topo.name} node has {topo.devices_per_node} ({topo.device}); use "
+            f"mesh.shape=[{topo.pair},{topo.node},{nodes}] or drop mesh.shape")
+
+
 def get_topology(name: str) -> Topology:
     try:
         return TOPOLOGIES[name]

@@ -53,9 +53,12 @@ FLASH_TILES = {"blockwise": 256, "pallas": 64, "cudnn": 128}
 
 
 def attention_keys(seq_len: int, impl: str = "dense") -> float:
-    """Keys per query the compiled attention computes scores for (s_att above)."""
+    """Keys per query the compiled attention computes scores for (s_att above); "flash": the
+    causal half, as the planner costs a flash kernel whose tiles it does not know."""
     if impl == "dense":
         return float(seq_len)
+    if impl == "flash":
+        return seq_len / 2
     t = min(FLASH_TILES[impl], seq_len)
     n = -(-seq_len // t)
     return t * t * n * (n + 1) / 2 / seq_len

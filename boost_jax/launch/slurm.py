@@ -36,7 +36,7 @@ from typing import Optional
 from boost_jax.config import Config, config_to_yaml
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.launch import script_values as sv
-from boost_jax.mesh import AXES, JobProfile, Topology
+from boost_jax.mesh import AXES, JobProfile, Topology, check_node_shape
 from boost_jax.names import KEPT_SECONDARY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,15 +106,8 @@ def job_sizes(cfg: Config, topo: Topology, nodes: Optional[int]) -> dict:
                         "devices), or set mesh.nodes / mesh.shape in the config")
     if nodes < 1:
         raise UserError(f"--nodes {nodes} must be >= 1")
-    if cfg.mesh.shape is not None:
-        p, n, _ = cfg.mesh.shape
-        if p * n != per_node:
-            raise UserError(
-                f"mesh.shape={list(cfg.mesh.shape)} puts pair {p} x node {n} = {p * n} devices "
-                f"on each node but a {topo.name} node has {per_node} ({topo.device}); use "
-                f"mesh.shape=[{topo.pair},{topo.node},{nodes}] or drop mesh.shape")
-    else:
-        p, n = topo.pair, topo.node
+    check_node_shape(cfg.mesh.shape, topo, nodes)
+    p, n = cfg.mesh.shape[:2] if cfg.mesh.shape is not None else (topo.pair, topo.node)
     return {"pair": int(p), "node": int(n), "global": int(nodes)}
 
 
@@ -161,6 +154,7 @@ def make_job(cfg: Config, topo: Topology, nodes: Optional[int], account: Optiona
                         "--account abc123")
     if account is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", account):
         raise UserError(f"--account {account!r} is not a project id (letters, digits, _ . -)")
+    _check_distributed(cfg)
     secs = time_seconds(time)
     if secs <= profile.save_margin_s:
         raise UserError(f"--time {time} leaves no time to train: SLURM asks the job to save "
@@ -180,6 +174,19 @@ def make_job(cfg: Config, topo: Topology, nodes: Optional[int], account: Optiona
               out_dir_expr(cfg, profile, account), python, command, predicted)
     check_values(job)
     return job
+
+
+def _check_distributed(cfg: Config) -> None:
+    """The job's processes join through SLURM's variables (distributed.mode=auto); a config
+    that turns that off or names one process's place would start them apart or all as one."""
+    d = cfg.distributed
+    given = [f"distributed.{k}={getattr(d, k)}" for k in
+             ("coordinator", "num_processes", "process_id", "local_cpu_devices")
+             if getattr(d, k) is not None]
+    if d.mode != "auto" or given:
+        what = ", ".join(([f"distributed.mode={d.mode}"] if d.mode != "auto" else []) + given)
+        raise UserError(f"{what}: the job's srun starts every process, which join through "
+                        "SLURM's variables (distributed.mode=auto); drop these settings")
 
 
 def check_values(job: Job) -> None:
@@ -248,7 +255,14 @@ def layout_text(cfg: Config, layout: Optional[dict]) -> str:
         roles = ", ".join(f"{k} {pl.get(k) or '-'}" for k in ("params", "grads", "opt_state"))
         sec = pl.get("secondary")
         roles += ", secondary " + (KEPT_SECONDARY if sec == [] else str(sec or "-"))
+        roles += (" int8" if pl.get("int8_secondary") else "") + (
+            ", qwZ int8 gathers" if pl.get("quantize_gather") else "") + (
+            ", qgZ int4 gradient reduce-scatter" if pl.get("quantize_grads") else "")
         text += f" ({roles})"
+    xq = [f"{k} {v}" for k, v in (("weights", par.quantize_cross_node_weights),
+                                  ("gradients", par.quantize_cross_node_grads)) if v != "none"]
+    if xq:  # they change the loss: the job's header says so
+        text += f"; cross-node {', '.join(xq)}"
     text += f"; TP {par.tp_mode} over {par.tp_axes or '-'}"
     if par.pp_stages > 1:
         text += (f"; {par.pp_stages} pipeline stages ({par.pp_schedule}"
@@ -261,8 +275,9 @@ def _header(job: Job) -> list[str]:
     c, s, pr = job.cfg, job.sizes, job.profile
     lines = [f"boost_jax: {c.name} on {job.topo.name} ({job.topo.device}): {job.nodes} nodes x "
              f"{pr.processes_per_node} processes x {job.devices_per_process} device(s) = "
-             f"{math.prod(s.values())} devices = pair {s['pair']} x node {s['node']} x global "
-             f"{s['global']}",
+             f"{math.prod(s.values())} devices = pair {s['pair']} x node {s['node']} x "
+             + (f"global {s['global'] // c.parallel.pp_stages} x stage {c.parallel.pp_stages}"
+                if c.parallel.pp_stages > 1 else f"global {s['global']}"),
              "layout: " + layout_text(c, (job.predicted or {}).get("layout"))]
     if job.predicted:
         p = job.predicted

@@ -77,7 +77,7 @@ def build_parser() -> OverrideParser:
     p.add_argument("--search", action="store_true", help="rank candidate layouts that fit")
     p.add_argument("--compile-top", type=int, default=0,
                    help="with --search: also compile the best K candidates")
-    p.add_argument("--top", type=int, default=15, help="with --search: rows to print")
+    p.add_argument("--top", type=int, default=None, help="with --search: rows to print (15)")
     p.add_argument("--attention", choices=("auto", "dense", "flash"), default="auto",
                    help="attention kernel the cost model assumes (auto: the config's "
                         "model.attention, else flash on GPU topologies)")
@@ -129,7 +129,8 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
              f"{pred.micro_batches} micro-batches, remat {lay['remat']}",
              f"predicted: {pred.memory['total'] / 2**30:.1f} GiB per device of "
              f"{topo.hbm_bytes / 2**30:.0f} GiB, {pred.step_time:.3f} s per step, "
-             f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%}",
+             f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%} (collectives overlapped "
+             f"as --overlap {pred.assumptions.overlap} assumes)",
              *([secondary.line] if secondary else []),
              f"written by: {command}"]
     head = [*map(comment, notes), ""]  # one line each, whatever a path in them holds
@@ -281,8 +282,14 @@ def report_text(dr, cfg, topo, compiled: bool) -> str:
 
 
 def critical_path_line(p) -> str:
-    cp = critical_path(p)
-    return ", ".join(f"{k} {_ms(v)} ({v / p.step_time:.0%})" for k, v in cp.items())
+    """The critical path; its once-per-step part split into what it holds, since the DP
+    collectives exposed in the first forward and the last backward (all of them with one
+    micro-batch) count there, not as exposed DP."""
+    cp, t = critical_path(p), p.time
+    once = t.get("dp_once_exposed", 0.0)
+    return ", ".join(f"{k} {_ms(v)} ({v / p.step_time:.0%})" for k, v in cp.items()) + (
+        f" = DP exposed in the first forward and last backward {_ms(once)} + step-end "
+        f"collectives {_ms(t['step_comm'])} + optimizer {_ms(t['optimizer'])}")
 
 
 def check_args(args) -> None:
@@ -303,6 +310,29 @@ def check_args(args) -> None:
                                                     args.layers.isdigit() and
                                                     int(args.layers) >= 1):
         raise UserError(f"--layers {args.layers!r} must be auto, full or a number >= 1")
+    _check_flag_needs(args)
+
+
+def _check_flag_needs(args) -> None:
+    """A flag that would do nothing in this command is refused, not silently dropped."""
+    from boost_jax.errors import UserError
+
+    compiles = not args.no_compile and (not args.search or args.compile_top > 0)
+    one_layout = not (args.no_compile or args.search or args.gpu_compile)
+    needs = (("--compile-top", args.compile_top > 0, args.search and not args.no_compile,
+              "--search without --no-compile"),
+             ("--top", args.top is not None, args.search and not args.json,
+              "--search without --json"),
+             ("--cpu-devices", args.cpu_devices is not None, compiles,
+              "a compile (drop --no-compile; with --search, --compile-top K)"),
+             ("--layers", args.layers != "auto", one_layout,
+              "one layout compiled on CPUs (no --no-compile, --search or --gpu-compile)"),
+             ("--force", args.force, args.emit_config is not None, "--emit-config FILE"),
+             ("--allow-demo-data", args.allow_demo_data, args.emit_config is not None,
+              "--emit-config FILE"))
+    for flag, given, ok, what in needs:
+        if given and not ok:
+            raise UserError(f"{flag} does nothing here: it needs {what}; drop it or add that")
 
 
 def run_gpu_compile(args, cfg, topo, full: dict, a) -> int:
@@ -361,7 +391,10 @@ def _load_plan_inputs(args):
     check_args(args)
     if args.emit_config is not None:  # before any work: the file may not be written at all
         check_emit_target(args.emit_config, args.config, args.force)
-    cfg = load_config(args.config, args.overrides)  # neither imports JAX
+    overrides = args.overrides
+    if args.search:  # the search sets the micro-batch count: the config's may not divide
+        overrides = [*overrides, "train.micro_batches=1"]
+    cfg = load_config(args.config, overrides)  # neither imports JAX
     if args.emit_config is not None:  # nor what the planned run will read
         from boost_jax.checkpoints.run_config import run_inputs
         from boost_jax.safe_write import refuse_inputs
@@ -387,7 +420,10 @@ def _load_plan_inputs(args):
     from boost_jax.plan.costmodel import Assumptions
 
     a = Assumptions(attention=args.attention, overlap=args.overlap)
-    cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(
+    # the kernel planned is the kernel trained: an --emit-config carries it
+    model = cfg.model if args.attention == "auto" else dataclasses.replace(
+        cfg.model, attention=args.attention)
+    cfg = dataclasses.replace(cfg, model=model, mesh=dataclasses.replace(
         cfg.mesh, topology=topo.name, shape=dryrun.mesh_hosts(full), nodes=None))
     return cfg, topo, full, a
 
@@ -406,7 +442,7 @@ def run_search(args, cfg, topo, full: dict, a, command: str) -> int:
     if args.json:
         print(json_dumps(res.to_dict(), indent=1, default=str))
     else:
-        print(print_search(res, cfg, topo, full, top=args.top))
+        print(print_search(res, cfg, topo, full, top=15 if args.top is None else args.top))
     if args.emit_config:
         if not res.fitting:
             raise UserError(f"no layout fits, so --emit-config {args.emit_config} was "

@@ -490,7 +490,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     st, pl = state_sizes(cfg, sizes)
     n_dev = int(math.prod(sizes.values()))
     b = cfg.train.global_batch // micro // axis_size(sizes, pl.batch_axes)  # per device
-    peak, hbm = topo.peak_flops, HBM_BW.get(topo.name, 1.6e12)
+    peak, hbm = topo.peak_flops, HBM_BW[topo.name]
     pp, V = cfg.parallel.pp_stages, cfg.parallel.pp_virtual
     L = layers_per_stage(m.n_layers, pp, V) if pp > 1 else m.n_layers  # per F / B
     bm, hm = block_model(m, b, s, mode, t, a.attention), head_model(m, b, s, mode, t)
@@ -512,7 +512,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     total = t_compute + t_quant + t_tp + x_dp + t_stepc + t_opt
     total_overlap = t_compute + t_quant + t_tp + max(0.0, t_dp - t_compute) + t_stepc + t_opt
     tokens = cfg.train.global_batch * s
-    model_flops = flops_per_token(m, s)["train"] * tokens / n_dev
+    model_flops = flops_per_token(m, s, a.attention)["train"] * tokens / n_dev  # flash: s/2 keys
     mem = memory_estimate(cfg, sizes, st, pl, bm, hm, b, memory.fit_limit(topo.hbm_bytes, a))
     mem["hbm"] = topo.hbm_bytes
     tflops = model_flops / total / 1e12

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from boost_jax.errors import UserError
-from boost_jax.mesh import STAGE, Topology, axis_size
+from boost_jax.mesh import STAGE, Topology, axis_size, check_node_shape
 from boost_jax.plan.collectives import CommSummary, colls_from_report
 from boost_jax.plan.costmodel import Assumptions, Prediction, predict, state_sizes
 from boost_jax.plan.roofline import DTYPE_BYTES
@@ -45,6 +45,7 @@ def full_sizes(cfg, topo: Topology, nodes: Optional[int]) -> dict[str, int]:
         p, n, g = cfg.mesh.shape
         if nodes is not None:
             g = nodes
+        check_node_shape(cfg.mesh.shape, topo, g)
     else:
         p, n = topo.pair, topo.node
         g = nodes if nodes is not None else (cfg.mesh.nodes or 1)

@@ -27,7 +27,7 @@ from boost_jax.sharding.tp.common import TPColl, head_collectives
 # HBM bandwidth per device (bytes/s): vendor datasheets. MI250X 3.2 TB/s per package = 1.6 per
 # GCD; A100-40GB 1.555 TB/s, A100-80GB 2.039 TB/s; H100 SXM 3.35 TB/s; a CPU socket ~50 GB/s.
 HBM_BW = {"frontier": 1.6e12, "perlmutter": 1.555e12, "perlmutter-80": 2.039e12,
-          "dgx-h100": 3.35e12, "cpu": 5e10}
+          "dgx-a100": 2.039e12, "dgx-h100": 3.35e12, "cpu": 5e10}
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
 

@@ -24,6 +24,7 @@ from boost_jax import names
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.mesh import AXES, Topology, axis_size
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor, floor_text
+from boost_jax.plan import memory
 from boost_jax.plan.costmodel import Assumptions, Prediction, SizesMesh
 from boost_jax.plan.secondary import Choice, choose
 from boost_jax.sharding import parallel
@@ -360,6 +361,19 @@ def _precision(c: Candidate, cfg) -> str:
                                               cfg.parallel.grad_accum_dtype))
 
 
+def _fit_rule(res: SearchResult, topo: Topology) -> str:
+    """What "fits" meant: the estimate plus the safety margin within the usable HBM; a
+    compiled row's own program within the usable HBM."""
+    a = next((c.prediction.assumptions for c in res.candidates if c.prediction is not None),
+             Assumptions())
+    rule = (f"estimate + {a.memory_margin:.0%} <= {a.hbm_usable:.0%} of "
+            f"{topo.hbm_bytes / 2**30:.0f} GiB: at most "
+            f"{memory.fit_limit(topo.hbm_bytes, a) / 2**30:.1f} GiB")
+    if any(c.compiled for c in res.candidates):
+        rule += f"; a compiled row: its program <= {a.hbm_usable:.0%}"
+    return rule
+
+
 def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int = 15) -> str:
     hosts = sizes["global"] * sizes.get("stage", 1)
     n = sizes["pair"] * sizes["node"] * hosts
@@ -367,9 +381,7 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
              f"global batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens",
              *[f"  {x}" for x in res.notes],
              f"  {len(res.fitting)} of {res.n_evaluated - res.n_invalid - res.n_unlisted} valid "
-             "layouts listed fit "
-             f"(<= {res.candidates[0].prediction.assumptions.hbm_usable if res.fitting else 0.9:.0%}"
-             f" of {topo.hbm_bytes / 2**30:.0f} GiB); best first:", ""]
+             f"layouts listed fit ({_fit_rule(res, topo)}); best first:", ""]
     hdr = ("| # | plan | TP | PP | seq/dev/micro | micro-batches | remat | weights/grad sums | "
            "GiB/dev | step s | tokens/s | TFLOP/s/dev | MFU | global GB/dev/step | "
            "node egress GB/step | compiled |")

@@ -36,17 +36,18 @@ def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """The learning rate of update k + 1 at optimizer count k (0 first). The warmup's first
     update runs at optim.lr / warmup steps and its last at optim.lr (warmup_frac = 0: the
     first update does); the decay reaches optim.lr × min_lr_ratio at update `total_steps`."""
-    peak_at = max(1, int(cfg.warmup_frac * total_steps))  # the update that runs at optim.lr
+    peak_at = max(1, int(cfg.warmup_frac * total_steps + 1e-9))  # the update at optim.lr
     rest = total_steps - peak_at  # the updates after it
     end = cfg.lr * cfg.min_lr_ratio
-    if rest <= 0 or cfg.schedule == "constant":
+    # wsd: the cooldown's length (decay_frac = 0: none)
+    decay = min(rest, max(1, round(cfg.decay_frac * total_steps))) if cfg.decay_frac else 0
+    if rest <= 0 or cfg.schedule == "constant" or (cfg.schedule == "wsd" and not decay):
         after = optax.constant_schedule(cfg.lr)
     elif cfg.schedule == "cosine":
         after = optax.cosine_decay_schedule(cfg.lr, rest, alpha=cfg.min_lr_ratio)
     elif cfg.schedule == "linear":
         after = optax.linear_schedule(cfg.lr, end, rest)
     else:  # wsd: stable, then a linear cooldown over the last decay_frac of the steps
-        decay = max(1, min(rest, int(round(cfg.decay_frac * total_steps))))
         after = optax.join_schedules([optax.constant_schedule(cfg.lr),
                                       optax.linear_schedule(cfg.lr, end, decay)], [rest - decay])
     if peak_at == 1:

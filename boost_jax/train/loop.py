@@ -34,7 +34,7 @@ from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
 from boost_jax.cli import json_dump
 from boost_jax.config import Config
 from boost_jax.data.fingerprint import check_unchanged, identities
-from boost_jax.errors import UserError
+from boost_jax.errors import UserError, out_of_memory
 from boost_jax.mesh import get_topology, mesh_from_config
 from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, KEPT_SECONDARY
 from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot_losses,
@@ -211,6 +211,14 @@ def _build(cfg: Config, out_dir: str, pid: int, nproc: int, compiler_options: Op
     return mesh, topo, data, bundle
 
 
+def foreign_topology(topo, backend: str) -> Optional[str]:
+    """The warning for a GPU cluster's topology on CPU devices (MFU against the GPU's peak)."""
+    if topo.job is None or topo.job.platform == "cpu" or backend != "cpu":
+        return None
+    return (f"mesh.topology={topo.name} describes {topo.device} devices but this run has CPU "
+            f"devices: MFU is against the {topo.device}'s peak")
+
+
 def _open_checkpointer(cfg: Config, out_dir: str, warn) -> tuple[Checkpointer, list]:
     """The run's Checkpointer and the steps it holds (refused unless checkpoint.resume)."""
     ckpt_dir = os.path.join(out_dir, CHECKPOINTS_DIR)
@@ -321,6 +329,9 @@ def _train_and_close(ctx: _RunCtx, log: RunLog, state, start: int, summary: dict
         if isinstance(e, OSError):
             log.exception("writing a run output failed", e)
             raise _write_failed(e, ckpt, log) from None
+        if (oom := out_of_memory(e)) is not None:  # XLA's buffer list goes to run.log
+            log.exception("the devices ran out of memory", e)
+            raise UserError(f"{oom}; details in {log.path}") from None
         raise
     return step
 
@@ -331,6 +342,8 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
     main_proc = pid == 0
     say, warn = _printer(main_proc), _printer(main_proc, "warning: ")
     mesh, topo, data, bundle = _build(cfg, out_dir, pid, nproc, compiler_options, say)
+    if (other := foreign_topology(topo, jax.default_backend())) is not None:
+        warn(other)
     ckpt, existing = _open_checkpointer(cfg, out_dir, warn)
     meta = {"model": run_config.model_signature(cfg), "mesh": list(mesh.devices.shape),
             "plan": cfg.parallel.plan, "tp_mode": cfg.parallel.tp_mode, "processes": nproc,

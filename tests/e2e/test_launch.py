@@ -212,6 +212,35 @@ def test_planner_refuses_to_emit_a_layout_that_does_not_fit(tmp_path):
     assert not out.exists()
 
 
+def test_the_planned_kernel_is_the_one_emitted_and_launched(tmp_path):
+    """--attention flash on a dense config: the emitted config trains flash, so the launcher's
+    own prediction agrees with the planner's header (dense would need 5x the memory)."""
+    cfg, job = tmp_path / "att.yaml", tmp_path / "att.sbatch"
+    r = _cli("-m", "boost_jax.plan", "--config", "configs/cola-1b.yaml", "--topology",
+             "frontier", "--nodes", "1", "train.global_batch=8", "train.micro_batches=1",
+             "data.seq_len=16384", "model.max_seq_len=16384", "model.attention=dense",
+             "--attention", "flash", "--no-compile", "--emit-config", str(cfg),
+             "--allow-demo-data")
+    assert r.returncode == 0, r.stderr
+    assert load_config(str(cfg)).model.attention == "flash"
+    planned = re.search(r"# predicted: ([\d.]+ GiB per device of \d+ GiB, [\d.]+ s per step)"
+                        r".*\(collectives overlapped as --overlap xla assumes\)", cfg.read_text())
+    r = _cli("-m", "boost_jax.launch", "slurm", "--config", str(cfg), "--account", "abc",
+             "--out", str(job), "--allow-demo-data")
+    assert r.returncode == 0, r.stderr
+    assert f"# planner (analytic): {planned.group(1)}" in job.read_text()
+
+
+def test_the_planner_refuses_a_node_the_topology_does_not_have(tmp_path):
+    out = tmp_path / "pm.yaml"
+    r = _cli("-m", "boost_jax.plan", "--config", "configs/cola-7b.yaml", "--topology",
+             "perlmutter", "--nodes", "48", "mesh.shape=[2,4,48]", "--no-compile",
+             "--emit-config", str(out), "--allow-demo-data")
+    assert r.returncode == 2 and not out.exists(), r.stderr
+    assert r.stderr.startswith("error: mesh.shape=[2, 4, 48] puts pair 2 x node 4 = 8 devices on "
+                               "each node but a perlmutter node has 4 "), r.stderr
+
+
 # --------------------------------------------------------------------------- the stand-in
 
 

@@ -49,6 +49,9 @@ def test_int_promotes_to_float_not_reverse():
     ("model.vocab_size=1000000000000", r"is above 2147483647 \(int32 token ids\)"),
     ("model.n_kv_heads=0", "model.n_kv_heads=0 must be > 0"),
     ("train.eval_batches=1000000000000", "tokens of eval batches .* use at most"),
+    # one batch alone too many: fewer batches cannot help
+    ("train.global_batch=10000000", "one batch alone holds too many: use a smaller "
+                                    r"train\.global_batch or data\.seq_len$"),
     ("distributed.init_timeout_s=2147483648", r"must be in 1\.\.2147483647 seconds"),
 ])
 def test_bad_input_errors(override, match):

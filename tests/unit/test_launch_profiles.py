@@ -24,6 +24,15 @@ def test_job_header_says_when_the_forward_gather_is_kept():
     kept = layout_text(cfg, {"placement": dict(roles, secondary=[])})
     none = layout_text(cfg, {"placement": dict(roles, secondary=None)})
     assert "secondary the forward's gather kept" in kept and "secondary -" in none
+    # what changes the loss is said: int8 copies, quantized gathers and reductions, cross-node
+    zpp = layout_text(load_config(None, ["parallel.plan=zeropp"]), {"placement": dict(
+        roles, secondary=["pair"], int8_secondary=True, quantize_gather=True,
+        quantize_grads=True)})
+    assert "secondary ['pair'] int8, qwZ int8 gathers, qgZ int4 gradient reduce-scatter)" in zpp
+    xq = layout_text(load_config(None, ["parallel.plan=hierarchical",
+                                        "parallel.quantize_cross_node_weights=int8",
+                                        "parallel.quantize_cross_node_grads=int4"]), None)
+    assert "; cross-node weights int8, gradients int4;" in xq
 
 
 def test_time_limits_are_slurm_formats_in_ascii_digits():
@@ -38,3 +47,24 @@ def test_time_limits_are_slurm_formats_in_ascii_digits():
                        ("1:99:99", "above 59"), ("5:60", "above 59"), ("1-2:60", "above 59")):
         with pytest.raises(UserError, match=match):
             time_seconds(bad)
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["distributed.mode=off"], "distributed.mode=off: "),
+    (["distributed.mode=explicit", "distributed.coordinator=h:1", "distributed.num_processes=2",
+      "distributed.process_id=0"], "distributed.mode=explicit, distributed.coordinator=h:1, "
+                                   "distributed.num_processes=2, distributed.process_id=0: "),
+    (["distributed.num_processes=2"], "distributed.num_processes=2: ")])
+def test_a_job_refuses_distributed_settings_that_would_start_its_processes_apart(overrides,
+                                                                                 said):
+    from boost_jax.config import load_config
+    from boost_jax.errors import UserError
+    from boost_jax.launch.slurm import make_job
+    from boost_jax.mesh import get_topology
+
+    cfg = load_config(None, overrides)
+    with pytest.raises(UserError) as e:
+        make_job(cfg, get_topology("frontier"), 2, account="abc")
+    assert str(e.value) == said + ("the job's srun starts every process, which join through "
+                                   "SLURM's variables (distributed.mode=auto); drop these "
+                                   "settings")

@@ -290,7 +290,7 @@ def test_every_constant_has_a_source_and_the_readme_lists_them():
 
     from benchmarks import published as V
     from boost_jax.mesh import SOURCED_FIELDS, TOPOLOGIES, TOPOLOGY_SOURCES, Topology
-    from boost_jax.plan.roofline import ASSUMPTION_SOURCES
+    from boost_jax.plan.roofline import ASSUMPTION_SOURCES, HBM_BW
 
     fields = {f.name for f in dataclasses.fields(C.Assumptions)}
     assert fields <= set(ASSUMPTION_SOURCES) and all(ASSUMPTION_SOURCES.values())
@@ -298,6 +298,7 @@ def test_every_constant_has_a_source_and_the_readme_lists_them():
     assert numbers == set(SOURCED_FIELDS)
     for name in TOPOLOGIES:
         assert all(TOPOLOGY_SOURCES[name].get(k) for k in SOURCED_FIELDS), name
+    assert set(TOPOLOGIES) <= set(HBM_BW)  # no topology costed with another's HBM
     # the libraries' constants cite a file and a commit
     for topo in TOPOLOGIES.values():
         assert "src/graph/tuning.cc" in topo.library.source

@@ -102,6 +102,11 @@ def test_schedules_warm_up_then_follow_their_shape():
             lr if s == "constant" else lo), s
         one = lr_schedule(cfg.optim, 1)  # a one-step run trains, at lr
         assert float(one(0)) == pytest.approx(lr), s
+    flat = lr_schedule(load_config(None, ["optim.schedule=wsd", "optim.decay_frac=0",
+                                          "optim.warmup_frac=0"]).optim, 10)
+    assert float(flat(9)) == pytest.approx(float(flat(0)))  # no cooldown at all
+    odd = lr_schedule(load_config(None, ["optim.warmup_frac=0.29", f"optim.lr={lr}"]).optim, 100)
+    assert float(odd(27)) < lr and float(odd(28)) == pytest.approx(lr)  # update 29: 0.29 x 100
 
 
 def test_the_logged_lr_is_the_one_applied_when_a_step_is_skipped():

@@ -8,6 +8,7 @@ import jax
 import pytest
 
 from boost_jax.config import load_config
+from boost_jax.errors import UserError
 from boost_jax.mesh import get_topology, make_mesh
 from boost_jax.plan import costmodel as C, roofline as R
 from boost_jax.plan.critical_path import critical_path, floor
@@ -305,6 +306,50 @@ def test_search_table_rows_show_what_separates_them():
     assert {s[-1] for s in settings} == {"bf16/bf16", "fp32/fp32"}
 
 
+def test_a_mesh_shape_the_topologys_nodes_do_not_hold_is_refused():
+    """The planner refuses what the launcher would: 8 devices a node on 4-GPU Perlmutter."""
+    from boost_jax.plan.dryrun import full_sizes
+
+    cfg = load_config(None, ["mesh.shape=[2,4,48]"])
+    with pytest.raises(UserError, match=r"^mesh\.shape=\[2, 4, 48\] puts pair 2 x node 4 = 8 "
+                                        r"devices on each node but a perlmutter node has 4 "):
+        full_sizes(cfg, get_topology("perlmutter"), 48)
+    assert full_sizes(cfg, get_topology("frontier"), 48) == {"pair": 2, "node": 4, "global": 48}
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--search", "--no-compile", "--compile-top", "1"],
+     "--compile-top does nothing here: it needs --search without --no-compile"),
+    (["--compile-top", "3"], "--compile-top does nothing here"),
+    (["--top", "2"], "--top does nothing here: it needs --search"),
+    (["--no-compile", "--cpu-devices", "4"], "--cpu-devices does nothing here: it needs a compile"),
+    (["--search", "--compile-top", "2", "--layers", "7"],
+     "--layers does nothing here: it needs one layout compiled on CPUs"),
+    (["--search", "--json", "--top", "3"], "--top does nothing here: it needs --search without "
+                                           "--json"),
+    (["--force"], "--force does nothing here: it needs --emit-config FILE"),
+    (["--allow-demo-data"], "--allow-demo-data does nothing here: it needs --emit-config FILE")])
+def test_a_planner_flag_that_would_do_nothing_is_refused(flags, msg):
+    from boost_jax.plan.__main__ import build_parser, check_args
+
+    args = build_parser().parse(["--config", "configs/demo.yaml", *flags])
+    with pytest.raises(UserError, match="^" + re.escape(msg)):
+        check_args(args)
+    check_args(build_parser().parse(["--config", "configs/demo.yaml", "--search", "--top", "2",
+                                     "--compile-top", "1", "--cpu-devices", "8"]))
+
+
+def test_search_does_not_refuse_the_micro_batch_count_it_replaces():
+    from boost_jax.plan.__main__ import _load_plan_inputs, build_parser
+
+    argv = ["--config", "configs/cola-1b.yaml", "--topology", "frontier", "--nodes", "1",
+            "train.global_batch=4", "train.micro_batches=8", "--no-compile"]
+    with pytest.raises(UserError, match="not divisible by train.micro_batches=8"):
+        _load_plan_inputs(build_parser().parse(argv))  # one layout: the count is the config's
+    cfg = _load_plan_inputs(build_parser().parse(argv + ["--search"]))[0]
+    assert cfg.train.global_batch == 4
+
+
 def test_a_layout_that_does_not_fit_points_at_search():
     from boost_jax.plan.__main__ import report_text
 
@@ -553,16 +598,33 @@ def test_search_result_sorts_an_unsorted_input_and_drops_what_does_not_fit():
     assert times == [0.7, 2.0, 3.0, 4.0]
 
 
+def test_the_search_header_states_the_fit_rule_whatever_the_first_candidate():
+    """The first candidate may have failed validation (no prediction): the rule is read from
+    one that has one (it raised AttributeError)."""
+    from types import SimpleNamespace
+
+    from boost_jax.plan.search import Candidate, SearchResult, _fit_rule
+
+    bad, good = Candidate("ddp", "none", (), 1, 1, "none"), Candidate("zero1", "none", (), 1, 1,
+                                                                      "none")
+    good.prediction = SimpleNamespace(assumptions=C.Assumptions(), step_time=1.0, fits=True)
+    rule = _fit_rule(SearchResult([bad, good], 2, 1), get_topology("frontier"))
+    assert rule == "estimate + 10% <= 90% of 60 GiB: at most 48.8 GiB"
+    good.compiled, good.compiled_fits = True, True
+    assert _fit_rule(SearchResult([bad, good], 2, 1), get_topology("frontier")).endswith(
+        "; a compiled row: its program <= 90%")
+
+
 def test_mfu_of_a_compute_bound_step_is_pinned():
     """One device, no collectives, big GEMMs: MFU is eta_flops times the share of the step the
     GEMMs take, computed here independently (6·N·tokens model FLOPs; GEMM time at 70% of
     peak). A doubled (or halved) MFU fails."""
-    cfg = load_config(None, [
-        "model.arch=full", "model.d_model=8192", "model.n_layers=4", "model.n_heads=64",
-        "model.d_ff=22016", "model.vocab_size=32000", "model.max_seq_len=2048",
-        "data.seq_len=2048", "model.dtype=bfloat16", "model.param_dtype=bfloat16",
-        "parallel.plan=ddp", "parallel.tp_mode=none", "parallel.tp_axes=[]",
-        "train.global_batch=8", "train.micro_batches=1", "train.remat=none"])
+    base = ["model.arch=full", "model.d_model=8192", "model.n_layers=4", "model.n_heads=64",
+            "model.d_ff=22016", "model.vocab_size=32000", "model.dtype=bfloat16",
+            "model.param_dtype=bfloat16", "parallel.plan=ddp", "parallel.tp_mode=none",
+            "parallel.tp_axes=[]", "train.micro_batches=1", "train.remat=none"]
+    cfg = load_config(None, [*base, "model.max_seq_len=2048", "data.seq_len=2048",
+                             "train.global_batch=8"])
     topo = get_topology("frontier")
     p = C.predict(cfg, topo, {"pair": 1, "node": 1, "global": 1}, C.Assumptions(
         attention="flash"))
@@ -575,6 +637,14 @@ def test_mfu_of_a_compute_bound_step_is_pinned():
     expected_mfu = p.flops_per_device / expected_step / topo.peak_flops
     assert p.mfu == pytest.approx(expected_mfu, rel=0.1)
     assert 0.5 < p.mfu < 0.7
+    # the model FLOPs count the attention the step computes (flash: the causal half; train.py
+    # counts its kernel's tiles, within a tile of it), so MFU stays under the compute ceiling
+    assert p.flops_per_device == pytest.approx(T * (6 * n_matmul + 3 * L * 4 * 1024 * d))
+    long = load_config(None, [*base, "model.max_seq_len=1000000", "data.seq_len=1000000",
+                              "train.global_batch=1"])
+    q = C.predict(long, topo, {"pair": 1, "node": 1, "global": 1}, C.Assumptions(
+        attention="flash"))
+    assert 0.5 < q.mfu <= 0.7
 
 
 def test_roles_tp_takes_are_said_in_one_line():

@@ -95,3 +95,14 @@ def test_the_done_line_says_when_the_final_step_was_not_evaluated():
     stopped = dict(done, final_step=23, last_val_step=0)  # a signal stopped it at step 23
     assert _done_line("r", stopped).startswith(
         "done: step 23 (not evaluated; the last evaluation was at step 0: val_loss 1.5000)")
+
+
+def test_a_gpu_topology_on_cpu_devices_is_said():
+    from boost_jax.mesh import get_topology
+    from boost_jax.train.loop import foreign_topology
+
+    assert foreign_topology(get_topology("dgx-h100"), "cpu") == (
+        "mesh.topology=dgx-h100 describes NVIDIA H100 SXM devices but this run has CPU devices: "
+        "MFU is against the NVIDIA H100 SXM's peak")
+    assert foreign_topology(get_topology("dgx-h100"), "gpu") is None
+    assert foreign_topology(get_topology("cpu"), "cpu") is None
