@@ -436,6 +436,10 @@ class DistributedConfig:
                 _positive(f"distributed.{k}", getattr(self, k))
         if self.process_id is not None and self.process_id < 0:
             raise ConfigError(f"distributed.process_id={self.process_id} must be >= 0")
+        given = [k for k in ("num_processes", "process_id") if getattr(self, k) is not None]
+        if given and self.mode != "explicit":  # auto reads the launcher's, off starts alone
+            raise ConfigError(f"distributed.{given[0]} is read only with distributed.mode="
+                              f"explicit (mode is {self.mode}); set that mode or drop it")
 
 
 @dataclass

@@ -260,7 +260,7 @@ class Checkpointer:
                        f"interrupted: {name} was never finalised); ignoring and removing it")
             if self._primary:  # now, not lazily at the first save as orbax would
                 shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
-        if self.interrupted and self._nproc > 1:
+        if self._nproc > 1:  # every process, whatever its own listing saw: all meet here
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("boost_jax:checkpoint_tmp_removed")
@@ -433,15 +433,26 @@ class Checkpointer:
                 bad.append((step, err or "another process could not read its metadata"))
                 continue
             check_meta(step, meta)
-            state, err = None, self._check_seal(step, meta)
-            try:
-                if err is None:
-                    state, data, meta = self.restore(step, abstract_state)
-                    err = checksum_mismatch(state_checksums(state)[0], meta)
-            except Exception as e:  # noqa: BLE001
-                _silence_closed_loop_callbacks()
-                state, err = None, f"it cannot be read: {error_reason(e)}"
+            # each check agreed before the next collective (orbax's restore barrier, the
+            # checksums' reduction): a process whose own files fail must not skip one alone
+            err = self._check_seal(step, meta)
             if not self._agree(err is None):
+                bad.append((step, err or "another process's share of it is not what was written"))
+                continue
+            state, err, ok = None, None, True
+            for part in ("read", "checksums"):
+                try:
+                    if part == "read":
+                        state, data, meta = self.restore(step, abstract_state)
+                    else:
+                        err = checksum_mismatch(state_checksums(state)[0], meta)
+                except Exception as e:  # noqa: BLE001
+                    _silence_closed_loop_callbacks()
+                    state, err = None, f"it cannot be read: {error_reason(e)}"
+                if not self._agree(err is None):
+                    ok = False
+                    break
+            if not ok:
                 bad.append((step, err or "another process could not read it"))
                 del state
                 continue

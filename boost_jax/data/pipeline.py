@@ -206,15 +206,18 @@ def build_data(cfg, process_index: int = 0, process_count: int = 1,
                cache_dir: Optional[str] = None) -> DataBundle:
     """Everything train.py needs from `cfg.data` (+ train.global_batch / eval_batches).
 
-    Per-process train batch = train.global_batch / process_count. Validation batches hold
-    global_batch rows in total; this process keeps rows p, p+P, … (the same interleave as
-    training), so concatenating all processes' rows gives the global eval batch.
+    process_index / process_count: this process's row group among the groups of processes
+    that feed distinct rows (sharding/placement.process_rows; the process and the process
+    count where the batch splits over every process). Per-group train batch =
+    train.global_batch / process_count. Validation batches hold global_batch rows in total;
+    a group keeps rows p, p+P, … (the same interleave as training), so concatenating the
+    groups' rows gives the global eval batch.
     """
     d, t = cfg.data, cfg.train
     if t.global_batch % process_count:
         raise UserError(
             f"train.global_batch={t.global_batch} is not divisible by the {process_count} "
-            "processes; choose a multiple of the process count")
+            "processes (row groups) that feed it; choose a multiple of that count")
     tok, trains, vals, weights = load_splits(cfg, cache_dir)
     if cfg.model.vocab_size is not None and cfg.model.vocab_size < tok.vocab_size:
         raise UserError(

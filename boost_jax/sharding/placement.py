@@ -72,6 +72,27 @@ def order_axes(roles: Sequence[Sequence[str]], dp_axes: Sequence[str]) -> tuple[
     return tuple(sorted(dp_axes, key=lambda a: (-count[a], AXES.index(a))))
 
 
+def process_rows(sharding: NamedSharding, shape: tuple) -> tuple[int, int]:
+    """(index, count): which of the batch's row groups this process feeds. Processes whose
+    devices hold the same rows (tensor parallelism or pipeline stages across processes) feed
+    the same rows, so they read the same windows; the others read disjoint ones."""
+    by_process: dict = {}
+    for dev, idx in sharding.devices_indices_map(tuple(shape)).items():
+        by_process.setdefault(dev.process_index, set()).update(
+            range(*idx[0].indices(shape[0])))
+    return row_group({p: frozenset(r) for p, r in by_process.items()}, jax.process_index())
+
+
+def row_group(rows_by_process: dict, me: int) -> tuple[int, int]:
+    """(index, count) of process `me`'s rows among the distinct row sets, ordered by first
+    row; the sets must split the rows evenly (a batch sharding's contiguous blocks do)."""
+    groups = sorted(set(rows_by_process.values()), key=min)
+    if sum(map(len, groups)) != len(set().union(*groups)) or len(set(map(len, groups))) > 1:
+        raise ConfigError("the batch sharding gives processes overlapping or unequal rows; "
+                          "use a mesh whose batch axes split evenly over the processes")
+    return groups.index(rows_by_process[me]), len(groups)
+
+
 @dataclass
 class Placement(Int8Copies):
     mesh: Any

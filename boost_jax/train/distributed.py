@@ -96,6 +96,9 @@ def resolve(cfg: Config, env: Optional[Mapping[str, str]] = None) -> Optional[La
             raise UserError("JAX_NUM_PROCESSES / JAX_PROCESS_ID are set but not all of "
                             "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID are")
         if n == 1:
+            if pid != 0:
+                raise UserError(f"JAX_PROCESS_ID={pid} with JAX_NUM_PROCESSES=1; the only "
+                                "process is 0")
             return None
         return _checked(Launch(_check_coordinator(coord, where), n, pid, "env"))
 

@@ -43,6 +43,7 @@ from boost_jax.train.run_lock import fresh_dirs, hold_out_dir
 from boost_jax.train.profile import StepProfiler
 from boost_jax.train.run_log import RunLog
 from boost_jax.train.stop_signal import StopSignal, agree_stop
+from boost_jax.sharding.placement import process_rows
 from boost_jax.step.build import build_step
 from boost_jax.train.wandb_sink import open_sink, require_wandb
 
@@ -105,13 +106,17 @@ def _trim_metrics(path: str, last_step: int) -> int:
     return dropped
 
 
-def _to_device(batch: dict, sharding) -> dict:
-    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v, np.int32))
-            for k, v in batch.items()}
+def _to_device(batch: dict, sharding, rows: int) -> dict:
+    """This process's rows of a batch of `rows`: the global shape is given, so a process that
+    fed too few rows fails here instead of training on a smaller batch."""
+    return {k: jax.make_array_from_process_local_data(
+        sharding, np.asarray(v, np.int32), (rows,) + np.shape(v)[1:]) for k, v in batch.items()}
 
 
 def evaluate(bundle, params, val_batches) -> float:
-    losses = [bundle.eval_step(params, _to_device(b, bundle.batch_sharding)) for b in val_batches]
+    rows = bundle.train.global_batch
+    losses = [bundle.eval_step(params, _to_device(b, bundle.batch_sharding, rows))
+              for b in val_batches]
     return float(np.mean([float(x) for x in losses]))
 
 
@@ -141,7 +146,12 @@ def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False,
                       check=lambda: run_config.check_out_dir(out_dir, force, config_path),
                       fresh=fresh):
         with RunLog(out_dir, pid, keep_after_error=cli) as log:
-            return _run(cfg, out_dir, log, compiler_options)
+            summary = _run(cfg, out_dir, log, compiler_options)
+            if nproc > 1:  # the others wait for process 0's last files (a 143 exit kills all)
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("boost_jax:run_end")
+            return summary
 
 
 def _resume_check(cfg: Config, out_dir: str, meta: dict, accepted: list, layouts):
@@ -204,8 +214,11 @@ def _build(cfg: Config, out_dir: str, pid: int, nproc: int, compiler_options: Op
     topo.peak_flops  # the CPU's peak is probed or read from the environment: refused here
     require_wandb(cfg)
 
-    # build_data checks batch divisibility over processes and the tokenizer's vocab size
-    data = build_data(cfg, pid, nproc, os.path.join(out_dir, "tokenizer"))
+    # the rows each process feeds: processes holding the same rows (TP or stages across
+    # processes) read the same windows; build_data checks the batch divides over the groups
+    group, groups = process_rows(bundle.batch_sharding, (cfg.train.global_batch,
+                                                         cfg.data.seq_len))
+    data = build_data(cfg, group, groups, os.path.join(out_dir, "tokenizer"))
     for note in bundle.placement.notes:  # roles TP took
         say(note)
     return mesh, topo, data, bundle
@@ -393,8 +406,10 @@ def _finish(cfg: Config, out_dir: str, logger: MetricsLogger, summary: dict) -> 
     if cfg.logging.plot:
         plot_losses(logger.path, os.path.join(out_dir, "loss.png"), cfg.name)
     summary.update(summarize(logger.path, summary["final_step"]))
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+    path = os.path.join(out_dir, "summary.json")
+    with open(path + ".tmp", "w") as f:  # whole or not at all, as a kill may land now
         json_dump(summary, f, indent=2)
+    os.replace(path + ".tmp", path)
     logger.line(_done_line(out_dir, summary))
 
 
@@ -452,7 +467,8 @@ def _save(ctx: _RunCtx, ls: _LoopState, force: bool = False) -> None:
 
 def _take_step(ctx: _RunCtx, ls: _LoopState, prof: StepProfiler, summary: dict) -> dict:
     """One train step on the next batch; returns its (device) metrics."""
-    batch = _to_device(next(ctx.data.train_iter), ctx.bundle.batch_sharding)
+    batch = _to_device(next(ctx.data.train_iter), ctx.bundle.batch_sharding,
+                       ctx.cfg.train.global_batch)
     prof.before(ls.step + 1)
     ls.state, m = ctx.bundle.train_step(ls.state, batch)
     ls.step += 1

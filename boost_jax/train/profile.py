@@ -18,6 +18,8 @@ class StepProfiler:
     def __init__(self, out_dir: str, steps: Optional[list[int]], enabled: bool = True):
         self.first, self.last = (steps or (None, None))
         self.dir = os.path.join(out_dir, "profile")
+        if jax.process_count() > 1:  # every process traces: each into its own folder
+            self.dir = os.path.join(self.dir, f"process_{jax.process_index()}")
         self.enabled = enabled and steps is not None
         self.active = False
         self.write_s = 0.0  # how long writing the trace took (not training: the meter skips it)

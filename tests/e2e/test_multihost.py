@@ -209,3 +209,23 @@ def test_unreachable_coordinator_is_a_one_line_error(tmp_path):
         f"this is process 1): nothing answers at 127.0.0.1:{port} after 2 s (Connection "
         "refused); check that every process was started and can reach the coordinator")
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_tensor_parallelism_across_processes_feeds_each_group_the_same_rows(jax_cache, tmp_path):
+    """BTP over `node`, which here is the process boundary (2 processes x 2 devices, mesh
+    2x2x1): both processes hold the same batch rows, so both must read the same windows
+    (sharding/placement.process_rows); training equals one process with the same mesh. Before,
+    each read half the rows: a halved batch and TP partners computing on different inputs."""
+    tp = TINY + ["train.steps=4", "train.eval_every=4", "checkpoint.every=100",
+                 "parallel.tp_mode=btp", "parallel.tp_axes=[node]", "mesh.shape=[2,2,1]"]
+    one = str(tmp_path / "one")
+    from boost_jax.train.loop import run
+
+    run(load_config(None, tp + ["logging.progress=false", f"out_dir={one}"]))
+    two = str(tmp_path / "two")
+    r = _launch(jax_cache, "-n", "2", "--cpu-devices-per-process", "2", "--", *tp,
+                f"out_dir={two}")
+    assert r.returncode == 0, r.stdout + r.stderr
+    a, b = _rows(one), _rows(two)
+    assert [x["step"] for x in b if "loss" in x] == [1, 2, 3, 4]
+    assert_same_metrics(a, b)

@@ -54,7 +54,7 @@ def test_time_limits_are_slurm_formats_in_ascii_digits():
     (["distributed.mode=explicit", "distributed.coordinator=h:1", "distributed.num_processes=2",
       "distributed.process_id=0"], "distributed.mode=explicit, distributed.coordinator=h:1, "
                                    "distributed.num_processes=2, distributed.process_id=0: "),
-    (["distributed.num_processes=2"], "distributed.num_processes=2: ")])
+    (["distributed.local_cpu_devices=2"], "distributed.local_cpu_devices=2: ")])
 def test_a_job_refuses_distributed_settings_that_would_start_its_processes_apart(overrides,
                                                                                  said):
     from boost_jax.config import load_config

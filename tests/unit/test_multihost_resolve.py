@@ -4,7 +4,7 @@
 import pytest
 
 from boost_jax.config import load_config
-from boost_jax.errors import UserError
+from boost_jax.errors import ConfigError, UserError
 from boost_jax.train.distributed import Launch, resolve
 
 
@@ -59,3 +59,11 @@ def test_resolve_explicit_config():
     cfg = _cfg("distributed.mode=explicit", "distributed.coordinator=h:1",
                "distributed.num_processes=2")
     assert resolve(cfg, {"JAX_PROCESS_ID": "1"}) == Launch("h:1", 2, 1, "config")
+    # a count or rank outside mode=explicit would be ignored: refused instead
+    for mode in ("auto", "off"):
+        with pytest.raises(ConfigError, match=r"^distributed\.process_id is read only with "
+                                              rf"distributed\.mode=explicit \(mode is {mode}\)"):
+            _cfg(f"distributed.mode={mode}", "distributed.process_id=1")
+    with pytest.raises(UserError, match="^JAX_PROCESS_ID=3 with JAX_NUM_PROCESSES=1; the only "):
+        resolve(_cfg(), {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "1",
+                         "JAX_PROCESS_ID": "3"})

@@ -125,3 +125,23 @@ def test_the_plan_lists_the_collectives_the_formulas_count(mesh):
     want = formulas.comm_per_step(layout.placement, 2, tied=cfg.model.tie_embeddings)
     assert got and all(got[k] == pytest.approx(want[k]) for k in got), (got, want)
     assert any(c.kind == "all-gather" for c in layout.collectives())
+
+
+def test_processes_holding_the_same_rows_read_the_same_windows():
+    """row_group: the batch's row sets by process, as a sharding places them. Data parallel
+    over every process: one group each; TP across a process pair: the pair shares a group."""
+    from boost_jax.sharding.placement import process_rows, row_group
+
+    rows = lambda a, b: frozenset(range(a, b))  # noqa: E731
+    ddp = {0: rows(0, 4), 1: rows(4, 8)}
+    assert [row_group(ddp, p) for p in (0, 1)] == [(0, 2), (1, 2)]
+    tp = {0: rows(0, 4), 1: rows(0, 4), 2: rows(4, 8), 3: rows(4, 8)}
+    assert [row_group(tp, p) for p in range(4)] == [(0, 2), (0, 2), (1, 2), (1, 2)]
+    assert row_group({0: rows(0, 8), 1: rows(0, 8)}, 1) == (0, 1)  # replicated: one group
+    with pytest.raises(ConfigError, match="overlapping or unequal rows"):
+        row_group({0: rows(0, 6), 1: rows(4, 8)}, 0)
+    # one process here: every batch sharding is one group
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    sh = NamedSharding(make_mesh("cpu", (2, 2, 2)), P(("node", "global")))
+    assert process_rows(sh, (8, 16)) == (0, 1)
