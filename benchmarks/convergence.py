@@ -106,7 +106,8 @@ def train(run: rep.Run, work: str, tokenizer: str) -> None:
     shutil.copy(tokenizer, os.path.join(out, "tokenizer", "tokenizer.json"))
     log = os.path.join(work, "logs", run.tag + ".log")
     os.makedirs(os.path.dirname(log), exist_ok=True)
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", BASE_CONFIG,
+    # --force: out holds the shared tokenizer this script put there, and no run yet
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "--config", BASE_CONFIG, "--force",
            *run_overrides(run, out)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
