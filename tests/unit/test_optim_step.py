@@ -13,7 +13,7 @@ from boost_jax.layers import forward
 from boost_jax.mesh import mesh_from_config
 from boost_jax.step.build import build_step
 
-STEPS = 3  # the schedule starts at lr 0: steps 2 and 3 move the weights
+STEPS = 3  # warmup 0.3 x 3 rounds to one update: lr, then the cosine down to its end
 CFG = ["model.arch=cola", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
        "model.d_ff=64", "model.rank=8", "model.vocab_size=256", "model.max_seq_len=16",
        "model.dtype=float32", "model.param_dtype=float32", "data.seq_len=16",
@@ -27,8 +27,12 @@ def _make_reference(cfg, params):
     run(params, batches, clip) → (params after each batch, gradient norms)."""
     o = cfg.optim
     warmup = max(1, int(o.warmup_frac * STEPS))
-    sched = optax.warmup_cosine_decay_schedule(0.0, o.lr, warmup, max(STEPS, warmup + 1),
-                                               o.lr * o.min_lr_ratio)
+
+    def sched(count):  # update k = count + 1: lr·k/W up to W, then cosine to the last update
+        k = count + 1
+        t = jnp.clip((k - warmup) / max(STEPS - warmup, 1), 0.0, 1.0)
+        cosine = o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + jnp.cos(jnp.pi * t)))
+        return jnp.where(k <= warmup, o.lr * k / warmup, cosine)
     mask = jax.tree_util.tree_map_with_path(
         lambda path, _: path[-1].key not in ("scale", "latent_scale"), params)
 

@@ -245,15 +245,17 @@ def test_plans_give_ddp_losses_in_fp32(runs, name):
 
 @pytest.mark.parametrize("plan", list(INT8))
 def test_int8_plans_stay_close_and_learn(runs, plan):
-    # int8 per-block weights (block 256: |Δw| ≤ max|block|/254) perturb the loss by ≲ 1e-3
-    np.testing.assert_allclose(runs["int8-" + plan], runs["ddp"], rtol=2e-3)
+    # int8 per-block weights (block 256: |Δw| ≤ max|block|/254) perturb the loss by ≲ 1e-3;
+    # the gap grows with the updates' total lr: 15 lr/W over 5 warmup updates, ≲ 3e-3
+    np.testing.assert_allclose(runs["int8-" + plan], runs["ddp"], rtol=3e-3)
     assert runs["int8-" + plan][-1] < runs["int8-" + plan][0] - 0.05
 
 
 def test_qgz_int4_gradients_stay_close_and_learn(runs):
     """ZeRO++'s qgZ: int4 gradient blocks (|Δ| ≤ max|block|/14 per stage) change the updates
-    by a few percent; over 5 AdamW steps the losses stay within 1% of ddp's and fall."""
-    np.testing.assert_allclose(runs["qgz-zeropp"], runs["ddp"], rtol=1e-2)
+    by a few percent; over 5 warmup updates (15 lr/W in all) the losses stay within 1.5% of
+    ddp's and fall."""
+    np.testing.assert_allclose(runs["qgz-zeropp"], runs["ddp"], rtol=1.5e-2)
     assert not np.allclose(runs["qgz-zeropp"], runs["ddp"], rtol=1e-6)  # it did quantize
     assert runs["qgz-zeropp"][-1] < runs["qgz-zeropp"][0] - 0.05
 
