@@ -276,7 +276,7 @@ def _a100_zero3(capsys, *extra) -> dict:
     from boost_jax.plan.__main__ import main
 
     assert main(["--config", "configs/demo.yaml", "--topology", "perlmutter", "--nodes", "2",
-                 "parallel.plan=zero3", "train.remat=full", "--layers", "full", *extra,
+                 "parallel.plan=zero3", "train.remat=full", *extra,
                  "--gpu-compile", "--json"]) == 0
     return json.loads(capsys.readouterr().out)["gpu_compile"]["programs"][-1]
 
