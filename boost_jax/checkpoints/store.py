@@ -83,6 +83,15 @@ _STATUS = {"RESOURCE_EXHAUSTED": "no space left on device",
            "PERMISSION_DENIED": "permission denied"}
 
 
+def _attempt(fn):
+    """(fn(), None), or (None, why) where reading a step raised."""
+    try:
+        return fn(), None
+    except Exception as e:  # noqa: BLE001
+        _silence_closed_loop_callbacks()
+        return None, f"it cannot be read: {error_reason(e)}"
+
+
 def _silence_closed_loop_callbacks() -> None:
     """After a failed read, tensorstore completes the reads still in flight and calls back into
     orbax's asyncio loop, which is closed by then; each callback prints a 'RuntimeError: Event
@@ -439,24 +448,11 @@ class Checkpointer:
             if not self._agree(err is None):
                 bad.append((step, err or "another process's share of it is not what was written"))
                 continue
-            state, err, ok = None, None, True
-            for part in ("read", "checksums"):
-                try:
-                    if part == "read":
-                        state, data, meta = self.restore(step, abstract_state)
-                    else:
-                        err = checksum_mismatch(state_checksums(state)[0], meta)
-                except Exception as e:  # noqa: BLE001
-                    _silence_closed_loop_callbacks()
-                    state, err = None, f"it cannot be read: {error_reason(e)}"
-                if not self._agree(err is None):
-                    ok = False
-                    break
-            if not ok:
-                bad.append((step, err or "another process could not read it"))
-                del state
+            got, err = self._read_agreed(step, abstract_state)
+            if got is None:
+                bad.append((step, err))
                 continue
-            found = (step, state, data, meta)
+            found = (step, *got)
             break
         if bad and found is None:
             listing = "; ".join(f"step {s}: {why}" for s, why in bad)
@@ -465,6 +461,19 @@ class Checkpointer:
         if bad:
             self._set_aside(bad, found[0])
         return found
+
+    def _read_agreed(self, step: int, abstract_state: Any):
+        """((state, data_state, meta), None) once every process has read the step and matched
+        its checksums, else (None, why). Each outcome is agreed before the next collective
+        (orbax's restore barrier, the checksums' reduction): no process takes one alone."""
+        got, err = _attempt(lambda: self.restore(step, abstract_state))
+        if self._agree(err is None):
+            mismatch, err = _attempt(lambda: checksum_mismatch(state_checksums(got[0])[0],
+                                                               got[2]))
+            err = err or mismatch
+            if self._agree(err is None):
+                return got, None
+        return None, err or "another process could not read it"
 
     def _set_aside(self, bad: list[tuple[int, str]], good: int) -> None:
         dest_root = os.path.join(os.path.dirname(self.directory), UNUSABLE_DIR)
