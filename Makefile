@@ -100,6 +100,7 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/stream_speed.py
 	$(PY) benchmarks/pipeline.py
 	$(PY) benchmarks/search_speed.py
+	$(PY) benchmarks/attention.py --lengths 32,64,128,256,512,1024,2048 --reps 9 --out benchmarks/results/attention_cpu.md
 	$(PY) benchmarks/bench_time.py --since $(BENCH_START)
 
 clean:

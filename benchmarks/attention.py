@@ -1,8 +1,9 @@
 """Dense vs flash attention on the current backend: forward+backward time and compiled memory
 per implementation and length, and what model.attention=auto picks.
 
-On CPU this measured the crossover the `auto` rule uses (layers/forward.py CPU_FLASH_FROM;
-table in README.md); on a GPU, benchmarks/gpu.sh runs it at the training shapes.
+On CPU this measures the crossover the `auto` rule uses (layers/forward.py CPU_FLASH_FROM):
+`make bench` writes benchmarks/results/attention_cpu.md (--out); on a GPU, benchmarks/gpu.sh
+runs it at the training shapes.
   python benchmarks/attention.py --lengths 256,512,1024,2048 --json out.json
   python benchmarks/attention.py --lengths 4096 --heads 16 --head-dim 128 --dtype bfloat16
 """
@@ -21,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from boost_jax.layers.forward import attention_impl, dense_attention  # noqa: E402
+from benchmarks.common import add_out, guard_out, load_note, positive_int, write_result  # noqa: E402
+from boost_jax.layers.forward import CPU_FLASH_FROM, attention_impl, dense_attention  # noqa: E402
 from boost_jax.layers.flash import flash_attention as blockwise  # noqa: E402
 from boost_jax.pallas.dispatch import platform  # noqa: E402
 from boost_jax.pallas.flash import flash_attention as pallas_flash  # noqa: E402
@@ -53,6 +55,33 @@ def measure(fn, q, k, v, reps: int) -> dict:
             "temp_bytes": int(getattr(mem, "temp_size_in_bytes", 0)) if mem else None}
 
 
+def report(rows: list, a, argv: list) -> str:
+    """The Markdown table of a run: ms and temporaries per implementation and length, the
+    lengths each implementation was fastest at, and what `auto` picked."""
+    lengths = sorted({r["seq"] for r in rows})
+    names = list(dict.fromkeys(r["impl"] for r in rows))
+    at = {(r["impl"], r["seq"]): r for r in rows}
+    fastest = {s: min(names, key=lambda n: at[n, s]["ms"]) for s in lengths}
+    body = [[f"{n} (ms)"] + [f"{at[n, s]['ms']:.3g}" for s in lengths] for n in names]
+    body.append(["temporaries, " + " / ".join(names) + " (MiB)"] + [
+        " / ".join(f"{(at[n, s]['temp_bytes'] or 0) / 2**20:.3g}" for n in names)
+        for s in lengths])
+    body.append(["fastest"] + [fastest[s] for s in lengths])
+    body.append(["`auto` picks"] + [next(r["impl"] for r in rows if r["seq"] == s and r["auto"])
+                                    for s in lengths])
+    from benchmarks.common import markdown_table
+
+    return "\n".join([
+        f"# Dense vs flash attention on {rows[0]['platform']}: where `model.attention=auto` "
+        "switches", "",
+        f"Written by `python benchmarks/attention.py {' '.join(argv)}`: one attention's "
+        f"forward+backward (jitted), batch {a.batch}, {a.heads} heads of {a.head_dim}, "
+        f"{a.dtype}, median of {a.reps} runs after one; temporaries from "
+        f"`memory_analysis()`; {load_note()} at the end. On CPU `auto` picks flash (blockwise "
+        f"tiles) from `CPU_FLASH_FROM` = {CPU_FLASH_FROM} keys up.", "",
+        markdown_table(["keys"] + [str(s) for s in lengths], body), ""])
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--lengths", default="256,512,1024,2048")
@@ -61,11 +90,13 @@ def main(argv=None) -> int:
     p.add_argument("--kv-heads", type=int, default=None)
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=positive_int, default=5)
     p.add_argument("--json", default=None, metavar="FILE")
+    add_out(p, None, "the Markdown table (make bench: benchmarks/results/attention_cpu.md)")
     p.add_argument("--require-auto", default=None, metavar="IMPL",
                    help="exit 1 unless model.attention=auto picks IMPL here (gpu.sh: cudnn)")
     a = p.parse_args(argv)
+    guard_out(a.out, force=a.force)
     plat, rows = platform(), []
     for s in map(int, a.lengths.split(",")):
         ks = jax.random.split(jax.random.key(0), 3)
@@ -88,6 +119,8 @@ def main(argv=None) -> int:
                   flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=1))
+    if a.out and not any(r.get("error") for r in rows):
+        write_result(a.out, report(rows, a, sys.argv[1:] if argv is None else argv))
     picked = {r["impl"] for r in rows if r["auto"]}
     failed = [f"{r['impl']} at {r['seq']}" for r in rows if r.get("error")]
     if failed:

@@ -14,14 +14,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import RESULTS, load_note, write_result  # noqa: E402
+from benchmarks.common import RESULTS, add_out, guard_out, load_note, write_result  # noqa: E402
 
 
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--since", type=float, required=True, help="when make bench started (epoch s)")
-    p.add_argument("--out", default=os.path.join(RESULTS, "bench.md"))
+    add_out(p, os.path.join(RESULTS, "bench.md"))
     a = p.parse_args()
+    guard_out(a.out, force=a.force)
     minutes = (time.time() - a.since) / 60
     start = datetime.datetime.fromtimestamp(a.since, datetime.timezone.utc)
     doc = f"""# `make bench`: every CPU figure, one command

@@ -15,7 +15,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (RESULTS, early_cpu_devices, interleaved_samples,  # noqa: E402
+from benchmarks.common import (RESULTS, add_out, positive_int, early_cpu_devices, guard_out, interleaved_samples,  # noqa: E402
                                load_note, markdown_table, reproduce_command, spread_verdict,
                                write_result)
 
@@ -42,12 +42,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--topology", default="cpu")
     p.add_argument("--cpu-devices", type=int)
-    p.add_argument("--out", default=os.path.join(RESULTS, "cola_vs_full.md"))
+    add_out(p, os.path.join(RESULTS, "cola_vs_full.md"))
     a = p.parse_args()
+    guard_out(a.out, force=a.force)
     if "full" not in a.archs.split(","):
         p.error("--archs must include full (the reference the speeds are relative to)")
     return a

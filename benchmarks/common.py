@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import sys
@@ -12,8 +13,15 @@ from typing import Callable, Sequence
 def early_cpu_devices(default: int | None = None) -> None:
     """Honour `--cpu-devices N` before JAX starts (call at import time of the script)."""
     n = default
-    if "--cpu-devices" in sys.argv:
-        n = int(sys.argv[sys.argv.index("--cpu-devices") + 1])
+    for i, arg in enumerate(sys.argv):
+        value = (sys.argv[i + 1] if i + 1 < len(sys.argv) else "") if arg == "--cpu-devices" \
+            else arg.split("=", 1)[1] if arg.startswith("--cpu-devices=") else None
+        if value is None:
+            continue
+        if not value.isdigit() or int(value) < 1:
+            refuse(f"--cpu-devices {value!r} is not a device count; give a whole number ≥ 1, "
+                   "e.g. --cpu-devices 8")
+        n = int(value)
     if n:
         from boost_jax.mesh import set_cpu_devices
 
@@ -82,8 +90,48 @@ def spread_verdict(ratios: Sequence[float], subject: str, other: str) -> str:
             f"{lo:.3f}–{hi:.3f})")
 
 
+def refuse(message: str) -> None:
+    """Bad input: one line on stderr, exit 2 (the project's rule for every command)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number ≥ 1 (a count of rounds, devices, ...)."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number ≥ 1")
+    return int(text)
+
+
+def add_out(p, default: str | None, what: str = "the Markdown report") -> None:
+    """`--out` and `--force` for a script that writes: its own files are those under
+    benchmarks/results/ (and the defaults it names to guard_out); anything else that exists
+    is the user's, replaced only with --force (guard_out)."""
+    p.add_argument("--out", default=default, help=f"where to write {what}")
+    p.add_argument("--force", action="store_true",
+                   help="replace existing output files outside benchmarks/results/")
+
+
+def ours(path: str, own: Sequence[str] = ()) -> bool:
+    """Is `path` one of the files the benchmark scripts own: under benchmarks/results/, or one
+    of `own` (a script's default outputs elsewhere)?"""
+    real = os.path.realpath(path)
+    return (real.startswith(os.path.realpath(RESULTS) + os.sep)
+            or real in {os.path.realpath(o) for o in own})
+
+
+def guard_out(*paths: str | None, force: bool, own: Sequence[str] = ()) -> None:
+    """Before any work: exit 2 with one line if a file this run would write exists and is not
+    ours (a user's file), unless --force. Nothing is written on refusal."""
+    for path in paths:
+        if path and os.path.lexists(path) and not force and not ours(path, own):
+            refuse(f"{path} exists and is not a benchmarks/results/ file; choose another --out "
+                   "or pass --force to replace it")
+
+
 def write_result(path: str, doc: str) -> None:
-    """Write a results file and copy it into benchmarks/README.md (sync_readme)."""
+    """Write a results file and, when it is one of benchmarks/results/, copy it into
+    benchmarks/README.md (sync_readme)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         f.write(doc.rstrip() + "\n")
@@ -115,7 +163,10 @@ def sync_readme(results_path: str) -> None:
         <!-- results/NAME.md -->  ...  <!-- end results/NAME.md -->
 
     so the README shows each figure exactly as the script that measured it wrote it (its
-    headings one level down). A README without the markers is left alone."""
+    headings one level down). A README without the markers is left alone, and so is the README
+    when the file is not one of benchmarks/results/ (a scratch --out)."""
+    if not ours(results_path):
+        return
     name = "results/" + os.path.basename(results_path)
     begin, end = f"<!-- {name} -->", f"<!-- end {name} -->"
     with open(README) as f:

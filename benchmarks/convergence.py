@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import convergence_report as rep  # noqa: E402
-from benchmarks.common import sync_readme  # noqa: E402
+from benchmarks.common import add_out, guard_out, sync_readme  # noqa: E402
 from boost_jax.cli import Parser  # noqa: E402
 from boost_jax.errors import UserError, cli_main  # noqa: E402
 
@@ -123,6 +123,9 @@ def train(run: rep.Run, work: str, tokenizer: str) -> None:
         raise UserError(f"run {run.tag} failed (exit {rc}); its output is in {log}")
 
 
+LOAD_AT_END = "load_at_end.txt"  # in --work: the load average when a run last finished
+
+
 def execute(runs: list, work: str, reuse: bool, tok: dict) -> list:
     """Train (or, with reuse, keep) each run; their Results."""
     results = []
@@ -136,6 +139,8 @@ def execute(runs: list, work: str, reuse: bool, tok: dict) -> list:
                 tok["path"] = prepare_tokenizer(work, reuse)
             train(run, work, tok["path"])
             note = f"{time.perf_counter() - t0:.0f} s"
+            with open(os.path.join(work, LOAD_AT_END), "w") as f:
+                f.write(", ".join(f"{x:.1f}" for x in os.getloadavg()))
         res = rep.load_result(run, out)
         print(f"[{i}/{len(runs)}] {run.tag}: final val loss {res.final:.4f} ({note})",
               file=sys.stderr, flush=True)
@@ -155,10 +160,11 @@ def parse_args(argv=None):
                    help="the sweep's budget as a fraction of the smallest width's")
     p.add_argument("--archs", default=",".join(rep.ARCHS))
     p.add_argument("--work", default=os.path.join(ROOT, "runs", "convergence"))
-    p.add_argument("--out", default=os.path.join(RESULTS, "convergence.md"))
+    add_out(p, os.path.join(RESULTS, "convergence.md"), "the report (and its .png beside it)")
     p.add_argument("--reuse", action="store_true",
                    help="keep runs finished in --work (same settings) instead of retraining")
     a = p.parse_args(argv)
+    guard_out(a.out, os.path.splitext(a.out)[0] + ".png", force=a.force)
     try:
         a.widths = [int(x) for x in a.widths.split(",")]
         a.steps = [int(x) for x in a.steps.split(",")]
@@ -277,7 +283,10 @@ def report(a, sweep: list, chosen: dict, results: list) -> str:
     noise = rep.seed_spread(results, a.widths[0])
     vs = rep.verdicts(results, noise)
     spent = process_seconds(a.work, sweep + results)
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    # the load when the last run finished training (a --reuse report is written later)
+    at_end = os.path.join(a.work, LOAD_AT_END)
+    load = open(at_end).read().strip() if os.path.exists(at_end) else \
+        ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lr_text = (f"Each arch's learning rate is the one with the lowest final validation loss in a "
                f"sweep at d={a.widths[0]} (seed 0, {a.sweep_frac:g} of that width's FLOP budget, "
                f"each run with its own schedule; where the best was at an end of the grid, the "
@@ -341,8 +350,7 @@ def main(argv=None):
     with open(a.out, "w") as f:
         f.write(text)
     print(text)
-    if os.path.dirname(os.path.abspath(a.out)) == RESULTS:
-        sync_readme(a.out)
+    sync_readme(a.out)
     return 0
 
 

@@ -110,9 +110,12 @@ def runner_up_lr(sweep: list[Result], arch: str) -> Optional[float]:
 
 
 def seed_spread(results: list[Result], width: int) -> Optional[float]:
-    """The largest |seed a - seed b| final-loss gap of any arch at `width`; None with one seed."""
+    """The largest |seed a - seed b| final-loss gap at `width` among the runs the verdicts
+    compare (each arch at its best lr, as mean_final picks it); None with one seed."""
     gaps = []
-    for arch, lr in {(r.run.arch, r.run.lr) for r in results}:
+    for arch in {r.run.arch for r in results if r.run.width == width}:
+        lrs = {r.run.lr for r in results if (r.run.arch, r.run.width) == (arch, width)}
+        lr = min(lrs, key=lambda x: mean_final(results, arch, width, x))
         finals = [r.final for r in results
                   if (r.run.arch, r.run.lr, r.run.width) == (arch, lr, width)]
         if len(finals) >= 2:

@@ -21,7 +21,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import markdown_table, write_result  # noqa: E402
+from benchmarks.common import add_out, guard_out, markdown_table, write_result  # noqa: E402
 from benchmarks.qgz_demo import STEP_TOL, STEPS, VAL_TOL, train  # noqa: E402
 
 OVERRIDES = ["--cpu-devices", "8", "parallel.plan=hierarchical", "train.micro_batches=2",
@@ -82,9 +82,9 @@ at every step and the validation loss after step {STEPS} within {VAL_TOL:.0%}. M
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                 "cross_node_quant_demo.md"))
+    add_out(p, os.path.join(ROOT, "benchmarks", "results", "cross_node_quant_demo.md"))
     args = p.parse_args()
+    guard_out(args.out, force=args.force)
     with tempfile.TemporaryDirectory() as tmp:
         doc = report(run_all(tmp))
     write_result(args.out, doc)

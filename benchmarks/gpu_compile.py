@@ -32,7 +32,7 @@ from boost_jax.plan import gpu_target  # noqa: E402
 
 gpu_target.prepare_env()  # before JAX starts
 
-from benchmarks.common import load_note, markdown_table, write_result  # noqa: E402
+from benchmarks.common import add_out, guard_out, load_note, markdown_table, write_result  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import get_topology  # noqa: E402
 from boost_jax.plan import dryrun  # noqa: E402
@@ -108,9 +108,10 @@ def row(name, nodes, topo, cfg, g, secs) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                   "gpu_compile.md"))
+    add_out(ap, os.path.join(ROOT, "benchmarks", "results", "gpu_compile.md"),
+            "the Markdown report (and its .json beside it)")
     args = ap.parse_args()
+    guard_out(args.out, os.path.splitext(args.out)[0] + ".json", force=args.force)
     rows, recs = [], []
     for name, nodes, ov, topo_name, target, max_dev in LAYOUTS:
         topo = get_topology(topo_name)

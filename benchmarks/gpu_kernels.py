@@ -28,7 +28,7 @@ from boost_jax.plan import gpu_target  # noqa: E402
 
 gpu_target.prepare_env()  # before JAX starts
 
-from benchmarks.common import load_note, markdown_table, write_result  # noqa: E402
+from benchmarks.common import add_out, guard_out, load_note, markdown_table, write_result  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import get_topology  # noqa: E402
 from boost_jax.plan import dryrun  # noqa: E402
@@ -94,10 +94,10 @@ def report(table: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                   "gpu_kernels.md"))
+    add_out(ap, os.path.join(ROOT, "benchmarks", "results", "gpu_kernels.md"))
     ap.add_argument("--table", default=TABLE_PATH)
     args = ap.parse_args()
+    guard_out(args.out, args.table, force=args.force, own=[TABLE_PATH])
     topo = get_topology("perlmutter-80")  # the full-rank model without TP needs > 40 GB
     layouts = {}
     for arch, family, mode, remat in cells():

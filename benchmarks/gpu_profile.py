@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
+from benchmarks.common import add_out, guard_out  # noqa: E402
 from benchmarks.train_speed import prepare  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="*", default=[])
     p.add_argument("--variant", nargs="+", action="append",
                    metavar="NAME OVERRIDE")
-    p.add_argument("--out")
+    add_out(p, None, "profile.json, profile.md and the traces (a folder)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--report", metavar="PROFILE_JSON",
@@ -115,6 +116,7 @@ def main(argv=None) -> int:
     if not (a.config and a.variant and a.out):
         p.error("--config, --variant and --out are needed (or --report FILE)")
     out = Path(a.out)
+    guard_out(str(out / "profile.json"), str(out / "profile.md"), force=a.force)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, *overrides in a.variant:

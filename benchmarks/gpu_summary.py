@@ -90,7 +90,17 @@ def e2e_section(path: Path | None) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    out = Path(argv[0])
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out_dir", help="the gpu.sh run folder: reads its files, writes summary.md")
+    p.add_argument("train_metrics", nargs="?", help="train.py's metrics.jsonl of the e2e step")
+    a = p.parse_args(argv)
+    out = Path(a.out_dir)
+    if not out.is_dir():
+        print(f"error: {out} is not a folder; give the folder benchmarks/gpu.sh wrote",
+              file=sys.stderr)
+        return 2
     env = (out / "env.txt").read_text().strip() if (out / "env.txt").exists() else "no env.txt"
     lines = [f"# GPU check, {datetime.datetime.now().astimezone():%Y-%m-%d %H:%M %Z}", "",
              "Reproduce: `benchmarks/gpu_wheels.sh` here, then `bash benchmarks/gpu.sh` on the "
@@ -100,7 +110,7 @@ def main(argv: list[str]) -> int:
              "## Training speed, CoLA-1B shape (benchmarks/train_speed.py)", "",
              *speed_section(out / "train_speed.json"), "",
              "## train.py end to end", "",
-             *e2e_section(Path(argv[1]) if len(argv) > 1 else None), "",
+             *e2e_section(Path(a.train_metrics) if a.train_metrics else None), "",
              "## Attention, dense vs flash (benchmarks/attention.py)", "",
              *attention_section(out / "attention.json"), ""]
     text = "\n".join(lines)

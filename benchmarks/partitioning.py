@@ -29,6 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.common import add_out, guard_out  # noqa: E402
+
 PLANS = ("ddp", "zero1", "zero3", "zeropp", "zeropp-no-qgz", "hierarchical")
 VARIANTS = {"zeropp-no-qgz": ["parallel.plan=zeropp", "parallel.quantize_grads=false"]}
 MB = 1e6
@@ -158,7 +160,7 @@ def main() -> int:
     p.add_argument("--micro", type=int, default=4)
     p.add_argument("--batch", type=int, default=256, help="global batch (sequences)")
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "partitioning.md"))
+    add_out(p, os.path.join(ROOT, "benchmarks", "results", "partitioning.md"))
     p.add_argument("--json-out", default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cpu-devices", type=int, default=None, help=argparse.SUPPRESS)
@@ -167,6 +169,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
+    guard_out(args.out, args.json_out, force=args.force)
     rows, t0 = [], time.perf_counter()
     for n in [int(x) for x in args.devices.split(",")]:
         js = f"/tmp/partitioning_{os.getpid()}_{n}.json"

@@ -30,7 +30,7 @@ set_cpu_devices(16)
 
 import jax  # noqa: E402
 
-from benchmarks.common import markdown_table, write_result  # noqa: E402
+from benchmarks.common import add_out, guard_out, markdown_table, write_result  # noqa: E402
 from boost_jax.analysis.comm import analyze_compiled  # noqa: E402
 from boost_jax.backends.cpu import fast_compile_options  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
@@ -201,8 +201,9 @@ def section_40b(lines: list[str]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "pipeline.md"))
+    add_out(ap, os.path.join(ROOT, "benchmarks", "results", "pipeline.md"))
     a = ap.parse_args()
+    guard_out(a.out, force=a.force)
     t0 = time.time()
     lines = ["# Pipeline stages", "",
              "Reproduce: `.venv/bin/python benchmarks/pipeline.py` (CPU; trains the demo three times, "

@@ -24,8 +24,10 @@ from boost_jax.mesh import set_cpu_devices  # noqa: E402
 set_cpu_devices(384)
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
-from benchmarks.common import markdown_table, sync_readme  # noqa: E402
+from benchmarks.common import add_out, guard_out, markdown_table, sync_readme  # noqa: E402
+from boost_jax.analysis.flops import param_count  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import get_topology, make_mesh  # noqa: E402
 from boost_jax.plan.dryrun import dry_run  # noqa: E402
@@ -57,6 +59,11 @@ def run(cfg, topo):
 
 
 TEMP_PARTS = {k: v for k, v in TERMS.items() if k not in ("secondary", "stage_inputs")}
+
+
+def tp_local_bytes(cfg, p) -> float:
+    """The whole model's parameters one TP rank holds, in the working dtype (param_dtype)."""
+    return param_count(cfg.model) / p.layout["tp"] * np.dtype(cfg.model.param_dtype).itemsize
 
 
 def temp_formula(p) -> tuple[float, dict]:
@@ -108,7 +115,7 @@ def section_layout(topo, mesh, lines):
         f"against the formula's {tf / GiB:.2f} GiB ({tc / tf - 1:+.0%}). Weights are gathered "
         "per layer under TP too, so the gathered weights in the temporaries are two layers', "
         f"{parts['gathered_weights'] / GiB:.2f} GiB, not the whole TP-local model "
-        f"({dr.memory['weights'] * 2 / GiB:.2f} GiB in the working dtype); the temporaries "
+        f"({tp_local_bytes(cfg, p) / GiB:.2f} GiB in the working dtype); the temporaries "
         "are dominated by the step's gradient buffers. The formula is the GPU program's "
         "(benchmarks/README.md section 11: the launcher's flags double-buffer the "
         "micro-batch loop, so the next micro-batch's zero slots are live too); the CPU "
@@ -135,7 +142,7 @@ def section_search(topo, lines, top: int):
         tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
         pp = (f"{c.pp_stages}" + (f" x{c.pp_virtual} virtual" if c.pp_virtual > 1 else "")
               if c.pp_stages > 1 else "-")
-        cells = [c.plan + (" keep" if c.keep else ""), tp, pp, c.micro_size, c.micro_batches,
+        cells = [c.key(), tp, pp, c.micro_size, c.micro_batches,
                  c.remat]
         for lv in ("pair", "node", "global"):
             m, a = p.comm_bytes[lv], ana[lv]
@@ -154,7 +161,7 @@ def section_search(topo, lines, top: int):
         f"{len(cands)} with at least 4 sequences per GCD per micro-batch, each compiled. Bytes "
         "per GCD per step, compiled / analytic (cost model), by level; bytes leaving each node "
         "per step, compiled / analytic; MFU from the compiled collectives.", "",
-        markdown_table(["plan", "TP", "stages", "seq/GCD/micro", "micro-batches", "remat", "pair GiB",
+        markdown_table(["layout (search key)", "TP", "stages", "seq/GCD/micro", "micro-batches", "remat", "pair GiB",
                         "node GiB", "global GiB", "node egress GiB", "MFU", "GiB/GCD", "fits",
                         "compile s"], rows),
         ""]
@@ -219,10 +226,10 @@ def section_batches(topo, lines, top: int = 3):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results",
-                                                  "plan_7b_frontier.md"))
+    add_out(ap, os.path.join(ROOT, "benchmarks", "results", "plan_7b_frontier.md"))
     ap.add_argument("--top", type=int, default=5)
     a = ap.parse_args()
+    guard_out(a.out, force=a.force)
     t0 = time.time()
     topo = get_topology("frontier")
     mesh = make_mesh(topo, [2, 4, 48])

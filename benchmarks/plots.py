@@ -19,6 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import published  # noqa: E402
+from benchmarks.common import RESULTS, guard_out  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
 from boost_jax.mesh import get_topology  # noqa: E402
 from boost_jax.plan.costmodel import Assumptions, predict  # noqa: E402
@@ -31,6 +32,9 @@ def _cola7b(plan: str, nodes: int, per_device: int = 1, micro: int = 8, extra=()
     return load_config("configs/cola-7b.yaml", [
         f"parallel.plan={plan}", f"train.global_batch={nodes * 8 * per_device * micro}",
         f"train.micro_batches={micro}", "mesh.topology=frontier", *extra])
+
+
+PNGS = ("plan_bytes_per_level.png", "plan_weak_scaling.png", "plan_boost_iteration.png")
 
 
 def bytes_per_level(out: str, a: Assumptions) -> str:
@@ -128,8 +132,11 @@ def boost_iteration(out: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/plots.py")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default=RESULTS, help="the folder the three PNGs go into")
+    p.add_argument("--force", action="store_true",
+                   help="replace PNGs of these names in a folder outside benchmarks/results/")
     args = p.parse_args(argv)
+    guard_out(*(os.path.join(args.out, n) for n in PNGS), force=args.force)
     os.makedirs(args.out, exist_ok=True)
     a = Assumptions()
     for path in (bytes_per_level(args.out, a), weak_scaling(args.out, a),

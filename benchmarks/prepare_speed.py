@@ -4,7 +4,7 @@ benchmarks/results/prepare_speed.md (copied into benchmarks/README.md, section 8
     python benchmarks/prepare_speed.py [--mib 16] [--rounds 3] [--no-write]
 
 The corpus is a .jsonl of the Python standard library's files (repeated up to --mib MiB), with
-the byte tokenizer and a byte-level BPE of 8192 tokens trained on its first 2 MiB. Rounds
+the byte tokenizer and a byte-level BPE of 8192 tokens trained on its first 400 files. Rounds
 alternate the worker counts; the table shows medians.
 """
 
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 OUT = os.path.join(ROOT, "benchmarks", "results", "prepare_speed.md")
 
-from benchmarks.common import load_note, spread_verdict, write_result  # noqa: E402
+from benchmarks.common import load_note, positive_int, spread_verdict, write_result  # noqa: E402
 
 
 def make_corpus(path: str, mib: int) -> None:
@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--no-write", action="store_true", help="print the table only")
     return p.parse_args(argv)
 
@@ -113,14 +113,14 @@ processes share the cores).
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    tmp = tempfile.mkdtemp(prefix="prepare_speed.")
-    corpus, bpe = make_inputs(tmp, args.mib)
     rows, verdicts = [], []
-    for name, spec in (("byte", "byte"), ("BPE 8192", bpe)):
-        rates, n_tokens = time_workers(corpus, tmp, spec, args.rounds)
-        name_rows, verdict = summarize(name, rates, n_tokens)
-        rows += name_rows
-        verdicts.append(verdict)
+    with tempfile.TemporaryDirectory(prefix="prepare_speed.") as tmp:
+        corpus, bpe = make_inputs(tmp, args.mib)
+        for name, spec in (("byte", "byte"), ("BPE 8192", bpe)):
+            rates, n_tokens = time_workers(corpus, tmp, spec, args.rounds)
+            name_rows, verdict = summarize(name, rates, n_tokens)
+            rows += name_rows
+            verdicts.append(verdict)
     text = report(args, rows, verdicts)
     print(text)
     if not args.no_write:

@@ -326,8 +326,8 @@ def absolute_rows(assumptions: Assumptions = VALIDATION_ASSUMPTIONS,
 
 
 def json_rows(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[dict]:
-    """Every row as {name, kind, published, predicted, source, error}: ratios, absolute
-    figures, then measured collectives."""
+    """Every row as {name, kind, published, predicted, source, error, within}: ratios,
+    absolute figures, then measured collectives; `within` is |error| <= TOLERANCE."""
     boost, _, ratios = ratio_rows(assumptions)
     src = {True: "BOOST (MLSys 2026), iteration-second ratios",
            False: "Low-Bandwidth Partitioning (arXiv 2501.04266)"}
@@ -336,7 +336,8 @@ def json_rows(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[dict]:
            for r in ratios]
     keys = ("name", "kind", "published", "predicted", "error", "source")
     out += [{k: r[k] for k in keys} for r in absolute_rows(assumptions, boost)]
-    return out + [{k: r[k] for k in keys} for r in collective_rows(assumptions)]
+    out += [{k: r[k] for k in keys} for r in collective_rows(assumptions)]
+    return [dict(r, within=abs(r["error"]) <= TOLERANCE) for r in out]
 
 
 def bus_bandwidth(topology: str, nodes: int, payload: float = 2.0 ** 30,

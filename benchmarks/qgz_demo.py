@@ -22,7 +22,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import markdown_table, write_result  # noqa: E402
+from benchmarks.common import add_out, guard_out, markdown_table, write_result  # noqa: E402
 
 STEPS = 20
 # the demo config, shortened: 20 steps, a 1 MB slice of the corpus, validation at the end
@@ -98,8 +98,9 @@ tolerance.
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "qgz_demo.md"))
+    add_out(p, os.path.join(ROOT, "benchmarks", "results", "qgz_demo.md"))
     args = p.parse_args()
+    guard_out(args.out, force=args.force)
     with tempfile.TemporaryDirectory() as tmp:
         doc = report(run_pair(tmp))
     write_result(args.out, doc)

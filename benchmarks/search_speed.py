@@ -21,7 +21,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from benchmarks.common import (RESULTS, load_note, markdown_table,  # noqa: E402
+from benchmarks.common import (RESULTS, add_out, refuse, positive_int, guard_out, load_note, markdown_table,  # noqa: E402
                                reproduce_command, spread_verdict, write_result)
 
 SEARCHES = {
@@ -50,8 +50,11 @@ def measure(base: str, rounds: int) -> dict:
     """{search: (base seconds per round, ours per round)}, outputs checked equal."""
     with tempfile.TemporaryDirectory() as tmp:
         tree = os.path.join(tmp, "base")
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree, base],
-                       check=True)
+        made = subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", "-q", tree,
+                               base], capture_output=True, text=True)
+        if made.returncode != 0:
+            refuse(f"--base {base!r} is not a revision git can check out; give a commit of this "
+                   "repository, e.g. --base HEAD~1")
         try:
             out = {}
             for name, args in SEARCHES.items():
@@ -96,9 +99,10 @@ byte for byte. Wall seconds from start to exit, Python start-up and imports incl
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--base", default="b6b3777", help="the git revision to time against")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--out", default=os.path.join(RESULTS, "search_speed.md"))
+    p.add_argument("--rounds", type=positive_int, default=3)
+    add_out(p, os.path.join(RESULTS, "search_speed.md"))
     args = p.parse_args()
+    guard_out(args.out, force=args.force)
     doc = report(measure(args.base, args.rounds), args.base)
     write_result(args.out, doc)
     print(doc)

@@ -16,7 +16,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (RESULTS, early_cpu_devices, interleaved_samples,  # noqa: E402
+from benchmarks.common import (RESULTS, add_out, positive_int, early_cpu_devices, guard_out, interleaved_samples,  # noqa: E402
                                load_note, markdown_table, spread_verdict, write_result)
 
 early_cpu_devices(1)
@@ -41,10 +41,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=positive_int, default=7)
     p.add_argument("--cpu-devices", type=int)
-    p.add_argument("--out", default=os.path.join(RESULTS, "step_overhead.md"))
-    return p.parse_args()
+    add_out(p, os.path.join(RESULTS, "step_overhead.md"))
+    a = p.parse_args()
+    guard_out(a.out, force=a.force)
+    return a
 
 
 def make_cfg(a):

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 OUT = os.path.join(ROOT, "benchmarks", "results", "stream_speed.md")
 
-from benchmarks.common import load_note, write_result  # noqa: E402
+from benchmarks.common import load_note, positive_int, write_result  # noqa: E402
 from benchmarks.prepare_speed import make_corpus  # noqa: E402
 
 SEQ, BATCH = 512, 64
@@ -129,13 +129,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=positive_int, default=2)
     p.add_argument("--no-write", action="store_true", help="print the table only")
     args = p.parse_args(argv)
-    tmp = tempfile.mkdtemp(prefix="stream_speed.")
-    corpus, shards, bpe = make_inputs(tmp, args.mib)
-    results = {name: measure(corpus, shards, tmp, spec, args.rounds)
-               for name, spec in (("byte", "byte"), ("BPE 8192", bpe))}
+    with tempfile.TemporaryDirectory(prefix="stream_speed.") as tmp:
+        corpus, shards, bpe = make_inputs(tmp, args.mib)
+        results = {name: measure(corpus, shards, tmp, spec, args.rounds)
+                   for name, spec in (("byte", "byte"), ("BPE 8192", bpe))}
     text = report(args, results)
     print(text)
     if not args.no_write:

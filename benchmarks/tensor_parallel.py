@@ -22,7 +22,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import early_cpu_devices, interleaved_samples, markdown_table, sync_readme  # noqa: E402
+from benchmarks.common import (add_out, early_cpu_devices, guard_out,  # noqa: E402
+                               interleaved_samples, markdown_table, sync_readme)
 
 early_cpu_devices(8)
 
@@ -222,8 +223,9 @@ def main():
     p.add_argument("--small-seq", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--cpu-devices", type=int, default=8)
-    p.add_argument("--out", default=None, help="write the Markdown report here")
+    add_out(p, None)
     a = p.parse_args()
+    guard_out(a.out, force=a.force)
     cmd = ".venv/bin/python benchmarks/tensor_parallel.py " + " ".join(sys.argv[1:])
     lines = ["# Tensor parallelism: Megatron (full rank) vs vanilla low-rank TP vs BTP", "",
              f"Reproduce: `{cmd.strip()}` (8 simulated CPU devices; a few minutes). Code: "

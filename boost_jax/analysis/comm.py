@@ -156,11 +156,13 @@ def extract_collectives(module: H.Module, mesh, cpu: bool = True) -> list[Collec
                 rc = module.computations.get(ins.attr("to_apply").lstrip("%"))
                 roots = [i.opcode for i in rc.instrs.values() if i.is_root] if rc else []
                 red = roots[0] if roots else None
-            raw_per_call = ring_bytes(kind, n, payload)
+            per_call = ring_bytes(kind, n, payload)
+            # raw: what the CPU program moves, the all-reduce it lowered a reduce-scatter to
+            raw_per_call = ring_bytes("all-reduce", n, payload) if lowered else per_call
             kind, lowered, payload, factor, fixes = undo_cpu_artifacts(
                 module, comp, ins, kind, lowered, payload, n) if cpu else \
                 (kind, lowered, payload, 1.0, ())
-            per_call = raw_per_call * factor
+            per_call *= factor
             out.append(Collective(
                 name=ins.name, kind=kind, opcode=op, shapes=[str(a) for a in shape],
                 dtypes=[a.dtype for a in shape], result_bytes=res_bytes, payload_bytes=payload,

@@ -117,7 +117,7 @@ def logits_matmul(x, w):
     """x [..., d] @ w [d, V] -> fp32 logits: the GEMM in x's (compute) dtype with fp32
     accumulation. Its backward rounds the fp32 cotangent to x's dtype once, so both backward
     GEMMs run in the compute dtype too (plain autodiff runs them in fp32: on an H200 they took
-    13 of a CoLA-1B step's 58 ms, benchmarks/README.md §7); dw comes back in w's dtype."""
+    13 of a CoLA-1B step's 57 ms, benchmarks/README.md §7); dw comes back in w's dtype."""
     return jnp.einsum("...d,dv->...v", x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 

@@ -2,9 +2,10 @@
 
 resolve(kind) -> "pallas" | "xla":
   auto   -> xla everywhere. Measured on an H200 (benchmarks/README.md §7), the XLA twins train
-            a CoLA-1B BTP step faster than these kernels (242 ms against 889 ms, and 5.5 s once
-            the kernels were handed bf16 weights), and are as fast or faster kernel by kernel
-            but for the norm alone; `pallas` stays a choice, tested on every backend.
+            a CoLA-1B BTP step faster than these kernels in both runs (612 ms against 889 ms,
+            then 242 ms against 5.5 s once both were handed bf16 weights), and are as fast or
+            faster kernel by kernel but for the norm alone; `pallas` stays a choice, tested on
+            every backend.
   pallas -> pallas; on CPU the same kernels run with interpret=True (slow, for tests);
             on TPU it is an error (these are Triton kernels).
   xla    -> pure jnp references (same math, same signatures).

@@ -49,12 +49,25 @@ def layers_per_stage(n_layers: int, stages: int, virtual: int = 1) -> int:
         raise ConfigError(f"{what} is more stages than the model's {n_layers} layers "
                           f"(model.n_layers); use at most {n_layers} {most}")
     k = math.ceil(n_layers / chunks)
-    if (chunks - 1) * k >= n_layers:
+    if not _every_chunk_has_a_layer(n_layers, chunks):
+        if virtual == 1:
+            raise ConfigError(
+                f"{what} splits {n_layers} layers into runs of {k}, which leaves stage "
+                f"{chunks - 1} without a layer; choose stages so that "
+                f"(stages-1)·ceil(layers/stages) < layers (e.g. a divisor of {n_layers})")
+        fits = [v for v in range(virtual - 1, 0, -1)
+                if _every_chunk_has_a_layer(n_layers, stages * v)]
         raise ConfigError(
-            f"{what} splits {n_layers} layers into runs of {k}, which leaves stage "
-            f"{chunks - 1} without a layer; choose stages so that "
-            f"(stages-1)·ceil(layers/stages) < layers (e.g. a divisor of {n_layers})")
+            f"{what} splits {n_layers} layers into {chunks} chunks of {k}, which leaves chunk "
+            f"{chunks - 1} without a layer; choose virtual stages so that "
+            "(chunks-1)·ceil(layers/chunks) < layers, e.g. "
+            + (f"parallel.pp_virtual={fits[0]}" if fits else
+               f"parallel.pp_virtual=1 and stages that divide {n_layers}"))
     return k
+
+
+def _every_chunk_has_a_layer(n_layers: int, chunks: int) -> bool:
+    return (chunks - 1) * math.ceil(n_layers / chunks) < n_layers
 
 
 def validate(cfg) -> None:

@@ -89,6 +89,7 @@ def test_cpu_all_reduce_plus_dynamic_slice_is_reduce_scatter(mesh):
     assert groups_as_sets(c) == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert c.shapes == ["f32[4,32]"] and c.payload_bytes == 16 * 32 * 4
     assert c.bytes_per_step == pytest.approx(3 / 4 * 16 * 32 * 4)
+    assert c.raw_bytes_per_step == pytest.approx(2 * 3 / 4 * 16 * 32 * 4)  # the all-reduce
     # the same matmul with a replicated output stays an all-reduce
     assert only(row_parallel_matmul(mesh, jnp.float32, [])).kind == "all-reduce"
 

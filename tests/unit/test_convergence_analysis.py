@@ -5,6 +5,8 @@ metrics.jsonl, the learning-rate grid's extension and the verdict against the se
 import json
 import sys
 
+import pytest
+
 from train_proc import ROOT
 
 sys.path.insert(0, ROOT)
@@ -33,3 +35,14 @@ def test_verdict_against_the_seed_spread():
     assert [rep.verdict(d, 0.05) for d in (0.04, -0.05, -0.06, 0.07)] == [
         "match", "match", "better", "worse"]
     assert rep.verdict(0.3, None) == "unknown"
+
+
+def test_seed_spread_counts_only_the_runs_the_verdicts_compare():
+    """Full rank's rejected lr (a wide seed gap) does not widen the 'matches' criterion."""
+    def res(arch, lr, seed, final):
+        return rep.Result(rep.Run(arch, 128, seed, lr, 200, "main"), 1, 1.0, 1, final=final)
+    results = [res("full", 0.003, 0, 4.90), res("full", 0.003, 1, 5.00),
+               res("full", 0.01, 0, 4.96), res("full", 0.01, 1, 5.22),
+               res("cola", 0.003, 0, 4.60), res("cola", 0.003, 1, 4.65)]
+    assert rep.seed_spread(results, 128) == pytest.approx(0.10)
+    assert rep.seed_spread(results[:1] + results[4:5], 128) is None

@@ -57,6 +57,20 @@ def test_resolve_rejects_a_bad_pipeline_split(mesh):
     assert msg.startswith("parallel.pp_stages=3 is more stages than the model's 2 layers"), msg
 
 
+def test_an_empty_chunk_of_virtual_stages_names_chunks_and_a_fix_that_works():
+    from boost_jax.sharding.stages import layers_per_stage
+
+    with pytest.raises(ConfigError) as e:
+        layers_per_stage(5, 2, 2)  # 4 chunks of 2 layers: the 4th would hold none
+    assert "leaves chunk 3 without a layer" in str(e.value)
+    assert str(e.value).endswith("e.g. parallel.pp_virtual=1")
+    assert layers_per_stage(5, 2, 1) == 3
+    with pytest.raises(ConfigError, match="stages that divide 13$"):
+        layers_per_stage(13, 6, 2)  # 6 stages leave one empty too
+    with pytest.raises(ConfigError, match="leaves stage 3 without a layer"):
+        layers_per_stage(5, 4, 1)
+
+
 def test_resolve_holds_what_the_engine_needs(mesh):
     cfg = _cfg("parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.arch=cola",
                "train.micro_batches=2", "train.remat=lowrank")

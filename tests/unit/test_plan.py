@@ -679,6 +679,7 @@ def test_validation_json_rows_and_absolute_gaps():
     rows = V.json_rows()
     assert {r["kind"] for r in rows} == {"ratio", "absolute", "collective"}
     assert all({"name", "kind", "published", "predicted", "source"} <= set(r) for r in rows)
+    assert all(r["within"] == (abs(r["predicted"] / r["published"] - 1) <= 0.25) for r in rows)
     absr = [r for r in rows if r["kind"] == "absolute"]
     assert len(absr) == 10
     outside = {r["name"] for r in absr if abs(r["error"]) > V.TOLERANCE}
