@@ -35,7 +35,8 @@ from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE
 
 DEFINING = ("model", "data", "train.global_batch", "train.seed", "train.scan_layers")
 # under DEFINING but the same math computed another way: a resume may change it freely
-SAME_MATH = ("model.attention",)
+# (data.workers: how many processes tokenize a stream, which stays the same token for token)
+SAME_MATH = ("model.attention", "data.workers")
 # about this invocation only, never compared
 PER_INVOCATION = ("out_dir", "checkpoint.resume", "checkpoint.accept_changes")
 SHAPE_KEYS = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",

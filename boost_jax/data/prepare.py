@@ -6,16 +6,17 @@ as `<OUT without .bin>.tokenizer.json`, published with OUT (the same rules as it
 
 SOURCE is a text file, a .jsonl (one document per line, in field --field), a .parquet file, a
 Hugging Face dataset saved with `save_to_disk` (a folder holding dataset_info.json and .arrow
-files), or a folder of such files (searched recursively, in sorted order). OUT receives the
-token ids (a .bin that training memory-maps) and `<OUT without .bin>.json`, its metadata
-(token_bin.py). Every document is followed by the tokenizer's EOS id; a plain text file is one
-document.
+files), or a folder of such files (recursive, links followed, sorted; a folder holding .parquet
+or .arrow files is read for those alone, not a dataset card). OUT receives the token ids (a
+.bin that training memory-maps) and `<OUT without .bin>.json`, its metadata (token_bin.py).
+Every document is followed by the tokenizer's EOS id; a plain text file is one document.
 
-Streaming with bounded memory: the main process reads the source in pieces (a text file in
-pieces of about PIECE bytes cut after a line break) and hands tasks of about TASK bytes to
---workers processes, each holding its own tokenizer; at most 2 x workers tasks are in flight
-and their ids are appended to OUT in order as they come back. Memory therefore depends on the
-worker count, never on the corpus size. OUT and its metadata are written as temp files in
+Streaming with bounded memory: the main process reads the source in pieces (text in about
+PIECE bytes cut where a byte-level BPE encodes the pieces as the whole file, _safe_cut;
+parquet TABLE_BATCH rows at a time) and hands tasks of about TASK bytes to --workers
+processes, each holding its own tokenizer; at most 2 x workers tasks are in flight and their
+ids are appended to OUT in order. Memory depends on the worker count, never on the corpus
+size (but for a parquet row group's column, which pyarrow holds). OUT and its metadata are written as temp files in
 OUT's folder and published when complete, metadata first (boost_jax/safe_write.py): OUT is never
 half-written, never without its metadata, and an existing OUT or metadata file is replaced only
 with --force (never when it is SOURCE or the tokenizer). Two prepares of one OUT: the second
@@ -46,6 +47,8 @@ BPE_MAX_BYTES = 1 << 30  # text a BPE is trained on by default (the merges settl
 PIECE = 1 << 20  # bytes of a text file read at a time
 TASK = 1 << 20  # bytes of text per worker task (with the window below, bounds memory)
 EXTS = (".txt", ".md", ".py", ".jsonl", ".parquet", ".arrow")
+TABLES = (".parquet", ".arrow")
+TABLE_BATCH = 64  # parquet rows decoded at a time (books or code files can be MBs each)
 
 
 # --------------------------------------------------------------------------- reading (main)
@@ -64,21 +67,40 @@ def _char_boundary(buf: bytes) -> int:
     return len(buf)
 
 
+def _safe_cut(buf: bytes) -> int:
+    """Where a piece may end so that encoding the pieces apart gives the whole file's ids: after
+    a line break between two ASCII characters that are not whitespace (a byte-level BPE's
+    pre-tokenizer never joins across that point; a run of whitespace is one token). 0: none
+    (then any line break, else a character boundary)."""
+    def solid(b: bytes) -> bool:
+        return len(b) == 1 and b[0] < 0x80 and not b.isspace()
+
+    i = buf.rfind(b"\n")
+    while i > 0 and not (solid(buf[i - 1:i]) and solid(buf[i + 1:i + 2])):
+        i = buf.rfind(b"\n", 0, i)
+    return i + 1 if i > 0 else 0
+
+
 def _text_file(path: str) -> Iterator[tuple]:
     """('text', piece, is_last_piece_of_the_document, bytes read); every piece is checked for
     being text (a file may turn binary after its head)."""
     from boost_jax.data.sources import _check_text
 
-    carry, done = b"", 0
+    carry, done, unsent = b"", 0, 0
     with open(path, "rb") as f:
         while raw := f.read(PIECE):
             _check_text(raw, f"SOURCE file {path!r}", done)
-            done += len(raw)
+            done, unsent = done + len(raw), unsent + len(raw)
             buf = carry + raw
-            cut = buf.rfind(b"\n") + 1 or _char_boundary(buf)
+            cut = _safe_cut(buf)
+            if not cut and len(buf) < 2 * PIECE:  # read on to a safe cut, one more piece at most
+                carry = buf
+                continue
+            cut = cut or buf.rfind(b"\n") + 1 or _char_boundary(buf)
             carry = buf[cut:]
-            yield "text", buf[:cut], False, len(raw)
-    yield "text", carry, True, 0
+            yield "text", buf[:cut], False, unsent
+            unsent = 0
+    yield "text", carry, True, unsent
 
 
 def _jsonl_file(path: str) -> Iterator[tuple]:
@@ -95,7 +117,9 @@ def _arrow_batches(path: str, field: str):
         import pyarrow.parquet as pq
 
         pf = pq.ParquetFile(path)
-        return pf.metadata.num_rows, pf.schema_arrow.names, pf.iter_batches(columns=[field])
+        # small batches: a batch's documents are held as Python strings at once
+        return pf.metadata.num_rows, pf.schema_arrow.names, pf.iter_batches(
+            batch_size=TABLE_BATCH, columns=[field])
     try:
         reader = pa.ipc.open_stream(path)  # what datasets' save_to_disk writes
     except pa.ArrowInvalid:
@@ -141,6 +165,9 @@ def source_files(source: str) -> list[str]:
     files = list_shards(source, "SOURCE", EXTS)
     if not files:
         raise UserError(f"SOURCE {source!r} contains no {'/'.join(EXTS)} files")
+    tables = [f for f in files if f.endswith(TABLES)]
+    if tables and os.path.isdir(source):  # a dataset download: not its card or loading script
+        return tables
     return files
 
 
@@ -191,7 +218,7 @@ def load_tokenizer(spec: str, text: str = None):
         return HFTokenizer(_HF.from_str(text), name=spec)
     if spec == "byte":
         return ByteTokenizer()
-    return HFTokenizer.from_file(spec)
+    return HFTokenizer.from_file(spec, setting="--tokenizer")
 
 
 def bpe_path(out: str) -> str:
@@ -487,7 +514,7 @@ def main(argv=None):
           f"{meta_path(args.out)}\n"
           f"train on it with: {shell_word('data.source=' + args.out)} "
           f"{shell_word('data.tokenizer=' + meta['tokenizer'])} "
-          f"data.bin_dtype={meta['dtype']} data.max_bytes=null")
+          f"data.bin_dtype={meta['dtype']} data.max_bytes=null model.vocab_size=null")
     return 0
 
 

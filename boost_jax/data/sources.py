@@ -117,9 +117,15 @@ def _check_text(raw: bytes, label: str, offset: int = 0) -> None:
 
 def _walk(root: str, exts: tuple[str, ...], skip: set[str]) -> list[str]:
     """Relative posix paths of files under root with one of exts, in sorted order."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
+    out, seen = [], {os.path.realpath(root)}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        keep = []  # a linked folder is read (once: a link back up would loop)
+        for d in sorted(d for d in dirnames if d not in skip and not d.startswith(".")):
+            real = os.path.realpath(os.path.join(dirpath, d))
+            if real not in seen:
+                seen.add(real)
+                keep.append(d)
+        dirnames[:] = keep
         for f in sorted(filenames):
             if f.endswith(exts):
                 out.append(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"))

@@ -113,7 +113,8 @@ class HFTokenizer:
         return None if self._byte_lengths is False else self._byte_lengths
 
     @classmethod
-    def from_file(cls, path: str) -> "HFTokenizer":
+    def from_file(cls, path: str, setting: str = "data.tokenizer") -> "HFTokenizer":
+        """`setting`: what the user typed the path into, named by the errors."""
         from tokenizers import Tokenizer as _HF
 
         from boost_jax.file_kind import check_input
@@ -122,7 +123,7 @@ class HFTokenizer:
         if not os.path.isfile(path):
             what = "is a folder, not a file" if os.path.isdir(path) else "does not exist"
             raise UserError(
-                f"tokenizer file {path!r} {what}; set data.tokenizer to byte, bpe, "
+                f"tokenizer file {path!r} {what}; set {setting} to byte, bpe, "
                 "or an existing tokenizer.json")
         try:
             tok = _HF.from_file(path)
@@ -130,7 +131,7 @@ class HFTokenizer:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(
                 f"tokenizer file {path!r} is not a valid tokenizer.json: {first}; "
-                "point data.tokenizer at a Hugging Face tokenizer.json or use byte/bpe") from None
+                f"point {setting} at a Hugging Face tokenizer.json or use byte/bpe") from None
         return cls(tok, name=path)
 
     def encode(self, text: str) -> np.ndarray:

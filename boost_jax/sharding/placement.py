@@ -421,6 +421,10 @@ def make_placement(cfg, mesh, abstract_params=None) -> Placement:
     tp, dp = r["tp"], r["dp"]
     deferred = tuple(a for a in r["batch"] if a not in r["grads"])
     notes = [r["collapsed"]] if r["collapsed"] else []
+    if tp and axis_size(mesh, tp) == 1:  # e.g. stages took all of `global`
+        shape = " x ".join(f"{a} {n}" for a, n in mesh.shape.items())
+        notes.append(f"parallel.tp_axes={list(par.tp_axes)} spans 1 device of this mesh "
+                     f"({shape}): parallel.tp_mode={par.tp_mode} runs at degree 1")
     roles = [r["params"], r["grads"], r["opt_state"]] + ([r["secondary"]] if r["secondary"] else [])
     order = order_axes(roles, dp)
     ordered = lambda axes: tuple(a for a in order if a in axes)  # noqa: E731

@@ -373,3 +373,31 @@ def test_damaged_metadata_is_one_line_not_a_key_error(tmp_path):
             build_data(cfg)
     (tmp_path / "toks.json").write_text(json.dumps(good))
     assert len(load_corpus(_cfg(f, tokenizer="byte", val_fraction=0.1)).train) == 900
+
+
+def test_a_resume_may_change_how_many_workers_tokenize_the_stream():
+    """data.workers changes who tokenizes, not the stream: resuming with another count is not
+    refused, where another data setting is."""
+    from boost_jax.checkpoints.run_config import check_resume
+    from boost_jax.config import load_config
+
+    saved = load_config(None, ["data.workers=1"]).to_dict()
+    assert check_resume(saved, load_config(None, ["data.workers=2"]), 8, "runs/x") == [
+        ("data.workers", 1, 2)]
+    with pytest.raises(UserError, match="data.seq_len"):
+        check_resume(saved, load_config(None, ["data.seq_len=64"]), 8, "runs/x")
+
+
+def test_a_linked_folder_is_read_once(tmp_path):
+    """A symlinked sub-folder is part of the source (it was skipped without a word); a link
+    back up the tree is not followed round again."""
+    from boost_jax.data.sources import _walk
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "b.txt").write_text("b")
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("a")
+    (root / "sub").symlink_to(tmp_path / "elsewhere")
+    (root / "loop").symlink_to(root)
+    assert _walk(str(root), (".txt",), set()) == ["a.txt", "sub/b.txt"]

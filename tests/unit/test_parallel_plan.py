@@ -71,6 +71,20 @@ def test_an_empty_chunk_of_virtual_stages_names_chunks_and_a_fix_that_works():
         layers_per_stage(5, 4, 1)
 
 
+def test_tensor_parallelism_over_an_axis_of_one_device_says_so():
+    """Stages can take all of `global`: TP named over it runs at degree 1, which the run's
+    header notes (placement notes) instead of passing over it."""
+    from boost_jax.sharding.placement import make_placement
+
+    small = make_mesh("cpu", shape=[2, 2, 1])
+    cfg = _cfg("parallel.tp_mode=btp", "parallel.tp_axes=[global]")
+    notes = make_placement(cfg, small).notes
+    assert any("parallel.tp_axes=['global'] spans 1 device" in n and "degree 1" in n
+               for n in notes), notes
+    assert not any("degree 1" in n for n in make_placement(cfg, make_mesh(
+        "cpu", shape=[2, 2, 2])).notes)
+
+
 def test_resolve_holds_what_the_engine_needs(mesh):
     cfg = _cfg("parallel.tp_mode=btp", "parallel.tp_axes=[pair]", "model.arch=cola",
                "train.micro_batches=2", "train.remat=lowrank")

@@ -132,3 +132,38 @@ def test_tokenizer_bpe_trains_saves_and_names_it(tmp_path, capsys):
     assert capsys.readouterr().err.startswith("error: --bpe-vocab-size 100 is too small ")
     assert main(argv + ["--force", "--bpe-vocab-size", "520"]) == 0
     assert open(tok_path).read() != before and HFTokenizer.from_file(tok_path).vocab_size == 520
+
+
+CODE = "".join(f"def f{i}(x):\n    if x:\n        return {i}\n    return x  \nX{i} = f{i}(1)\n"
+               for i in range(80))
+
+
+def test_text_pieces_encode_as_the_whole_file_with_a_bpe(tmp_path, monkeypatch):
+    """A BPE that learned indentation merges (a line break with the spaces after it) gives the
+    whole file's ids however small the pieces: they end only between non-space characters."""
+    from boost_jax.data import prepare as prep
+
+    path = str(tmp_path / "bpe.json")
+    train_bpe([CODE] * 4, 600, save_path=path)
+    tok = HFTokenizer.from_file(path)
+    (tmp_path / "code.txt").write_text(CODE)
+    monkeypatch.setattr(prep, "PIECE", 64)
+    prepare(str(tmp_path / "code.txt"), str(tmp_path / "c.bin"), path, 1, progress=False,
+            task_bytes=200)
+    ids = np.fromfile(tmp_path / "c.bin", dtype=np.uint16)
+    assert np.array_equal(ids, _expected(tok, [CODE]))
+
+
+def test_a_dataset_download_is_read_for_its_shards_not_its_card(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    dl = tmp_path / "download"
+    (dl / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"text": DOCS[:5]}), dl / "data" / "train-0.parquet")
+    (dl / "README.md").write_text("---\nlicense: mit\n---\n# the dataset card\n")
+    (dl / "loader.py").write_text("import datasets\n")
+    meta = prepare(str(dl), str(tmp_path / "out.bin"), "byte", 1, progress=False)
+    assert meta["n_documents"] == 5
+    assert np.array_equal(np.fromfile(tmp_path / "out.bin", np.uint16),
+                          _expected(ByteTokenizer(), DOCS[:5]))
