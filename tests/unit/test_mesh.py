@@ -1,4 +1,5 @@
 import json
+import os
 
 import jax
 import numpy as np
@@ -52,6 +53,7 @@ def test_cpu_peak_is_measured_lazily_and_cached_per_machine(monkeypatch, tmp_pat
     monkeypatch.delenv(cpu_peak.ENV, raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_peak, "_memo", {})
+    monkeypatch.setattr(cpu_peak.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # a quiet machine
     calls = []
     monkeypatch.setattr(cpu_peak, "measure_gemm_flops", lambda: calls.append(1) or 8e11)
     topo = get_topology("cpu")
@@ -65,6 +67,13 @@ def test_cpu_peak_is_measured_lazily_and_cached_per_machine(monkeypatch, tmp_pat
     assert topo.peak_flops == pytest.approx(8e11 / jax.local_device_count()) and calls == [1]
     monkeypatch.setenv(cpu_peak.ENV, "3e10")
     assert topo.peak_flops == 3e10
+    # a probe taken beside other work is used, not kept: the next process measures again
+    monkeypatch.delenv(cpu_peak.ENV)
+    (tmp_path / "boost_jax" / "cpu_peak.json").unlink()
+    monkeypatch.setattr(cpu_peak, "_memo", {})
+    monkeypatch.setattr(cpu_peak.os, "getloadavg", lambda: (3.0 * os.cpu_count(), 0.0, 0.0))
+    assert topo.peak_flops == pytest.approx(8e11 / jax.local_device_count()) and calls == [1, 1]
+    assert not (tmp_path / "boost_jax" / "cpu_peak.json").exists()
     for bad in ("fast", "inf", "nan", "0"):
         monkeypatch.setenv(cpu_peak.ENV, bad)
         with pytest.raises(UserError, match=f"BOOST_JAX_CPU_PEAK_FLOPS='{bad}' is not a "):
