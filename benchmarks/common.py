@@ -165,7 +165,8 @@ def sync_readme(results_path: str) -> None:
     so the README shows each figure exactly as the script that measured it wrote it (its
     headings one level down). A README without the markers is left alone, and so is the README
     when the file is not one of benchmarks/results/ (a scratch --out)."""
-    if not ours(results_path):
+    real = os.path.realpath(results_path)
+    if os.path.dirname(real) != os.path.realpath(RESULTS):  # not a sub-folder's file either
         return
     name = "results/" + os.path.basename(results_path)
     begin, end = f"<!-- {name} -->", f"<!-- end {name} -->"

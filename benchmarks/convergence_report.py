@@ -169,8 +169,8 @@ def sentences(vs: list, noise: Optional[float], seeds_width: int, n_seeds: int) 
                 "the gaps are stated as measured")
     else:
         crit = (f"'matches' means the mean final validation loss is within {noise:.3f} nats of "
-                f"full rank's, the largest gap between {n_seeds} seeds of any arch at "
-                f"d={seeds_width}, used for every width")
+                f"full rank's, the largest gap between {n_seeds} seeds of any arch (at the lr "
+                f"it is compared at) at d={seeds_width}, used for every width")
     lines = [f"Criterion: {crit}."]
     for w in sorted({v[0] for v in vs}):
         parts = [f"**{arch} {VERDICT_WORDS[v]}** ({d:+.3f} nats)" for ww, arch, d, v in vs

@@ -22,7 +22,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import (add_out, early_cpu_devices, guard_out,  # noqa: E402
+from benchmarks.common import (add_out, early_cpu_devices, guard_out, positive_int,  # noqa: E402
                                interleaved_samples, markdown_table, sync_readme)
 
 early_cpu_devices(8)
@@ -221,7 +221,7 @@ def main():
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--small-batch", type=int, default=8)
     p.add_argument("--small-seq", type=int, default=128)
-    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--rounds", type=positive_int, default=3)
     p.add_argument("--cpu-devices", type=int, default=8)
     add_out(p, None)
     a = p.parse_args()

@@ -28,7 +28,8 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import early_cpu_devices, interleaved_samples, markdown_table  # noqa: E402
+from benchmarks.common import (early_cpu_devices, interleaved_samples, markdown_table,  # noqa: E402
+                               positive_int)
 
 early_cpu_devices()
 
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="K=V", help="overrides for all")
     p.add_argument("--variant", nargs="+", action="append", required=True,
                    metavar=("NAME", "K=V"), help="a variant: its name and its own overrides")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--iters", type=int, default=3, help="steps per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")

@@ -454,7 +454,7 @@ def main() -> int:
         print(json.dumps(V.json_rows(), indent=1))
         return 0
     doc = build()
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(doc)
     if ours(args.out):  # a scratch --out leaves both READMEs alone

@@ -7,7 +7,7 @@ as `<OUT without .bin>.tokenizer.json`, published with OUT (the same rules as it
 SOURCE is a text file, a .jsonl (one document per line, in field --field), a .parquet file, a
 Hugging Face dataset saved with `save_to_disk` (a folder holding dataset_info.json and .arrow
 files), or a folder of such files (recursive, links followed, sorted; a folder holding .parquet
-or .arrow files is read for those alone, not a dataset card). OUT receives the token ids (a
+or .arrow files is read without the card or script at its top). OUT receives the token ids (a
 .bin that training memory-maps) and `<OUT without .bin>.json`, its metadata (token_bin.py).
 Every document is followed by the tokenizer's EOS id; a plain text file is one document.
 
@@ -68,17 +68,20 @@ def _char_boundary(buf: bytes) -> int:
 
 
 def _safe_cut(buf: bytes) -> int:
-    """Where a piece may end so that encoding the pieces apart gives the whole file's ids: after
-    a line break between two ASCII characters that are not whitespace (a byte-level BPE's
-    pre-tokenizer never joins across that point; a run of whitespace is one token). 0: none
-    (then any line break, else a character boundary)."""
-    def solid(b: bytes) -> bool:
-        return len(b) == 1 and b[0] < 0x80 and not b.isspace()
-
+    """Where a piece may end so that encoding the pieces apart gives the whole file's ids: at a
+    line break between two characters that are not whitespace, after its \\n (before it in a
+    \\r\\n, which a byte-level BPE's pre-tokenizer splits there too); a run of whitespace is one
+    token, so no other line break is safe. 0: none (then any line break, else a character
+    boundary)."""
     i = buf.rfind(b"\n")
-    while i > 0 and not (solid(buf[i - 1:i]) and solid(buf[i + 1:i + 2])):
+    while i > 0:
+        end = i - 1 if buf[i - 1:i] == b"\r" else i
+        before = buf[max(0, end - 4):end].decode("utf-8", "ignore")[-1:]
+        after = buf[i + 1:i + 5].decode("utf-8", "ignore")[:1]
+        if before and after and not before.isspace() and not after.isspace():
+            return i if end < i else i + 1
         i = buf.rfind(b"\n", 0, i)
-    return i + 1 if i > 0 else 0
+    return 0
 
 
 def _text_file(path: str) -> Iterator[tuple]:
@@ -165,9 +168,10 @@ def source_files(source: str) -> list[str]:
     files = list_shards(source, "SOURCE", EXTS)
     if not files:
         raise UserError(f"SOURCE {source!r} contains no {'/'.join(EXTS)} files")
-    tables = [f for f in files if f.endswith(TABLES)]
-    if tables and os.path.isdir(source):  # a dataset download: not its card or loading script
-        return tables
+    if os.path.isdir(source) and any(f.endswith(TABLES) for f in files):
+        # a dataset download: its shards and any text, not its card or loading script
+        top = {os.path.join(source, n) for n in os.listdir(source) if n.endswith((".md", ".py"))}
+        files = [f for f in files if f not in top]
     return files
 
 

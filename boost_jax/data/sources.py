@@ -117,14 +117,17 @@ def _check_text(raw: bytes, label: str, offset: int = 0) -> None:
 
 def _walk(root: str, exts: tuple[str, ...], skip: set[str]) -> list[str]:
     """Relative posix paths of files under root with one of exts, in sorted order."""
-    out, seen = [], {os.path.realpath(root)}
+    top = os.path.realpath(root)
+    out, seen = [], {top}
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-        keep = []  # a linked folder is read (once: a link back up would loop)
+        keep = []  # a link to a folder outside root is read, once; one inside is read by its name
         for d in sorted(d for d in dirnames if d not in skip and not d.startswith(".")):
-            real = os.path.realpath(os.path.join(dirpath, d))
-            if real not in seen:
-                seen.add(real)
-                keep.append(d)
+            full = os.path.join(dirpath, d)
+            real = os.path.realpath(full)
+            if os.path.islink(full) and (real in seen or real.startswith(top + os.sep)):
+                continue
+            seen.add(real)
+            keep.append(d)
         dirnames[:] = keep
         for f in sorted(filenames):
             if f.endswith(exts):
@@ -196,7 +199,7 @@ def read_documents(source: str, max_bytes: Optional[int],
                 return _jsonl_docs(source, name, budget, f"{option} {source!r}")
             return _file_docs(source, name, budget, f"{option} {source!r}")
         rels = _walk(source, TEXT_EXTS, {"__pycache__"})
-        if not rels and _walk(source, (".parquet", ".arrow"), {"__pycache__"}):
+        if _walk(source, (".parquet", ".arrow"), {"__pycache__"}):  # its text: a dataset card
             raise UserError(
                 f"{option} {source!r} holds parquet/arrow shards, which {option} does not read; "
                 f"stream them with data.sources=[{{path: {source}, weight: 1}}] or prepare "

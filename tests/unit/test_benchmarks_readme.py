@@ -72,3 +72,19 @@ def test_attention_table_names_the_fastest_and_what_auto_picks():
     assert "| fastest | dense | blockwise |" in table
     assert "| `auto` picks | dense | blockwise |" in table
     assert "| dense (ms) | 1 | 9 |" in table
+
+
+def test_only_a_results_file_itself_updates_its_readme_block(tmp_path, monkeypatch):
+    """A file in a sub-folder of results/ (a GPU run's folder) never replaces the block of the
+    results file that shares its name; the results file itself does."""
+    from benchmarks import common
+
+    (tmp_path / "results" / "gpu_run").mkdir(parents=True)
+    readme = tmp_path / "README.md"
+    readme.write_text("<!-- results/x.md -->\nold\n<!-- end results/x.md -->\n")
+    monkeypatch.setattr(common, "RESULTS", str(tmp_path / "results"))
+    monkeypatch.setattr(common, "README", str(readme))
+    common.write_result(str(tmp_path / "results" / "gpu_run" / "x.md"), "from a run folder")
+    assert "old" in readme.read_text()
+    common.write_result(str(tmp_path / "results" / "x.md"), "new")
+    assert readme.read_text() == "<!-- results/x.md -->\nnew\n<!-- end results/x.md -->\n"

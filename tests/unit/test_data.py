@@ -389,8 +389,9 @@ def test_a_resume_may_change_how_many_workers_tokenize_the_stream():
 
 
 def test_a_linked_folder_is_read_once(tmp_path):
-    """A symlinked sub-folder is part of the source (it was skipped without a word); a link
-    back up the tree is not followed round again."""
+    """A symlinked folder from elsewhere is part of the source (it was skipped without a
+    word); a link back up the tree is not followed round again, and a link to a folder inside
+    leaves it read under its own name (keys decide the train/validation split)."""
     from boost_jax.data.sources import _walk
 
     (tmp_path / "elsewhere").mkdir()
@@ -400,4 +401,7 @@ def test_a_linked_folder_is_read_once(tmp_path):
     (root / "a.txt").write_text("a")
     (root / "sub").symlink_to(tmp_path / "elsewhere")
     (root / "loop").symlink_to(root)
-    assert _walk(str(root), (".txt",), set()) == ["a.txt", "sub/b.txt"]
+    (root / "real").mkdir()
+    (root / "real" / "c.txt").write_text("c")
+    (root / "alias").symlink_to(root / "real")
+    assert _walk(str(root), (".txt",), set()) == ["a.txt", "real/c.txt", "sub/b.txt"]

@@ -146,12 +146,14 @@ def test_text_pieces_encode_as_the_whole_file_with_a_bpe(tmp_path, monkeypatch):
     path = str(tmp_path / "bpe.json")
     train_bpe([CODE] * 4, 600, save_path=path)
     tok = HFTokenizer.from_file(path)
-    (tmp_path / "code.txt").write_text(CODE)
     monkeypatch.setattr(prep, "PIECE", 64)
-    prepare(str(tmp_path / "code.txt"), str(tmp_path / "c.bin"), path, 1, progress=False,
-            task_bytes=200)
-    ids = np.fromfile(tmp_path / "c.bin", dtype=np.uint16)
-    assert np.array_equal(ids, _expected(tok, [CODE]))
+    cjk = "".join(f"文本{i}\n    缩进 {i}\n" for i in range(60))
+    for name, text in (("lf", CODE), ("crlf", CODE.replace("\n", "\r\n")), ("cjk", cjk)):
+        (tmp_path / f"{name}.txt").write_bytes(text.encode())
+        prepare(str(tmp_path / f"{name}.txt"), str(tmp_path / f"{name}.bin"), path, 1,
+                progress=False, task_bytes=200)
+        ids = np.fromfile(tmp_path / f"{name}.bin", dtype=np.uint16)
+        assert np.array_equal(ids, _expected(tok, [text])), name
 
 
 def test_a_dataset_download_is_read_for_its_shards_not_its_card(tmp_path):
