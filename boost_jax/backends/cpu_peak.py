@@ -4,10 +4,10 @@ A fixed per-core guess made CPU MFU mean little; measured, it reads "fraction of
 own GEMM rate". The host's rate is shared by the devices JAX simulates on it, so one device's
 peak is the probe's rate / local device count. The probe (a few 512² matmuls, well under a
 second) runs once per machine, platform, CPU model, JAX version and device count; its result is
-kept in $XDG_CACHE_HOME/boost_jax/cpu_peak.json (default ~/.cache), but only when the machine
-was quiet (load average at most half its cores): a probe beside other work reads a fraction of
-the rate (a shared 2-core machine cached 81 GFLOP/s of its 317, and CPU MFU read 113%), so it
-is used by that run alone and the next one measures again. BOOST_JAX_CPU_PEAK_FLOPS
+kept in $XDG_CACHE_HOME/boost_jax/cpu_peak.json (default ~/.cache), but only when the cores
+were not busy (1-minute load average below the core count): a probe beside other work reads a
+fraction of the rate (a shared 2-core machine cached 81 GFLOP/s of its 317, and CPU MFU read
+113%), so it is used by that run alone and the next one measures again. BOOST_JAX_CPU_PEAK_FLOPS
 (per-device FLOP/s) skips the probe, e.g. for reproducible plans or tests.
 """
 
@@ -75,6 +75,15 @@ def _read_cache(path: Path) -> dict:
         return {}  # missing or damaged: measure again
 
 
+def _busy() -> bool:
+    """Were the cores taken by other work (a load average of at least one per core)? A platform
+    without a load average (Windows) says no."""
+    try:
+        return os.getloadavg()[0] >= (os.cpu_count() or 1)
+    except (AttributeError, OSError):
+        return False
+
+
 def host_gemm_flops() -> float:
     """This machine's GEMM FLOP/s: from the cache, else measured and cached."""
     key = machine_key()
@@ -87,7 +96,7 @@ def host_gemm_flops() -> float:
         return _memo[key]
     rate = measure_gemm_flops()
     _memo[key] = rate
-    if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
+    if _busy():
         return rate  # other work shared the cores: not a figure to keep
     try:  # re-read: another process may have written its own machine's entry meanwhile
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -374,11 +374,8 @@ def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hb
     t_f, t_b = L * bf + hf, L * (bb + br) + hb + hr
     if sch is None:
         return micro * (t_f + t_b) + launches, 0.0, t_f / (t_f + t_b)
-    # a tick runs one chunk's F and B (= F re-run + backward); the head only where the last
-    # stage runs its last chunk: once per micro-batch forward and once backward
-    chunk = sch.ticks * (2 * L * bf + L * (bb + br)) + launches
-    return (chunk + micro * (2 * hf + hb + hr), chunk * (sch.stages - 1) / sch.ticks,
-            t_f / (t_f + t_b))
+    t_compute = sch.ticks * (t_f + t_f + t_b) + launches
+    return t_compute, t_compute * (sch.stages - 1) / sch.ticks, t_f / (t_f + t_b)
 
 
 def exposed_dp(cfg, traffic: dict, t_dp: float, busy: float, t_fwd: float, L: int,
@@ -482,9 +479,9 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     extrapolated), used instead of the analytic collective list. With parallel.pp_stages = P
     (`sizes` global = the data-parallel host groups; the `stage` axis is added) the step is the
     engine's pipeline (boost_jax/step/pipeline.py): N+P−1 ticks with a forward (F = one
-    chunk's k = ceil(L/(P·V)) layers) and N+P−1 with a backward (B = F re-run + its
-    backward), N = V·m: compute = (N+P−1)·(F+B) + m·(the head's, last chunk only), bubble
-    (P−1)/(N+P−1) of the chunks', and 2(N+P−1)−1 activation sends on the critical path.
+    chunk's k = ceil(L/(P·V)) layers + head) and N+P−1 with a backward (B = F re-run + its
+    backward), N = V·m, so compute = (N+P−1)·(F+B) — bubble (P−1)/(N+P−1) — and 2(N+P−1)−1
+    activation sends on the critical path.
     """
     a = resolve_attention(cfg, topo, assumptions or Assumptions())
     m, s, micro = cfg.model, cfg.data.seq_len, cfg.train.micro_batches

@@ -79,44 +79,27 @@ class Pipeline:
         if self.virtual > 1:  # this chunk's k layers of the stage's V·k (stored and slots)
             p = dict(p, blocks=jax.tree.map(
                 lambda a: jax.lax.dynamic_slice_in_dim(a, v * k, k), p["blocks"]))
+        emb = ops.fetch(p["embed"], ("embed",))
         positions = jnp.arange(tokens.shape[1], dtype=jnp.int32)
-
-        def start(x):
-            emb = ops.fetch(p["embed"], ("embed",))
-            out = (forward.embed(ops, emb, tokens, positions), ops.init_prev(tokens))
-            if x is None:
-                return out
-            # typed as the activation received (the branches' outputs must agree)
-            return jax.tree.map(lambda a, ref: to_varying(a.astype(ref.dtype), tuple(
-                _varying(jax.typeof(ref)))) if self.check_vma else a.astype(ref.dtype), out, x)
-
-        if x is not None:  # only the first chunk of the first stage embeds (as the head, below)
-            h, prev = jax.lax.cond((stage == 0) & (v == 0), start, lambda x: x, x)
-        else:
-            h, prev = start(None)
-            if self.check_vma:  # typing only (zeros_like_outputs): latents pass stage-varying weights
-                prev = jax.tree.map(lambda a: to_varying(a, (STAGE,)), prev)
+        h, prev = forward.embed(ops, emb, tokens, positions), ops.init_prev(tokens)
+        if x is not None:
+            first = (stage == 0) & (v == 0)
+            h = jnp.where(first, h, x[0])
+            prev = jax.tree.map(lambda a, b: jnp.where(first, a, b), prev, x[1])
+        elif self.check_vma:  # typing only (zeros_like_outputs): latents pass stage-varying weights
+            prev = jax.tree.map(lambda a: to_varying(a, (STAGE,)), prev)
         active = (v * self.n_stages + stage) * k + jnp.arange(k) < self.n_layers
         h, prev = forward.run_blocks(ops, model, p["blocks"], h, positions, prev,
                                      self.checkpoint, active)
-
-        def head(h):
-            norm, w = forward.head_weights(ops, model, p)
-            return ops.head_loss(h, norm, w, targets)
-
-        # only the last chunk of the last stage has a loss: the others skip the head's fetch,
-        # GEMM and backward (every member of a collective's group shares the predicate)
-        last = (stage == self.n_stages - 1) & (v == self.virtual - 1)
-        zero = self._typed_zeros(jax.eval_shape(head, h))
-        return (h, prev), jax.lax.cond(last, head, lambda h: zero, h)
-
-    def _typed_zeros(self, sds):
-        z = jnp.zeros(sds.shape, sds.dtype)
-        return to_varying(z, tuple(_varying(sds))) if self.check_vma else z
+        norm, w = forward.head_weights(ops, model, p)
+        return (h, prev), ops.head_loss(h, norm, w, targets)
 
     def zeros_like_outputs(self, params, slots, tokens, targets):
         """Zero (activation, latents) and loss typed as the stage forward's outputs."""
-        typed = self._typed_zeros
+        def typed(sds):
+            z = jnp.zeros(sds.shape, sds.dtype)
+            return to_varying(z, tuple(_varying(sds))) if self.check_vma else z
+
         x = prev_out = None
         for _ in range(3):  # the carry's type: a fixed point of the stage forward
             out, loss = jax.eval_shape(lambda x: self.stage_fn(params, slots, x, tokens, targets),

@@ -74,6 +74,11 @@ def test_cpu_peak_is_measured_lazily_and_cached_per_machine(monkeypatch, tmp_pat
     monkeypatch.setattr(cpu_peak.os, "getloadavg", lambda: (3.0 * os.cpu_count(), 0.0, 0.0))
     assert topo.peak_flops == pytest.approx(8e11 / jax.local_device_count()) and calls == [1, 1]
     assert not (tmp_path / "boost_jax" / "cpu_peak.json").exists()
+    monkeypatch.delattr(cpu_peak.os, "getloadavg")  # no load average (Windows): kept
+    monkeypatch.setattr(cpu_peak, "_memo", {})
+    assert topo.peak_flops == pytest.approx(8e11 / jax.local_device_count())
+    assert (tmp_path / "boost_jax" / "cpu_peak.json").exists()
+    monkeypatch.setenv(cpu_peak.ENV, "3e10")
     for bad in ("fast", "inf", "nan", "0"):
         monkeypatch.setenv(cpu_peak.ENV, bad)
         with pytest.raises(UserError, match=f"BOOST_JAX_CPU_PEAK_FLOPS='{bad}' is not a "):
