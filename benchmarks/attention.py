@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.common import add_out, guard_out, load_note, positive_int, write_result  # noqa: E402
+from benchmarks.common import (add_out, guard_out, load_note, markdown_table,  # noqa: E402
+                               positive_int, write_result)
 from boost_jax.layers.forward import CPU_FLASH_FROM, attention_impl, dense_attention  # noqa: E402
 from boost_jax.layers.flash import flash_attention as blockwise  # noqa: E402
 from boost_jax.pallas.dispatch import platform  # noqa: E402
@@ -69,8 +70,6 @@ def report(rows: list, a, argv: list) -> str:
     body.append(["fastest"] + [fastest[s] for s in lengths])
     body.append(["`auto` picks"] + [next(r["impl"] for r in rows if r["seq"] == s and r["auto"])
                                     for s in lengths])
-    from benchmarks.common import markdown_table
-
     return "\n".join([
         f"# Dense vs flash attention on {rows[0]['platform']}: where `model.attention=auto` "
         "switches", "",

@@ -198,8 +198,9 @@ def read_documents(source: str, max_bytes: Optional[int],
             if source.endswith(".jsonl"):
                 return _jsonl_docs(source, name, budget, f"{option} {source!r}")
             return _file_docs(source, name, budget, f"{option} {source!r}")
-        rels = _walk(source, TEXT_EXTS, {"__pycache__"})
-        if _walk(source, (".parquet", ".arrow"), {"__pycache__"}):  # its text: a dataset card
+        found = _walk(source, TEXT_EXTS + (".parquet", ".arrow"), {"__pycache__"})  # one walk
+        rels = [r for r in found if r.endswith(TEXT_EXTS)]
+        if len(rels) < len(found):  # shards: its text is a dataset card
             raise UserError(
                 f"{option} {source!r} holds parquet/arrow shards, which {option} does not read; "
                 f"stream them with data.sources=[{{path: {source}, weight: 1}}] or prepare "

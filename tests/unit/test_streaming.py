@@ -137,6 +137,9 @@ def test_config_refuses_a_streamed_mixture_and_bpe(tmp_path):
     with pytest.raises(UserError, match=r"holds parquet/arrow shards, which data.source does "
                                         r"not read; stream them with data.sources=\[\{path: "):
         build_data(load_config(None, [f"data.source={tmp_path / 's'}"]))
+    (tmp_path / "s" / "README.md").write_text("---\nlicense: mit\n---\n")  # a dataset card
+    with pytest.raises(UserError, match=r"holds parquet/arrow shards, which data.source does "):
+        build_data(load_config(None, [f"data.source={tmp_path / 's'}"]))
     two = f"data.sources=[{{path: {tmp_path / 's'}}}, {{path: {tmp_path / 's'}}}]"
     with pytest.raises(ConfigError, match=r"possible for a single source only"):
         load_config(None, [two])
