@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.common import (add_out, guard_out, load_note, markdown_table,  # noqa: E402
-                               positive_int, write_result)
+from benchmarks.common import (add_json, add_out, guard_out, load_note,  # noqa: E402
+                               markdown_table, positive_int, write_result)
 from boost_jax.layers.forward import CPU_FLASH_FROM, attention_impl, dense_attention  # noqa: E402
 from boost_jax.layers.flash import flash_attention as blockwise  # noqa: E402
 from boost_jax.pallas.dispatch import platform  # noqa: E402
@@ -90,12 +90,12 @@ def main(argv=None) -> int:
     p.add_argument("--head-dim", type=int, default=32)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--reps", type=positive_int, default=5)
-    p.add_argument("--json", default=None, metavar="FILE")
+    add_json(p, force=False)  # add_out gives --force
     add_out(p, None, "the Markdown table (make bench: benchmarks/results/attention_cpu.md)")
     p.add_argument("--require-auto", default=None, metavar="IMPL",
                    help="exit 1 unless model.attention=auto picks IMPL here (gpu.sh: cudnn)")
     a = p.parse_args(argv)
-    guard_out(a.out, force=a.force)
+    guard_out(a.out, a.json, force=a.force)
     plat, rows = platform(), []
     for s in map(int, a.lengths.split(",")):
         ks = jax.random.split(jax.random.key(0), 3)

@@ -112,6 +112,16 @@ def add_out(p, default: str | None, what: str = "the Markdown report") -> None:
                    help="replace existing output files outside benchmarks/results/")
 
 
+def add_json(p, force: bool = True) -> None:
+    """`--json FILE` (and `--force`, unless the script's add_out gave it): the rows as JSON; an
+    existing file is replaced only with --force (guard_out), as gpu.sh passes in its own run
+    folder."""
+    p.add_argument("--json", default=None, metavar="FILE",
+                   help="also write the rows to this JSON file")
+    if force:
+        p.add_argument("--force", action="store_true", help="replace an existing --json file")
+
+
 def ours(path: str, own: Sequence[str] = ()) -> bool:
     """Is `path` one of the files the benchmark scripts own: under benchmarks/results/, or one
     of `own` (a script's default outputs elsewhere)?"""

@@ -22,12 +22,23 @@
 # Env: PY (python; default python3, or .venv-gpu/bin/python in a dry run), WHEELS (.whl),
 #      BATCH=64 SEQ=256 (per step, one micro-batch), LAYERS=24, ROUNDS=5, TOPOLOGY=dgx-h100
 #      (peak for MFU: the H200 has the H100's 989 TFLOP/s dense bf16),
-#      GPU_STEPS="kernels speed e2e attention" (a rerun can take only the steps that failed).
+#      GPU_STEPS="kernels speed e2e attention" (a rerun can take only the steps that failed),
+#      FORCE=1 (write into a folder that holds files gpu.sh did not write).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=${GPU_DRY_RUN:-0}
 if [ "${1:-}" = "--dry-run" ]; then DRY=1; shift; fi
 OUT=${1:-${OUT:-runs/gpu-bench}}
+# a folder this script made holds MARK: a rerun (GPU_STEPS=...) replaces its own files there;
+# any other folder that holds files is the user's, replaced only with FORCE=1
+MARK=.made_by_gpu_sh
+if [ -e "$OUT" ] && [ ! -d "$OUT" ]; then
+  echo "error: $OUT is a file, not a folder; pass an output folder" >&2; exit 2
+fi
+if [ -n "$(ls -A "$OUT" 2>/dev/null)" ] && [ ! -e "$OUT/$MARK" ] && [ "${FORCE:-0}" != 1 ]; then
+  echo "error: $OUT holds files gpu.sh did not write; pass a new or empty folder, or set" \
+       "FORCE=1 to replace its gpu.log, env.txt, *.json and summary.md" >&2; exit 2
+fi
 WHEELS=${WHEELS:-.whl}
 if [ -z "${PY:-}" ]; then
   PY=python3
@@ -41,6 +52,7 @@ ls "$WHEELS"/*.whl >/dev/null 2>&1 ||
          "make gpu-dry-run to build .venv-gpu" >&2; exit 2; }
 mkdir -p "$OUT" || { echo "error: cannot create $OUT; pass another output folder" >&2; exit 2; }
 OUT=$(cd "$OUT" && pwd)
+: > "$OUT/$MARK"
 exec > >(tee "$OUT/gpu.log") 2>&1
 TEE=$!
 TMP=$(mktemp -d)
@@ -103,7 +115,7 @@ EOF
 BTP="parallel.tp_mode=btp parallel.tp_axes=[pair]"
 if want kernels; then
   stamp "1. kernels: Pallas vs XLA"
-  timeout -k 10 "$T_KERNELS" "$PY" benchmarks/kernels.py --json "$OUT/kernels.json" $KARGS ||
+  timeout -k 10 "$T_KERNELS" "$PY" benchmarks/kernels.py --force --json "$OUT/kernels.json" $KARGS ||
     fail "kernels.py (exit $?)"
 fi
 
@@ -118,7 +130,7 @@ if want speed; then
     --variant cola model.arch=cola \
     --variant full model.arch=full \
     --rounds "$ROUNDS" --iters "$ITERS" --warmup "$ITERS" --deadline-s $((T_SPEED - 40)) \
-    --json "$OUT/train_speed.json" || fail "train_speed.py (exit $?)"
+    --force --json "$OUT/train_speed.json" || fail "train_speed.py (exit $?)"
 fi
 
 if want e2e; then
@@ -139,7 +151,8 @@ fi
 if want attention; then
   stamp "3b. attention at 4096 tokens: dense vs flash (cuDNN, Pallas, blockwise)"
   # shellcheck disable=SC2086
-  timeout -k 10 "$T_ATTN" "$PY" benchmarks/attention.py $AARGS --json "$OUT/attention.json" ||
+  timeout -k 10 "$T_ATTN" "$PY" benchmarks/attention.py $AARGS --force \
+    --json "$OUT/attention.json" ||
     fail "attention.py (exit $?)"
 fi
 

@@ -23,6 +23,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import add_json, guard_out  # noqa: E402
 from boost_jax.mesh import get_topology  # noqa: E402
 from boost_jax.pallas import dispatch, grouped, rmsnorm  # noqa: E402
 
@@ -98,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=2048, help="up-projection width per group")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--reps", type=int, default=None)
-    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    add_json(p)
     return p.parse_args(argv)
 
 
@@ -139,6 +140,7 @@ def print_table(hdr: str, rows: list[dict]) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    guard_out(args.json, force=args.force)
     plat = dispatch._platform()
     topo_name = args.topology if args.topology != "auto" else {
         "cuda": "dgx-h100", "rocm": "frontier"}.get(plat, "cpu")

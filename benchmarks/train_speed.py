@@ -28,8 +28,8 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.common import (early_cpu_devices, interleaved_samples, markdown_table,  # noqa: E402
-                               positive_int)
+from benchmarks.common import (add_json, early_cpu_devices, guard_out,  # noqa: E402
+                               interleaved_samples, markdown_table, positive_int)
 
 early_cpu_devices()
 
@@ -123,13 +123,13 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--iters", type=int, default=3, help="steps per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
-    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    add_json(p)
     p.add_argument("--deadline-s", type=float, default=None,
                    help="past this many seconds compile no further variant and start no "
                         "new round (report what was measured within a time box)")
     p.add_argument("--cpu-devices", type=int, help="simulate N CPU devices")
     a = p.parse_args(argv)
-
+    guard_out(a.json, force=a.force)
     deadline = None if a.deadline_s is None else time.perf_counter() + a.deadline_s
     fns, holders, rows, peak = build_all(a, deadline)
     samples = interleaved_samples({k: (lambda f=f: jax.block_until_ready(f())) for k, f in

@@ -33,3 +33,24 @@ def test_a_scratch_out_leaves_the_readmes_alone_and_a_users_file_is_kept(tmp_pat
     assert subprocess.run(cmd + ["--force"], capture_output=True).returncode == 0
     assert out.read_text() != "the user's notes" and _readmes() == before
 
+
+
+def test_a_json_file_that_exists_is_refused_before_any_work(tmp_path):
+    """kernels.py, train_speed.py and attention.py keep a user's file named by --json (exit 2,
+    one line, file unchanged) unless --force; gpu.sh passes --force in its own run folder."""
+    mine = tmp_path / "rows.json"
+    mine.write_text("the user's rows")
+    for script, args in (("kernels.py", ["--quick"]),
+                         ("train_speed.py", ["--variant", "a", "--rounds", "1"]),
+                         ("attention.py", ["--lengths", "16"])):
+        cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), *args, "--json",
+               str(mine)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2, (script, r.stderr[-2000:])
+        assert r.stderr.count("\n") == 1 and "--force" in r.stderr, (script, r.stderr)
+        assert mine.read_text() == "the user's rows", script
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "attention.py"),
+                        "--lengths", "16", "--reps", "1", "--json", str(mine), "--force"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert '"impl"' in mine.read_text()

@@ -82,3 +82,25 @@ def test_gpu_sh_refuses_a_python_other_than_the_images(tmp_path):
     r = _gpu_sh(tmp_path, WHEELS=str(tmp_path / "w"), PY=str(fake))
     assert r.returncode == 2
     assert f"error: {fake} is not Python 3.12" in r.stderr
+
+
+def test_gpu_sh_keeps_a_folder_it_did_not_write(tmp_path):
+    """An output folder that holds the user's files is refused before anything is written
+    (exit 2, one error line), whatever else is missing; FORCE=1 goes past the check (here to
+    the next refusal), and so does a folder gpu.sh made (its marker file)."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "gpu.log").write_text("the user's log")
+    r = _gpu_sh(tmp_path, WHEELS=str(tmp_path / "none"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert f"error: {tmp_path / 'out'} holds files gpu.sh did not write" in r.stderr
+    assert (tmp_path / "out" / "gpu.log").read_text() == "the user's log"
+    assert sorted(os.listdir(tmp_path / "out")) == ["gpu.log"]
+    for env in ({"FORCE": "1"}, {}):
+        if not env:
+            (tmp_path / "out" / ".made_by_gpu_sh").write_text("")
+        r = _gpu_sh(tmp_path, WHEELS=str(tmp_path / "none"), **env)
+        assert r.returncode == 2 and "error: no wheels in" in r.stderr, env
+    (tmp_path / "file").write_text("x")
+    r = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu.sh"), str(tmp_path / "file")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "is a file, not a folder" in r.stderr

@@ -51,11 +51,16 @@ def test_validation_page_is_what_its_script_writes_today():
 
 
 def test_every_script_with_an_out_guards_it():
-    """Each benchmark script that takes --out checks it before measuring (guard_out)."""
+    """Each benchmark script that takes --out or --json checks it before measuring (guard_out)."""
     for path in glob.glob(os.path.join(ROOT, "benchmarks", "*.py")):
         src = open(path).read()
         if '"--out"' in src or "add_out(" in src:
             assert "guard_out(" in src, f"{path} takes --out but never calls guard_out"
+        if path.endswith("common.py"):
+            continue
+        assert '"--json", default=' not in src, f"{path}: a --json FILE comes from add_json"
+        if "add_json(" in src:
+            assert re.search(r"guard_out\([^)]*json", src), f"{path}: --json never guarded"
 
 
 def test_attention_table_names_the_fastest_and_what_auto_picks():
