@@ -103,5 +103,9 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/attention.py --lengths 32,64,128,256,512,1024,2048 --reps 9 --out benchmarks/results/attention_cpu.md
 	$(PY) benchmarks/bench_time.py --since $(BENCH_START)
 
+# What the tests and imports leave behind; never runs/ (the user's trained runs and
+# checkpoints) or the virtual environments.
 clean:
-	rm -rf runs .pytest_cache
+	rm -rf .pytest_cache
+	find . \( -name '.venv*' -o -name runs -o -name .git \) -prune -o -name __pycache__ \
+		-type d -prune -exec rm -rf {} +
