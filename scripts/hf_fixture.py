@@ -156,15 +156,35 @@ def keep_digests_only(folder: str) -> None:
         os.remove(os.path.join(folder, name))
 
 
+FIXTURE_FILES = ("tokens.npy", "logits.npy", "greedy.npy")  # what only this script writes
+
+
+def is_fixture(folder: str) -> bool:
+    """A folder this script wrote (replaced on the next run): it holds FIXTURE_FILES."""
+    return os.path.isdir(folder) and not os.path.islink(folder) and all(
+        os.path.isfile(os.path.join(folder, f)) for f in FIXTURE_FILES)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "tests", "fixtures", "hf"))
     p.add_argument("names", nargs="*", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--force", action="store_true",
+                   help="replace an --out/NAME folder that is not a fixture this script wrote")
     args = p.parse_args(argv)
+    theirs = [d for d in (os.path.join(args.out, n) for n in args.names)
+              if os.path.lexists(d) and not is_fixture(d)]
+    if theirs and not args.force:
+        print(f"error: {theirs[0]} exists and is not a fixture this script wrote (no "
+              f"{FIXTURE_FILES[0]}); choose another --out or pass --force", file=sys.stderr)
+        return 2
     for name in args.names:
         d = os.path.join(args.out, name)
-        shutil.rmtree(d, ignore_errors=True)
+        if os.path.isdir(d) and not os.path.islink(d):
+            shutil.rmtree(d)
+        elif os.path.lexists(d):
+            os.remove(d)
         export_model(name, d)
         np.save(os.path.join(d, "tokens.npy"), TOKENS)
         np.save(os.path.join(d, "logits.npy"), transformers_logits(d, TOKENS).astype(np.float32))

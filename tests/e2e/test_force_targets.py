@@ -137,3 +137,22 @@ def test_a_run_never_writes_onto_a_corpus_metadata_or_a_fifo_in_out_dir(tmp_path
     assert {n: (out / n).read_bytes() for n in os.listdir(out)} == before
     assert os.listdir(fifo_dir) == ["metrics.jsonl"]
     assert stat.S_ISFIFO(os.lstat(fifo_dir / "metrics.jsonl").st_mode)
+
+
+def test_hf_fixture_keeps_a_folder_it_did_not_write(tmp_path):
+    """scripts/hf_fixture.py replaces --out/NAME only when it holds a fixture it wrote: a user's
+    folder, or a link to one, is refused (exit 2, one line) and left as it was."""
+    mine = tmp_path / "elsewhere"
+    mine.mkdir()
+    (mine / "model.safetensors").write_text("the user's model")
+    (tmp_path / "out").mkdir()
+    os.symlink(mine, tmp_path / "out" / "svd")
+    (tmp_path / "out" / "full").mkdir()
+    (tmp_path / "out" / "full" / "notes.txt").write_text("mine")
+    for name in ("full", "svd"):
+        r = subprocess.run([PY, os.path.join(ROOT, "scripts", "hf_fixture.py"), "--out",
+                            str(tmp_path / "out"), name], env=ENV, capture_output=True,
+                           text=True, timeout=120)
+        _one_line(r, rf".*{name} exists and is not a fixture this script wrote")
+    assert (tmp_path / "out" / "full" / "notes.txt").read_text() == "mine"
+    assert (mine / "model.safetensors").read_text() == "the user's model"
