@@ -3,7 +3,8 @@
 DIR receives model.safetensors and config.json (boost_jax/hf.py says which names and layouts;
 arch=full and arch=svd load as transformers' LlamaForCausalLM), and the run's tokenizer.json
 with a tokenizer_config.json when the run used one (a byte-tokenized run has no file: its ids
-are the UTF-8 bytes, EOS is byte 0). `model.init_from=DIR` starts a run from it. DIR is written
+are the UTF-8 bytes, EOS is byte 0), and a generation_config.json when model.vocab_size pads
+the embedding past the tokenizer's ids (generate() must not pick those). `model.init_from=DIR` starts a run from it. DIR is written
 whole into a temporary folder and renamed (boost_jax/safe_write.py), so it is never
 half-written. An existing DIR is replaced only with --force and only if it is an earlier export
 exactly as written, as its manifest proves (export_manifest.py); DIR may never be the run, hold
@@ -12,14 +13,17 @@ it or lie inside it, nor be anything but a folder.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
+from typing import Optional
 
 from boost_jax.cli import Parser
 from boost_jax.errors import UserError, cli_main
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+GENERATION_FILE = "generation_config.json"  # only for a padded embedding (generation_config)
 
 
 def parse_args(argv=None):
@@ -38,8 +42,6 @@ def tokenizer_files(run, dest: str) -> dict:
             "tokenizer.json", "tokenizer_fingerprint": tok.fingerprint}
     if tok.fingerprint == "byte":
         return info
-    import json
-
     tok._tok.save(os.path.join(dest, TOKENIZER_FILES[0]))
     eos = tok._tok.id_to_token(tok.eos_id)
     with open(os.path.join(dest, TOKENIZER_FILES[1]), "w") as f:
@@ -47,6 +49,16 @@ def tokenizer_files(run, dest: str) -> dict:
                    "bos_token": eos, "model_max_length": run.cfg.model.max_seq_len,
                    "clean_up_tokenization_spaces": False}, f, indent=2)
     return info
+
+
+def generation_config(n_ids: int, vocab_size: int, eos: int) -> Optional[dict]:
+    """generation_config.json for an embedding with rows past the tokenizer's ids
+    (model.vocab_size above its size): transformers' generate() then never picks them, as
+    boost_jax's own decoding does not; None when there are none."""
+    if vocab_size <= n_ids:
+        return None
+    return {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos,
+            "suppress_tokens": list(range(n_ids, vocab_size))}
 
 
 def _check_out(run_dir: str, out: str, force: bool) -> None:
@@ -95,6 +107,11 @@ def export(run_dir: str, out: str, step=None, force: bool = False) -> list[str]:
         info.update(run=run.path, step=run.step)
         eos = {"bos_token_id": int(run.tokenizer.eos_id), "eos_token_id": int(run.tokenizer.eos_id)}
         hf.write(tmp, run.cfg.model, run.params, info, eos)
+        gen = generation_config(int(run.tokenizer.vocab_size), run.cfg.model.vocab_size,
+                                int(run.tokenizer.eos_id))
+        if gen:
+            with open(os.path.join(tmp, GENERATION_FILE), "w") as f:
+                json.dump(gen, f, indent=2)
         write_manifest(tmp)
         files = sorted(os.listdir(tmp))
         publish_dir(tmp, out, replace=force)

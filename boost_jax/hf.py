@@ -243,23 +243,52 @@ def check_files(path: str, conf: dict, key: str = "model.init_from") -> None:
                             "again (python -m boost_jax.export --run RUN --out DIR)")
 
 
-def read_tensors(path: str, names: Optional[list[str]] = None) -> dict:
-    """Every tensor of DIR's model.safetensors (or its sharded index) and lowrank.safetensors."""
+class Tensors(dict):
+    """A folder's tensors by name, noting which ones a loader read."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.read: set = set()
+
+    def __getitem__(self, name):
+        self.read.add(name)
+        return super().__getitem__(name)
+
+
+# buffers transformers saved in older checkpoints (causal masks, RoPE tables): no weights
+BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", ".attention.bias",
+           ".attention.masked_bias")
+
+
+def read_tensors(path: str, key: str = "model.init_from") -> Tensors:
+    """Every tensor of DIR's model.safetensors (or its sharded index) and lowrank.safetensors;
+    a file that cannot be read is a one-line error."""
+    from safetensors import SafetensorError
     from safetensors.numpy import load_file
 
-    files = []
-    index = os.path.join(path, MODEL_FILE + ".index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    elif os.path.isfile(os.path.join(path, MODEL_FILE)):
-        files = [MODEL_FILE]
-    if os.path.isfile(os.path.join(path, FACTORS_FILE)):
-        files.append(FACTORS_FILE)
-    out = {}
-    for name in files:
-        out.update(load_file(os.path.join(path, name)))
+    files, index = [], os.path.join(path, MODEL_FILE + ".index.json")
+    name = os.path.basename(index)
+    try:
+        if os.path.isfile(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        elif os.path.isfile(os.path.join(path, MODEL_FILE)):
+            files = [MODEL_FILE]
+        if os.path.isfile(os.path.join(path, FACTORS_FILE)):
+            files.append(FACTORS_FILE)
+        out = Tensors()
+        for name in files:
+            out.update(load_file(os.path.join(path, name)))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError, SafetensorError) as e:
+        raise UserError(f"{key} {path!r}: {name} cannot be read ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e) else 'no details'}); export or "
+                        "download the model again") from None
     return out
+
+
+def unread(tensors: Tensors) -> list[str]:
+    """Tensors a load left unread, buffers aside: weights of a part our model lacks."""
+    return sorted(n for n in set(tensors) - tensors.read if not n.endswith(BUFFERS))
 
 
 def read_config(path: str, key: str = "model.init_from") -> dict:
@@ -303,9 +332,13 @@ def saved_model(conf: dict):
         raise UserError(f"a {conf.get('model_type')!r} model cannot start a run; export one "
                         "with python -m boost_jax.export or use a LlamaForCausalLM, "
                         "GPTNeoXForCausalLM or GPT2LMHeadModel")
-    if conf.get("rope_scaling"):
-        raise UserError("a LlamaForCausalLM with rope_scaling cannot start a run (our RoPE is "
-                        "the unscaled one)")
+    from boost_jax.hf_gpt import require, rope_of
+
+    rope = rope_of(conf)
+    for key, want, default in (("hidden_act", "silu", "silu"), ("attention_bias", False, False),
+                               ("mlp_bias", False, False)):
+        require(conf, key, want, default)
+    require(rope, "partial_rotary_factor", 1.0, 1.0)
     need = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
             "vocab_size")
     lacks = [k for k in need if not isinstance(conf.get(k), int) or conf[k] <= 0]
@@ -320,21 +353,26 @@ def saved_model(conf: dict):
         arch="full", vocab_size=conf["vocab_size"], d_model=d, n_layers=conf["num_hidden_layers"],
         n_heads=h, n_kv_heads=conf.get("num_key_value_heads", h), d_ff=conf["intermediate_size"],
         max_seq_len=conf.get("max_position_embeddings", 2048),
-        rope_theta=conf.get("rope_theta", 10000.0), norm_eps=conf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", conf.get("rope_theta", 10000.0)),
+        norm_eps=conf.get("rms_norm_eps", 1e-6),
         tie_embeddings=conf.get("tie_word_embeddings", False))
 
 
 SHAPES = ("arch", "family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
           "rank", "lax_gate", "tie_embeddings")
+# not shapes, but the saved weights compute another function under other values
+NUMERICS = ("norm_eps", "rope_theta", "rotary_pct")
 
 
 def check_compatible(path: str, saved, cfg) -> None:
     """A one-line error naming the overrides that make `cfg` take the saved model's arrays."""
     def value(c, k):
-        return c.kv_heads if k == "n_kv_heads" else c.r if k == "rank" else getattr(c, k)
+        alias = {"n_kv_heads": "kv_heads", "rank": "r", "rotary_pct": "rotary_fraction"}
+        return getattr(c, alias.get(k, k))
 
     keys = [k for k in SHAPES if not (saved.arch == "full" and k in ("rank", "lax_gate"))
             and not (saved.arch != "lax" and k == "lax_gate")]
+    keys += [k for k in NUMERICS if k == "norm_eps" or not saved.learned_positions]
     if saved.learned_positions:  # the position table's rows
         keys.append("max_seq_len")
     diff = [k for k in keys if value(saved, k) != value(cfg, k)]
@@ -351,11 +389,21 @@ def load_init(path: str, cfg, stacked: bool) -> dict:
     check_files(path, conf)
     import jax.numpy as jnp
 
+    tensors = read_tensors(path)
     try:
-        return from_tensors(cfg, read_tensors(path), stacked, jnp.dtype(cfg.param_dtype))
+        params = from_tensors(cfg, tensors, stacked, jnp.dtype(cfg.param_dtype))
     except KeyError as e:
         raise UserError(f"model.init_from {path!r} lacks the tensor {e.args[0]!r}; it is not a "
                         f"complete {cfg.arch} checkpoint of this model") from None
+    except ValueError as e:  # layers whose tensors differ in shape do not stack
+        raise UserError(f"model.init_from {path!r}: its tensors disagree in shape ({e}); it is "
+                        "not a checkpoint of the model its config.json describes") from None
+    extra = unread(tensors) if not conf.get("boost_jax") else []  # ours: svd keeps both forms
+    if extra:
+        raise UserError(f"model.init_from {path!r} holds {len(extra)} tensors this model would "
+                        f"not read (e.g. {extra[0]!r}): its config.json describes a model we "
+                        "do not build (biases, more layers); it cannot start a run")
+    return params
 
 
 def check_tokenizer(path: str, tokenizer) -> None:
@@ -374,16 +422,33 @@ def check_tokenizer(path: str, tokenizer) -> None:
                         f"data.tokenizer={want}")
 
 
+def check_shapes(path: str, params: dict, want) -> None:
+    """A one-line error unless the loaded `params` have the model's logical shapes `want` (a
+    config.json whose sizes disagree with its tensors)."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves_with_path
+    got = {jax.tree_util.keystr(k): np.shape(x) for k, x in leaves(params)}
+    for k, w in leaves(want):
+        name = jax.tree_util.keystr(k)
+        if got.get(name) != w.shape:
+            raise UserError(f"model.init_from {path!r}: the weight {name} has shape "
+                            f"{got.get(name)}, where the model its config.json describes has "
+                            f"{w.shape}; its config.json and tensors disagree")
+
+
 def init_state_from(bundle, state: dict, path: str) -> dict:
     """A fresh train state whose weights (and fp32 master copy) are DIR's, in the plan's
     layout; the optimizer moments stay at their initial zeros."""
     import jax
     import jax.numpy as jnp
 
-    from boost_jax.sharding.layout import pad_tree
+    from boost_jax.sharding.layout import pad_tree, unpad_tree
 
     params = load_init(path, bundle.model, bundle.train.scan_layers)
     lay = bundle.placement.layouts
+    check_shapes(path, params, jax.eval_shape(lambda p: unpad_tree(lay, p),
+                                              bundle.abstract_state["params"]))
 
     def put(dtype, shardings):
         cast = lambda p: pad_tree(lay, jax.tree.map(lambda x: x.astype(dtype), p))  # noqa: E731

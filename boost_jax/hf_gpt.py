@@ -182,10 +182,26 @@ def hf_config(cfg) -> dict:
         "hidden_dropout": 0.0}
 
 
-def _require(conf: dict, key: str, want, default) -> None:
+def require(conf: dict, key: str, want, default) -> None:
+    """A one-line error unless config.json's `key` (absent: `default`) is what our model runs."""
     if conf.get(key, default) != want:
-        raise UserError(f"a {conf['model_type']} model with {key}={conf.get(key)!r} cannot "
+        raise UserError(f"a {conf.get('model_type')} model with {key}={conf.get(key)!r} cannot "
                         f"start a run (this model family has {key}={want!r})")
+
+
+def rope_of(conf: dict) -> dict:
+    """config.json's RoPE parameters: transformers 5 writes `rope_parameters` (rope_type,
+    rope_theta, partial_rotary_factor), older versions `rope_scaling` beside a top-level
+    rope_theta. Only the unscaled RoPE is ours: any other rope_type is refused."""
+    rope = conf.get("rope_parameters") or conf.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"a {conf.get('model_type')} config.json whose rope_parameters is "
+                        f"{rope!r} cannot start a run (expected an object)")
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind != "default":
+        raise UserError(f"a {conf.get('model_type')} model with rope_type={kind!r} cannot start "
+                        "a run (our RoPE is the unscaled one, rope_type 'default')")
+    return rope
 
 
 def saved_model(conf: dict):
@@ -193,7 +209,10 @@ def saved_model(conf: dict):
     from boost_jax.config import ModelConfig
 
     if conf["model_type"] == "gpt2":
-        _require(conf, "activation_function", "gelu_new", "gelu_new")
+        for key, want, default in (("activation_function", "gelu_new", "gelu_new"),
+                                   ("scale_attn_weights", True, True),
+                                   ("scale_attn_by_inverse_layer_idx", False, False)):
+            require(conf, key, want, default)
         d = conf.get("n_embd", 768)
         return ModelConfig(
             arch="full", family="gpt2", vocab_size=conf["vocab_size"], d_model=d,
@@ -203,8 +222,8 @@ def saved_model(conf: dict):
             tie_embeddings=conf.get("tie_word_embeddings", True))
     for key, want, default in (("use_parallel_residual", True, True), ("hidden_act", "gelu", "gelu"),
                                ("attention_bias", True, True)):
-        _require(conf, key, want, default)
-    rope = conf.get("rope_parameters") or {}
+        require(conf, key, want, default)
+    rope = rope_of(conf)
     return ModelConfig(
         arch="full", family="gpt_neox", vocab_size=conf["vocab_size"], d_model=conf["hidden_size"],
         n_layers=conf["num_hidden_layers"], n_heads=conf["num_attention_heads"],

@@ -117,19 +117,23 @@ def _swap_gpt_layer(layer, family, config, carry):
 
 
 class _CarryReset:
-    def forward(self, *args, **kwargs):
-        self._carry.clear()  # the first block crosses with nothing
-        try:
-            return super().forward(*args, **kwargs)
-        finally:
-            self._carry.clear()
+    """The carry empties before and after each call: the first block crosses with nothing. Done
+    by hooks, not by overriding forward, whose signature generate() reads (GPT-2's learned
+    positions come from the attention mask only when forward names position_ids)."""
+
+    def _new_carry(self) -> dict:
+        self._carry = {}
+        clear = lambda *_: self._carry.clear()  # noqa: E731 - returns None: output unchanged
+        self.register_forward_pre_hook(clear)
+        self.register_forward_hook(clear)
+        return self._carry
 
 
 class _LowRankForCausalLM(_CarryReset, LlamaForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         rank, kind, gate, _ = _low_rank_settings(config)
-        self._carry = {}
+        self._new_carry()
         for layer in self.model.layers:
             for name, (part, attr) in PROJECTIONS.items():
                 old = getattr(getattr(layer, part), attr)
@@ -146,7 +150,7 @@ class _LowRankGpt(_CarryReset):
 
     def __init__(self, config):
         super().__init__(config)
-        self._carry = {}
+        self._new_carry()
         blocks = self.gpt_neox.layers if self._family == "gpt_neox" else self.transformer.h
         for layer in blocks:
             _swap_gpt_layer(layer, self._family, config, self._carry)

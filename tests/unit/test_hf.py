@@ -265,3 +265,152 @@ def _module_names(path) -> set:
         elif isinstance(node, ast.Assign):
             out |= {t.id for t in node.targets if isinstance(t, ast.Name)}
     return out
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("torch") and
+                         importlib.util.find_spec("transformers")),
+                    reason="torch/transformers not installed (make hf-live-test runs it)")
+@pytest.mark.parametrize("name", ["cola_gpt2", "lax_gpt2", "lax"])
+def test_left_padded_batch_generates_like_one_prompt_live(name, tmp_path):
+    """generate() on a left-padded batch continues each prompt as it does alone: it takes
+    position ids from the attention mask only when the remote model's forward names
+    position_ids (GPT-2's learned positions shift otherwise)."""
+    import torch
+
+    fixture = _hf_fixture()
+    fixture.export_model(name, str(tmp_path), seed=7)
+    model = fixture.transformers_model(str(tmp_path))
+    long, short = [0] + list(b"def f(x):"), [0] + list(b"ab")
+    pad = len(long) - len(short)
+    ids = torch.tensor([long, [1] * pad + short])
+    mask = torch.tensor([[1] * len(long), [0] * pad + [1] * len(short)])
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, eos_token_id=None,
+              pad_token_id=1, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        both = model.generate(ids, attention_mask=mask, **kw)
+        one = model.generate(torch.tensor([short]), attention_mask=torch.ones(1, len(short),
+                                                                              dtype=torch.long),
+                             **kw)
+    assert both.sequences[1, len(long):].tolist() == one.sequences[0, len(short):].tolist()
+    gap = max(float((a[1] - b[0]).abs().max()) for a, b in zip(both.scores, one.scores))
+    assert gap < 1e-4, gap
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("torch") and
+                         importlib.util.find_spec("transformers")),
+                    reason="torch/transformers not installed (make hf-live-test runs it)")
+def test_padded_embedding_rows_are_never_generated_live(tmp_path):
+    """model.vocab_size above the tokenizer's 256 ids: export's generation_config.json keeps
+    transformers' generate() off the padding rows, here made the likeliest ids."""
+    import torch
+
+    from boost_jax.export import GENERATION_FILE, generation_config
+
+    cfg = ModelConfig(arch="full", vocab_size=320, d_model=32, n_layers=2, n_heads=4, d_ff=64,
+                      max_seq_len=32)
+    params = jax.tree.map(np.array, build_model(cfg, seed=1).params())
+    params["lm_head"]["w"][:, 256:] += 5.0  # the padding rows win every argmax
+    hf.write(str(tmp_path), cfg, params, {"tokenizer": "byte"})
+    assert generation_config(320, 320, 0) is None
+    with open(tmp_path / GENERATION_FILE, "w") as f:
+        json.dump(generation_config(256, cfg.vocab_size, 0), f)
+    model = _hf_fixture().transformers_model(str(tmp_path))
+    ids = torch.tensor([[0, *b"def "]])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8,
+                             do_sample=False)
+    new = out[0, ids.shape[1]:].tolist()
+    assert new and max(new) < 256, new
+
+
+def _plain(name, tmp_path, **changes):
+    """The fixture `name` as a folder transformers wrote (no boost_jax section), config.json
+    updated by `changes` (None: drop the key); its path and config."""
+    d = tmp_path / name
+    shutil.copytree(os.path.join(FIXTURES, name), d)
+    conf = json.load(open(d / "config.json"))
+    conf.pop("boost_jax")
+    for k, v in changes.items():
+        if v is None:
+            conf.pop(k, None)
+        else:
+            conf[k] = v
+    json.dump(conf, open(d / "config.json", "w"))
+    return str(d), conf
+
+
+@pytest.mark.parametrize("name,changes,match", [
+    ("full", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}),
+     "rope_type='llama3' cannot start a run"),
+    ("full", dict(rope_scaling={"type": "linear", "factor": 2.0}),
+     "rope_type='linear' cannot start a run"),
+    ("full", dict(hidden_act="gelu"), "hidden_act='gelu' cannot start a run"),
+    ("full", dict(attention_bias=True), "attention_bias=True cannot start a run"),
+    ("full", dict(mlp_bias=True), "mlp_bias=True cannot start a run"),
+    ("gpt2", dict(scale_attn_by_inverse_layer_idx=True),
+     "scale_attn_by_inverse_layer_idx=True cannot start a run"),
+    ("gpt2", dict(scale_attn_weights=False), "scale_attn_weights=False cannot start a run"),
+    ("gpt_neox", dict(rope_parameters={"rope_type": "linear", "factor": 2.0}),
+     "rope_type='linear' cannot start a run")])
+def test_a_plain_model_we_would_compute_otherwise_is_refused(name, changes, match, tmp_path):
+    """A transformers config.json whose model differs from ours in something the tensors do not
+    show (scaled RoPE, activation, attention scaling, biases): refused, never built as ours."""
+    _, conf = _plain(name, tmp_path, **changes)
+    with pytest.raises(UserError, match=match):
+        hf.saved_model(conf)
+
+
+def test_transformers_5_rope_parameters_and_unread_tensors(tmp_path):
+    """rope_theta given only in transformers 5's rope_parameters is read; a tensor the model
+    would not read (a bias the config does not declare) is refused; so is a start whose
+    numerics differ from the saved model's (rope_theta, norm_eps)."""
+    from safetensors.numpy import save_file
+
+    d, conf = _plain("full", tmp_path, rope_theta=None,
+                     rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    cfg = hf.saved_model(conf)
+    assert cfg.rope_theta == 500.0
+    got = _logits(cfg, hf.load_init(d, cfg, stacked=True), np.load(f"{d}/tokens.npy"))
+    assert np.abs(got - np.load(f"{d}/logits.npy")).max() < 1e-4
+    for key, value in (("rope_theta", 10000.0), ("norm_eps", 1e-5)):
+        other = ModelConfig(**{**vars(cfg), key: value})
+        with pytest.raises(UserError, match=rf"holds another model \(model\.{key} "):
+            hf.load_init(d, other, stacked=True)
+    tensors = load_file(f"{d}/{hf.MODEL_FILE}")
+    tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(32, np.float32)
+    tensors["model.layers.1.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)  # a buffer
+    save_file(tensors, f"{d}/{hf.MODEL_FILE}")
+    with pytest.raises(UserError, match=r"holds 1 tensors this model would not read \(e\.g\. "
+                                        r"'model\.layers\.0\.self_attn\.q_proj\.bias'\)"):
+        hf.load_init(d, cfg, stacked=True)
+
+
+def test_damaged_tensor_files_and_shapes_are_one_line(tmp_path):
+    """A truncated safetensors file, a sharded index that is no index or names a missing shard,
+    and tensors whose shapes disagree with config.json: a UserError each, no traceback."""
+    from boost_jax.step.build import abstract_params
+    from boost_jax.config import TrainConfig
+
+    d, conf = _plain("full", tmp_path)
+    cfg = hf.saved_model(conf)
+    model = open(f"{d}/{hf.MODEL_FILE}", "rb").read()
+    open(f"{d}/{hf.MODEL_FILE}", "wb").write(model[:100])
+    with pytest.raises(UserError, match=r"model\.safetensors cannot be read \(Safetensor"):
+        hf.load_init(d, cfg, stacked=True)
+    open(f"{d}/{hf.MODEL_FILE}", "wb").write(model)
+    for index, match in (({"weight_map": 5}, r"model\.safetensors\.index\.json cannot be read"),
+                         ({"weight_map": {"x": "model-2.safetensors"}},
+                          r"model-2\.safetensors cannot be read \(FileNotFoundError")):
+        json.dump(index, open(f"{d}/{hf.MODEL_FILE}.index.json", "w"))
+        with pytest.raises(UserError, match=match):
+            hf.load_init(d, cfg, stacked=True)
+    os.remove(f"{d}/{hf.MODEL_FILE}.index.json")
+    wider = ModelConfig(**{**vars(cfg), "vocab_size": 384})  # what config.json would claim
+    params = hf.from_tensors(wider, hf.read_tensors(d), True, np.float32)
+    want = abstract_params(wider, TrainConfig())[1]
+    with pytest.raises(UserError, match=r"the weight \['embed'\]\['embedding'\] has shape "
+                                        r"\(256, 32\), where the model its config\.json "
+                                        r"describes has \(384, 32\)"):
+        hf.check_shapes(d, params, want)
+    hf.check_shapes(d, hf.from_tensors(cfg, hf.read_tensors(d), True, np.float32),
+                    abstract_params(cfg, TrainConfig())[1])
