@@ -115,7 +115,8 @@ EOF
 BTP="parallel.tp_mode=btp parallel.tp_axes=[pair]"
 if want kernels; then
   stamp "1. kernels: Pallas vs XLA"
-  timeout -k 10 "$T_KERNELS" "$PY" benchmarks/kernels.py --force --json "$OUT/kernels.json" $KARGS ||
+  timeout -k 10 "$T_KERNELS" "$PY" benchmarks/kernels.py --force --json "$OUT/kernels.json" \
+    $KARGS ||
     fail "kernels.py (exit $?)"
 fi
 

@@ -128,9 +128,6 @@ class ModelConfig:
             raise ConfigError(
                 f"RoPE rotates head_dim·rotary_pct={self.rotary_dims} dims, which must be even; "
                 "change model.rotary_pct or model.n_heads")
-        if self.init_from is not None and not os.path.isdir(self.init_from):
-            raise ConfigError(f"model.init_from {self.init_from!r} does not exist; point it at a "
-                              "folder written by python -m boost_jax.export")
         if self.arch != "full" and not 0 < self.r <= min(self.d_model, self.d_ff):
             raise ConfigError(
                 f"model.rank={self.r} must be in 1..min(d_model, d_ff)={min(self.d_model, self.d_ff)}")

@@ -246,6 +246,12 @@ def check_inputs(cfg: Config, out_dir: str) -> None:
     from boost_jax.safe_write import refuse_inputs, refuse_special
 
     refuse_special(out_dir, f"out_dir {out_dir!r}", "choose another out_dir=...", folder=True)
+    start = cfg.model.init_from
+    # read only by a run that starts (a resume, or a checkpoint's copy of the config, may
+    # outlive the folder)
+    if start is not None and not os.path.isdir(start) and not _has_steps(out_dir):
+        raise UserError(f"model.init_from {start!r} does not exist; point it at a folder "
+                        "written by python -m boost_jax.export or a Hugging Face model folder")
     inputs = run_inputs(cfg)
     for name in (*OUTPUTS, LOCK_FILE):
         target = os.path.join(out_dir, name)
@@ -294,6 +300,11 @@ def holds_run(out_dir: str) -> bool:
         return True
     if any(HISTORY_ENTRY.match(n) for n in _listing(os.path.join(out_dir, HISTORY_DIR))):
         return True
+    return _has_steps(out_dir)
+
+
+def _has_steps(out_dir: str) -> bool:
+    """out_dir holds a checkpoint step our Checkpointer wrote."""
     ckpt = os.path.join(out_dir, CHECKPOINTS_DIR)
     return any(n.isdigit() and _our_step(os.path.join(ckpt, n)) for n in _listing(ckpt))
 

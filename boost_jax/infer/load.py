@@ -19,7 +19,7 @@ from typing import Any, Optional
 from boost_jax.config import Config, config_from_dict
 from boost_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer
 from boost_jax.errors import UserError
-from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE
+from boost_jax.names import CHECKPOINTS_DIR
 
 TOKENIZER_DIR = "tokenizer"  # out_dir/tokenizer/tokenizer.json: a run's trained BPE
 
@@ -84,14 +84,14 @@ def pick_step(run_dir: str, steps: list[int], step: Optional[int]) -> int:
     return step
 
 
-def _saved_config(run_dir: str, meta: dict) -> Config:
-    from boost_jax.checkpoints.run_config import load_saved
-
-    tree = meta.get("config") or load_saved(os.path.join(run_dir, CONFIG_FILE))
-    if not tree:
-        raise UserError(f"run {run_dir!r} keeps no config (neither in its checkpoint nor "
-                        "config.yaml); it was not written by train.py")
-    return config_from_dict(tree)
+def _saved_config(ckpt_dir: str, step: int, meta) -> Config:
+    """The config the step was saved with (its meta item). Never config.yaml instead: that may
+    describe other shapes, which orbax would read the saved arrays cut or padded into."""
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise UserError(f"checkpoint step {step} in {ckpt_dir} lacks its meta item (the config "
+                        "and checksums it was saved with), so it is incomplete; pass another "
+                        "--step")
+    return config_from_dict(meta["config"])
 
 
 def restore_params(mngr, step: int, cfg: Config, device=None, meta: Optional[dict] = None):
@@ -168,10 +168,10 @@ def open_run(run_dir: str, step: Optional[int] = None, device=None) -> Run:
         meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception:  # noqa: BLE001
         meta = {}
-    check_step_files(ckpt_dir, step, meta or {})
-    cfg = _saved_config(run_dir, meta or {})
+    cfg = _saved_config(ckpt_dir, step, meta)
+    check_step_files(ckpt_dir, step, meta)
     tokenizer = run_tokenizer(cfg, run_dir)
-    inputs = (meta or {}).get("inputs")
+    inputs = meta.get("inputs")
     run = Run(os.path.abspath(run_dir), cfg, step, None, tokenizer,
               inputs if isinstance(inputs, dict) else {})
     if cfg.data.tokenizer not in ("byte", "bpe"):

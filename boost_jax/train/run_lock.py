@@ -181,13 +181,35 @@ def _all_agree(ok: bool, nproc: int) -> bool:
     return bool(np.min(multihost_utils.process_allgather(np.array([int(ok)], np.int32))))
 
 
+def _empty_folders(out_dir: str) -> Optional[list[str]]:
+    """The folders under out_dir (not links), innermost first, if they and out_dir hold nothing
+    else but out_dir's lock file; None otherwise."""
+    out = []
+    def fail(e: OSError):
+        raise e
+
+    for top, dirs, files in os.walk(out_dir, topdown=False, onerror=fail):
+        files = set(files) - ({LOCK_FILE} if top == out_dir else set())
+        if files or any(os.path.islink(os.path.join(top, d)) for d in dirs):
+            return None
+        out.append(top)
+    return out[:-1]  # out_dir itself aside
+
+
 def _leave_as_found(lock: RunLock, fresh: list[str]) -> None:
-    """A failed run on an out_dir that was missing or empty: if the lock file is all it holds,
-    unlink that (still held) and remove the folders the run created, innermost first."""
+    """A failed run on an out_dir that was missing or empty: if the lock file and empty folders
+    (checkpoints/, which the run made: nothing was in out_dir before it) are all it holds,
+    remove them (the lock file still held) and the folders the run created, innermost first."""
     try:
-        alone = os.listdir(lock.out_dir) in ([], [LOCK_FILE])
+        empty = _empty_folders(lock.out_dir)
     except OSError:
-        alone = False
+        empty = None
+    alone = empty is not None
+    for d in empty or []:
+        try:
+            os.rmdir(d)
+        except OSError:
+            alone = False
     lock.release(remove=alone)
     for d in reversed(fresh if alone else []):
         try:

@@ -6,6 +6,7 @@ zero-padded in that layout), then sampled on 1 device, evaluated, exported and i
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -138,9 +139,15 @@ def test_export_imports_bitwise_and_starts_a_run(trained, exported, env):
     # a new run (another plan, 1 step) starts from the export: its step-0 val_loss is the
     # source run's final one
     new = os.path.join(os.path.dirname(trained), "from_export")
-    rc, _, err = _done(_train(env, new, f"model.init_from={exported}", "train.steps=1"))
+    start = os.path.join(os.path.dirname(trained), "export_copy")
+    shutil.copytree(exported, start)
+    rc, _, err = _done(_train(env, new, f"model.init_from={start}", "train.steps=1"))
     assert rc == 0, err
     assert _rows(new)[0]["val_loss"] == pytest.approx(_rows(trained)[-1]["val_loss"], rel=1e-5)
+    # the folder a run started from is read only at its start: the run outlives it
+    shutil.rmtree(start)
+    rc, out, err = _done(_tool(env, "boost_jax.evaluate", "--run", new))
+    assert rc == 0 and "loss" in out, err
 
 
 def test_errors(trained, exported, env, tmp_path):
@@ -158,6 +165,11 @@ def test_errors(trained, exported, env, tmp_path):
                     str(tmp_path / "words.bin"), "--tokenizer", "byte", "--workers", "1"],
                    cwd=ROOT, env=env, check=True, capture_output=True)
     long_prompt = "x" * 40
+    from boost_jax.checkpoints.seal import SEAL_FILE
+
+    shutil.copytree(trained, tmp_path / "no_meta")
+    shutil.rmtree(tmp_path / "no_meta" / "checkpoints" / "4" / "meta")
+    os.remove(tmp_path / "no_meta" / "checkpoints" / "4" / SEAL_FILE)
     rows = {
         "no_run": (_tool(env, "boost_jax.generate", "--run", str(tmp_path / "nope"),
                          "--prompt", "a"), r"no run at '.*/nope' \(no such directory\)"),
@@ -178,6 +190,13 @@ def test_errors(trained, exported, env, tmp_path):
                                  str(tmp_path / "words.bin"), "--tokenizer", "byte"),
                            r"'.*/words\.bin' and '.*/words\.json' already exist; pass "
                            r"--force"),
+        "step_without_meta": (_tool(env, "boost_jax.export", "--run", str(tmp_path / "no_meta"),
+                                    "--out", str(tmp_path / "y")),
+                              r"checkpoint step 4 in .* lacks its meta item \(the config and "
+                              r"checksums it was saved with\), so it is incomplete"),
+        "init_from_missing": (
+            _train(env, str(tmp_path / "r0"), f"model.init_from={tmp_path / 'nowhere'}"),
+            r"model\.init_from '.*/nowhere' does not exist; point it at a folder written by"),
         "init_from_other_shape": (
             _train(env, str(tmp_path / "r1"), f"model.init_from={exported}", "model.d_model=64"),
             r"model\.init_from '.*' holds another model \(model\.d_model 64 vs 32\); set "
@@ -202,3 +221,5 @@ def test_errors(trained, exported, env, tmp_path):
             failed.append(f"{name}: rc={rc} stderr={err[-600:]!r}")
     assert not failed, "\n".join(failed)
     assert not os.listdir(tmp_path / "taken")  # nothing written into an existing --out
+    # a refused run leaves no out_dir behind (its lock and empty checkpoints/ included)
+    assert not [r for r in ("r0", "r1", "r2", "r3", "y") if os.path.exists(tmp_path / r)]
