@@ -74,8 +74,15 @@ def source_tokens(run, source: str, max_tokens):
     from boost_jax.data.sources import read_documents
     from boost_jax.data.token_bin import open_bin
 
-    if source.endswith(".bin"):
-        return open_bin(source, run.cfg.data, run.tokenizer, "--data")
+    if source.endswith(".bin"):  # in the dtype its metadata records: no flag to set it here
+        import dataclasses
+
+        from boost_jax.data.token_bin import read_meta
+
+        meta = read_meta(source) or {}
+        data = dataclasses.replace(run.cfg.data,
+                                   bin_dtype=meta.get("dtype", run.cfg.data.bin_dtype))
+        return open_bin(source, data, run.tokenizer, "--data")
     budget = None if max_tokens is None else max_tokens * 16  # bytes enough for the tokens
     docs = read_documents(source, budget, "--data")
     if not docs:

@@ -80,6 +80,8 @@ def _check_out(run_dir: str, out: str, force: bool) -> None:
     if os.path.islink(out) or not os.path.isdir(out):
         raise Refused(f"{what} is a file or a link, not an earlier export; --force replaces "
                       "only an export folder: choose another folder, or remove it")
+    if not os.listdir(out):  # an empty folder: --force loses nothing
+        return
     why = not_ours(out)
     if why:
         raise Refused(f"{what} {why}; --force replaces only an earlier export left as it was "
@@ -99,6 +101,9 @@ def export(run_dir: str, out: str, step=None, force: bool = False) -> list[str]:
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         tmp = staged_dir(out)
+    except (FileExistsError, NotADirectoryError):  # makedirs met a file on the way
+        raise UserError(f"cannot write --out {out!r}: a folder above it is a file; choose a "
+                        "folder in a writable place") from None
     except OSError as e:
         raise UserError(f"cannot write --out {out!r} ({e.strerror}); choose a folder in a "
                         "writable place") from None

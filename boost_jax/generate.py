@@ -124,9 +124,12 @@ def main(argv=None):
     stream.close()
     import jax
 
+    # the first new token comes from the prefill: a rate needs two or more
+    rate = (f" at {st.decode_tokens_per_s:.1f} tokens/s" if st.new_tokens > 1 else
+            " (from the prefill)")
     print(f"{args.run} step {run.step} ({cfg.arch}) on {jax.devices()[0].platform}: prefill "
           f"{st.prompt_tokens} tokens in {st.prefill_s * 1e3:.1f} ms, decoded {st.new_tokens} "
-          f"tokens at {st.decode_tokens_per_s:.1f} tokens/s (compile {st.compile_s:.1f} s)",
+          f"token{'s' if st.new_tokens != 1 else ''}{rate} (compile {st.compile_s:.1f} s)",
           file=sys.stderr)
     return 0
 

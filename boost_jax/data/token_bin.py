@@ -83,10 +83,12 @@ def check_meta(path: str, meta: dict, tokenizer, dtype: str, label: str) -> None
                         "prepare: prepare it again")
     mine = getattr(tokenizer, "fingerprint", None)
     if mine != meta["tokenizer_fingerprint"]:
+        name = getattr(tokenizer, "name", "?")
+        fix = (f"prepare it with --tokenizer {name}" if label == "--data"  # evaluate: the run's
+               else f"set data.tokenizer={meta['tokenizer']}")
         raise UserError(f"{label} {path!r} was tokenized with {meta['tokenizer']!r}, another "
-                        f"tokenizer than this run's {getattr(tokenizer, 'name', '?')!r}; set "
-                        f"data.tokenizer={meta['tokenizer']} (the ids only mean something "
-                        "under the tokenizer that made them)")
+                        f"tokenizer than this run's {name!r}; {fix} (the ids only mean "
+                        "something under the tokenizer that made them)")
     if meta["max_id"] >= tokenizer.vocab_size:
         raise UserError(f"{label} {path!r} holds token id {meta['max_id']} outside the "
                         f"tokenizer's 0..{tokenizer.vocab_size - 1}; prepare it again")

@@ -61,13 +61,22 @@ def _manager(ckpt_dir: str):
                                  options=ocp.CheckpointManagerOptions(read_only=True))
 
 
+def _holds_files(path: str) -> bool:
+    try:
+        return bool(os.listdir(path))
+    except OSError:  # a file, or unreadable
+        return False
+
+
 def checkpoint_steps(run_dir: str) -> tuple[str, list[int]]:
     """(checkpoint directory, its finalised steps); a one-line error if there are none."""
     if not os.path.isdir(run_dir):
         raise UserError(f"no run at {run_dir!r} (no such directory); pass --run the out_dir of "
                         "a training run, e.g. --run runs/demo")
     ckpt_dir = os.path.join(os.path.abspath(run_dir), CHECKPOINTS_DIR)
-    steps = sorted(int(n) for n in os.listdir(ckpt_dir) if n.isdigit()) \
+    # an empty step folder (a save that never began writing) is no step
+    steps = sorted(int(n) for n in os.listdir(ckpt_dir)
+                   if n.isdigit() and _holds_files(os.path.join(ckpt_dir, n))) \
         if os.path.isdir(ckpt_dir) else []
     if not steps:
         raise UserError(f"run {run_dir!r} has no checkpoint (nothing in {ckpt_dir}); train it "

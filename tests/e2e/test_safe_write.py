@@ -262,6 +262,10 @@ def test_export_refuses_a_file_a_foreign_folder_and_a_read_only_parent(run, env,
     r = _cli("-m", "boost_jax.export", "--run", str(out), "--out", str(tmp_path / "hf"),
              "--force", env=env)
     _one_line(r, r"--out '.*/hf' holds config\.json, changed since export wrote it; --force")
+    (tmp_path / "empty").mkdir()  # nothing in it to lose: --force exports into it
+    r = _cli("-m", "boost_jax.export", "--run", str(out), "--out", str(tmp_path / "empty"),
+             "--force", env=env)
+    assert r.returncode == 0 and "config.json" in os.listdir(tmp_path / "empty"), r.stderr
 
 
 @contextlib.contextmanager

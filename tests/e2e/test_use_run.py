@@ -161,13 +161,19 @@ def test_errors(trained, exported, env, tmp_path):
                                      unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tok.json"))
-    subprocess.run([sys.executable, "-m", "boost_jax.data.prepare", str(tmp_path / "words.txt"),
-                    str(tmp_path / "words.bin"), "--tokenizer", "byte", "--workers", "1"],
-                   cwd=ROOT, env=env, check=True, capture_output=True)
+    for out, tok_name in (("words.bin", "byte"), ("words_w.bin", str(tmp_path / "tok.json"))):
+        subprocess.run([sys.executable, "-m", "boost_jax.data.prepare",
+                        str(tmp_path / "words.txt"), str(tmp_path / out), "--tokenizer",
+                        tok_name, "--workers", "1"], cwd=ROOT, env=env, check=True,
+                       capture_output=True)
     long_prompt = "x" * 40
     from boost_jax.checkpoints.seal import SEAL_FILE
 
     shutil.copytree(trained, tmp_path / "no_meta")
+    shutil.copytree(trained, tmp_path / "empty_step")
+    (tmp_path / "empty_step" / "checkpoints" / "9").mkdir()  # a save that never began
+    newest = _tool(env, "boost_jax.generate", "--run", str(tmp_path / "empty_step"), "--prompt",
+                   "a", "--max-new-tokens", "1")
     shutil.rmtree(tmp_path / "no_meta" / "checkpoints" / "4" / "meta")
     os.remove(tmp_path / "no_meta" / "checkpoints" / "4" / SEAL_FILE)
     rows = {
@@ -183,6 +189,10 @@ def test_errors(trained, exported, env, tmp_path):
                                   long_prompt),
                             r"the prompt is 40 tokens but the model of .* reads at most "
                             r"model\.max_seq_len=32"),
+        "export_under_a_file": (_tool(env, "boost_jax.export", "--run", trained, "--out",
+                                      str(tmp_path / "words.txt" / "sub")),
+                                r"cannot write --out '.*/words\.txt/sub': a folder above it "
+                                r"is a file"),
         "export_exists": (_tool(env, "boost_jax.export", "--run", trained, "--out",
                                 str(tmp_path / "taken")),
                           r"--out '.*/taken' already exists; pass --force to replace it"),
@@ -194,6 +204,11 @@ def test_errors(trained, exported, env, tmp_path):
                                     "--out", str(tmp_path / "y")),
                               r"checkpoint step 4 in .* lacks its meta item \(the config and "
                               r"checksums it was saved with\), so it is incomplete"),
+        "evaluate_other_tokenizer": (
+            _tool(env, "boost_jax.evaluate", "--run", trained, "--data",
+                  str(tmp_path / "words_w.bin")),
+            r"--data '.*/words_w\.bin' was tokenized with '.*tok\.json', another tokenizer "
+            r"than this run's 'byte'; prepare it with --tokenizer byte"),
         "init_from_missing": (
             _train(env, str(tmp_path / "r0"), f"model.init_from={tmp_path / 'nowhere'}"),
             r"model\.init_from '.*/nowhere' does not exist; point it at a folder written by"),
@@ -220,6 +235,8 @@ def test_errors(trained, exported, env, tmp_path):
                 and re.search(pattern, lines[0])):
             failed.append(f"{name}: rc={rc} stderr={err[-600:]!r}")
     assert not failed, "\n".join(failed)
+    rc, _, err = _done(newest)  # the newest step that holds files
+    assert rc == 0 and "step 4 " in err and "decoded 1 token (from the prefill)" in err, err
     assert not os.listdir(tmp_path / "taken")  # nothing written into an existing --out
     # a refused run leaves no out_dir behind (its lock and empty checkpoints/ included)
     assert not [r for r in ("r0", "r1", "r2", "r3", "y") if os.path.exists(tmp_path / r)]
