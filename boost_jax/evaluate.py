@@ -5,7 +5,9 @@ ln 2 / UTF-8 bytes of the predicted text; comparable across tokenizers) of one c
 
 --data val (the default) scores exactly the windows the run scores at every eval step (the
 run's validation split, train.eval_batches batches of train.global_batch windows), so it
-reproduces the logged val_loss of that step. Any other SOURCE (a text file, a folder, a .jsonl,
+reproduces the logged val_loss of that step (a plan whose forward gathers the weights in
+int8, zeropp or hierarchical with an int8 pair copy, logs the quantized forward's loss; evaluate
+reads the exact weights, which moved tiny demo runs by 2e-5 to 9e-4 relative). Any other SOURCE (a text file, a folder, a .jsonl,
 or a .bin of token ids) is tokenized with the run's tokenizer and scored whole, in
 non-overlapping windows of data.seq_len (+1 for the last target), up to --max-tokens.
 """
