@@ -7,9 +7,10 @@ ln 2 / UTF-8 bytes of the predicted text; comparable across tokenizers) of one c
 run's validation split, train.eval_batches batches of train.global_batch windows), so it
 reproduces the logged val_loss of that step (a plan whose forward gathers the weights in
 int8, zeropp or hierarchical with an int8 pair copy, logs the quantized forward's loss; evaluate
-reads the exact weights, which moved tiny demo runs by 2e-5 to 9e-4 relative). Any other SOURCE (a text file, a folder, a .jsonl,
-or a .bin of token ids) is tokenized with the run's tokenizer and scored whole, in
-non-overlapping windows of data.seq_len (+1 for the last target), up to --max-tokens.
+reads the exact weights, which moved tiny demo runs by 2e-5 to 9e-4 relative). Any other
+SOURCE (a text file, a folder, a .jsonl, or a .bin of token ids, read in the dtype its
+metadata records) is tokenized with the run's tokenizer and scored whole, in non-overlapping
+windows of data.seq_len (+1 for the last target), up to --max-tokens.
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ def source_tokens(run, source: str, max_tokens):
 
         from boost_jax.data.token_bin import read_meta
 
-        meta = read_meta(source) or {}
-        data = dataclasses.replace(run.cfg.data,
-                                   bin_dtype=meta.get("dtype", run.cfg.data.bin_dtype))
+        dtype = (read_meta(source) or {}).get("dtype")
+        data = run.cfg.data if dtype not in ("uint16", "uint32", "int32") else \
+            dataclasses.replace(run.cfg.data, bin_dtype=dtype)
         return open_bin(source, data, run.tokenizer, "--data")
     budget = None if max_tokens is None else max_tokens * 16  # bytes enough for the tokens
     docs = read_documents(source, budget, "--data")

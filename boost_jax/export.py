@@ -4,11 +4,12 @@ DIR receives model.safetensors and config.json (boost_jax/hf.py says which names
 arch=full and arch=svd load as transformers' LlamaForCausalLM), and the run's tokenizer.json
 with a tokenizer_config.json when the run used one (a byte-tokenized run has no file: its ids
 are the UTF-8 bytes, EOS is byte 0), and a generation_config.json when model.vocab_size pads
-the embedding past the tokenizer's ids (generate() must not pick those). `model.init_from=DIR` starts a run from it. DIR is written
-whole into a temporary folder and renamed (boost_jax/safe_write.py), so it is never
-half-written. An existing DIR is replaced only with --force and only if it is an earlier export
-exactly as written, as its manifest proves (export_manifest.py); DIR may never be the run, hold
-it or lie inside it, nor be anything but a folder.
+the embedding past the tokenizer's ids (generate() must not pick those). `model.init_from=DIR`
+starts a run from it. DIR is written whole into a temporary folder and renamed
+(boost_jax/safe_write.py), so it is never half-written. An existing DIR is replaced only with
+--force and only if it is empty or an earlier export exactly as written, as its manifest proves
+(export_manifest.py); DIR may never be the run, hold it or lie inside it, nor be anything but
+a folder.
 """
 
 from __future__ import annotations

@@ -338,7 +338,7 @@ def saved_model(conf: dict):
     for key, want, default in (("hidden_act", "silu", "silu"), ("attention_bias", False, False),
                                ("mlp_bias", False, False)):
         require(conf, key, want, default)
-    require(rope, "partial_rotary_factor", 1.0, 1.0)
+    require(dict(rope, model_type=conf["model_type"]), "partial_rotary_factor", 1.0, 1.0)
     need = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size",
             "vocab_size")
     lacks = [k for k in need if not isinstance(conf.get(k), int) or conf[k] <= 0]
