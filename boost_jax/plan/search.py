@@ -265,6 +265,9 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
     staged = drop_staged_hierarchical(res)
     if staged:
         res.notes.append(staged)
+    bound = once_per_step_bound(res, topo)
+    if bound:
+        res.notes.append(bound)
     if compile_top and gpu:
         compile_on_gpu(res, cfg, topo, compile_top, max_devices, a)
     elif compile_top:
@@ -300,6 +303,40 @@ def drop_staged_hierarchical(res: SearchResult) -> Optional[str]:
     return (f"{head}): {why} ({min(share):.0%}-{max(share):.0%} of the step here); the best, "
             f"{best.key()}, would rank {fitting.index(best) + 1} analytically at "
             f"{best.prediction.mfu:.1%} MFU")
+
+
+ONCE_PER_STEP_GOAL = 0.05  # hierarchical's promise: only the optimizer runs once per step
+
+
+def once_per_step_bound(res: SearchResult, topo: Topology) -> Optional[str]:
+    """When every listed hierarchical layout spends over 5% of its step once per step, the one
+    line that says what bounds the best one: the cross-node legs deferred into the first
+    forward (and the last backward) can hide only behind that one pass's compute, beside the
+    pass's own gathers (reduce-scatters); None when some layout is within 5% or none is
+    costed analytically."""
+    from boost_jax.plan.collectives import coll_time
+    from boost_jax.sharding.step_collectives import (BACKWARD, FIRST_FORWARD, FORWARD,
+                                                     LAST_BACKWARD)
+
+    hier = [c for c in res.fitting if c.plan == "hierarchical"]
+    shares = [critical_path(c.prediction)["once-per-step"] / c.prediction.step_time
+              for c in hier]
+    if not hier or min(shares) <= ONCE_PER_STEP_GOAL or not hier[0].prediction.collectives:
+        return None
+    c = hier[0]
+    p, m = c.prediction, c.micro_batches
+    ms = {r: 1e3 * sum(coll_time(x, topo, p.assumptions) for x in p.collectives if x.runs == r)
+          for r in (FORWARD, BACKWARD, FIRST_FORWARD, LAST_BACKWARD)}
+    fwd = 1e3 * p.time["forward"] / m
+    bwd = 1e3 * (p.time["compute"] - p.time.get("bubble", 0.0)) / m - fwd
+    return (f"hierarchical spends {min(shares):.0%}-{max(shares):.0%} of its step once per step "
+            f"in the layouts listed (goal <= {ONCE_PER_STEP_GOAL:.0%}); what bounds the best, "
+            f"{c.key()}: its cross-node update gather ({ms[FIRST_FORWARD]:.1f} ms) can hide "
+            f"only behind the first forward ({fwd:.1f} ms of compute, {ms[FORWARD] / m:.1f} ms "
+            f"of its own gathers), its cross-node reduction ({ms[LAST_BACKWARD]:.1f} ms) behind "
+            f"the last backward ({bwd:.1f} ms, {ms[BACKWARD] / m:.1f} ms of its own); more "
+            "micro-batches only shorten those passes, and the gather cannot start sooner: the "
+            "update needs every layer's gradient (the clipping norm)")
 
 
 def compile_best(res: SearchResult, cfg, topo: Topology, k: int, max_devices: int,

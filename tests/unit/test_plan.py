@@ -284,6 +284,14 @@ def test_hierarchical_once_per_step_legs_meet_one_pass():
                for c in hier)
     best = next(c for plan, _, c in res.best_by_plan if plan == "hierarchical")
     assert share(best.prediction) > 0.05
+    # the search says what bounds it, with the best layout's own legs
+    bound = [n for n in res.notes if n.startswith("hierarchical spends ")]
+    p = best.prediction
+    gather = 1e3 * sum(coll_time(c, topo, p.assumptions) for c in p.collectives
+                       if c.runs == "first forward")
+    assert len(bound) == 1 and best is hier[0]
+    assert f"{best.key()}: its cross-node update gather ({gather:.1f} ms) can hide only " \
+           f"behind the first forward ({1e3 * p.time['forward']:.1f} ms" in bound[0]
     assert "hierarchical" in print_search(res, cfg, topo, sizes)
     assert any(n.startswith("hierarchical with pipeline stages is not listed") for n in res.notes)
     staged = [c for c in candidates(cfg, sizes) if c.plan == "hierarchical" and c.pp_stages > 1]
