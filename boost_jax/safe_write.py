@@ -351,7 +351,7 @@ def staged_dir(target: str) -> str:
 def publish_dir(tmp: str, target: str, replace: bool) -> None:
     """Rename the finished folder `tmp` onto `target`. With `replace` an existing target is moved
     aside first and removed only once the new one is in place."""
-    old = None
+    old, target = None, os.path.abspath(target)  # "." cannot be renamed; its full path can
     refuse_special(target, repr(target), "choose another folder", folder=True)
     if replace and os.path.lexists(target):
         old = f"{tmp}.old"

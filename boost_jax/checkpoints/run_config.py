@@ -246,17 +246,17 @@ def check_inputs(cfg: Config, out_dir: str) -> None:
     from boost_jax.safe_write import refuse_inputs, refuse_special
 
     refuse_special(out_dir, f"out_dir {out_dir!r}", "choose another out_dir=...", folder=True)
+    inputs = run_inputs(cfg)
+    for name in (*OUTPUTS, LOCK_FILE):
+        target = os.path.join(out_dir, name)
+        refuse_inputs(target, inputs, f"the run's {name} {target!r}",
+                      "choose another out_dir=...")
     start = cfg.model.init_from
     # read only by a run that starts (a resume, or a checkpoint's copy of the config, may
     # outlive the folder)
     if start is not None and not os.path.isdir(start) and not _has_steps(out_dir):
         raise UserError(f"model.init_from {start!r} does not exist; point it at a folder "
                         "written by python -m boost_jax.export or a Hugging Face model folder")
-    inputs = run_inputs(cfg)
-    for name in (*OUTPUTS, LOCK_FILE):
-        target = os.path.join(out_dir, name)
-        refuse_inputs(target, inputs, f"the run's {name} {target!r}",
-                      "choose another out_dir=...")
 
 
 def run_inputs(cfg) -> dict:

@@ -257,3 +257,17 @@ def test_prepare_never_writes_over_a_file_it_reads_through_a_link_in_source(tmp_
         prepare(str(corpus), str(tmp_path / "old.bin"), "byte", force=True, progress=False)
     assert (tmp_path / "old.json").read_text() == "precious notes\n"
     assert (tmp_path / "old.bin").read_bytes() == b"x"
+
+
+def test_publish_dir_replaces_the_folder_it_runs_in(tmp_path, monkeypatch):
+    """export --force --out . from inside an earlier export: "." cannot be renamed (EBUSY), its
+    full path can."""
+    target = tmp_path / "hf"
+    target.mkdir()
+    (target / "old.json").write_text("x")
+    monkeypatch.chdir(target)
+    tmp = sw.staged_dir(".")
+    with open(os.path.join(tmp, "new.json"), "w") as f:
+        f.write("y")
+    sw.publish_dir(tmp, ".", replace=True)
+    assert os.listdir(target) == ["new.json"]
