@@ -41,6 +41,9 @@ SAME_MATH = ("model.attention", "data.workers")
 PER_INVOCATION = ("out_dir", "checkpoint.resume", "checkpoint.accept_changes")
 SHAPE_KEYS = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff",
               "rank", "lax_gate", "tie_embeddings")
+# not in a checkpoint's model signature (older steps lack them), but they too change the arrays
+# the state holds: the family's biases and norms, bf16 weights' fp32 master copy
+STATE_KEYS = ("family", "param_dtype")
 HISTORY_DIR = "configs"
 USED_FROM = "# used from step"  # the first line of a history entry `record` writes
 # what a run writes into out_dir (train/run_log.py, train/metrics.py, store.py, data/tokenizers.py)
@@ -90,14 +93,18 @@ def check_resume(saved: Optional[dict], cfg: Config, step: int, where: str):
         return []
     _check_optimizer(saved, cfg, step, where)
     diff = changes(saved, cfg)
+    # keys whose change gives the state other arrays: no accept_changes can restore it
+    arrays = [f"model.{m}" for m in (*SHAPE_KEYS, *STATE_KEYS)] + (
+        ["model.max_seq_len"] if cfg.model.learned_positions else [])  # gpt2's position table
+    other = [c for c in diff if _under(c[0], arrays)]
+    if other:
+        raise UserError(f"checkpoint step {step} in {where} has a different model "
+                        f"({describe(other)}); its arrays cannot take the new model: use a "
+                        "new out_dir, or set those keys back to the saved values to resume")
     refused = [c for c in diff if _under(c[0], DEFINING) and not _under(c[0], SAME_MATH)
                and not _under(c[0], cfg.checkpoint.accept_changes)]
     if not refused:
         return diff
-    if any(_under(k, [f"model.{m}" for m in SHAPE_KEYS]) for k, _, _ in refused):
-        raise UserError(f"checkpoint step {step} in {where} has a different model "
-                        f"({describe(refused)}); its arrays cannot take the new shapes: use a "
-                        "new out_dir, or set those keys back to the saved values to resume")
     keys = ",".join(k for k, _, _ in refused)
     raise UserError(f"checkpoint step {step} in {where} was trained with other settings that "
                     f"define the model or the data stream ({describe(refused)}); resuming would "
@@ -106,13 +113,23 @@ def check_resume(saved: Optional[dict], cfg: Config, step: int, where: str):
 
 
 def _check_optimizer(saved: dict, cfg: Config, step: int, where: str) -> None:
-    """Another optim.name has other state arrays: the checkpoint cannot be restored into it
-    (configs from before optim.name were all adamw)."""
-    was = flatten(saved).get("optim.name", "adamw")
+    """Another optim.name has other state arrays, and so has Adafactor between a zero and a
+    non-zero weight decay: the checkpoint cannot be restored into it (configs from before
+    optim.name were all adamw)."""
+    flat = flatten(saved)
+    was = flat.get("optim.name", "adamw")
     if was != cfg.optim.name:
         raise UserError(f"checkpoint step {step} in {where} holds the optimizer state of "
                         f"optim.name={was}, not {cfg.optim.name}: set optim.name={was} to "
                         "resume, or use a new out_dir")
+    wd = flat.get("optim.weight_decay", cfg.optim.weight_decay)
+    if was == "adafactor" and bool(wd) != bool(cfg.optim.weight_decay):
+        # optax's adafactor has a decay stage only for a non-zero rate: another state tree
+        raise UserError(f"checkpoint step {step} in {where} holds Adafactor's state "
+                        f"{'with' if wd else 'without'} its weight-decay stage, which "
+                        f"optim.weight_decay {wd} -> {cfg.optim.weight_decay} would "
+                        f"{'drop' if wd else 'add'}: set it back to "
+                        f"{'a non-zero value' if wd else '0'} to resume, or use a new out_dir")
 
 
 # what decides each leaf's stored shape: its zero padding and its pipeline stacking

@@ -32,6 +32,15 @@ from boost_jax.layers.forward import path_keys
 from boost_jax.names import OPTIMIZERS
 
 
+def resumed_lr(old: OptimConfig, old_steps: int, new: OptimConfig, new_steps: int,
+               start: int) -> tuple[float, float]:
+    """(the lr update `start` ran at under the saved run's schedule, the lr update start + 1
+    runs at under the new one): a resume that changes train.steps or the schedule's settings
+    re-spreads the schedule over the new total from where it stands."""
+    return (float(lr_schedule(old, old_steps)(max(start - 1, 0))),
+            float(lr_schedule(new, new_steps)(start)))
+
+
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:
     """The learning rate of update k + 1 at optimizer count k (0 first). The warmup's first
     update runs at optim.lr / warmup steps and its last at optim.lr (warmup_frac = 0: the

@@ -22,7 +22,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 import jax
@@ -299,10 +299,33 @@ def _open_logger(cfg: Config, out_dir: str, start: int, resumed: bool, accepted:
         changed = (f" with changed settings: {run_config.describe(accepted)} (configs kept in "
                    f"{os.path.join(out_dir, run_config.HISTORY_DIR)})" if accepted else "")
         say(f"resumed from step {start} in {out_dir}{changed}")
+        moved = _schedule_moved(cfg, start, accepted)
+        if moved:
+            say(f"warning: {moved}")
     if nproc > 1:
         logger.line(f"{nproc} processes x {jax.local_device_count()} devices "
                     f"({jax.devices()[0].platform})")
     return logger
+
+
+def _schedule_moved(cfg: Config, start: int, accepted: list) -> Optional[str]:
+    """The line for a resume whose train.steps or optim settings moved the learning rate: the
+    schedule is re-spread over the new total (e.g. a finished cosine run extended climbs back
+    up), which the run's config alone does not show."""
+    from boost_jax.step.optim import resumed_lr
+
+    old = {k: v for k, v, _ in accepted if k == "train.steps" or k.startswith("optim.")}
+    if not old:
+        return None
+    was = replace(cfg.optim, **{k[len("optim."):]: v for k, v in old.items()
+                                if k.startswith("optim.")})
+    last, nxt = resumed_lr(was, old.get("train.steps", cfg.train.steps), cfg.optim,
+                           cfg.train.steps, start)
+    if abs(nxt - last) <= 0.01 * abs(last):
+        return None
+    return (f"{', '.join(old)} changed: optim.schedule={cfg.optim.schedule} now spans "
+            f"train.steps={cfg.train.steps}, so update {start + 1} runs at lr {nxt:.3g} where "
+            f"update {start} ran at {last:.3g}")
 
 
 def _throughput(cfg: Config, mesh, topo, bundle, data, logger: MetricsLogger) -> Throughput:
@@ -325,12 +348,13 @@ def _throughput(cfg: Config, mesh, topo, bundle, data, logger: MetricsLogger) ->
     return thr
 
 
-def _train_and_close(ctx: _RunCtx, log: RunLog, state, start: int, summary: dict) -> int:
+def _train_and_close(ctx: _RunCtx, log: RunLog, state, start: int, summary: dict,
+                     stop: StopSignal) -> int:
     """_train, then close the checkpointer (a failed last async save fails here too); on any
     failure the outputs are closed and a save or write error becomes one line with details."""
     ckpt = ctx.ckpt
     try:
-        step = _train(ctx, state, start, summary)
+        step = _train(ctx, state, start, summary, stop)
         ckpt.close()  # inside: a failed last (async) save is handled like any other
     except BaseException as e:
         ckpt.abandon()  # a save still running in the background is valid: let it finish
@@ -372,13 +396,19 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
 
     summary = {"start_step": start, "params": bundle.n_params}
     ctx = _RunCtx(cfg, bundle, data, ckpt, logger, thr, meta, say, nproc)
-    summary["final_step"] = _train_and_close(ctx, log, state, start, summary)
-    if main_proc:
-        try:
-            _finish(cfg, out_dir, logger, summary)
-        except OSError as e:
-            log.exception("writing the run's final outputs failed", e)
-            raise _write_failed(e, ckpt, log) from None
+    # a signal is held from the first step to the last output: during the loop it stops the
+    # run at a step boundary; after the last step (its save, the plot, summary.json) the run
+    # is finished, and it ends as one (exit 0: a batch script must not requeue it)
+    with StopSignal() as stop:
+        summary["final_step"] = _train_and_close(ctx, log, state, start, summary, stop)
+        if main_proc:
+            try:
+                _finish(cfg, out_dir, logger, summary)
+            except OSError as e:
+                log.exception("writing the run's final outputs failed", e)
+                raise _write_failed(e, ckpt, log) from None
+    if stop.received is not None and "stopped_by_signal" not in summary:
+        say(f"signal {stop.received} after the last step: the run is finished")
     return summary
 
 
@@ -527,8 +557,6 @@ def _should_stop(ctx: _RunCtx, ls: _LoopState, stop: StopSignal, summary: dict) 
         ctx.say(f"stop_after={tcfg.stop_after}: saved step {step}, exiting")
         return True
     if step >= tcfg.steps:  # finished (saved, evaluated): nothing for a rerun to resume
-        if stop.received is not None:
-            ctx.say(f"signal {stop.received} after the last step: the run is finished")
         return False
     signum = agree_stop(stop.received, ctx.nproc)
     if signum is not None:
@@ -540,7 +568,7 @@ def _should_stop(ctx: _RunCtx, ls: _LoopState, stop: StopSignal, summary: dict) 
     return False
 
 
-def _train(ctx: _RunCtx, state, start: int, summary: dict) -> int:
+def _train(ctx: _RunCtx, state, start: int, summary: dict, stop: StopSignal) -> int:
     """The step loop from `start`; returns the last step trained. Fills summary."""
     tcfg = ctx.cfg.train
     if start == 0:
@@ -554,7 +582,7 @@ def _train(ctx: _RunCtx, state, start: int, summary: dict) -> int:
         ctx.say(f"warning: train.profile_steps={list(tcfg.profile_steps)} starts at or before "
                 f"step {start}, where this run resumes; no trace is written (choose steps after "
                 f"{start})")
-    with StopSignal() as stop, _closing(prof):
+    with _closing(prof):
         while ls.step < tcfg.steps:
             m = _take_step(ctx, ls, prof, summary)
             row: dict = {}  # this step's metrics.jsonl row, if any

@@ -92,11 +92,24 @@ _SIGTERM_IN_LAST_EVAL = (
     "runpy.run_path(sys.argv[0], run_name='__main__')\n")
 
 
-def test_a_signal_after_the_last_step_ends_a_finished_run(env, tmp_path):
+# ... and during the plot of the finished run's losses (after the loop and its last save)
+_SIGTERM_IN_PLOT = (
+    "import os, runpy, signal, sys; import boost_jax.train.loop as loop; real = loop.plot_losses\n"
+    "def plot_losses(*a, **k):\n"
+    "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    "    return real(*a, **k)\n"
+    "loop.plot_losses = plot_losses; sys.argv = sys.argv[1:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+
+
+@pytest.mark.parametrize("prefix", [_SIGTERM_IN_LAST_EVAL, _SIGTERM_IN_PLOT],
+                         ids=["in_last_eval", "in_final_outputs"])
+def test_a_signal_after_the_last_step_ends_a_finished_run(env, tmp_path, prefix):
     out = tmp_path / "run"
-    t = Train(out, env, "train.steps=4", "train.eval_every=2",
-              python_prefix=("-c", _SIGTERM_IN_LAST_EVAL))
+    t = Train(out, env, "train.steps=4", "train.eval_every=2", "logging.plot=true",
+              python_prefix=("-c", prefix))
     assert t.wait() == 0, t.output
+    assert (out / "loss.png").is_file()
     assert "signal 15 after the last step: the run is finished" in t.lines, t.output
     assert "rerun" not in t.output, t.output
     with open(out / "summary.json") as f:
