@@ -135,7 +135,7 @@ def guard_out(*paths: str | None, force: bool, own: Sequence[str] = ()) -> None:
     ours (a user's file), unless --force. Nothing is written on refusal."""
     for path in paths:
         if path and os.path.lexists(path) and not force and not ours(path, own):
-            refuse(f"{path} exists and is not a benchmarks/results/ file; choose another --out "
+            refuse(f"{path} exists and is not a benchmarks/results/ file; choose another file "
                    "or pass --force to replace it")
 
 

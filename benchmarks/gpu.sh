@@ -35,7 +35,9 @@ MARK=.made_by_gpu_sh
 if [ -e "$OUT" ] && [ ! -d "$OUT" ]; then
   echo "error: $OUT is a file, not a folder; pass an output folder" >&2; exit 2
 fi
-if [ -n "$(ls -A "$OUT" 2>/dev/null)" ] && [ ! -e "$OUT/$MARK" ] && [ "${FORCE:-0}" != 1 ]; then
+FOREIGN=0
+if [ -n "$(ls -A "$OUT" 2>/dev/null)" ] && [ ! -e "$OUT/$MARK" ]; then FOREIGN=1; fi
+if [ "$FOREIGN" = 1 ] && [ "${FORCE:-0}" != 1 ]; then
   echo "error: $OUT holds files gpu.sh did not write; pass a new or empty folder, or set" \
        "FORCE=1 to replace its gpu.log, env.txt, *.json and summary.md" >&2; exit 2
 fi
@@ -52,7 +54,8 @@ ls "$WHEELS"/*.whl >/dev/null 2>&1 ||
          "make gpu-dry-run to build .venv-gpu" >&2; exit 2; }
 mkdir -p "$OUT" || { echo "error: cannot create $OUT; pass another output folder" >&2; exit 2; }
 OUT=$(cd "$OUT" && pwd)
-: > "$OUT/$MARK"
+# a folder forced open stays the user's: the next run there needs FORCE=1 again
+if [ "$FOREIGN" = 0 ]; then : > "$OUT/$MARK"; fi
 exec > >(tee "$OUT/gpu.log") 2>&1
 TEE=$!
 TMP=$(mktemp -d)

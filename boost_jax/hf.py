@@ -398,11 +398,14 @@ def load_init(path: str, cfg, stacked: bool) -> dict:
     except ValueError as e:  # layers whose tensors differ in shape do not stack
         raise UserError(f"model.init_from {path!r}: its tensors disagree in shape ({e}); it is "
                         "not a checkpoint of the model its config.json describes") from None
+    if cfg.tie_embeddings:  # a tied head some checkpoints store anyway: the embedding's copy
+        tensors.read.update(("lm_head.weight", "embed_out.weight"))
     extra = unread(tensors) if not conf.get("boost_jax") else []  # ours: svd keeps both forms
     if extra:
-        raise UserError(f"model.init_from {path!r} holds {len(extra)} tensors this model would "
-                        f"not read (e.g. {extra[0]!r}): its config.json describes a model we "
-                        "do not build (biases, more layers); it cannot start a run")
+        raise UserError(f"model.init_from {path!r} holds {len(extra)} tensor"
+                        f"{'s' if len(extra) > 1 else ''} this model would not read (e.g. "
+                        f"{extra[0]!r}): its config.json describes a model we do not build "
+                        "(biases, more layers); it cannot start a run")
     return params
 
 

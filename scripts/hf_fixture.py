@@ -176,8 +176,12 @@ def main(argv=None) -> int:
     theirs = [d for d in (os.path.join(args.out, n) for n in args.names)
               if os.path.lexists(d) and not is_fixture(d)]
     if theirs and not args.force:
-        print(f"error: {theirs[0]} exists and is not a fixture this script wrote (no "
-              f"{FIXTURE_FILES[0]}); choose another --out or pass --force", file=sys.stderr)
+        d = theirs[0]
+        why = ("a link" if os.path.islink(d) else "not a folder" if not os.path.isdir(d) else
+               "no " + ", ".join(f for f in FIXTURE_FILES
+                                 if not os.path.isfile(os.path.join(d, f))))
+        print(f"error: {d} exists and is not a fixture this script wrote ({why}); choose "
+              "another --out or pass --force", file=sys.stderr)
         return 2
     for name in args.names:
         d = os.path.join(args.out, name)

@@ -72,17 +72,23 @@ class _Call:
         return self.fn(x)
 
 
-def _fused_qkv(box, family, heads, kv_heads):
-    def qkv(x):
+class _FusedQKV:
+    """transformers' fused q|k|v projection made of our three; the block's projections are an
+    attribute, not a closure, so a deepcopy of the model calls its own copies."""
+
+    def __init__(self, box, family, heads, kv_heads):
+        self.box, self.family, self.heads, self.kv_heads = box, family, heads, kv_heads
+
+    def __call__(self, x):
+        box, heads, kv_heads = self.box, self.heads, self.kv_heads
         q, k, v = box.q(x), box.k(x), box.v(x)
         if kv_heads != heads:  # grouped-query: query head h reads kv head h // (heads/kv_heads)
             k, v = (t.view(*t.shape[:-1], kv_heads, -1).repeat_interleave(
                 heads // kv_heads, dim=-2).flatten(-2) for t in (k, v))
-        if family == "gpt2":  # q | k | v
+        if self.family == "gpt2":  # q | k | v
             return torch.cat([q, k, v], dim=-1)
         split = [t.view(*t.shape[:-1], heads, -1) for t in (q, k, v)]  # NeoX: per head q, k, v
         return torch.stack(split, dim=-2).reshape(*x.shape[:-1], -1)
-    return qkv
 
 
 def _low_rank_settings(config):
@@ -108,7 +114,7 @@ def _swap_gpt_layer(layer, family, config, carry):
         box = layer.attn if name in "qkvo" else layer.mlp
         setattr(box, name, LowRankProjection(d_in, d_out, rank, kind, gate, eps, name, carry,
                                              bias=True))
-    calls = (_fused_qkv(layer.attn, family, heads, kv_heads), layer.attn.o,
+    calls = (_FusedQKV(layer.attn, family, heads, kv_heads), layer.attn.o,
              layer.mlp.up, layer.mlp.down)
     for (owner, attr), fn in zip(GPT_SLOTS[family], calls):
         owner = getattr(layer, owner)
@@ -117,29 +123,32 @@ def _swap_gpt_layer(layer, family, config, carry):
 
 
 class _CarryReset:
-    """The carry empties before and after each call: the first block crosses with nothing. Done
-    by hooks, not by overriding forward, whose signature generate() reads (GPT-2's learned
-    positions come from the attention mask only when forward names position_ids)."""
+    """The carry empties as the first block starts and after the last: the first block crosses
+    with nothing. Done by hooks on the blocks, which every forward calls through __call__ (a
+    direct model.forward() too), not by overriding forward, whose signature generate() reads
+    (GPT-2's learned positions come from the attention mask only when forward names
+    position_ids). The hooks are bound methods, so a deepcopy's clear its own carry."""
 
-    def _new_carry(self) -> dict:
-        self._carry = {}
-        clear = lambda *_: self._carry.clear()  # noqa: E731 - returns None: output unchanged
-        self.register_forward_pre_hook(clear)
-        self.register_forward_hook(clear)
-        return self._carry
+    def _clear_carry(self, *_):
+        self._carry.clear()  # returns None: the block's input and output stay as they are
+
+    def _hook_carry(self, blocks) -> None:
+        blocks[0].register_forward_pre_hook(self._clear_carry)
+        blocks[-1].register_forward_hook(self._clear_carry)
 
 
 class _LowRankForCausalLM(_CarryReset, LlamaForCausalLM):
     def __init__(self, config):
         super().__init__(config)
         rank, kind, gate, _ = _low_rank_settings(config)
-        self._new_carry()
+        self._carry = {}
         for layer in self.model.layers:
             for name, (part, attr) in PROJECTIONS.items():
                 old = getattr(getattr(layer, part), attr)
                 setattr(getattr(layer, part), attr, LowRankProjection(
                     old.in_features, old.out_features, rank, kind, gate, config.rms_norm_eps,
                     name, self._carry))
+        self._hook_carry(self.model.layers)
         self.post_init()
 
 
@@ -150,10 +159,11 @@ class _LowRankGpt(_CarryReset):
 
     def __init__(self, config):
         super().__init__(config)
-        self._new_carry()
+        self._carry = {}
         blocks = self.gpt_neox.layers if self._family == "gpt_neox" else self.transformer.h
         for layer in blocks:
             _swap_gpt_layer(layer, self._family, config, self._carry)
+        self._hook_carry(blocks)
         self.post_init()
 
 

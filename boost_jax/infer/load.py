@@ -177,8 +177,8 @@ def open_run(run_dir: str, step: Optional[int] = None, device=None) -> Run:
         meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     except Exception:  # noqa: BLE001
         meta = {}
+    check_step_files(ckpt_dir, step, meta if isinstance(meta, dict) else {})  # corrupted first
     cfg = _saved_config(ckpt_dir, step, meta)
-    check_step_files(ckpt_dir, step, meta)
     tokenizer = run_tokenizer(cfg, run_dir)
     inputs = meta.get("inputs")
     run = Run(os.path.abspath(run_dir), cfg, step, None, tokenizer,

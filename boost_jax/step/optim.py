@@ -32,13 +32,17 @@ from boost_jax.layers.forward import path_keys
 from boost_jax.names import OPTIMIZERS
 
 
+# what lr_schedule reads (with train.steps): a resume that changes one moves the schedule
+SCHEDULE_KEYS = tuple(f"optim.{k}" for k in ("schedule", "lr", "min_lr_ratio", "warmup_frac",
+                                             "decay_frac"))
+
+
 def resumed_lr(old: OptimConfig, old_steps: int, new: OptimConfig, new_steps: int,
                start: int) -> tuple[float, float]:
-    """(the lr update `start` ran at under the saved run's schedule, the lr update start + 1
-    runs at under the new one): a resume that changes train.steps or the schedule's settings
-    re-spreads the schedule over the new total from where it stands."""
-    return (float(lr_schedule(old, old_steps)(max(start - 1, 0))),
-            float(lr_schedule(new, new_steps)(start)))
+    """The lr of update start + 1 under the saved run's schedule and under the new one: a
+    resume that changes train.steps or SCHEDULE_KEYS re-spreads the schedule over the new
+    total from where it stands."""
+    return (float(lr_schedule(old, old_steps)(start)), float(lr_schedule(new, new_steps)(start)))
 
 
 def lr_schedule(cfg: OptimConfig, total_steps: int) -> optax.Schedule:

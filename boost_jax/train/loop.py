@@ -312,20 +312,20 @@ def _schedule_moved(cfg: Config, start: int, accepted: list) -> Optional[str]:
     """The line for a resume whose train.steps or optim settings moved the learning rate: the
     schedule is re-spread over the new total (e.g. a finished cosine run extended climbs back
     up), which the run's config alone does not show."""
-    from boost_jax.step.optim import resumed_lr
+    from boost_jax.step.optim import SCHEDULE_KEYS, resumed_lr
 
-    old = {k: v for k, v, _ in accepted if k == "train.steps" or k.startswith("optim.")}
+    old = {k: v for k, v, _ in accepted if k == "train.steps" or k in SCHEDULE_KEYS}
     if not old:
         return None
     was = replace(cfg.optim, **{k[len("optim."):]: v for k, v in old.items()
                                 if k.startswith("optim.")})
-    last, nxt = resumed_lr(was, old.get("train.steps", cfg.train.steps), cfg.optim,
-                           cfg.train.steps, start)
-    if abs(nxt - last) <= 0.01 * abs(last):
+    before, now = resumed_lr(was, old.get("train.steps", cfg.train.steps), cfg.optim,
+                             cfg.train.steps, start)
+    if abs(now - before) <= 1e-3 * abs(before):
         return None
-    return (f"{', '.join(old)} changed: optim.schedule={cfg.optim.schedule} now spans "
-            f"train.steps={cfg.train.steps}, so update {start + 1} runs at lr {nxt:.3g} where "
-            f"update {start} ran at {last:.3g}")
+    return (f"{', '.join(old)} changed, so optim.schedule={cfg.optim.schedule} now spans "
+            f"train.steps={cfg.train.steps}: update {start + 1} runs at lr {now:.3g}, where the "
+            f"saved run's schedule gives {before:.3g}")
 
 
 def _throughput(cfg: Config, mesh, topo, bundle, data, logger: MetricsLogger) -> Throughput:
@@ -407,7 +407,7 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
             except OSError as e:
                 log.exception("writing the run's final outputs failed", e)
                 raise _write_failed(e, ckpt, log) from None
-    if stop.received is not None and "stopped_by_signal" not in summary:
+    if stop.received is not None and summary["final_step"] >= cfg.train.steps:
         say(f"signal {stop.received} after the last step: the run is finished")
     return summary
 

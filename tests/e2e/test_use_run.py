@@ -170,6 +170,10 @@ def test_errors(trained, exported, env, tmp_path):
     from boost_jax.checkpoints.seal import SEAL_FILE
 
     shutil.copytree(trained, tmp_path / "no_meta")
+    shutil.copytree(trained, tmp_path / "meta_changed")
+    meta_dir = tmp_path / "meta_changed" / "checkpoints" / "4" / "meta"
+    meta_file = next(p for p in meta_dir.iterdir() if p.is_file())
+    meta_file.write_bytes(b"X" + meta_file.read_bytes()[1:])
     shutil.copytree(trained, tmp_path / "empty_step")
     (tmp_path / "empty_step" / "checkpoints" / "9").mkdir()  # a save that never began
     newest = _tool(env, "boost_jax.generate", "--run", str(tmp_path / "empty_step"), "--prompt",
@@ -209,6 +213,9 @@ def test_errors(trained, exported, env, tmp_path):
                   str(tmp_path / "words_w.bin")),
             r"--data '.*/words_w\.bin' was tokenized with '.*tok\.json', another tokenizer "
             r"than this run's 'byte'; prepare it with --tokenizer byte"),
+        "meta_changed": (_tool(env, "boost_jax.evaluate", "--run",
+                               str(tmp_path / "meta_changed")),
+                         r"checkpoint step 4 in .* is corrupted \(file meta/.* does not match"),
         "init_from_missing": (
             _train(env, str(tmp_path / "r0"), f"model.init_from={tmp_path / 'nowhere'}"),
             r"model\.init_from '.*/nowhere' does not exist; point it at a folder written by"),

@@ -380,9 +380,16 @@ def test_transformers_5_rope_parameters_and_unread_tensors(tmp_path):
     tensors["model.layers.0.self_attn.q_proj.bias"] = np.zeros(32, np.float32)
     tensors["model.layers.1.self_attn.rotary_emb.inv_freq"] = np.ones(4, np.float32)  # a buffer
     save_file(tensors, f"{d}/{hf.MODEL_FILE}")
-    with pytest.raises(UserError, match=r"holds 1 tensors this model would not read \(e\.g\. "
+    with pytest.raises(UserError, match=r"holds 1 tensor this model would not read \(e\.g\. "
                                         r"'model\.layers\.0\.self_attn\.q_proj\.bias'\)"):
         hf.load_init(d, cfg, stacked=True)
+    # a tied model whose file stores the head anyway starts (the head is the embedding's copy)
+    del tensors["model.layers.0.self_attn.q_proj.bias"]
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+    save_file(tensors, f"{d}/{hf.MODEL_FILE}")
+    json.dump(dict(conf, tie_word_embeddings=True), open(f"{d}/config.json", "w"))
+    tied = hf.saved_model(hf.read_config(d))
+    assert tied.tie_embeddings and "lm_head" not in hf.load_init(d, tied, stacked=True)
 
 
 def test_damaged_tensor_files_and_shapes_are_one_line(tmp_path):
@@ -414,3 +421,28 @@ def test_damaged_tensor_files_and_shapes_are_one_line(tmp_path):
         hf.check_shapes(d, params, want)
     hf.check_shapes(d, hf.from_tensors(cfg, hf.read_tensors(d), True, np.float32),
                     abstract_params(cfg, TrainConfig())[1])
+
+
+@pytest.mark.skipif(not (importlib.util.find_spec("torch") and
+                         importlib.util.find_spec("transformers")),
+                    reason="torch/transformers not installed (make hf-live-test runs it)")
+@pytest.mark.parametrize("name", ["lax", "lax_gpt2"])
+def test_lax_carry_holds_across_copies_and_direct_forward_calls_live(name, tmp_path):
+    """lax's cross-block carry starts empty in every forward: a deepcopy of the model (as
+    fine-tuning libraries make) and model.forward() called directly give the logits of a plain
+    call, again and again."""
+    import copy
+
+    import torch
+
+    fixture = _hf_fixture()
+    fixture.export_model(name, str(tmp_path), seed=7)
+    model = fixture.transformers_model(str(tmp_path))
+    tok = torch.as_tensor(fixture.TOKENS)
+    with torch.no_grad():
+        want = model(tok, use_cache=False).logits
+        twin = copy.deepcopy(model)
+        got = [twin(tok, use_cache=False).logits, twin(tok, use_cache=False).logits,
+               model.forward(tok, use_cache=False).logits,
+               model.forward(tok, use_cache=False).logits]
+    assert max(float((g - want).abs().max()) for g in got) < 1e-5

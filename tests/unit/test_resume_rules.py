@@ -41,11 +41,16 @@ def test_a_resume_that_respreads_the_schedule_says_where_the_lr_lands():
 
     cfg = load_config(None, ["optim.schedule=cosine", "train.steps=10"])
     line = _schedule_moved(cfg, 6, [("train.steps", 6, 10)])
-    was = lr_schedule(cfg.optim, 6)(5)
+    was = lr_schedule(cfg.optim, 6)(6)  # the finished run's: its end value
     now = lr_schedule(cfg.optim, 10)(6)
-    assert now > 2 * was
-    assert line == (f"train.steps changed: optim.schedule=cosine now spans train.steps=10, so "
-                    f"update 7 runs at lr {now:.3g} where update 6 ran at {was:.3g}")
+    assert now > 2 * was and was == pytest.approx(cfg.optim.lr * cfg.optim.min_lr_ratio)
+    assert line == (f"train.steps changed, so optim.schedule=cosine now spans train.steps=10: "
+                    f"update 7 runs at lr {now:.3g}, where the saved run's schedule gives "
+                    f"{was:.3g}")
     flat = load_config(None, ["optim.schedule=constant", "optim.warmup_frac=0", "train.steps=10"])
     assert _schedule_moved(flat, 6, [("train.steps", 6, 10)]) is None
+    # not the schedule's settings, or the same schedule mid-warmup: nothing moved
+    warm = load_config(None, ["train.steps=8", "optim.warmup_frac=0.5"])
+    assert _schedule_moved(warm, 2, [("optim.clip_norm", 1.0, 0.4)]) is None
     assert _schedule_moved(cfg, 6, [("data.workers", 0, 2)]) is None
+    assert "optim.lr changed" in _schedule_moved(cfg, 3, [("optim.lr", 0.1, cfg.optim.lr)])
