@@ -352,6 +352,9 @@ class TrainConfig:
     log_every: int = 10
     seed: int = 0
     skip_nonfinite: bool = False
+    # with skip_nonfinite: this many non-finite steps in a row stop the run as diverged (a state
+    # whose every batch gives NaN would otherwise skip to the end)
+    skip_nonfinite_limit: int = 50
     # Save and exit after this many steps of this invocation (job time limits); None: run on.
     stop_after: Optional[int] = None
     # [first, last]: a jax.profiler trace of those steps in out_dir/profile (train/profile.py)
@@ -359,7 +362,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         for k in ("steps", "global_batch", "micro_batches", "eval_every", "eval_batches",
-                  "log_every"):
+                  "log_every", "skip_nonfinite_limit"):
             _positive(f"train.{k}", getattr(self, k))
         if self.stop_after is not None:
             _positive("train.stop_after", self.stop_after)

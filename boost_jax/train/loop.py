@@ -474,17 +474,29 @@ class _LoopState:
     t_start: float  # perf_counter when the loop started
     first_step_s: float = 0.0  # the first step's time, compilation included
     pending_finite: list = field(default_factory=list)  # device flags not yet checked
+    nonfinite_run: int = 0  # non-finite steps in a row up to the last check
 
 
 def _check_finite(ctx: _RunCtx, ls: _LoopState) -> None:
     """Fetch the finite flags since the last check (one sync); stop at the first bad step."""
     flags = [bool(f) for f in jax.device_get(ls.pending_finite)]
     ls.pending_finite.clear()
+    first = ls.step - len(flags) + 1  # the step of flags[0]
     if not all(flags) and not ctx.cfg.train.skip_nonfinite:
-        bad = ls.step - len(flags) + flags.index(False) + 1
+        bad = first + flags.index(False)
         raise NonFiniteError(
             f"non-finite loss or gradient at step {bad}; no checkpoint was written after it "
             "(lower optim.lr, check the data, or set train.skip_nonfinite=true)")
+    limit = ctx.cfg.train.skip_nonfinite_limit
+    for i, ok in enumerate(flags):
+        ls.nonfinite_run = 0 if ok else ls.nonfinite_run + 1
+        if ls.nonfinite_run >= limit:  # the skipped updates left the state as it was before
+            step = first + i
+            raise NonFiniteError(
+                f"{limit} steps in a row were non-finite and skipped (steps {step - limit + 1}-"
+                f"{step}, train.skip_nonfinite_limit={limit}): the run has diverged; no "
+                "checkpoint was written after them (lower optim.lr or optim.clip_norm, check "
+                "the data, or resume from an earlier step)")
 
 
 def _save(ctx: _RunCtx, ls: _LoopState, force: bool = False) -> None:

@@ -218,3 +218,19 @@ def test_failed_save_keeps_earlier_checkpoints_and_says_so(reference, monkeypatc
     losses = metric_losses(out)
     np.testing.assert_allclose([losses[s] for s in range(1, 10)], [ref[s] for s in range(1, 10)],
                                rtol=1e-6)
+
+
+def test_skip_nonfinite_stops_a_diverged_run(tmp_path):
+    """lr 1e6: the first update ruins the weights, and every step after it is non-finite and
+    skipped; skip_nonfinite_limit=4 of them in a row stop the run at the next save (step 6),
+    with the last checkpoint the one before them."""
+    from boost_jax.train.loop import NonFiniteError
+
+    out = str(tmp_path / "run")
+    cfg = load_config(None, RUN + [f"out_dir={out}", "train.skip_nonfinite=true", "optim.lr=1e6",
+                                   "optim.warmup_frac=0", "train.skip_nonfinite_limit=4"])
+    with pytest.raises(NonFiniteError, match=r"^4 steps in a row were non-finite and skipped "
+                                             r"\(steps 2-5, train\.skip_nonfinite_limit=4\): "
+                                             r"the run has diverged"):
+        run(cfg)
+    assert checkpoint_steps(out) == [3]
