@@ -392,8 +392,9 @@ def _load_plan_inputs(args):
     if args.emit_config is not None:  # before any work: the file may not be written at all
         check_emit_target(args.emit_config, args.config, args.force)
     overrides = args.overrides
-    if args.search:  # the search sets the micro-batch count: the config's may not divide
-        overrides = [*overrides, "train.micro_batches=1"]
+    if args.search:  # the search sets the micro-batches and stages: the config's may not divide
+        overrides = [*overrides, "train.micro_batches=1", "parallel.pp_stages=1",
+                     "parallel.pp_virtual=1"]
     cfg = load_config(args.config, overrides)  # neither imports JAX
     if args.emit_config is not None:  # nor what the planned run will read
         from boost_jax.checkpoints.run_config import run_inputs

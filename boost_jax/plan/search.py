@@ -33,7 +33,7 @@ from boost_jax.sharding.placement import ALL, PRESETS
 PLANS = names.PLANS
 SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "int8": "int8"}
 TP_AXES = ((), ("pair",), ("node",), ("pair", "node"))
-MICRO_SIZES = (1, 2, 4, 8, 16, 32)
+MAX_MICRO = 32  # sequences per device per micro-batch: the largest tried
 PP_STAGES = (1, 2, 4, 8)  # pipeline stages (1F1B) tried where they divide the hosts
 PP_VIRTUAL = (1, 2)  # interleaved chunks per stage, where the micro-batches come in groups of P
 # /keep where it saves the backward's re-gather over the params axes: zero3 keeps the forward's
@@ -196,6 +196,25 @@ def collapses(plan: str, tp_axes: tuple, sizes: dict) -> bool:
     return plan == "hierarchical" and bool(inside) and set(inside) <= set(tp_axes)
 
 
+def micro_sizes(global_batch: int, n_dp: int) -> list[int]:
+    """Sequences per device per micro-batch to try: every divisor of a device's share of the
+    batch up to MAX_MICRO (none if the batch does not divide over the n_dp devices); 5 of 5
+    sequences too, not only powers of two."""
+    share = global_batch // n_dp if global_batch % n_dp == 0 else 0
+    return [b for b in range(1, min(share, MAX_MICRO) + 1) if share % b == 0]
+
+
+def dp_sizes(sizes: dict) -> list[int]:
+    """The data-parallel device counts the search's layouts have on this mesh."""
+    hosts = sizes["global"] * sizes.get("stage", 1)
+    out = set()
+    for pp, axes in itertools.product(PP_STAGES, TP_AXES):
+        if hosts % pp == 0:
+            sz = {"pair": sizes["pair"], "node": sizes["node"], "global": hosts // pp}
+            out.add(axis_size(sz, [a for a in AXES if a not in axes]))
+    return sorted(out)
+
+
 def candidates(cfg, sizes: dict) -> list[Candidate]:
     lowrank = cfg.model.arch != "full"
     modes = ("vanilla", "btp") if lowrank else ("megatron",)
@@ -215,10 +234,10 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
             sz["stage"] = pp
         for mode in (modes if axes else ("none",)):
             n_dp = axis_size(sz, [a for a in AXES if a not in axes])
-            for b, remat in itertools.product(MICRO_SIZES, remats):
-                per = b * n_dp
-                m = cfg.train.global_batch // per
-                if cfg.train.global_batch % per or m < pp:
+            for b, remat in itertools.product(micro_sizes(cfg.train.global_batch, n_dp),
+                                              remats):
+                m = cfg.train.global_batch // (b * n_dp)
+                if m < pp:
                     continue  # 1F1B needs at least as many micro-batches as stages
                 for v in PP_VIRTUAL if pp > 1 else (1,):
                     if v == 1 or (m % pp == 0 and pp * v <= cfg.model.n_layers):
@@ -237,6 +256,11 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
     memory), and ranked by those figures."""
     a = a or Assumptions()
     cands = candidates(cfg, sizes)
+    if not cands:
+        dp = dp_sizes(sizes)
+        raise UserError(f"train.global_batch={cfg.train.global_batch} divides over none of the "
+                        f"data-parallel device counts a layout here has ({', '.join(map(str, dp))}"
+                        f"); choose a multiple of one of them, e.g. {dp[0] * 8}")
     invalid = 0
     for c in cands:
         try:

@@ -356,6 +356,30 @@ def test_search_does_not_refuse_the_micro_batch_count_it_replaces():
         _load_plan_inputs(build_parser().parse(argv))  # one layout: the count is the config's
     cfg = _load_plan_inputs(build_parser().parse(argv + ["--search"]))[0]
     assert cfg.train.global_batch == 4
+    # nor the stage count: the config's 2 stages do not divide 3 nodes, the search's own may
+    staged = ["--config", "configs/cola-1b.yaml", "--topology", "frontier", "--nodes", "3",
+              "parallel.pp_stages=2", "--no-compile"]
+    with pytest.raises(UserError, match=r"parallel\.pp_stages=2 does not divide the 3 nodes"):
+        _load_plan_inputs(build_parser().parse(staged))
+    assert _load_plan_inputs(build_parser().parse(staged + ["--search"]))[2]["global"] == 3
+
+
+def test_search_tries_every_micro_batch_a_devices_share_divides_into():
+    """120 sequences on 24 devices are 5 a device: 5 of 5 is tried (powers of two alone missed
+    it); a batch no data-parallel count divides is one line naming the counts."""
+    from boost_jax.plan.search import candidates, micro_sizes, search
+
+    assert micro_sizes(120, 24) == [1, 5] and micro_sizes(100, 24) == []
+    assert micro_sizes(3072, 48) == [1, 2, 4, 8, 16, 32]  # up to MAX_MICRO
+    cfg = load_config(None, [*TINY, "train.global_batch=120"])
+    sizes = {"pair": 2, "node": 4, "global": 3}
+    assert {(c.micro_size, c.micro_batches) for c in candidates(cfg, sizes)
+            if c.plan == "ddp" and not c.tp_axes and c.pp_stages == 1} == {(1, 5), (5, 1)}
+    with pytest.raises(UserError, match=r"^train\.global_batch=100 divides over none of the "
+                                        r"data-parallel device counts a layout here has "
+                                        r"\(3, 6, 12, 24\)"):
+        search(load_config(None, [*TINY, "train.global_batch=100"]), get_topology("frontier"),
+               sizes)
 
 
 def test_a_layout_that_does_not_fit_points_at_search():
