@@ -107,7 +107,7 @@ def _slurm(args, command: str) -> int:
             from None
     print(f"wrote {shell_word(args.out)}: {job.nodes} nodes x {job.profile.processes_per_node} "
           f"processes x {job.devices_per_process} device(s) on {topo.name}, out_dir "
-          f"{shell_word(job.out_dir)}; submit with: sbatch {shell_word(args.out)}",
+          f"{job.out_dir}; submit with: sbatch {shell_word(args.out)}",  # already a shell word
           file=sys.stderr)
     return 0
 

@@ -72,6 +72,9 @@ def cluster_scripts(tmp_path_factory):
         assert f"submit with: sbatch {job}" in r.stderr
         with open(job) as f:
             out[topo] = (cfg_path, job, f.read())
+        # the line names out_dir as the script sets it (a shell word, not quoted twice)
+        expr = re.search(r"^OUT_DIR=(.*)$", out[topo][2], re.M).group(1)
+        assert f"out_dir {expr}; submit with" in r.stderr, (expr, r.stderr)
     return out
 
 
