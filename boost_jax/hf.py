@@ -260,7 +260,7 @@ BUFFERS = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", ".attentio
            ".attention.masked_bias")
 
 
-def read_tensors(path: str, key: str = "model.init_from") -> Tensors:
+def read_tensors(path: str) -> Tensors:
     """Every tensor of DIR's model.safetensors (or its sharded index) and lowrank.safetensors;
     a file that cannot be read is a one-line error."""
     from safetensors import SafetensorError
@@ -280,7 +280,7 @@ def read_tensors(path: str, key: str = "model.init_from") -> Tensors:
         for name in files:
             out.update(load_file(os.path.join(path, name)))
     except (OSError, ValueError, TypeError, KeyError, AttributeError, SafetensorError) as e:
-        raise UserError(f"{key} {path!r}: {name} cannot be read ({type(e).__name__}: "
+        raise UserError(f"model.init_from {path!r}: {name} cannot be read ({type(e).__name__}: "
                         f"{str(e).splitlines()[0] if str(e) else 'no details'}); export or "
                         "download the model again") from None
     return out

@@ -204,15 +204,24 @@ def micro_sizes(global_batch: int, n_dp: int) -> list[int]:
     return [b for b in range(1, min(share, MAX_MICRO) + 1) if share % b == 0]
 
 
+def staged_mesh(sizes: dict, pp: int) -> dict:
+    """The mesh of a layout with `pp` stages (which divide the hosts): `global` the host groups
+    of one stage, `stage` the stages (absent for 1)."""
+    sz = {"pair": sizes["pair"], "node": sizes["node"],
+          "global": sizes["global"] * sizes.get("stage", 1) // pp}
+    return dict(sz, stage=pp) if pp > 1 else sz
+
+
+def dp_devices(sz: dict, tp_axes: tuple) -> int:
+    """A layout's data-parallel device count: the mesh outside its TP axes and stages."""
+    return axis_size(sz, [a for a in AXES if a not in tp_axes])
+
+
 def dp_sizes(sizes: dict) -> list[int]:
     """The data-parallel device counts the search's layouts have on this mesh."""
     hosts = sizes["global"] * sizes.get("stage", 1)
-    out = set()
-    for pp, axes in itertools.product(PP_STAGES, TP_AXES):
-        if hosts % pp == 0:
-            sz = {"pair": sizes["pair"], "node": sizes["node"], "global": hosts // pp}
-            out.add(axis_size(sz, [a for a in AXES if a not in axes]))
-    return sorted(out)
+    return sorted({dp_devices(staged_mesh(sizes, pp), axes)
+                   for pp, axes in itertools.product(PP_STAGES, TP_AXES) if hosts % pp == 0})
 
 
 def candidates(cfg, sizes: dict) -> list[Candidate]:
@@ -229,11 +238,9 @@ def candidates(cfg, sizes: dict) -> list[Candidate]:
         if (hosts % pp or pp > cfg.model.n_layers or any(sizes[a] <= 1 for a in axes)
                 or collapses(plan, axes, sizes)):
             continue
-        sz = {"pair": sizes["pair"], "node": sizes["node"], "global": hosts // pp}
-        if pp > 1:
-            sz["stage"] = pp
+        sz = staged_mesh(sizes, pp)
         for mode in (modes if axes else ("none",)):
-            n_dp = axis_size(sz, [a for a in AXES if a not in axes])
+            n_dp = dp_devices(sz, axes)
             for b, remat in itertools.product(micro_sizes(cfg.train.global_batch, n_dp),
                                               remats):
                 m = cfg.train.global_batch // (b * n_dp)
