@@ -199,11 +199,17 @@ class Topology:
 
     @property
     def peak_flops(self) -> float:
+        """One device's peak; for `cpu`, this host's rate shared by this process's devices."""
+        return self.device_peak()
+
+    def device_peak(self, devices: Optional[int] = None) -> float:
+        """One device's dense FLOP/s when `devices` share the host (`cpu` only: a plan of N
+        simulated devices runs them all on this machine, whatever this process holds)."""
         if self.nominal_peak_flops is not None:
             return self.nominal_peak_flops
         from boost_jax.backends.cpu_peak import cpu_peak_flops  # lazy: probes on first use
 
-        return cpu_peak_flops()
+        return cpu_peak_flops(devices)
 
     @property
     def devices_per_node(self) -> int:

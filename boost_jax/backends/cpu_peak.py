@@ -2,7 +2,8 @@
 
 A fixed per-core guess made CPU MFU mean little; measured, it reads "fraction of this machine's
 own GEMM rate". The host's rate is shared by the devices JAX simulates on it, so one device's
-peak is the probe's rate / local device count. The probe (a few 512² matmuls, well under a
+peak is the probe's rate / the devices sharing it: this process's for a run, a plan's own count
+for the planner (which may simulate fewer or none). The probe (a few 512² matmuls, well under a
 second) runs once per machine, platform, CPU model, JAX version and device count; its result is
 kept in $XDG_CACHE_HOME/boost_jax/cpu_peak.json (default ~/.cache), but only when the cores
 were not busy (1-minute load average below the core count): a probe beside other work reads a
@@ -111,8 +112,9 @@ def host_gemm_flops() -> float:
     return rate
 
 
-def cpu_peak_flops() -> float:
-    """Peak FLOP/s of one simulated CPU device."""
+def cpu_peak_flops(devices: int | None = None) -> float:
+    """Peak FLOP/s of one simulated CPU device when `devices` share this host (default: this
+    process's local devices)."""
     v = os.environ.get(ENV)
     if v:
         try:
@@ -125,4 +127,4 @@ def cpu_peak_flops() -> float:
         return peak
     import jax
 
-    return host_gemm_flops() / max(1, jax.local_device_count())
+    return host_gemm_flops() / max(1, devices or jax.local_device_count())

@@ -15,8 +15,10 @@ the same thing:
 - ``srun --kill-on-bad-exit=1`` (a dead process would leave the others waiting in a collective);
 - resume on requeue: SLURM sends SIGTERM ``save_margin_s`` before the time limit, train.py
   saves and exits 143, the script then runs ``scontrol requeue`` and the requeued job resumes
-  from that checkpoint (the same script, the same out_dir). A node failure requeues the job
-  too (``--requeue``) and it resumes from the last checkpoint.
+  from that checkpoint (the same script, the same out_dir). A SIGTERM before a new step was
+  saved (a limit too short to start and compile) ends the job instead of requeueing it
+  forever. A node failure requeues the job too (``--requeue``); it resumes from the last
+  checkpoint.
 
 Arguments given to ``sbatch job.sbatch ...`` after the script are passed on to train.py as
 extra overrides (e.g. ``train.stop_after=100``).
@@ -37,7 +39,7 @@ from boost_jax.config import Config, config_to_yaml
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.launch import script_values as sv
 from boost_jax.mesh import AXES, JobProfile, Topology, check_node_shape
-from boost_jax.names import KEPT_SECONDARY
+from boost_jax.names import CHECKPOINTS_DIR, KEPT_SECONDARY
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TRAIN_PY = os.path.join(ROOT, "train.py")
@@ -136,8 +138,12 @@ def out_dir_expr(cfg: Config, profile: JobProfile, account: Optional[str]) -> st
         # ./-v, not -v: a word starting with "-" would be read as an option by mkdir and argparse
         return shlex.quote(cfg.out_dir if not cfg.out_dir.startswith("-") else
                            os.path.join(".", cfg.out_dir))
+    rel = os.path.normpath(cfg.out_dir)
+    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+        raise UserError(f"out_dir={cfg.out_dir!r} climbs out of the scratch directory "
+                        f"({profile.scratch}); give a path inside it or an absolute one")
     root = profile.scratch.replace("{account}", (account or "").lower())
-    return f'"{root}"/{shlex.quote(os.path.normpath(cfg.out_dir))}'
+    return f'"{root}"/{shlex.quote(rel)}'
 
 
 def make_job(cfg: Config, topo: Topology, nodes: Optional[int], account: Optional[str] = None,
@@ -247,7 +253,7 @@ def srun_command(job: Job) -> str:
 
 def layout_text(cfg: Config, layout: Optional[dict]) -> str:
     """The layout the job runs, as the planner resolved it: the plan's roles after tensor
-    parallelism took its axes, TP, pipeline stages and micro-batches."""
+    parallelism took its axes, TP, pipeline stages, micro-batches and dtypes."""
     par, tr = cfg.parallel, cfg.train
     text = f"plan {par.plan}"
     pl = (layout or {}).get("placement")
@@ -268,7 +274,14 @@ def layout_text(cfg: Config, layout: Optional[dict]) -> str:
         text += (f"; {par.pp_stages} pipeline stages ({par.pp_schedule}"
                  + (f", {par.pp_virtual} virtual" if par.pp_virtual > 1 else "") + ")")
     return (text + f"; {tr.micro_batches} micro-batches, remat {tr.remat}; global batch "
-            f"{tr.global_batch} x {cfg.data.seq_len} tokens")
+            f"{tr.global_batch} x {cfg.data.seq_len} tokens; " + dtypes_text(cfg))
+
+
+def dtypes_text(cfg: Config) -> str:
+    """The weights' and the gradient sum's dtypes (the planner's search may lower both)."""
+    master = ", an fp32 master copy" if cfg.model.param_dtype != "float32" else ""
+    return (f"weights {cfg.model.param_dtype}{master}, gradients summed in "
+            f"{cfg.parallel.grad_accum_dtype}")
 
 
 def _header(job: Job) -> list[str]:
@@ -345,8 +358,18 @@ def render(job: Job) -> str:
           "", "# one task per node: JAX, its backend and every device, or stop here",
           node_check_command(job) + ' || { echo "boost_jax: node check failed; not training"; '
           "exit 1; }",
-          "", srun_command(job), "status=$?",
+          "", "# the newest saved step: a job requeues only when it got past it",
+          "newest_step() { ls -- \"$OUT_DIR/%s\" 2>/dev/null | grep -E '^[0-9]+$' | "
+          "sort -n | tail -n 1; }" % CHECKPOINTS_DIR,
+          'BEFORE=$(newest_step)',
+          srun_command(job), "status=$?",
           f"if [ \"$status\" -eq {EXIT_SIGTERM} ]; then",
+          '    if [ "$(newest_step)" = "$BEFORE" ]; then',
+          '        echo "boost_jax: SIGTERM came before a step past ${BEFORE:-the start} was '
+          'saved: the time limit leaves too little to start and train; not requeueing (ask '
+          'for more --time)" >&2',
+          "        exit 1",
+          "    fi",
           '    echo "boost_jax: saved a checkpoint on SIGTERM (time limit near); requeueing job '
           '${SLURM_JOB_ID} to resume it"',
           '    scontrol requeue "$SLURM_JOB_ID" && exit 0',

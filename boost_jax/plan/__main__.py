@@ -120,14 +120,17 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
     from boost_jax.config import config_to_yaml
     from boost_jax.errors import UserError
     from boost_jax.launch.script_values import comment
+    from boost_jax.launch.slurm import dtypes_text
 
     lay, s = pred.layout, pred.sizes
+    how = ("memory with the temporaries of the step compiled for CPU" if "temp_compiled" in
+           pred.memory else "analytic")
     notes = [f"{cfg.name} on {topo.name}: {_hosts(s)} nodes, {_mesh_text(s)} = "
              f"{pred.devices} devices",
              f"layout: plan {lay['plan']}, TP {lay['tp_mode']} x{lay['tp']} over "
              f"{lay['tp_axes'] or '-'}, {lay.get('pipeline_stages', 1)} pipeline stage(s), "
-             f"{pred.micro_batches} micro-batches, remat {lay['remat']}",
-             f"predicted: {pred.memory['total'] / 2**30:.1f} GiB per device of "
+             f"{pred.micro_batches} micro-batches, remat {lay['remat']}; {dtypes_text(cfg)}",
+             f"predicted ({how}): {pred.memory['total'] / 2**30:.1f} GiB per device of "
              f"{topo.hbm_bytes / 2**30:.0f} GiB, {pred.step_time:.3f} s per step, "
              f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%} (collectives overlapped "
              f"as --overlap {pred.assumptions.overlap} assumes)",
@@ -266,7 +269,7 @@ def _time_lines(p, topo) -> list:
          f"  = {_ms(t['total'])} per step  (DP collectives fully overlapped: "
          f"{_ms(t['total_overlapped'])})",
          f"  {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
-         f"MFU {p.mfu:.1%} of {topo.peak_flops / 1e12:.1f} TFLOP/s",
+         f"MFU {p.mfu:.1%} of {p.peak_flops / 1e12:.1f} TFLOP/s",
          "assumptions:"]
     return L + [f"  - {line}" for line in p.assumptions.describe()]
 

@@ -185,6 +185,7 @@ class Prediction:
     tokens_per_s: float
     tflops_per_device: float
     mfu: float
+    peak_flops: float  # one device's, the MFU's denominator
     assumptions: Assumptions
     collectives: list = field(default_factory=list, repr=False)
     notes: list = field(default_factory=list)
@@ -490,7 +491,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     st, pl = state_sizes(cfg, sizes)
     n_dev = int(math.prod(sizes.values()))
     b = cfg.train.global_batch // micro // axis_size(sizes, pl.batch_axes)  # per device
-    peak, hbm = topo.peak_flops, HBM_BW[topo.name]
+    peak, hbm = topo.device_peak(n_dev), HBM_BW[topo.name]
     pp, V = cfg.parallel.pp_stages, cfg.parallel.pp_virtual
     L = layers_per_stage(m.n_layers, pp, V) if pp > 1 else m.n_layers  # per F / B
     bm, hm = block_model(m, b, s, mode, t, a.attention), head_model(m, b, s, mode, t)
@@ -527,7 +528,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
         comm_bytes={lv: comm.level_bytes.get(lv, 0.0) for lv in AXES},
         comm_time={lv: comm.level_time.get(lv, 0.0) for lv in AXES}, memory=mem,
         step_time=total, tokens_per_s=tokens / total, tflops_per_device=tflops,
-        mfu=tflops * 1e12 / peak, assumptions=a, collectives=colls if measured is None else [],
+        mfu=tflops * 1e12 / peak, peak_flops=peak, assumptions=a, collectives=colls if measured is None else [],
         notes=_notes(cfg, pl, measured, L), node_egress=dict(comm.egress or {}))
 
 

@@ -72,7 +72,7 @@ def read_program(comp: dryrun.Compiled, cfg, sizes, full, topo, a: Assumptions) 
     colls = {c.name: c for c in dryrun.full_size_colls(
         colls_from_report(comp.report, cfg.parallel.tp_axes, cfg.train.micro_batches),
         sizes, full)}
-    peak = topo.peak_flops * a.eta_flops
+    peak = topo.device_peak(math.prod(full.values())) * a.eta_flops
     rows, exposed = [], 0.0
     for c in comp.report.collectives:
         s, cc = sched.get(c.name), colls[c.name]

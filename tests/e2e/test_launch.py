@@ -124,7 +124,7 @@ def test_cluster_script_runs_the_planned_mesh(cluster_scripts, topo, tmp_path):
     assert f"OUT_DIR={scratch}\n" in text
     assert s["sbatch"]["account"] == "ABC123" and s["sbatch"]["time"] == "01:30:00"
     assert "requeue" in s["sbatch"] and s["sbatch"]["signal"] == "TERM@300"
-    assert re.search(r'if \[ "\$status" -eq 143 \]; then\n.*\n\s+scontrol requeue '
+    assert re.search(r'if \[ "\$status" -eq 143 \]; then\n(.*\n)*?\s+scontrol requeue '
                      r'"\$SLURM_JOB_ID"', text)
     assert int(s["sbatch"]["cpus-per-task"]) == t.job.cpus_per_task
 
@@ -226,7 +226,7 @@ def test_the_planned_kernel_is_the_one_emitted_and_launched(tmp_path):
              "--allow-demo-data")
     assert r.returncode == 0, r.stderr
     assert load_config(str(cfg)).model.attention == "flash"
-    planned = re.search(r"# predicted: ([\d.]+ GiB per device of \d+ GiB, [\d.]+ s per step)"
+    planned = re.search(r"# predicted \(analytic\): ([\d.]+ GiB per device of \d+ GiB, [\d.]+ s per step)"
                         r".*\(collectives overlapped as --overlap xla assumes\)", cfg.read_text())
     r = _cli("-m", "boost_jax.launch", "slurm", "--config", str(cfg), "--account", "abc",
              "--out", str(job), "--allow-demo-data")
@@ -320,6 +320,29 @@ def test_local_job_trains_and_resumes_after_requeue_like_one_process(jax_cache, 
     a, b = rows(one), rows(two)
     assert [x["step"] for x in b if "loss" in x] == list(range(1, 21))  # re-done rows dropped
     assert_same_metrics(a, b)
+
+
+def test_a_job_requeues_only_after_it_saved_a_new_step(tmp_path):
+    """SIGTERM (exit 143) requeues the job when it saved a step past the one it started from;
+    a job stopped before that (its time limit too short to start and compile) ends, instead of
+    requeueing itself forever. A stand-in for Python saves step 5 in the first run only."""
+    stub, out, job = tmp_path / "py", tmp_path / "run", tmp_path / "job.sbatch"
+    stub.write_text('#!/bin/bash\ncase "$*" in *node_check*) exit 0;; esac\n'
+                    'for a in "$@"; do case "$a" in out_dir=*) o="${a#out_dir=}";; esac; done\n'
+                    'if [ "$SLURM_PROCID" = 0 ] && [ "${SLURM_RESTART_COUNT:-0}" = 0 ]; then\n'
+                    '    mkdir -p "$o/checkpoints/5" "$o/checkpoints/12.orbax-checkpoint-tmp"\n'
+                    'fi\nexit 143\n')
+    stub.chmod(0o755)
+    r = _cli("-m", "boost_jax.launch", "slurm", "--topology", "cpu", "--nodes", "2",
+             "--python", str(stub), f"out_dir={out}", "--out", str(job))
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(["sbatch", str(job)], env=_standin_env(tmp_path), capture_output=True,
+                       text=True, timeout=120)
+    job_id = r.stdout.splitlines()[0].split()[-1]
+    assert r.stdout.count(f"requeueing job {job_id} to resume it") == 1, r.stdout + r.stderr
+    assert "boost_jax: SIGTERM came before a step past 5 was saved: the time limit leaves too " \
+           "little to start and train; not requeueing (ask for more --time)" in r.stderr, r.stderr
+    assert r.returncode == 1
 
 
 def test_script_states_the_effective_layout_and_checks_nodes_first(cluster_scripts):

@@ -68,3 +68,36 @@ def test_a_job_refuses_distributed_settings_that_would_start_its_processes_apart
     assert str(e.value) == said + ("the job's srun starts every process, which join through "
                                    "SLURM's variables (distributed.mode=auto); drop these "
                                    "settings")
+
+
+def test_a_relative_out_dir_stays_inside_the_scratch_directory():
+    """A relative out_dir lands under the profile's scratch root; one that climbs out of it is
+    refused in one line (an absolute out_dir is the way to leave scratch)."""
+    from boost_jax.config import load_config
+    from boost_jax.errors import UserError
+    from boost_jax.launch.slurm import out_dir_expr
+    from boost_jax.mesh import get_topology
+
+    prof = get_topology("frontier").job
+
+    def expr(out_dir):
+        return out_dir_expr(load_config(None, [f"out_dir={out_dir}"]), prof, "ABC1")
+
+    root = prof.scratch.replace("{account}", "abc1")
+    assert expr("runs/a/../b") == f'"{root}"/runs/b'
+    assert expr("/abs/../x") == "/abs/../x"
+    for bad in ("..", "../x", "runs/../../x"):
+        with pytest.raises(UserError, match=r"climbs out of the scratch directory .*; give a "
+                                            r"path inside it or an absolute one"):
+            expr(bad)
+
+
+def test_job_header_names_the_dtypes_the_search_may_have_lowered():
+    from boost_jax.config import load_config
+    from boost_jax.launch.slurm import layout_text
+
+    low = load_config(None, ["model.param_dtype=bfloat16", "parallel.grad_accum_dtype=bfloat16"])
+    assert layout_text(low, None).endswith(
+        " tokens; weights bfloat16, an fp32 master copy, gradients summed in bfloat16")
+    assert layout_text(load_config(None, []), None).endswith(
+        " tokens; weights float32, gradients summed in float32")

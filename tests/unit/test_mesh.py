@@ -90,3 +90,23 @@ def test_cpu_gemm_probe_measures_a_positive_rate():
     from boost_jax.backends import cpu_peak
 
     assert cpu_peak.measure_gemm_flops(n=64, rounds=2) > 0
+
+
+def test_a_cpu_plan_shares_the_host_among_its_own_devices(monkeypatch):
+    """The planner times a layout of N simulated devices as N sharing this host, however many
+    devices the planning process itself holds (an analytic plan holds one; a compiled one N)."""
+    from boost_jax.backends import cpu_peak
+    from boost_jax.config import load_config
+    from boost_jax.plan import costmodel as C
+
+    monkeypatch.delenv(cpu_peak.ENV, raising=False)
+    monkeypatch.setattr(cpu_peak, "host_gemm_flops", lambda: 8e11)
+    cfg = load_config("configs/demo.yaml", ["parallel.plan=zero3"])
+    topo, sizes = get_topology("cpu"), {"pair": 2, "node": 2, "global": 2}
+    seen = []
+    for local in (1, 8):
+        monkeypatch.setattr(jax, "local_device_count", lambda n=local: n)
+        p = C.predict(cfg, topo, sizes)
+        seen.append((p.peak_flops, p.step_time))
+    assert seen[0] == seen[1] and seen[0][0] == pytest.approx(8e11 / 8)
+    assert topo.peak_flops == pytest.approx(8e11 / 8)  # a run: this process's devices share it

@@ -123,9 +123,16 @@ def test_the_emitted_config_runs_what_was_ranked(tmp_path):
         emit_config(str(path), c.config(base), c.prediction, FRONTIER, "test",
                     secondary=c.secondary)
         assert f"# {c.secondary.line}" in path.read_text()
+        assert "\n# predicted (analytic): " in path.read_text()
         back = load_config(str(path), [])
         assert back.parallel.secondary_dtype == c.secondary.dtype
         again = C.predict(back, FRONTIER, SIZES)
         assert again.step_time == pytest.approx(c.prediction.step_time, rel=1e-12)
         assert S.choose(back, FRONTIER, SIZES, None)[1] is None  # explicit now: kept
         assert S.explain(back, FRONTIER, SIZES, None).source == "config"
+    # a compiled plan's memory holds the CPU program's temporaries: the header says so
+    pred = dataclasses.replace(cases[0].prediction,
+                               memory=dict(cases[0].prediction.memory, temp_compiled=1.0))
+    emit_config(str(tmp_path / "c.yaml"), cases[0].config(base), pred, FRONTIER, "test")
+    assert "\n# predicted (memory with the temporaries of the step compiled for CPU): " in (
+        tmp_path / "c.yaml").read_text()
