@@ -40,6 +40,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.batch_size < 1 or (args.max_tokens is not None and args.max_tokens < 2):
         p.error("--batch-size must be >= 1 and --max-tokens >= 2")
+    if args.max_tokens is not None and args.data == "val":
+        p.error("--max-tokens caps a --data SOURCE; --data val scores the run's validation "
+                "windows whole, as each eval step does (leave --max-tokens out)")
     if args.max_tokens is not None and args.max_tokens > MAX_TOKENS:
         p.error(f"--max-tokens {args.max_tokens} is above {MAX_TOKENS} (2^40); leave it out to "
                 "score the whole source")
@@ -87,7 +90,7 @@ def source_tokens(run, source: str, max_tokens):
             dataclasses.replace(run.cfg.data, bin_dtype=dtype)
         return open_bin(source, data, run.tokenizer, "--data")
     budget = None if max_tokens is None else max_tokens * 16  # bytes enough for the tokens
-    docs = read_documents(source, budget, "--data")
+    docs = read_documents(source, budget, "--data", chunked=False)  # a file is one text
     if not docs:
         raise UserError(f"--data {source!r} holds no text; point it at a non-empty corpus")
     return run.tokenizer.encode_documents([t for _, t in docs])

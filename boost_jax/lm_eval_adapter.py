@@ -17,6 +17,7 @@ generation_kwargs are not applied; a warning says so).
 
 from __future__ import annotations
 
+import re
 import sys
 
 from boost_jax.errors import UserError, cli_main
@@ -28,6 +29,23 @@ except ImportError:  # the lm_eval extra is not installed: main() says so
     LM, register_model = object, None
 
 
+LM_EVAL_PASSES = {"device", "max_batch_size"}  # to every model; JAX uses its default device
+
+
+def _whole(name: str, value, low: int):
+    """A whole-number argument (None when not given), or a one-line error naming it."""
+    if value in (None, ""):
+        return None
+    try:
+        n = int(str(value))
+    except ValueError:
+        n = None
+    if n is None or n < low:
+        raise UserError(f"{name}={value} is not a whole number >= {low}; e.g. "
+                        f"{name}={low or 100}")
+    return n
+
+
 def _require_lm_eval() -> None:
     if register_model is None:
         raise UserError("the lm-evaluation-harness is not installed; install the extra "
@@ -37,17 +55,28 @@ def _require_lm_eval() -> None:
 class BoostJaxLM(LM):
     """lm_eval's model interface over a trained run (boost_jax.infer.score.Scorer)."""
 
-    def __init__(self, run: str, step=None, batch_size=8, max_length=None, **_ignored):
-        # lm_eval also passes device and max_batch_size: JAX places on its default device
+    def __init__(self, run=None, step=None, batch_size=8, max_length=None, **extra):
         super().__init__()
         from boost_jax.infer.load import open_run, quiet_libraries
         from boost_jax.infer.score import Scorer
 
+        unknown = sorted(set(extra) - LM_EVAL_PASSES)
+        if unknown:  # a typo such as stpe=100 would otherwise score another step
+            raise UserError(f"model_args {unknown[0]}= is not one of boost_jax's; use "
+                            "run=OUT_DIR, step=N, max_length=N")
+        if not run:
+            raise UserError("model_args needs run=OUT_DIR, the training run's out_dir (e.g. "
+                            "--model_args run=runs/demo)")
         quiet_libraries()
-        size = 8 if batch_size in (None, "auto") or str(batch_size).startswith("auto") \
-            else int(batch_size)
-        self.run = open_run(run, None if step in (None, "") else int(step))
-        self.scorer = Scorer(self.run, size, int(max_length) if max_length else None)
+        auto = batch_size in (None, "auto") or str(batch_size).startswith("auto")
+        size = 8 if auto else _whole("--batch_size", batch_size, 1)
+        step, max_length = (_whole("model_args step", step, 0),
+                            _whole("model_args max_length", max_length, 1))
+        try:
+            self.run = open_run(run, step)
+        except UserError as e:  # open_run's advice names the flags of evaluate / generate
+            raise UserError(re.sub(r"--(run|step) ?", r"\1=", str(e))) from None
+        self.scorer = Scorer(self.run, size, max_length)
         self._warned = False
 
     def loglikelihood(self, requests) -> list:

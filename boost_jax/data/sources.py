@@ -5,7 +5,8 @@
   path/file.jsonl one document per line, from its string "text" field
   path/file.bin   pre-tokenized ids, np.memmap with data.bin_dtype (read lazily, zero copy;
                   checked against the metadata `prepare` writes next to it: token_bin.py)
-  path/file       any other file: UTF-8 text, cut into line-aligned chunks (<= 16 KiB) as documents
+  path/file       any other file: UTF-8 text, cut into line-aligned chunks (<= 16 KiB) as
+                  documents (a line longer than a chunk is cut between two characters)
   path/dir        every .txt/.py/.md/.jsonl file below it, recursively
 
 Text sources are read in sorted order and `data.max_bytes` caps the UTF-8 bytes kept (the
@@ -165,27 +166,40 @@ def _jsonl_docs(path: str, key: str, budget: _Budget, label: str) -> list[tuple[
     return docs
 
 
-def _file_docs(path: str, key: str, budget: _Budget, label: str) -> list[tuple[str, str]]:
+def _file_docs(path: str, key: str, budget: _Budget, label: str,
+               chunked: bool = True) -> list[tuple[str, str]]:
     with open(path, "rb") as f:
         raw = f.read() if budget.left is None else f.read(max(budget.left, 0))
     raw = budget.take(raw) or b""
     _check_text(raw, label)
+    if not chunked:
+        return [(key, _decode(raw))] if raw else []
     docs, start, i = [], 0, 0
     chunk = min(max(len(raw) // 32, _FILE_CHUNK[0]), _FILE_CHUNK[1])
     while start < len(raw):
         end = min(start + chunk, len(raw))
         if end < len(raw):  # end chunks on a line break when there is one
             nl = raw.rfind(b"\n", start, end)
-            end = nl + 1 if nl > start else end
+            end = nl + 1 if nl > start else _char_start(raw, start, end)
         docs.append((f"{key}#{i}", _decode(raw[start:end])))
         start, i = end, i + 1
     return docs
 
 
-def read_documents(source: str, max_bytes: Optional[int],
-                   option: str = "data.source") -> list[tuple[str, str]]:
+def _char_start(raw: bytes, start: int, end: int) -> int:
+    """`end` moved back to the first byte of a UTF-8 character (a cut inside one would decode
+    as two replacement characters); `end` itself where no character starts after `start`."""
+    at = end
+    while at > max(start + 1, end - 3) and raw[at] & 0xC0 == 0x80:  # continuation: 10xxxxxx
+        at -= 1
+    return at if raw[at] & 0xC0 != 0x80 else end
+
+
+def read_documents(source: str, max_bytes: Optional[int], option: str = "data.source",
+                   chunked: bool = True) -> list[tuple[str, str]]:
     """(key, text) pairs of a text source, in deterministic order, capped at max_bytes; errors
-    name the source as `option` (the config key or flag it came from)."""
+    name the source as `option` (the config key or flag it came from). A single text file is
+    cut into chunks for training (`chunked`), or kept one document (scoring it whole)."""
     budget = _Budget(max_bytes)
     if source == "stdlib":
         root = sysconfig.get_paths()["stdlib"]
@@ -197,7 +211,7 @@ def read_documents(source: str, max_bytes: Optional[int],
             name = os.path.basename(source)
             if source.endswith(".jsonl"):
                 return _jsonl_docs(source, name, budget, f"{option} {source!r}")
-            return _file_docs(source, name, budget, f"{option} {source!r}")
+            return _file_docs(source, name, budget, f"{option} {source!r}", chunked)
         found = _walk(source, TEXT_EXTS + (".parquet", ".arrow"), {"__pycache__"})  # one walk
         rels = [r for r in found if r.endswith(TEXT_EXTS)]
         if len(rels) < len(found):  # shards: its text is a dataset card

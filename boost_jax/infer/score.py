@@ -127,16 +127,17 @@ class Scorer:
     def generate_until(self, context: str, until: Sequence[str] = (),
                        max_gen_toks: int = 256) -> str:
         """Greedy continuation of context: at most max_gen_toks tokens, ended by EOS or cut
-        before the first of the `until` strings; the context keeps its last tokens when
-        context + continuation would exceed max_len."""
+        before the first of the `until` strings. The context comes first: the continuation
+        gets the positions of max_len it leaves (fewer tokens than asked when they run out),
+        and a context that alone fills max_len loses its start, leaving one."""
         from boost_jax.infer.greedy import Greedy
 
         if self._decoder is None:
             self._decoder = Greedy(self.run.cfg.model, self.run.params, self.max_len,
                                    self.n_valid)
-        max_new = max(1, min(int(max_gen_toks), self.max_len - 1))
         prompt = [self.tok.eos_id, *(int(i) for i in self.tok.encode(context))]
-        prompt = prompt[-(self.max_len - max_new):]
+        prompt = prompt[-(self.max_len - 1):]
+        max_new = max(1, min(int(max_gen_toks), self.max_len - len(prompt)))
         stops = [s for s in until if s]
         ids: list = []
         for t in self._decoder.tokens(prompt, max_new):

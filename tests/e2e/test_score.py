@@ -111,6 +111,18 @@ def test_generate_until_is_the_decoders_greedy_output(scorer):
                 text[:text.find(stop)]
 
 
+def test_generate_until_keeps_the_context_when_asked_for_more_tokens_than_fit(scorer):
+    """lm_eval's default max_gen_toks (256) is far above max_len here: the context is kept
+    whole and the continuation gets the positions left (the same text as asking for just
+    those); only a context that alone fills max_len loses its start."""
+    tok = scorer.tok
+    for ctx in ["def ", "for i in range(3", "import "]:
+        room = SEQ - 1 - len(tok.encode(ctx))
+        assert scorer.generate_until(ctx, [], 256) == scorer.generate_until(ctx, [], room)
+    long = "x = [" + "1, " * SEQ
+    assert len(scorer.generate_until(long, [], 256)) <= 1  # one position left
+
+
 def _adapter(env, *args, hide_lm_eval=False):
     """python -m boost_jax.lm_eval_adapter; with hide_lm_eval, lm_eval cannot be imported."""
     code = ("import runpy, sys; sys.modules['lm_eval'] = None; "

@@ -68,3 +68,53 @@ def test_evaluate_names_its_own_flag_and_a_relative_source_it_cannot_find(tmp_pa
                                 path=str(tmp_path))
     with pytest.raises(UserError, match=r"'corpus\.md' is a relative path .* pass --data FILE"):
         evaluate.run_val_windows(run)
+
+
+def test_a_text_file_is_scored_whole_and_trained_on_in_whole_characters(tmp_path):
+    """evaluate --data FILE reads the file as one text (no EOS between training chunks, each of
+    which would be a target worth no bytes and a reset context); training's chunks of a file
+    without line breaks end between characters, never inside one."""
+    import types
+
+    from boost_jax import evaluate
+    from boost_jax.data.sources import read_documents
+    from boost_jax.data.tokenizers import ByteTokenizer
+
+    text = "✓" * 400  # 1200 bytes, no line break: three chunks for training
+    (tmp_path / "c.txt").write_text(text, encoding="utf-8")
+    docs = read_documents(str(tmp_path / "c.txt"), None)
+    assert len(docs) > 1 and "".join(t for _, t in docs) == text
+    run = types.SimpleNamespace(tokenizer=ByteTokenizer())
+    ids = evaluate.source_tokens(run, str(tmp_path / "c.txt"), None)
+    assert bytes(ids.astype("uint8").tolist()).decode("utf-8") == text
+
+
+def test_evaluate_refuses_max_tokens_on_the_runs_own_windows(capsys):
+    from boost_jax import evaluate
+
+    with pytest.raises(SystemExit) as e:
+        evaluate.parse_args(["--run", "r", "--max-tokens", "5"])
+    assert e.value.code == 2
+    assert "--max-tokens caps a --data SOURCE; --data val scores the run's validation windows " \
+           "whole" in capsys.readouterr().err
+    assert evaluate.parse_args(["--run", "r", "--data", "x.txt", "--max-tokens", "5"])
+
+
+@pytest.mark.parametrize("kwargs, said", [
+    (dict(step=100), "model_args needs run=OUT_DIR, the training run's out_dir"),
+    (dict(run="r", stpe=100), "model_args stpe= is not one of boost_jax's; use run=OUT_DIR, "
+                              "step=N, max_length=N"),
+    (dict(run="r", step="abc"), "model_args step=abc is not a whole number >= 0"),
+    (dict(run="r", batch_size=0), "--batch_size=0 is not a whole number >= 1"),
+    (dict(run="r", batch_size="x"), "--batch_size=x is not a whole number >= 1"),
+    (dict(run="r", max_length="1.5"), "model_args max_length=1.5 is not a whole number >= 1"),
+    (dict(run="nowhere"), "no run at 'nowhere' (no such directory); pass run=the out_dir of a "
+                          "training run, e.g. run=runs/demo")])
+def test_lm_eval_model_args_are_checked_in_one_line(kwargs, said, monkeypatch, tmp_path):
+    from boost_jax.errors import UserError
+    from boost_jax.lm_eval_adapter import BoostJaxLM
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError) as e:
+        BoostJaxLM(**kwargs, device="cpu", max_batch_size=None)  # lm_eval adds those two
+    assert str(e.value).startswith(said) and "\n" not in str(e.value), str(e.value)
