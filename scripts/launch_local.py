@@ -31,6 +31,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from boost_jax.cli import Parser  # noqa: E402
 from boost_jax.mesh import MAX_CPU_DEVICES  # noqa: E402
 
 
@@ -48,9 +49,18 @@ def _fail(message: str) -> None:
     sys.exit(2)
 
 
+class _Parser(Parser):
+    """One-line errors; an option of train.py given before `--` says where it goes."""
+
+    def error(self, message: str):
+        if message.startswith("unrecognized arguments"):
+            message += ("; put train.py's arguments after --, e.g. python scripts/launch_local.py"
+                        " -n 2 -- --config configs/demo.yaml")
+        super().error(message)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog="python scripts/launch_local.py", description=__doc__)
     p.add_argument("-n", "--num-processes", type=int, required=True)
     p.add_argument("--cpu-devices-per-process", type=int, default=None,
                    help="simulate K CPU devices in each process (sets JAX_PLATFORMS=cpu)")

@@ -166,18 +166,27 @@ def check_bpe_vocab_size(vocab_size: int, option: str = "data.bpe_vocab_size=") 
                         f"any corpus gives merges for; use at most {BPE_MAX_VOCAB}")
 
 
+BPE_MAX_WORD = 64  # bytes: no token is longer
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, save_path: Optional[str] = None) -> HFTokenizer:
     """Train a byte-level BPE (GPT-2 style) on `texts`; EOS `<|endoftext|>` is id 0.
 
     The trainer is deterministic for a given corpus, so separate processes that each train
     produce the same file. If `save_path` is given the JSON is written atomically.
     """
+    from tokenizers import Regex
     from tokenizers import Tokenizer as _HF
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     check_bpe_vocab_size(vocab_size)
     tok = _HF(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # words are cut into pieces of at most BPE_MAX_WORD bytes (one character each after the
+    # byte-level mapping): the trainer's time grows with the square of the longest word, and
+    # one long line of CJK or minified text ran for minutes, deaf to Ctrl-C
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.ByteLevel(add_prefix_space=False),
+        pre_tokenizers.Split(Regex(f".{{1,{BPE_MAX_WORD}}}"), behavior="isolated")])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=[BPE_EOS], show_progress=False,

@@ -149,6 +149,11 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
           f"python -m boost_jax.launch slurm --config {word}", file=sys.stderr)
 
 
+def flop_rate(x: float) -> str:
+    """FLOP/s in the unit that shows them: TFLOP/s on accelerators, GFLOP/s on a CPU."""
+    return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
+
+
 def _layout_line(p, cfg) -> str:
     lay = p.layout
     pl = lay["placement"]
@@ -210,7 +215,8 @@ def _compiled_memory_lines(m: dict, dr) -> list:
 
 def _memory_lines(p, dr, topo, compiled: bool) -> list:
     m = p.memory
-    L = [f"memory per device ({topo.device}, {_gb(topo.hbm_bytes)} {'host RAM' if topo.name == 'cpu' else 'HBM'}, usable "
+    kind = "per simulated device, a fixed budget" if topo.name == "cpu" else "HBM"
+    L = [f"memory per device ({topo.device}, {_gb(topo.hbm_bytes)} {kind}, usable "
          f"{p.assumptions.hbm_usable:.0%}):",
          f"  weights {_bytes(m['weights'])}, fp32 master {_bytes(m['master'])}, Adam m+v "
          f"{_bytes(m['adam'])}, grad accumulator {_bytes(m.get('grads_accumulator', m.get('grads', 0)))}"
@@ -268,8 +274,8 @@ def _time_lines(p, topo) -> list:
          "  " + floor_text(p) + "\n  " + dp_latency_text(p),
          f"  = {_ms(t['total'])} per step  (DP collectives fully overlapped: "
          f"{_ms(t['total_overlapped'])})",
-         f"  {p.tokens_per_s:,.0f} tokens/s, {p.tflops_per_device:.1f} TFLOP/s per device, "
-         f"MFU {p.mfu:.1%} of {p.peak_flops / 1e12:.1f} TFLOP/s",
+         f"  {p.tokens_per_s:,.0f} tokens/s, {flop_rate(p.tflops_per_device * 1e12)} per "
+         f"device, MFU {p.mfu:.1%} of {flop_rate(p.peak_flops)}",
          "assumptions:"]
     return L + [f"  - {line}" for line in p.assumptions.describe()]
 

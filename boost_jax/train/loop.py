@@ -57,6 +57,9 @@ class OutputWriteError(UserError):
 
 
 def _check_writable(out_dir: str, pid: int = 0) -> None:
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"out_dir {out_dir!r} is a file, not a folder; choose another "
+                        "out_dir=...")
     probe = os.path.join(out_dir, f".write_test.{pid}")
     try:
         os.makedirs(out_dir, exist_ok=True)

@@ -116,13 +116,18 @@ def test_launcher_succeeds_when_all_succeed(tmp_path):
 
 
 def test_launcher_bad_counts_are_one_line_and_start_nothing(tmp_path):
-    """-n 0, -n 99999 (a fork storm) and 0 devices per process: one line, exit 2."""
+    """-n 0, -n 99999 (a fork storm), 0 or x devices per process, train.py's options before
+    the --: one line, exit 2."""
     script = tmp_path / "touch.py"
     script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
     for args, msg in ((["-n", "0"], "-n 0 must be between 1 and 64"),
                       (["-n", "99999"], "-n 99999 must be between 1 and 64"),
                       (["-n", "2", "--cpu-devices-per-process", "0"],
-                       "--cpu-devices-per-process 0 must be between 1 and 4096")):
+                       "--cpu-devices-per-process 0 must be between 1 and 4096"),
+                      (["-n", "2", "--cpu-devices-per-process", "x"],
+                       "argument --cpu-devices-per-process: invalid int value: 'x'; see "),
+                      (["-n", "2", "--config", "c.yaml"],  # train.py's, before the --
+                       "unrecognized arguments: --config; put train.py's arguments after --")):
         r = subprocess.run([sys.executable, LAUNCH, *args, "--script", str(script), "--", "x=1"],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stderr.startswith(f"error: {msg}"), r.stderr

@@ -72,6 +72,20 @@ def test_evaluate_counts_each_byte_once_where_windows_split_a_character():
     assert target_bytes(tok, np.array([[tok.eos_id]])) == 0
 
 
+def test_bpe_words_are_cut_so_one_long_line_trains_like_short_ones():
+    """A line of one script with no spaces is one pre-tokenizer word, which the trainer's time
+    grows with the square of (a 200 KB line took minutes): words are cut at BPE_MAX_WORD
+    bytes, so no token is longer, and every text still round-trips."""
+    from boost_jax.data.tokenizers import BPE_MAX_WORD
+
+    long_line = "日本語テキスト" * 4000 + "x" * 50_000  # 134 KB, no space
+    tok = train_bpe(["hello world " * 200, long_line], 600)
+    vocab = tok._tok.get_vocab()
+    assert max(len(t) for t in vocab if t != "<|endoftext|>") <= BPE_MAX_WORD  # 1 char = 1 byte
+    for text in (long_line, "héllo wörld  日本語 " + "y" * 200 + "\n\tz"):
+        assert tok.decode(tok.encode(text)) == text
+
+
 def test_bpe_train_cache_and_reload(tmp_path):
     texts = [_text(i) for i in range(30)]
     calls = []

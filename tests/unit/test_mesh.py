@@ -109,4 +109,7 @@ def test_a_cpu_plan_shares_the_host_among_its_own_devices(monkeypatch):
         p = C.predict(cfg, topo, sizes)
         seen.append((p.peak_flops, p.step_time))
     assert seen[0] == seen[1] and seen[0][0] == pytest.approx(8e11 / 8)
+    from boost_jax.plan.__main__ import report_text
+
+    assert "of 100.0 GFLOP/s\n" in report_text(p, cfg, topo, compiled=False)  # not "0.0 TFLOP/s"
     assert topo.peak_flops == pytest.approx(8e11 / 8)  # a run: this process's devices share it

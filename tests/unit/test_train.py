@@ -106,3 +106,14 @@ def test_a_gpu_topology_on_cpu_devices_is_said():
         "MFU is against the NVIDIA H100 SXM's peak")
     assert foreign_topology(get_topology("dgx-h100"), "gpu") is None
     assert foreign_topology(get_topology("cpu"), "cpu") is None
+
+
+def test_an_out_dir_that_is_a_file_is_named_as_one(tmp_path):
+    from boost_jax.errors import UserError
+    from boost_jax.train.loop import _check_writable
+
+    (tmp_path / "f").write_text("mine")
+    with pytest.raises(UserError, match=r"^out_dir '.*/f' is a file, not a folder; choose "
+                                        r"another out_dir=\.\.\.$"):
+        _check_writable(str(tmp_path / "f"))
+    assert (tmp_path / "f").read_text() == "mine"
