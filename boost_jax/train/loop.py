@@ -393,6 +393,8 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
                                                       existing, meta, say)
     if resumed and start >= cfg.train.steps:  # e.g. the same command again: nothing written
         _nothing_to_train(cfg, out_dir, start, ckpt, say)
+        if main_proc:
+            _finish_interrupted(cfg, out_dir, start, bundle.n_params, say)
         return {"start_step": start, "final_step": start}
     logger = _open_logger(cfg, out_dir, start, resumed, accepted, main_proc, nproc, say)
     thr = _throughput(cfg, mesh, topo, bundle, data, logger)
@@ -424,6 +426,25 @@ def _nothing_to_train(cfg: Config, out_dir: str, start: int, ckpt: Checkpointer,
                         f"train.steps={start} or more to continue it, or another out_dir=...")
     say(f"{out_dir} holds step {start} of train.steps={steps}: nothing to train; raise "
         "train.steps to continue it, or choose another out_dir=...")
+
+
+def _finish_interrupted(cfg: Config, out_dir: str, step: int, n_params: int, say) -> None:
+    """A finished run killed while it wrote its final outputs (after its last save) lacks
+    summary.json, or loss.png: written now from metrics.jsonl, which holds every row."""
+    path, metrics = os.path.join(out_dir, "summary.json"), os.path.join(out_dir, "metrics.jsonl")
+    plot = os.path.join(out_dir, "loss.png")
+    if os.path.exists(path) or not os.path.isfile(metrics):
+        return
+    if cfg.logging.plot and not os.path.exists(plot):
+        plot_losses(metrics, plot, cfg.name)
+    summary = {"start_step": None, "params": n_params, "final_step": step,
+               "written_after": "the run stopped while writing its final outputs",
+               **summarize(metrics, step)}
+    with open(path + ".tmp", "w") as f:
+        json_dump(summary, f, indent=2)
+    os.replace(path + ".tmp", path)
+    say(f"wrote the missing {path} from metrics.jsonl (the run stopped while writing its "
+        "final outputs)")
 
 
 def _close_quietly(logger: MetricsLogger, log: RunLog) -> None:

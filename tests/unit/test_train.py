@@ -117,3 +117,25 @@ def test_an_out_dir_that_is_a_file_is_named_as_one(tmp_path):
                                         r"another out_dir=\.\.\.$"):
         _check_writable(str(tmp_path / "f"))
     assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_a_finished_run_killed_in_its_final_outputs_gets_them_on_a_rerun(straight, tmp_path,
+                                                                          capsys):
+    """A kill after the last save but before summary.json / loss.png: the same command again
+    has nothing to train, and writes them from metrics.jsonl (the same validation losses)."""
+    import shutil
+
+    out = str(tmp_path / "run")
+    shutil.copytree(straight[0], out)
+    want = json.load(open(os.path.join(out, "summary.json")))
+    os.remove(os.path.join(out, "summary.json"))
+    os.remove(os.path.join(out, "loss.png"))
+    run(_cfg(out, "train.steps=20", "train.eval_every=10", "checkpoint.every=10"))
+    got = json.load(open(os.path.join(out, "summary.json")))
+    keys = ("initial_val_loss", "final_val_loss", "last_val_loss", "last_val_step",
+            "final_step", "params")
+    assert {k: got[k] for k in keys} == {k: want[k] for k in keys}
+    assert os.path.getsize(os.path.join(out, "loss.png")) > 1000
+    assert "wrote the missing" in capsys.readouterr().err
+    run(_cfg(out, "train.steps=20", "train.eval_every=10", "checkpoint.every=10"))  # kept
+    assert json.load(open(os.path.join(out, "summary.json"))) == got
