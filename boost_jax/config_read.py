@@ -9,7 +9,8 @@ those into a typed tree, each value checked against its dataclass annotation.
     build(cls, data)                 nested dicts → dataclass `cls`, one-line ConfigError per
                                      mistake (the key, what was expected, the closest valid key)
 
-int → float is the only implicit conversion; strings are refused if they hold a control
+int → float is the only implicit conversion (and a number YAML 1.1 leaves as text, `1e-3`);
+strings are refused if they hold a control
 character or are not UTF-8 (a newline in a path would become a line of a generated script).
 The schema itself is boost_jax/config.py.
 """
@@ -53,10 +54,13 @@ class _WrongType(ConfigError):
 
 
 def _coerce_literal(key: str, value: Any, tp) -> Any:
+    typed = shown(value)
     if isinstance(value, bool):  # YAML 1.1 reads off/on/no/yes as booleans
+        typed = (f"{str(value).lower()} (YAML reads {'yes/on' if value else 'no/off'} as a "
+                 "boolean)")
         value = "on" if value else "off"
     if value not in typing.get_args(tp):
-        raise ConfigError(f"{key}={shown(value)} is not valid: expected {_type_name(tp)}")
+        raise ConfigError(f"{key}={typed} is not valid: expected {_type_name(tp)}")
     return value
 
 
@@ -94,6 +98,8 @@ def _coerce_int(key: str, value: Any, bad: _WrongType) -> int:
 
 def _coerce_float(key: str, value: Any, bad: _WrongType) -> float:
     if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+        if not value.isascii():  # float() would read other scripts' digits
+            raise bad
         try:
             value = float(value)
         except ValueError:
@@ -178,7 +184,10 @@ def _record(key: str, value: Any, tp):
         if k not in value:
             raise ConfigError(f"{key} has no {k!r}; each entry is {shape}")
     hints = typing.get_type_hints(tp)
-    return tp(**{k: _coerce(f"{key}.{k}", v, hints[k]) for k, v in value.items()})
+    try:
+        return tp(**{k: _coerce(f"{key}.{k}", v, hints[k]) for k, v in value.items()})
+    except _WrongType as e:  # final: named at the field (`weight`), not the whole list
+        raise ConfigError(str(e)) from None
 
 
 def all_keys(cls, prefix="") -> list[str]:
@@ -211,14 +220,21 @@ def build(cls, data: dict, prefix: str = "", root=None):
     unknown keys are named against `root`'s (default `cls`) with the closest valid spelling."""
     root = root or cls
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got {data!r}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, got "
+                          f"{shown(data)}")
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
     for key, value in data.items():
         if key not in names:
             full = prefix + str(key)
-            while isinstance(value, dict) and value:  # report the whole dotted key
+            if full in all_keys(root):  # `train.steps: 5` in a file
+                head, _, leaf = full.rpartition(".")
+                raise ConfigError(f"config key {full!r} is written dotted in a file; nest it: "
+                                  f"{head}: on one line, then {leaf}: ... indented under it")
+            for _ in range(4):  # the dotted key, a few levels deep (an alias may loop)
+                if not (isinstance(value, dict) and value):
+                    break
                 key, value = next(iter(value.items()))
                 full += f".{key}"
             raise unknown_key(root, full)
@@ -235,8 +251,10 @@ def set_dotted(root, tree: dict, key: str, value: Any) -> None:
     section (`model={d_model: 64}`) takes a mapping, merged into what the file set."""
     parts = key.split(".")
     node = tree
-    for p in parts[:-1]:
+    for i, p in enumerate(parts[:-1]):
         nxt = node.setdefault(p, {})
+        if nxt is None and dataclasses.is_dataclass(annotation(root, ".".join(parts[:i + 1]))):
+            nxt = node[p] = {}  # an empty section in the file (`model:`) keeps the defaults
         if not isinstance(nxt, dict):
             raise unknown_key(root, key)
         node = nxt

@@ -71,11 +71,13 @@ class BoostJaxLM(LM):
         auto = batch_size in (None, "auto") or str(batch_size).startswith("auto")
         size = 8 if auto else _whole("--batch_size", batch_size, 1)
         step, max_length = (_whole("model_args step", step, 0),
-                            _whole("model_args max_length", max_length, 1))
+                            _whole("model_args max_length", max_length, 2))
         try:
             self.run = open_run(run, step)
         except UserError as e:  # open_run's advice names the flags of evaluate / generate
-            raise UserError(re.sub(r"--(run|step) ?", r"\1=", str(e))) from None
+            msg = str(e).replace("--run runs/demo", "run=runs/demo")
+            raise UserError(re.sub(r"(?<=\s)--(run|step)(?=\s|$)", r"model_args \1=", msg)) \
+                from None
         self.scorer = Scorer(self.run, size, max_length)
         self._warned = False
 

@@ -6,7 +6,7 @@
   path/file.bin   pre-tokenized ids, np.memmap with data.bin_dtype (read lazily, zero copy;
                   checked against the metadata `prepare` writes next to it: token_bin.py)
   path/file       any other file: UTF-8 text, cut into line-aligned chunks (<= 16 KiB) as
-                  documents (a line longer than a chunk is cut between two characters)
+                  documents
   path/dir        every .txt/.py/.md/.jsonl file below it, recursively
 
 Text sources are read in sorted order and `data.max_bytes` caps the UTF-8 bytes kept (the
@@ -180,19 +180,10 @@ def _file_docs(path: str, key: str, budget: _Budget, label: str,
         end = min(start + chunk, len(raw))
         if end < len(raw):  # end chunks on a line break when there is one
             nl = raw.rfind(b"\n", start, end)
-            end = nl + 1 if nl > start else _char_start(raw, start, end)
+            end = nl + 1 if nl > start else end
         docs.append((f"{key}#{i}", _decode(raw[start:end])))
         start, i = end, i + 1
     return docs
-
-
-def _char_start(raw: bytes, start: int, end: int) -> int:
-    """`end` moved back to the first byte of a UTF-8 character (a cut inside one would decode
-    as two replacement characters); `end` itself where no character starts after `start`."""
-    at = end
-    while at > max(start + 1, end - 3) and raw[at] & 0xC0 == 0x80:  # continuation: 10xxxxxx
-        at -= 1
-    return at if raw[at] & 0xC0 != 0x80 else end
 
 
 def read_documents(source: str, max_bytes: Optional[int], option: str = "data.source",

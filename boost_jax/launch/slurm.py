@@ -15,13 +15,13 @@ the same thing:
 - ``srun --kill-on-bad-exit=1`` (a dead process would leave the others waiting in a collective);
 - resume on requeue: SLURM sends SIGTERM ``save_margin_s`` before the time limit, train.py
   saves and exits 143, the script then runs ``scontrol requeue`` and the requeued job resumes
-  from that checkpoint (the same script, the same out_dir). A SIGTERM before a new step was
-  saved (a limit too short to start and compile) ends the job instead of requeueing it
-  forever. A node failure requeues the job too (``--requeue``); it resumes from the last
-  checkpoint.
+  from that checkpoint (the same script, the same out_dir); a SIGTERM before a new step was
+  saved (too short a limit) ends the job instead. A node failure requeues the job too
+  (``--requeue``); it resumes from the last checkpoint.
 
 Arguments given to ``sbatch job.sbatch ...`` after the script are passed on to train.py as
-extra overrides (e.g. ``train.stop_after=100``).
+extra overrides (e.g. ``train.stop_after=100``); ``out_dir`` is refused there, as the script
+watches its own for checkpoints.
 """
 
 from __future__ import annotations
@@ -341,38 +341,55 @@ def render(job: Job) -> str:
     if job.modules:
         L.append("# site modules last: their settings win over the defaults above")
         L += [f"module load {sv.quote(m)} || exit 1" for m in job.modules]
-    yaml_text = config_to_yaml(job.cfg)
-    L += ["", f"OUT_DIR={job.out_dir}", 'CONFIG="$OUT_DIR/job_config.yaml"',
-          'mkdir -p -- "$OUT_DIR" || exit 1',
-          "# the resolved config (train.py --config takes it unchanged), published whole: never",
-          "# written through a link or into a special file of that name",
-          'if [ -L "$CONFIG" ] || { [ -e "$CONFIG" ] && [ ! -f "$CONFIG" ]; }; then',
-          '    echo "boost_jax: $CONFIG is a link or not a regular file; move it away" >&2',
-          "    exit 1",
-          "fi",
-          'NEW_CONFIG=$(mktemp "$OUT_DIR/.job_config.yaml.XXXXXX") || exit 1',
-          *_heredoc_or_exit('"$NEW_CONFIG"', yaml_text, "BOOST_JAX_CONFIG"),
-          "# mktemp made it 0600: the mode a new file gets under the umask",
-          'chmod "$(printf %o $((0666 & ~0$(umask))))" "$NEW_CONFIG" || exit 1',
-          'mv -f -- "$NEW_CONFIG" "$CONFIG" || exit 1',
-          "", "# one task per node: JAX, its backend and every device, or stop here",
-          node_check_command(job) + ' || { echo "boost_jax: node check failed; not training"; '
-          "exit 1; }",
-          "", "# the newest saved step: a job requeues only when it got past it",
-          "newest_step() { ls -- \"$OUT_DIR/%s\" 2>/dev/null | grep -E '^[0-9]+$' | "
-          "sort -n | tail -n 1; }" % CHECKPOINTS_DIR,
-          'BEFORE=$(newest_step)',
-          srun_command(job), "status=$?",
-          f"if [ \"$status\" -eq {EXIT_SIGTERM} ]; then",
-          '    if [ "$(newest_step)" = "$BEFORE" ]; then',
-          '        echo "boost_jax: SIGTERM came before a step past ${BEFORE:-the start} was '
-          'saved: the time limit leaves too little to start and train; not requeueing (ask '
-          'for more --time)" >&2',
-          "        exit 1",
-          "    fi",
-          '    echo "boost_jax: saved a checkpoint on SIGTERM (time limit near); requeueing job '
-          '${SLURM_JOB_ID} to resume it"',
-          '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
-          "fi",
-          'exit "$status"', ""]
+    L += _config_lines(job) + _train_lines(job)
     return "\n".join(L)
+
+def _config_lines(job: Job) -> list[str]:
+    """OUT_DIR (never an override of the job's), and the resolved config written into it."""
+    return ["", f"OUT_DIR={job.out_dir}", 'CONFIG="$OUT_DIR/job_config.yaml"',
+            "# the job's out_dir is OUT_DIR (its checkpoints, its requeue): not an override",
+            'for arg in "$@"; do',
+            '    case "$arg" in out_dir=*)',
+            '        echo "boost_jax: this job trains in $OUT_DIR; drop $arg, or write a job for '
+            'that out_dir with python -m boost_jax.launch slurm" >&2',
+            "        exit 2;;",
+            "    esac",
+            "done",
+            'mkdir -p -- "$OUT_DIR" || exit 1',
+            "# the resolved config (train.py --config takes it unchanged), published whole: "
+            "never",
+            "# written through a link or into a special file of that name",
+            'if [ -L "$CONFIG" ] || { [ -e "$CONFIG" ] && [ ! -f "$CONFIG" ]; }; then',
+            '    echo "boost_jax: $CONFIG is a link or not a regular file; move it away" >&2',
+            "    exit 1",
+            "fi",
+            'NEW_CONFIG=$(mktemp "$OUT_DIR/.job_config.yaml.XXXXXX") || exit 1',
+            *_heredoc_or_exit('"$NEW_CONFIG"', config_to_yaml(job.cfg), "BOOST_JAX_CONFIG"),
+            "# mktemp made it 0600: the mode a new file gets under the umask",
+            'chmod "$(printf %o $((0666 & ~0$(umask))))" "$NEW_CONFIG" || exit 1',
+            'mv -f -- "$NEW_CONFIG" "$CONFIG" || exit 1']
+
+
+def _train_lines(job: Job) -> list[str]:
+    """The node check, training, and the requeue of a job that saved a step past its start."""
+    return ["", "# one task per node: JAX, its backend and every device, or stop here",
+            node_check_command(job) + ' || { echo "boost_jax: node check failed; not '
+            'training"; exit 1; }',
+            "", "# the newest saved step: a job requeues only when it got past it",
+            "newest_step() { ls -- \"$OUT_DIR/%s\" 2>/dev/null | grep -E '^[0-9]+$' | "
+            "sort -n | tail -n 1; }" % CHECKPOINTS_DIR,
+            'BEFORE=$(newest_step)',
+            srun_command(job), "status=$?",
+            f"if [ \"$status\" -eq {EXIT_SIGTERM} ]; then",
+            '    if [ "$(newest_step)" = "$BEFORE" ]; then',
+            '        echo "boost_jax: SIGTERM came before a step past ${BEFORE:-the start} was '
+            'saved: the time limit leaves too little to start and train; not requeueing (ask '
+            'for more --time)" >&2',
+            "        exit 1",
+            "    fi",
+            '    echo "boost_jax: saved a checkpoint on SIGTERM (time limit near); requeueing '
+            'job ${SLURM_JOB_ID} to resume it"',
+            '    scontrol requeue "$SLURM_JOB_ID" && exit 0',
+            "fi",
+            'exit "$status"', ""]
+

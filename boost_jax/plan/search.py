@@ -442,6 +442,19 @@ def _fit_rule(res: SearchResult, topo: Topology) -> str:
     return rule
 
 
+def _table_row(i: int, c: Candidate, cfg, scale: float) -> str:
+    p = c.prediction
+    tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
+    pp = f"{c.pp_stages}" + (f" x{c.pp_virtual}" if c.pp_virtual > 1 else "")
+    plan = c.plan + (" keep" if c.keep else "") + (
+        f" {SHORT[c.secondary.dtype]} sec" if c.secondary else "") + (" xq" if c.xq else "")
+    return (f"| {i} | {plan} | {tp} | {pp} | {c.micro_size} | {c.micro_batches} | {c.remat} | "
+            f"{_precision(c, cfg)} | {p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
+            f"{p.tokens_per_s:,.0f} | {p.tflops_per_device * scale:.1f} | {p.mfu:.1%} | "
+            f"{p.comm_bytes['global'] / 1e9:.2f} | {sum(p.node_egress.values()) / 1e9:.2f} | "
+            f"{('GPU' if c.gpu else 'yes') if c.compiled else 'no'} |")
+
+
 def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int = 15) -> str:
     hosts = sizes["global"] * sizes.get("stage", 1)
     n = sizes["pair"] * sizes["node"] * hosts
@@ -450,23 +463,12 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
              *[f"  {x}" for x in res.notes],
              f"  {len(res.fitting)} of {res.n_evaluated - res.n_invalid - res.n_unlisted} valid "
              f"layouts listed fit ({_fit_rule(res, topo)}); best first:", ""]
+    unit, scale = ("TFLOP/s", 1) if topo.nominal_peak_flops else ("GFLOP/s", 1e3)  # a CPU
     hdr = ("| # | plan | TP | PP | seq/dev/micro | micro-batches | remat | weights/grad sums | "
-           "GiB/dev | step s | tokens/s | TFLOP/s/dev | MFU | global GB/dev/step | "
+           f"GiB/dev | step s | tokens/s | {unit}/dev | MFU | global GB/dev/step | "
            "node egress GB/step | compiled |")
     lines += [hdr, "|" + "---|" * 16]
-    for i, c in enumerate(res.fitting[:top], 1):
-        p = c.prediction
-        tp = f"{c.tp_mode} x{p.layout['tp']} [{','.join(c.tp_axes)}]" if c.tp_axes else "-"
-        pp = f"{c.pp_stages}" + (f" x{c.pp_virtual}" if c.pp_virtual > 1 else "")
-        plan = c.plan + (" keep" if c.keep else "") + (
-            f" {SHORT[c.secondary.dtype]} sec" if c.secondary else "") + (" xq" if c.xq else "")
-        lines.append(f"| {i} | {plan} | {tp} | {pp} | {c.micro_size} | "
-                     f"{c.micro_batches} | {c.remat} | {_precision(c, cfg)} | "
-                     f"{p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
-                     f"{p.tokens_per_s:,.0f} | {p.tflops_per_device:.1f} | {p.mfu:.1%} | "
-                     f"{p.comm_bytes['global'] / 1e9:.2f} | "
-                     f"{sum(p.node_egress.values()) / 1e9:.2f} | "
-                     f"{('GPU' if c.gpu else 'yes') if c.compiled else 'no'} |")
+    lines += [_table_row(i, c, cfg, scale) for i, c in enumerate(res.fitting[:top], 1)]
     ceil = res.ceiling
     if ceil:
         lines += ["", f"highest MFU any fitting layout allows with its data-parallel traffic "

@@ -325,7 +325,8 @@ def test_local_job_trains_and_resumes_after_requeue_like_one_process(jax_cache, 
 def test_a_job_requeues_only_after_it_saved_a_new_step(tmp_path):
     """SIGTERM (exit 143) requeues the job when it saved a step past the one it started from;
     a job stopped before that (its time limit too short to start and compile) ends, instead of
-    requeueing itself forever. A stand-in for Python saves step 5 in the first run only."""
+    requeueing itself forever. A stand-in for Python saves step 5 in the first run only. An
+    out_dir among the job's overrides is refused."""
     stub, out, job = tmp_path / "py", tmp_path / "run", tmp_path / "job.sbatch"
     stub.write_text('#!/bin/bash\ncase "$*" in *node_check*) exit 0;; esac\n'
                     'for a in "$@"; do case "$a" in out_dir=*) o="${a#out_dir=}";; esac; done\n'
@@ -336,6 +337,11 @@ def test_a_job_requeues_only_after_it_saved_a_new_step(tmp_path):
     r = _cli("-m", "boost_jax.launch", "slurm", "--topology", "cpu", "--nodes", "2",
              "--python", str(stub), f"out_dir={out}", "--out", str(job))
     assert r.returncode == 0, r.stderr
+    # an out_dir override would train elsewhere than the folder the script watches
+    r = subprocess.run(["sbatch", str(job), "train.stop_after=3", f"out_dir={tmp_path}/x y"],
+                       env=_standin_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and f"boost_jax: this job trains in {out}; drop out_dir=" \
+        f"{tmp_path}/x y, or write a job" in r.stderr and not out.exists(), r.stderr
     r = subprocess.run(["sbatch", str(job)], env=_standin_env(tmp_path), capture_output=True,
                        text=True, timeout=120)
     job_id = r.stdout.splitlines()[0].split()[-1]

@@ -53,6 +53,13 @@ def test_int_promotes_to_float_not_reverse():
     ("train.global_batch=10000000", "one batch alone holds too many: use a smaller "
                                     r"train\.global_batch or data\.seq_len$"),
     ("distributed.init_timeout_s=2147483648", r"must be in 1\.\.2147483647 seconds"),
+    # a wrong field of a mixture entry is named, not the whole list's type
+    ("data.sources=[{path: a.bin, weight: abc}]",
+     r"^data\.sources\[0\]\.weight='abc' has the wrong type: expected float$"),
+    # what was typed, not the on/off YAML turned the boolean into
+    ("model.lax_gate=no", r"^model\.lax_gate=false \(YAML reads no/off as a boolean\) is not "
+                          r"valid: expected one of 'identity', 'gate'$"),
+    ("optim.lr=١e-٣", r"optim\.lr='١e-٣' has the wrong type"),  # not 0.001
 ])
 def test_bad_input_errors(override, match):
     with pytest.raises(ConfigError, match=match):
@@ -131,3 +138,24 @@ def test_a_second_config_is_refused_not_dropped(capsys):
     assert capsys.readouterr().err.startswith(
         "error: --config is given twice ('a.yaml' and 'b.yaml'); give one")
     assert OverrideParser(prog="train.py").parse(["--config", "a.yaml"]).config == "a.yaml"
+
+
+def test_a_file_read_strictly_but_never_endlessly(tmp_path):
+    """A self-referencing alias, aliases that expand a tiny file to billions of items, a
+    dotted key in a file, and an empty section overridden: one short line each, or defaults."""
+    path = tmp_path / "c.yaml"
+    cases = [("train: &a {x: *a}\n", r"^unknown config key 'train\.x\.x\.x\.x\.x'; "),
+             ("model: [" + ", ".join(f"&a{i} [" + ", ".join([f"*a{i - 1}" if i else "x"] * 10)
+                                      + "]" for i in range(8)) + "]\n",
+              r"^model must be a mapping, got \[\["),
+             ("train.steps: 5\n", r"^config key 'train\.steps' is written dotted in a file; "
+                                  r"nest it: train: on one line, then steps: \.\.\. indented")]
+    for text, match in cases:
+        path.write_text(text)
+        with pytest.raises(ConfigError, match=match) as e:
+            load_config(str(path))
+        assert len(str(e.value)) < 300
+    path.write_text("model:\ntrain:\n  steps: 10\n")
+    for override in ("model.d_model=64", "model={d_model: 64}"):
+        cfg = load_config(str(path), [override])
+        assert (cfg.model.d_model, cfg.train.steps) == (64, 10)

@@ -292,7 +292,14 @@ def test_hierarchical_once_per_step_legs_meet_one_pass():
     assert len(bound) == 1 and best is hier[0]
     assert f"{best.key()}: its cross-node update gather ({gather:.1f} ms) can hide only " \
            f"behind the first forward ({1e3 * p.time['forward']:.1f} ms" in bound[0]
-    assert "hierarchical" in print_search(res, cfg, topo, sizes)
+    table = print_search(res, cfg, topo, sizes)
+    assert "hierarchical" in table and "| TFLOP/s/dev |" in table
+    top = res.fitting[0].prediction
+    assert f"| {top.tokens_per_s:,.0f} | {top.tflops_per_device:.1f} | {top.mfu:.1%} |" in table
+    # a CPU's rate in GFLOP/s: in TFLOP/s every row read 0.0
+    cpu_table = print_search(res, cfg, get_topology("cpu"), sizes)
+    assert "| GFLOP/s/dev |" in cpu_table and f"| {top.tokens_per_s:,.0f} | " \
+        f"{top.tflops_per_device * 1e3:.1f} | {top.mfu:.1%} |" in cpu_table
     assert any(n.startswith("hierarchical with pipeline stages is not listed") for n in res.notes)
     staged = [c for c in candidates(cfg, sizes) if c.plan == "hierarchical" and c.pp_stages > 1]
     assert max(share(C.predict(c.config(cfg), topo, c.sizes)) for c in staged[:24]) > 0.05

@@ -70,10 +70,9 @@ def test_evaluate_names_its_own_flag_and_a_relative_source_it_cannot_find(tmp_pa
         evaluate.run_val_windows(run)
 
 
-def test_a_text_file_is_scored_whole_and_trained_on_in_whole_characters(tmp_path):
-    """evaluate --data FILE reads the file as one text (no EOS between training chunks, each of
-    which would be a target worth no bytes and a reset context); training's chunks of a file
-    without line breaks end between characters, never inside one."""
+def test_a_text_file_is_scored_whole(tmp_path):
+    """evaluate --data FILE reads the file as one text: no EOS between training's chunks, each
+    of which would be a target worth no bytes and a reset context, and no character cut."""
     import types
 
     from boost_jax import evaluate
@@ -82,8 +81,7 @@ def test_a_text_file_is_scored_whole_and_trained_on_in_whole_characters(tmp_path
 
     text = "✓" * 400  # 1200 bytes, no line break: three chunks for training
     (tmp_path / "c.txt").write_text(text, encoding="utf-8")
-    docs = read_documents(str(tmp_path / "c.txt"), None)
-    assert len(docs) > 1 and "".join(t for _, t in docs) == text
+    assert len(read_documents(str(tmp_path / "c.txt"), None)) > 1
     run = types.SimpleNamespace(tokenizer=ByteTokenizer())
     ids = evaluate.source_tokens(run, str(tmp_path / "c.txt"), None)
     assert bytes(ids.astype("uint8").tolist()).decode("utf-8") == text
@@ -107,9 +105,10 @@ def test_evaluate_refuses_max_tokens_on_the_runs_own_windows(capsys):
     (dict(run="r", step="abc"), "model_args step=abc is not a whole number >= 0"),
     (dict(run="r", batch_size=0), "--batch_size=0 is not a whole number >= 1"),
     (dict(run="r", batch_size="x"), "--batch_size=x is not a whole number >= 1"),
-    (dict(run="r", max_length="1.5"), "model_args max_length=1.5 is not a whole number >= 1"),
-    (dict(run="nowhere"), "no run at 'nowhere' (no such directory); pass run=the out_dir of a "
-                          "training run, e.g. run=runs/demo")])
+    (dict(run="r", max_length="1.5"), "model_args max_length=1.5 is not a whole number >= 2"),
+    (dict(run="nowhere"), "no run at 'nowhere' (no such directory); pass model_args run= the "
+                          "out_dir of a training run, e.g. run=runs/demo"),
+    (dict(run="my--step-1"), "no run at 'my--step-1' (no such directory)")])
 def test_lm_eval_model_args_are_checked_in_one_line(kwargs, said, monkeypatch, tmp_path):
     from boost_jax.errors import UserError
     from boost_jax.lm_eval_adapter import BoostJaxLM
