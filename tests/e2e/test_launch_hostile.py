@@ -58,11 +58,14 @@ FIELDS = CONFIG_KEYS + list(OPTIONS) + ["--config"]
 
 
 def _stubs(d):
-    """srun records its words (NUL-separated) and exits $SRUN_EXIT (the node check step: its
-    words to srun_check, exit 0); scontrol and module record."""
+    """srun records its words (NUL-separated), saves step 1 into the out_dir it is given (as
+    train.py would before exiting 143) and exits $SRUN_EXIT (the node check step: its words to
+    srun_check, exit 0); scontrol and module record."""
     os.makedirs(d)
     srun = ('case "$*" in *node_check.py*) printf "%s\\0" "$@" > "$STUB_LOG/srun_check"; '
-            'exit 0;; esac\nprintf "%s\\0" "$@" > "$STUB_LOG/srun"; exit "${SRUN_EXIT:-0}"')
+            'exit 0;; esac\nprintf "%s\\0" "$@" > "$STUB_LOG/srun"\n'
+            'for a in "$@"; do case "$a" in out_dir=*) mkdir -p -- "${a#out_dir=}/checkpoints/1"'
+            ';; esac; done\nexit "${SRUN_EXIT:-0}"')
     for name, body in (("srun", srun),
                        ("scontrol", 'printf "%s " "$@" > "$STUB_LOG/scontrol"'),
                        ("module", 'printf "%s\\n" "$*" >> "$STUB_LOG/module"')):
@@ -259,4 +262,4 @@ def test_the_job_never_writes_its_config_through_a_link(tmp_path, capsys):
     assert stat.S_IMODE(os.stat(out_dir / "job_config.yaml").st_mode) == 0o640  # the umask's
     written = yaml.safe_load((out_dir / "job_config.yaml").read_text())
     assert written["out_dir"] == str(out_dir) and sorted(os.listdir(out_dir)) == [
-        "job_config.yaml"]
+        "checkpoints", "job_config.yaml"]  # the stand-in srun's saved step, and the config
