@@ -10,8 +10,8 @@ those into a typed tree, each value checked against its dataclass annotation.
                                      mistake (the key, what was expected, the closest valid key)
 
 int → float is the only implicit conversion (and a number YAML 1.1 leaves as text, `1e-3`);
-strings are refused if they hold a control
-character or are not UTF-8 (a newline in a path would become a line of a generated script).
+strings are refused if they hold a control character or are not UTF-8 (a newline in a path
+would become a line of a generated script).
 The schema itself is boost_jax/config.py.
 """
 

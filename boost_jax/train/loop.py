@@ -430,7 +430,8 @@ def _nothing_to_train(cfg: Config, out_dir: str, start: int, ckpt: Checkpointer,
 
 def _finish_interrupted(cfg: Config, out_dir: str, step: int, n_params: int, say) -> None:
     """A finished run killed while it wrote its final outputs (after its last save) lacks
-    summary.json, or loss.png: written now from metrics.jsonl, which holds every row."""
+    summary.json, and loss.png when the kill came first: written now from metrics.jsonl,
+    which holds every row."""
     path, metrics = os.path.join(out_dir, "summary.json"), os.path.join(out_dir, "metrics.jsonl")
     plot = os.path.join(out_dir, "loss.png")
     if os.path.exists(path) or not os.path.isfile(metrics):
