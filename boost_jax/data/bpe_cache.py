@@ -25,7 +25,7 @@ from boost_jax.names import CHECKPOINTS_DIR
 RECORD_FILE = "tokenizer.record.json"
 # What decides the merges besides the corpus and size: change it when train_bpe changes.
 TRAINER = ("byte-level BPE, EOS <|endoftext|> id 0, byte alphabet, no prefix space, words "
-           "cut at 64 bytes")  # tokenizers.BPE_MAX_WORD
+           "cut at 256 bytes")  # tokenizers.BPE_MAX_WORD
 _MATCH = ("corpus_sha256", "bpe_vocab_size", "trainer")
 
 

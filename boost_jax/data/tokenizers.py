@@ -166,7 +166,7 @@ def check_bpe_vocab_size(vocab_size: int, option: str = "data.bpe_vocab_size=") 
                         f"any corpus gives merges for; use at most {BPE_MAX_VOCAB}")
 
 
-BPE_MAX_WORD = 64  # bytes: no token is longer
+BPE_MAX_WORD = 256  # bytes: no token is longer
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, save_path: Optional[str] = None) -> HFTokenizer:
