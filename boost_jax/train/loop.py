@@ -441,9 +441,7 @@ def _finish_interrupted(cfg: Config, out_dir: str, step: int, n_params: int, say
     summary = {"start_step": None, "params": n_params, "final_step": step,
                "written_after": "the run stopped while writing its final outputs",
                **summarize(metrics, step)}
-    with open(path + ".tmp", "w") as f:
-        json_dump(summary, f, indent=2)
-    os.replace(path + ".tmp", path)
+    _write_summary(path, summary)
     say(f"wrote the missing {path} from metrics.jsonl (the run stopped while writing its "
         "final outputs)")
 
@@ -461,11 +459,14 @@ def _finish(cfg: Config, out_dir: str, logger: MetricsLogger, summary: dict) -> 
     if cfg.logging.plot:
         plot_losses(logger.path, os.path.join(out_dir, "loss.png"), cfg.name)
     summary.update(summarize(logger.path, summary["final_step"]))
-    path = os.path.join(out_dir, "summary.json")
+    _write_summary(os.path.join(out_dir, "summary.json"), summary)
+    logger.line(_done_line(out_dir, summary))
+
+
+def _write_summary(path: str, summary: dict) -> None:
     with open(path + ".tmp", "w") as f:  # whole or not at all, as a kill may land now
         json_dump(summary, f, indent=2)
     os.replace(path + ".tmp", path)
-    logger.line(_done_line(out_dir, summary))
 
 
 def _done_line(out_dir: str, summary: dict) -> str:
