@@ -68,10 +68,13 @@ def read_prompt(args) -> str:
 
 class TextStream:
     """Writes decoded text as ids arrive, holding back an incomplete UTF-8 character (a byte
-    tokenizer emits multi-byte characters one byte at a time)."""
+    tokenizer emits multi-byte characters one byte at a time). The new ids are decoded after
+    `prompt_ids`, whose text is already shown: a tokenizer may decode a token differently at
+    the start of a text (SentencePiece's Metaspace drops its leading space)."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], 0
+    def __init__(self, tokenizer, prompt_ids=(), out=sys.stdout):
+        self.tok, self.out, self.ids = tokenizer, out, [int(i) for i in prompt_ids]
+        self.shown = len(tokenizer.decode(self.ids))
 
     def __call__(self, token: int) -> None:
         self.ids.append(token)
@@ -119,7 +122,7 @@ def main(argv=None):
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed)
     decoder = Decoder(cfg, run.params, length, sampling, run.tokenizer.vocab_size)
     sys.stdout.write(text)
-    stream = TextStream(run.tokenizer)
+    stream = TextStream(run.tokenizer, prompt)
     _, _, st = decoder.generate(prompt, args.max_new_tokens, run.tokenizer.eos_id, stream)
     stream.close()
     import jax
@@ -129,7 +132,8 @@ def main(argv=None):
             " (from the prefill)")
     print(f"{args.run} step {run.step} ({cfg.arch}) on {jax.devices()[0].platform}: prefill "
           f"{st.prompt_tokens} tokens in {st.prefill_s * 1e3:.1f} ms, decoded {st.new_tokens} "
-          f"token{'s' if st.new_tokens != 1 else ''}{rate} (compile {st.compile_s:.1f} s)",
+          f"token{'s' if st.new_tokens != 1 else ''}{rate} (compile and warm-up "
+          f"{st.compile_s:.1f} s)",
           file=sys.stderr)
     return 0
 

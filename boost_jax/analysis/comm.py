@@ -245,7 +245,9 @@ class CommReport:
     collectives: list[Collective]
     mesh_shape: dict[str, int]
     memory: Optional[dict] = None
-    flops: Optional[float] = None
+    flops: Optional[float] = None  # dots × loop trip counts (hlo.matmul_flops)
+    flops_trips_known: bool = True  # False: some loop's trip count unknown, counted once
+    xla_flops: Optional[float] = None  # cost_analysis(): a loop body counted once
     hlo_text: str = field(default="", repr=False)
 
     def filter(self, kind=None, level=None, in_loop=None, computation=None) -> list[Collective]:
@@ -273,17 +275,12 @@ class CommReport:
         """Bytes leaving one host per step (rings leave a host once per group)."""
         return sum(host_egress(c, self.mesh_shape) for c in self.collectives)
 
-    def time_estimate(self, topology) -> dict[str, float]:
-        """Seconds per step per level from the topology's per-device bandwidth and latency."""
-        from boost_jax.mesh import get_topology
-
-        topo = get_topology(topology) if isinstance(topology, str) else topology
-        return {lv: row["bytes"] / topo.bandwidth(lv) + row["calls"] * topo.latency(lv)
-                for lv, row in self.per_level().items() if lv in MESH_AXES}
-
     def to_dict(self) -> dict:
         return {"mesh": dict(self.mesh_shape), "per_level": self.per_level(),
-                "total_bytes": self.total_bytes, "node_egress_bytes": self.node_egress, "memory": self.memory, "flops": self.flops,
+                "total_bytes": self.total_bytes, "node_egress_bytes": self.node_egress,
+                "memory": self.memory, "flops": self.flops,
+                "flops_trips_known": self.flops_trips_known,
+                "xla_cost_analysis_flops": self.xla_flops,
                 "collectives": [c.to_dict() for c in self.collectives]}
 
     def table(self) -> str:
@@ -318,13 +315,19 @@ class CommReport:
                 f"{k} {_fmt_bytes(m[k])}" for k in ("argument", "output", "temp", "alias",
                                                    "generated_code", "total")))
         if self.flops:
-            lines.append(f"flops per device per step: {self.flops:.3e}")
+            how = ("dots x loop trip counts" if self.flops_trips_known else
+                   "dots x loop trip counts, a loop of unknown count taken once")
+            xla = f"; XLA's cost_analysis, a loop body once: {self.xla_flops:.3e}" \
+                if self.xla_flops else ""
+            lines.append(f"matmul flops per device per step: {self.flops:.3e} ({how}{xla})")
         return "\n".join(lines)
 
 
 def analyze_hlo_text(text: str, mesh, cpu: bool = True) -> CommReport:
     module = H.parse_module(text)
-    return CommReport(extract_collectives(module, mesh, cpu), dict(mesh.shape), hlo_text=text)
+    flops, known = H.matmul_flops(module)
+    return CommReport(extract_collectives(module, mesh, cpu), dict(mesh.shape), flops=flops,
+                      flops_trips_known=known, hlo_text=text)
 
 
 def analyze_compiled(compiled, mesh, cpu: bool = True) -> CommReport:
@@ -333,7 +336,7 @@ def analyze_compiled(compiled, mesh, cpu: bool = True) -> CommReport:
     try:
         ca = compiled.cost_analysis()
         ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-        report.flops = float(ca.get("flops")) if ca and ca.get("flops") is not None else None
+        report.xla_flops = float(ca["flops"]) if ca and ca.get("flops") is not None else None
     except Exception:
         pass
     return report
@@ -397,7 +400,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     @cli_main
     def run() -> int:
-        if args.dump_hlo:  # before the compile: the file may not be written at all
+        if args.dump_hlo is not None:  # before the compile: the file may not be written at all
             from boost_jax.safe_write import check_target
 
             check_target(args.dump_hlo, {"--config": args.config}, args.force,
@@ -416,17 +419,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         mesh = mesh_from_config(cfg)
         compiled = _compile_step(build_step_for_analysis(cfg, mesh), mesh)
         report = analyze_compiled(compiled, mesh)
-        if args.dump_hlo:
+        if args.dump_hlo is not None:
             _dump(args.dump_hlo, report.hlo_text, args.force)
         if args.json:
-            d = report.to_dict()
-            d["time_estimate_s"] = report.time_estimate(cfg.mesh.topology)
-            print(json_dumps(d, indent=1))
+            print(json_dumps(report.to_dict(), indent=1))
         else:
             print(report.table())
-            est = report.time_estimate(cfg.mesh.topology)
-            print(f"comm time estimate on {cfg.mesh.topology}: " +
-                  ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in est.items()))
+            # one network model: the planner's, which times these collectives as NCCL/RCCL
+            print(f"their time on {cfg.mesh.topology}: python -m boost_jax.plan with the same "
+                  "--config and overrides")
         return 0
 
     return run()

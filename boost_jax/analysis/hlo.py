@@ -8,6 +8,7 @@ line is kept raw in `Instr.attrs`.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -393,6 +394,41 @@ def walk(module: Module):
                 for c in ins.called():
                     if c in module.computations:
                         stack.append((c, mult, loops))
+
+
+def matmul_flops(module: Module) -> tuple[float, bool]:
+    """(FLOPs of every dot in the compiled program × its loop trip counts, all trips known).
+
+    XLA's cost_analysis() counts a while body once, so with scanned layers and micro-batches
+    it undercounts by the trip counts; this walks the loops (`walk`) and the fusions they call
+    and counts each dot as 2·|result|·|contracted dims|, the convention of
+    boost_jax.analysis.flops."""
+
+    def dims_of(comp, name):
+        ins = comp.instrs.get(name)
+        return ins.shape[0].dims if ins is not None and ins.shape else None
+
+    def comp_flops(cname: str, depth: int = 0) -> float:
+        comp = module.computations[cname]
+        f = 0.0
+        for ins in comp.instrs.values():
+            if ins.opcode == "dot" and ins.shape:
+                lhs = dims_of(comp, ins.operands[0]) if ins.operands else None
+                cd = ins.attr("lhs_contracting_dims") or "{}"
+                idx = [int(x) for x in cd.strip("{}").split(",") if x.strip()]
+                k = math.prod(lhs[i] for i in idx) if lhs is not None else 1
+                f += 2.0 * ins.shape[0].elements * k
+            elif ins.opcode == "fusion" and depth < 8:
+                f += sum(comp_flops(c, depth + 1) for c in ins.called()
+                         if c in module.computations)
+        return f
+
+    total, known = 0.0, True
+    for comp, mult, _ in walk(module):
+        if mult is None:
+            known, mult = False, 1
+        total += mult * comp_flops(comp.name)
+    return total, known
 
 
 def result_shape(comp: Computation, ins: Instr, kind: str) -> list[Array]:

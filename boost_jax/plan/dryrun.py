@@ -140,10 +140,9 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
     colls = colls_from_report(report, c.parallel.tp_axes, c.train.micro_batches)
     raw = CommSummary.of(colls, topo, a).level_bytes
     colls = full_size_colls(colls, sizes, full)
-    mm, _ = matmul_flops(report.hlo_text)
     return Compiled(c.model.n_layers, dict(sizes), dict(report.memory or {}),
-                    float(report.flops or 0.0), CommSummary.of(colls, topo, a), raw, dt,
-                    len(report.collectives), matmul_flops=mm,
+                    float(report.xla_flops or 0.0), CommSummary.of(colls, topo, a), raw, dt,
+                    len(report.collectives), matmul_flops=report.flops or 0.0,
                     report=report if keep_report else None)
 
 
@@ -162,44 +161,6 @@ LAYER_POINTS = (2, 3)  # compile these layer counts (1 layer lets XLA drop the s
 def _lin(x1: float, x2: float, L: int) -> float:
     a, b = LAYER_POINTS
     return x1 + (L - a) * (x2 - x1) / (b - a)
-
-
-def matmul_flops(hlo_text: str) -> tuple[float, bool]:
-    """(FLOPs of every dot in the compiled program × its loop trip counts, all trips known).
-
-    XLA's cost_analysis() counts a while body once, so with scanned layers and micro-batches
-    it undercounts by the trip counts; this walks the loops (boost_jax.analysis.hlo.walk) and
-    the fusions they call and counts each dot as 2·|result|·|contracted dims| — the convention
-    of boost_jax.analysis.flops."""
-    from boost_jax.analysis import hlo as H
-
-    mod = H.parse_module(hlo_text)
-
-    def dims_of(comp, name):
-        ins = comp.instrs.get(name)
-        return ins.shape[0].dims if ins is not None and ins.shape else None
-
-    def comp_flops(cname: str, depth: int = 0) -> float:
-        comp = mod.computations[cname]
-        f = 0.0
-        for ins in comp.instrs.values():
-            if ins.opcode == "dot" and ins.shape:
-                lhs = dims_of(comp, ins.operands[0]) if ins.operands else None
-                cd = ins.attr("lhs_contracting_dims") or "{}"
-                idx = [int(x) for x in cd.strip("{}").split(",") if x.strip()]
-                k = math.prod(lhs[i] for i in idx) if lhs is not None else 1
-                f += 2.0 * ins.shape[0].elements * k
-            elif ins.opcode == "fusion" and depth < 8:
-                f += sum(comp_flops(c, depth + 1) for c in ins.called()
-                         if c in mod.computations)
-        return f
-
-    total, known = 0.0, True
-    for comp, mult, _ in H.walk(mod):
-        if mult is None:
-            known, mult = False, 1
-        total += mult * comp_flops(comp.name)
-    return total, known
 
 
 @dataclass

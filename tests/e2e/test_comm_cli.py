@@ -19,6 +19,7 @@ def test_cli_analyzes_the_real_training_step():
 
     import numpy as np
 
+    from boost_jax.analysis.flops import flops_per_token
     from boost_jax.config import load_config
     from boost_jax.mesh import mesh_from_config
     from boost_jax.step.build import build_step
@@ -46,4 +47,8 @@ def test_cli_analyzes_the_real_training_step():
     assert 4 * n_params <= total < 4 * n_params + 64  # + the loss
     assert d["per_level"]["global"]["bytes"] == pytest.approx(2 * 7 / 8 * total)
     assert d["per_level"]["pair"]["count"] == d["per_level"]["node"]["count"] == 0
-    assert d["time_estimate_s"]["global"] > 0 and d["memory"]
+    assert d["memory"]
+    # FLOPs per device per step: the analytic model's (3x forward) for this device's 1 sequence
+    fpt = flops_per_token(cfg.model, cfg.data.seq_len)["train"]
+    assert d["flops"] == pytest.approx(fpt * cfg.data.seq_len, rel=0.02)
+    assert d["flops_trips_known"] and d["xla_cost_analysis_flops"] < d["flops"]

@@ -81,3 +81,30 @@ def test_sample_filters():
     masked = np.stack([np.asarray(sample(logits, jax.random.key(s), 5.0, n_valid=256))
                        for s in range(60)])
     assert (wide >= 256).any() and (masked < 256).all()
+
+
+def test_streamed_text_is_the_text_of_prompt_and_new_ids_together():
+    """generate prints the prompt, then what the new ids add to it: decoded after the prompt,
+    not alone, since SentencePiece's Metaspace decoder drops a text's leading space."""
+    import io
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from boost_jax.data.tokenizers import HFTokenizer
+    from boost_jax.generate import TextStream
+
+    vocab = {"<|endoftext|>": 0, "\u2581import": 1, "\u2581os": 2, "\u2581": 3, "\u2581sys": 4}
+    raw = Tokenizer(models.WordLevel(vocab, unk_token="<|endoftext|>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    raw.add_special_tokens(["<|endoftext|>"])
+    tok = HFTokenizer(raw)
+    prompt = np.concatenate([[tok.eos_id], tok.encode("import os")])
+    assert tok.decode(prompt) == "import os" and tok.decode([4]) == "sys"  # alone: no space
+    out = io.StringIO()
+    stream = TextStream(tok, prompt, out)
+    for i in (3, 3, 4):
+        stream(i)
+    stream.close()
+    assert out.getvalue() == "   sys\n"
+    assert tok.decode([*prompt, 3, 3, 4]) == "import os   sys"
