@@ -31,7 +31,7 @@ import yaml
 from boost_jax.config import Config, config_to_yaml
 from boost_jax.checkpoints.seal import ITEMS, SEAL_FILE
 from boost_jax.errors import UserError
-from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE
+from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, UNUSABLE_DIR
 
 DEFINING = ("model", "data", "train.global_batch", "train.seed", "train.scan_layers")
 # under DEFINING but the same math computed another way: a resume may change it freely
@@ -45,6 +45,7 @@ SHAPE_KEYS = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_head
 # the state holds: the family's biases and norms, bf16 weights' fp32 master copy
 STATE_KEYS = ("family", "param_dtype")
 HISTORY_DIR = "configs"
+GLOB_CHARS = ("[", "]", "*", "?", "\\")  # special in a glob pattern: no out_dir may hold them
 USED_FROM = "# used from step"  # the first line of a history entry `record` writes
 # what a run writes into out_dir (train/run_log.py, train/metrics.py, store.py, data/tokenizers.py)
 OUTPUTS = (CONFIG_FILE, HISTORY_DIR, "metrics.jsonl", "summary.json", "loss.png", "tb",
@@ -256,6 +257,17 @@ def _write(path: str, text: str) -> None:
     write_text(path, text, force=True)
 
 
+def refuse_pattern(out_dir: str) -> None:
+    """orbax merges a saved step's per-process files with a glob under the step's path: a
+    folder name holding a pattern character matches nothing (or another folder), and the step,
+    reported saved, can never be read back."""
+    pattern = [c for c in GLOB_CHARS if c in out_dir]
+    if pattern:
+        raise UserError(f"out_dir {out_dir!r} holds {' '.join(pattern)}, which the checkpoint "
+                        "library reads as a file pattern: its saved steps could not be read "
+                        f"back; choose an out_dir without any of {' '.join(GLOB_CHARS)}")
+
+
 def check_inputs(cfg: Config, out_dir: str) -> None:
     """safe_write's rule for train.py's inputs: no output of the run may be, hold or lie inside
     data.source(s), their metadata and tokenizer files, data.tokenizer or model.init_from (the
@@ -263,6 +275,7 @@ def check_inputs(cfg: Config, out_dir: str) -> None:
     from boost_jax.safe_write import refuse_inputs, refuse_special
 
     refuse_special(out_dir, f"out_dir {out_dir!r}", "choose another out_dir=...", folder=True)
+    refuse_pattern(out_dir)
     inputs = run_inputs(cfg)
     for name in (*OUTPUTS, LOCK_FILE):
         target = os.path.join(out_dir, name)
@@ -333,7 +346,8 @@ def _our_step(step_dir: str) -> bool:
 
 
 # written only with profile_steps / logging.wandb: checked for their kind, never a clash
-SOMETIMES = {"profile": True, "wandb": True, "wandb_run_id": False}  # name: is a folder
+SOMETIMES = {"profile": True, "wandb": True, "wandb_run_id": False,  # name: is a folder
+             UNUSABLE_DIR: True}  # where a resume moves steps that failed their checks
 
 
 def _refuse_odd_entries(out_dir: str) -> None:

@@ -112,7 +112,8 @@ def _well_formed(want) -> bool:
 def sealed(step_dir: str, meta: dict) -> bool:
     """Whether a step has a seal to check: its metadata names one, or the file is there (a
     changed metadata may no longer name it); a step saved before seals has neither."""
-    return bool(meta.get("seal")) or os.path.exists(os.path.join(step_dir, SEAL_FILE))
+    named = isinstance(meta, dict) and bool(meta.get("seal"))
+    return named or os.path.exists(os.path.join(step_dir, SEAL_FILE))
 
 
 def check_seal(step_dir: str, part: int = 0, parts: int = 1,

@@ -215,6 +215,17 @@ def checksum_mismatch(got: dict, meta: dict) -> Optional[str]:
     return None
 
 
+def _meta_problem(step: int, meta: Any) -> Optional[str]:
+    """Why a step's readable meta item cannot be the step's: not a mapping, or saved as
+    another step (steps saved before the step was recorded have none to compare)."""
+    if not isinstance(meta, dict):
+        return f"its metadata is a JSON {type(meta).__name__}, not an object"
+    saved = meta.get("step", step)
+    if saved != step:
+        return f"it holds step {saved!r} (its folder was renamed or copied)"
+    return None
+
+
 def _one_writer_per_shard(nproc: int) -> None:
     """In one process, orbax writes each replicated shard from one replica rather than 1/R of
     it from each: the process writes every byte either way, and the split costs a slice kernel
@@ -325,7 +336,9 @@ class Checkpointer:
                 f"the state at step {step} holds non-finite values; not writing checkpoint step "
                 f"{step} (the earlier ones in {self.directory} are intact)")
         self._wait()  # a failed background save surfaces here, before starting another
-        meta = dict(meta, checksums={"kind": CHECKSUM_KIND, "arrays": sums}, seal=SEAL_FILE)
+        # the step inside: a step folder copied or renamed to another number is not that step
+        meta = dict(meta, step=step, checksums={"kind": CHECKSUM_KIND, "arrays": sums},
+                    seal=SEAL_FILE)
         self._sealing = step
         try:
             saved = self.mngr.save(step, args=ocp.args.Composite(
@@ -437,7 +450,7 @@ class Checkpointer:
                     f"its metadata cannot be read: {error_reason(e)}"
             # the metadata's own files first (they are small): a changed one must not be
             # taken for another config by check_meta
-            err = err or self._check_seal(step, meta, "meta")
+            err = err or self._check_seal(step, meta, "meta") or _meta_problem(step, meta)
             if not self._agree(err is None):
                 bad.append((step, err or "another process could not read its metadata"))
                 continue
@@ -478,14 +491,20 @@ class Checkpointer:
     def _set_aside(self, bad: list[tuple[int, str]], good: int) -> None:
         dest_root = os.path.join(os.path.dirname(self.directory), UNUSABLE_DIR)
         moved = {}
-        for step, _ in bad:
+        for step, why in bad:
             dest = os.path.join(dest_root, str(step))
             if os.path.exists(dest):
                 dest = f"{dest}-{int(time.time())}"
             moved[step] = dest
             if self._primary:
-                os.makedirs(dest_root, exist_ok=True)
-                shutil.move(os.path.join(self.directory, str(step)), dest)
+                try:
+                    os.makedirs(dest_root, exist_ok=True)
+                    shutil.move(os.path.join(self.directory, str(step)), dest)
+                except OSError as e:
+                    raise UserError(f"checkpoint step {step} in {self.directory} is unusable "
+                                    f"({why}) and could not be moved to {dest} "
+                                    f"({error_reason(e)}); move it away yourself and rerun"
+                                    ) from None
         if self._nproc > 1:
             from jax.experimental import multihost_utils
 

@@ -134,6 +134,9 @@ def check_layout(cfg: Config, topo: Topology, sizes: dict) -> dict:
 def out_dir_expr(cfg: Config, profile: JobProfile, account: Optional[str]) -> str:
     """out_dir on the scratch file system as a shell word (absolute out_dirs are kept): the
     profile's root is expanded by the job's shell, the config's path never is."""
+    from boost_jax.checkpoints.run_config import refuse_pattern
+
+    refuse_pattern(cfg.out_dir)  # train.py would refuse it when the job starts
     if os.path.isabs(cfg.out_dir) or not profile.scratch:
         # ./-v, not -v: a word starting with "-" would be read as an option by mkdir and argparse
         return shlex.quote(cfg.out_dir if not cfg.out_dir.startswith("-") else

@@ -24,8 +24,12 @@ the cross-process collectives use gloo (JAX's default on this version; set expli
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import socket
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -181,17 +185,61 @@ def _start(cfg: Config) -> Optional[Launch]:
         how = (f"coordinator {launch.coordinator}, {launch.num_processes} processes, this is "
                f"process {launch.process_id}" if launch.coordinator else f"{launch.source} "
                "auto-detection")
+        timeout = cfg.distributed.init_timeout_s
+        if launch.process_id == 0:
+            _refuse_taken_port(launch.coordinator, how)
         try:
-            why = (_unreachable(launch.coordinator, cfg.distributed.init_timeout_s)
+            why = (_unreachable(launch.coordinator, timeout)
                    if launch.coordinator and launch.process_id else None)
             if why is None:
-                jax.distributed.initialize(**kwargs)
+                with _watchdog(timeout, how):
+                    jax.distributed.initialize(**kwargs)
         except Exception as e:  # noqa: BLE001 - RuntimeError / ValueError / XlaRuntimeError
             why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         if why is not None:
-            raise UserError(f"jax.distributed.initialize failed ({how}): {why}; check that every "
-                            "process was started and can reach the coordinator")
+            raise UserError(f"jax.distributed.initialize failed ({how}): {why}; {FIX}")
     return launch
+
+
+FIX = "check that every process was started and can reach the coordinator"
+
+
+def _refuse_taken_port(addr: Optional[str], how: str) -> None:
+    """Process 0 serves the coordinator at `addr`: refuse a port taken on this host, where
+    XLA's service would crash the process (no Python error)."""
+    if addr is None:
+        return
+    port = int(addr.rpartition(":")[2])
+    with socket.socket(socket.AF_INET) as s:  # 0.0.0.0 clashes with a dual-stack listener too
+        # a socket in TIME_WAIT (a run that just ended) is no obstacle: only a listener is
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise UserError(f"jax.distributed cannot start ({how}): port {port} is taken on "
+                                "this host, where process 0 serves the coordinator (another "
+                                "run's?); choose another port for every process") from None
+
+
+@contextlib.contextmanager
+def _watchdog(timeout_s: float, how: str):
+    """XLA aborts the process (SIGABRT, a C++ stack) when start-up times out, a process
+    missing: this ends it first, in one line, exit code 2."""
+    def fire():
+        sys.stderr.write(f"error: jax.distributed.initialize did not finish within "
+                         f"{timeout_s:g} s ({how}): a process is missing or cannot reach the "
+                         f"coordinator; {FIX}, or raise distributed.init_timeout_s\n")
+        sys.stderr.flush()
+        os._exit(2)
+
+    timer = threading.Timer(max(timeout_s - 1.0, 0.5 * timeout_s), fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def maybe_initialize(cfg: Config) -> None:

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
@@ -31,12 +32,13 @@ import numpy as np
 from boost_jax.backends.cpu import dev_compile_options
 from boost_jax.checkpoints import run_config
 from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
-from boost_jax.cli import json_dump
+from boost_jax.cli import json_dumps
 from boost_jax.config import Config
 from boost_jax.data.fingerprint import check_unchanged, identities
 from boost_jax.errors import UserError, out_of_memory
 from boost_jax.mesh import get_topology, mesh_from_config
 from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, KEPT_SECONDARY
+from boost_jax.safe_write import write_text
 from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot_losses,
                                      summarize)
 from boost_jax.train.run_lock import fresh_dirs, hold_out_dir
@@ -56,22 +58,28 @@ class OutputWriteError(UserError):
     """A run output (metrics, TensorBoard, summary) could not be written: disk full, quota."""
 
 
-def _check_writable(out_dir: str, pid: int = 0) -> None:
+def _check_writable(out_dir: str) -> None:
+    """out_dir (and its checkpoints/, which a resume writes into) can take a new file: found at
+    the start, not at the first save. The probe has a name no other file can have."""
+    if os.path.islink(out_dir) and not os.path.exists(out_dir):
+        raise UserError(f"out_dir {out_dir!r} is a link to {os.readlink(out_dir)!r}, which does "
+                        "not exist; create that folder or choose another out_dir=...")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"out_dir {out_dir!r} is a file, not a folder; choose another "
                         "out_dir=...")
-    probe = os.path.join(out_dir, f".write_test.{pid}")
+    folder = out_dir
     try:
         os.makedirs(out_dir, exist_ok=True)
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        for folder in (out_dir, os.path.join(out_dir, CHECKPOINTS_DIR)):
+            if os.path.isdir(folder):
+                fd, probe = tempfile.mkstemp(prefix=".write_test.", dir=folder)
+                os.close(fd)
+                os.remove(probe)
     except OSError as e:
-        if os.path.exists(probe):
-            os.remove(probe)
         fix = ("free space on it or choose another out_dir=..." if e.errno in (
             errno.ENOSPC, errno.EDQUOT) else "choose another out_dir=...")
-        raise UserError(f"out_dir {out_dir!r} is not writable ({e.strerror}); {fix}") from None
+        raise UserError(f"{'out_dir' if folder == out_dir else 'the checkpoint folder'} "
+                        f"{folder!r} is not writable ({e.strerror}); {fix}") from None
 
 
 def _printer(enabled: bool, prefix: str = ""):
@@ -102,10 +110,7 @@ def _trim_metrics(path: str, last_step: int) -> int:
             else:
                 dropped += 1
     if dropped:
-        tmp = path + ".tmp"
-        with open(tmp, "w") as f:
-            f.writelines(kept)
-        os.replace(tmp, path)
+        write_text(path, "".join(kept), force=True)  # whole or not at all: a kill may land now
     return dropped
 
 
@@ -144,7 +149,7 @@ def run(cfg: Config, compiler_options: Optional[dict] = None, cli: bool = False,
     out_dir = os.path.abspath(cfg.out_dir)
     run_config.check_inputs(cfg, out_dir)
     fresh = fresh_dirs(out_dir)  # missing or empty: a refused run leaves it so
-    _check_writable(out_dir, pid)
+    _check_writable(out_dir)
     with hold_out_dir(out_dir, pid == 0, nproc, _printer(pid == 0, "warning: "),
                       check=lambda: run_config.check_out_dir(out_dir, force, config_path),
                       fresh=fresh):
@@ -396,7 +401,11 @@ def _run(cfg: Config, out_dir: str, log: RunLog, compiler_options: Optional[dict
         if main_proc:
             _finish_interrupted(cfg, out_dir, start, bundle.n_params, say)
         return {"start_step": start, "final_step": start}
-    logger = _open_logger(cfg, out_dir, start, resumed, accepted, main_proc, nproc, say)
+    try:
+        logger = _open_logger(cfg, out_dir, start, resumed, accepted, main_proc, nproc, say)
+    except OSError as e:  # trimming metrics.jsonl, recording the config: a full disk
+        log.exception("opening the run's outputs failed", e)
+        raise _write_failed(e, ckpt, log) from None
     thr = _throughput(cfg, mesh, topo, bundle, data, logger)
 
     summary = {"start_step": start, "params": bundle.n_params}
@@ -464,9 +473,7 @@ def _finish(cfg: Config, out_dir: str, logger: MetricsLogger, summary: dict) -> 
 
 
 def _write_summary(path: str, summary: dict) -> None:
-    with open(path + ".tmp", "w") as f:  # whole or not at all, as a kill may land now
-        json_dump(summary, f, indent=2)
-    os.replace(path + ".tmp", path)
+    write_text(path, json_dumps(summary, indent=2), force=True)  # whole: a kill may land now
 
 
 def _done_line(out_dir: str, summary: dict) -> str:

@@ -125,6 +125,40 @@ def test_a_changed_metadata_item_is_caught_before_its_config_is_compared(referen
     assert len(warnings) == 1 and "(file meta/metadata " in warnings[0], warnings
 
 
+def test_a_step_folder_copied_to_another_number_or_with_odd_metadata_is_set_aside(reference,
+                                                                                  tmp_path):
+    """A step copied under a newer number is not that step (its schedule and data position
+    are the old one's); metadata that is JSON but no object, and a file where the unusable
+    steps are moved, are each one line, never a traceback."""
+    from boost_jax.mesh import mesh_from_config
+    from boost_jax.step.build import build_step
+
+    out = str(tmp_path / "run")
+    shutil.copytree(reference, out)
+    ckpt_dir = os.path.join(out, "checkpoints")
+    shutil.copytree(os.path.join(ckpt_dir, str(STEPS - 2)), os.path.join(ckpt_dir, "99"))
+    cfg = load_config(None, RUN + [f"out_dir={out}"])
+    abstract = build_step(cfg, mesh_from_config(cfg)).abstract_state
+    warnings = []
+    found = Checkpointer(ckpt_dir, cfg.checkpoint, warn=warnings.append).restore_latest(abstract)
+    assert found[0] == STEPS and len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"checkpoint step 99 in {ckpt_dir} is unusable (it holds step "
+                                  f"{STEPS - 2} (its folder was renamed or copied)); moved it")
+    open(os.path.join(ckpt_dir, str(STEPS), "meta", "metadata"), "w").write("[1]")
+    warnings.clear()
+    found = Checkpointer(ckpt_dir, cfg.checkpoint, warn=warnings.append).restore_latest(abstract)
+    assert found[0] == STEPS - 2 and len(warnings) == 1, warnings
+    assert "is unusable (file meta/metadata " in warnings[0], warnings
+    shutil.rmtree(os.path.join(out, UNUSABLE_DIR))
+    open(os.path.join(out, UNUSABLE_DIR), "w").write("mine")
+    shutil.copytree(os.path.join(ckpt_dir, str(STEPS - 2)), os.path.join(ckpt_dir, "99"))
+    with pytest.raises(UserError, match=rf"^checkpoint step 99 in {ckpt_dir} is unusable \(it "
+                                        r"holds step .*\) and could not be moved to .* \(.*\); "
+                                        r"move it away yourself and rerun$"):
+        Checkpointer(ckpt_dir, cfg.checkpoint).restore_latest(abstract)
+    assert open(os.path.join(out, UNUSABLE_DIR)).read() == "mine"
+
+
 def test_resume_past_a_changed_byte_trains_on_like_the_reference(reference, tmp_path, capfd):
     """The real resume: a byte changed in the largest array data file of the latest step; the
     run warns, restarts from the previous step and its losses equal the uninterrupted run's."""

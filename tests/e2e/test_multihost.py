@@ -199,20 +199,59 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_saved_step(jax_c
     assert max(r["step"] for r in _rows(out) if "loss" in r) == step
 
 
-def test_unreachable_coordinator_is_a_one_line_error(tmp_path):
-    port = _free_port()  # nobody listens there: rank 1 waits for rank 0's coordinator in vain
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
+def _start_alone(tmp_path, args, env_extra=()):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", **dict(env_extra))
     env.pop("XLA_FLAGS", None)
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--cpu-devices", "4",
-                        "distributed.mode=explicit", f"distributed.coordinator=127.0.0.1:{port}",
-                        "distributed.num_processes=2", "distributed.process_id=1",
-                        "distributed.init_timeout_s=2", f"out_dir={tmp_path / 'run'}"],
-                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2, p.stderr
-    assert p.stderr.strip() == (
-        f"error: jax.distributed.initialize failed (coordinator 127.0.0.1:{port}, 2 processes, "
-        f"this is process 1): nothing answers at 127.0.0.1:{port} after 2 s (Connection "
-        "refused); check that every process was started and can reach the coordinator")
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--cpu-devices", "4",
+                           "distributed.init_timeout_s=2", f"out_dir={tmp_path / 'run'}", *args],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+EXPLICIT = ["distributed.mode=explicit", "distributed.coordinator=127.0.0.1:{port}",
+            "distributed.num_processes=2"]
+HOW = "(coordinator 127.0.0.1:{port}, 2 processes, this is process {rank})"
+FIX = "check that every process was started and can reach the coordinator"
+
+
+@pytest.mark.parametrize("case", ["rank1_unreachable", "rank0_alone", "rank0_port_taken",
+                                  "slurm_rank1_unreachable"])
+def test_a_start_up_that_cannot_meet_is_one_line(tmp_path, case):
+    """Every way a process cannot join is one line and exit 2, nothing written; XLA itself
+    would abort (a C++ stack, SIGABRT) on a timeout, or crash on a taken port."""
+    import socket
+
+    port = _free_port()  # nobody listens there: rank 1 waits for rank 0's coordinator in vain
+    how = HOW.format(port=port, rank=0 if case.startswith("rank0") else 1)
+    args, env, sock = [x.format(port=port) for x in EXPLICIT], {}, None
+    if case == "rank1_unreachable":
+        want = (f"jax.distributed.initialize failed {how}: nothing answers at 127.0.0.1:{port} "
+                f"after 2 s (Connection refused); {FIX}")
+    elif case.startswith("rank0"):
+        want = (f"jax.distributed.initialize did not finish within 2 s {how}: a process is "
+                f"missing or cannot reach the coordinator; {FIX}, or raise "
+                "distributed.init_timeout_s")
+        if case == "rank0_port_taken":
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", port))
+            sock.listen()
+            want = (f"jax.distributed cannot start {how}: port {port} is taken on this host, "
+                    "where process 0 serves the coordinator (another run's?); choose another "
+                    "port for every process")
+    else:  # srun's environment, the coordinator found by JAX's own SLURM detection
+        args, how = [], "(slurm auto-detection)"
+        env = {"SLURM_JOB_ID": "1", "SLURM_NTASKS": "2", "SLURM_PROCID": "1",
+               "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "localhost"}
+        want = (f"jax.distributed.initialize did not finish within 2 s {how}: a process is "
+                f"missing or cannot reach the coordinator; {FIX}, or raise "
+                "distributed.init_timeout_s")
+    if case == "rank1_unreachable" or case.startswith("rank0"):
+        args.append(f"distributed.process_id={0 if case.startswith('rank0') else 1}")
+    try:
+        p = _start_alone(tmp_path, args, env)
+    finally:
+        if sock is not None:
+            sock.close()
+    assert p.returncode == 2 and p.stderr.strip() == f"error: {want}", (p.returncode, p.stderr)
     assert not os.path.exists(tmp_path / "run")
 
 

@@ -335,8 +335,11 @@ def test_failure_5_plan_and_launch_never_overwrite_their_config(tmp_path):
         (tmp_path / name).write_text("mine\n")
     rows = _cli_all([*plan, str(cfg), "--force"], [*launch, str(cfg), "--force"],
                     [*comm, str(cfg), "--force"], [*plan, str(tmp_path / "plan")],
-                    [*launch, str(tmp_path / "job")], [*comm, str(tmp_path / "hlo")])
+                    [*launch, str(tmp_path / "job")], [*comm, str(tmp_path / "hlo")],
+                    [*plan, ""], [*launch, ""], [*comm, ""])
     opts = ("--emit-config", "--out", "--dump-hlo")
+    for r, opt in zip(rows[6:], opts):  # an empty name is not "no file"
+        _one_line(r, rf"{opt} '' is an empty path; .*")
     for r, opt in zip(rows, opts):  # not even with --force
         _one_line(r, rf"{opt} '.*/c\.yaml' is --config '.*/c\.yaml'; writing it would destroy "
                      r"what this command reads \(--force does not change that\)")

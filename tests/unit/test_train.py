@@ -87,6 +87,36 @@ def test_resume_with_other_model_shape_is_refused(straight):
         run(_cfg(out_a, "train.steps=30", "model.d_model=64"))
 
 
+def test_a_full_disk_while_metrics_are_trimmed_is_one_line_and_loses_nothing(straight,
+                                                                             tmp_path,
+                                                                             monkeypatch):
+    """A resume drops metrics.jsonl rows past the restored step: a failed write of it is
+    the run-output error (what failed, what is intact), the file as it was, no temp left."""
+    import errno
+    import shutil
+
+    from boost_jax.train import loop
+    from boost_jax.train.loop import OutputWriteError
+
+    out = str(tmp_path / "run")
+    shutil.copytree(straight[0], out)
+    metrics = os.path.join(out, "metrics.jsonl")
+    with open(metrics, "a") as f:
+        f.write('{"step": 25, "loss": 1.0}\n')  # a row a killed run wrote past its last save
+    before = open(metrics).read()
+
+    def full(path, text, force):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(loop, "write_text", full)
+    with pytest.raises(OutputWriteError, match=r"^writing .*/metrics\.jsonl failed \(No space "
+                                               r"left on device\); checkpoints up to step 20 in "
+                                               r".* are intact; free space and rerun"):
+        run(_cfg(out, "train.steps=30", "train.eval_every=10", "checkpoint.every=10"))
+    assert open(metrics).read() == before
+    assert not [n for n in os.listdir(out) if "tmp" in n]
+
+
 def test_the_done_line_says_when_the_final_step_was_not_evaluated():
     from boost_jax.train.loop import _done_line
 
@@ -117,6 +147,50 @@ def test_an_out_dir_that_is_a_file_is_named_as_one(tmp_path):
                                         r"another out_dir=\.\.\.$"):
         _check_writable(str(tmp_path / "f"))
     assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_out_dir_checks_at_the_start_leave_the_users_files(tmp_path, monkeypatch):
+    """A dangling link and a read-only checkpoints/ are named before any step; the probe's
+    name is unique, so a user's file of the old probe's name is left alone."""
+    import errno
+    import tempfile
+
+    from boost_jax.errors import UserError
+    from boost_jax.train.loop import _check_writable
+
+    os.symlink(tmp_path / "gone", tmp_path / "link")
+    with pytest.raises(UserError, match=r"^out_dir '.*/link' is a link to '.*/gone', which does "
+                                        r"not exist; create that folder or choose another"):
+        _check_writable(str(tmp_path / "link"))
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / ".write_test.0").write_text("mine")
+    _check_writable(str(run_dir))
+    assert sorted(os.listdir(run_dir)) == [".write_test.0", "checkpoints"]
+    assert (run_dir / ".write_test.0").read_text() == "mine"
+    real = tempfile.mkstemp
+
+    def read_only_checkpoints(prefix, dir):  # a read-only mount (this test may run as root)
+        if dir.endswith("checkpoints"):
+            raise PermissionError(errno.EACCES, "Permission denied", dir)
+        return real(prefix=prefix, dir=dir)
+
+    monkeypatch.setattr(tempfile, "mkstemp", read_only_checkpoints)
+    with pytest.raises(UserError, match=r"^the checkpoint folder '.*/run/checkpoints' is not "
+                                        r"writable \(Permission denied\); choose another"):
+        _check_writable(str(run_dir))
+
+
+@pytest.mark.parametrize("name", ["lr[3e-4]", "a*b", "a?b", "a\\b"])
+def test_an_out_dir_the_checkpoint_library_would_glob_is_refused_before_anything(tmp_path,
+                                                                                  name):
+    from boost_jax.errors import UserError
+
+    with pytest.raises(UserError, match=r"^out_dir '.*' holds .+, which the checkpoint library "
+                                        r"reads as a file pattern: .*; choose an out_dir "
+                                        r"without any of \[ \] \* \? \\$"):
+        run(_cfg(str(tmp_path / name)))
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_finished_run_killed_in_its_final_outputs_gets_them_on_a_rerun(straight, tmp_path,
