@@ -111,6 +111,10 @@ def resolve(cfg: Config, env: Optional[Mapping[str, str]] = None) -> Optional[La
         if coord is not None:
             return _checked(Launch(_check_coordinator(coord, where), slurm_n,
                                    _env_int(env, "SLURM_PROCID"), "slurm"))
+        if not env.get("SLURM_JOB_ID"):  # what JAX's SLURM detection looks for
+            raise UserError(f"SLURM_NTASKS={slurm_n} is set but SLURM_JOB_ID is not, so the "
+                            "coordinator cannot be found; start every process with srun inside "
+                            "the job, or set distributed.mode=off for one process")
         return Launch(None, None, None, "slurm")
 
     ompi_n = _env_int(env, "OMPI_COMM_WORLD_SIZE")
@@ -197,11 +201,16 @@ def _start(cfg: Config) -> Optional[Launch]:
         except Exception as e:  # noqa: BLE001 - RuntimeError / ValueError / XlaRuntimeError
             why = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         if why is not None:
-            raise UserError(f"jax.distributed.initialize failed ({how}): {why}; {FIX}")
+            raise UserError(f"jax.distributed.initialize failed ({how}): {why}; "
+                            f"{DETECTED_FIX if launch.coordinator is None else FIX}")
     return launch
 
 
 FIX = "check that every process was started and can reach the coordinator"
+# JAX's own cluster detection found no coordinator, process count or rank
+DETECTED_FIX = ("set JAX_NUM_PROCESSES and JAX_PROCESS_ID beside JAX_COORDINATOR_ADDRESS (or "
+                "start the processes with srun / mpirun), or distributed.mode=off for one "
+                "process")
 
 
 def _refuse_taken_port(addr: Optional[str], how: str) -> None:

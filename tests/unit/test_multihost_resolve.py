@@ -44,6 +44,12 @@ def test_resolve_slurm_and_openmpi():
         Launch(None, None, None, "openmpi")
     with pytest.raises(UserError, match="Open MPI started 2 processes but no coordinator"):
         resolve(_cfg(), {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"})
+    # a task count without a job: JAX's detection would say only "coordinator_address should
+    # be defined"
+    with pytest.raises(UserError, match=r"^SLURM_NTASKS=2 is set but SLURM_JOB_ID is not, so "
+                                        r"the coordinator cannot be found; start every process "
+                                        r"with srun inside the job, or set distributed\.mode=off"):
+        resolve(_cfg(), {"SLURM_NTASKS": "2", "SLURM_PROCID": "0"})
 
 
 def test_resolve_explicit_config():
