@@ -69,12 +69,16 @@ def read_prompt(args) -> str:
 class TextStream:
     """Writes decoded text as ids arrive, holding back an incomplete UTF-8 character (a byte
     tokenizer emits multi-byte characters one byte at a time). The new ids are decoded after
-    `prompt_ids`, whose text is already shown: a tokenizer may decode a token differently at
-    the start of a text (SentencePiece's Metaspace drops its leading space)."""
+    the prompt's last `CONTEXT` ids, whose text is already shown: a tokenizer may decode a
+    token differently at the start of a text (SentencePiece's Metaspace drops its leading
+    space); a few ids are enough for that, and keep each token's decode short."""
+
+    CONTEXT = 8
 
     def __init__(self, tokenizer, prompt_ids=(), out=sys.stdout):
-        self.tok, self.out, self.ids = tokenizer, out, [int(i) for i in prompt_ids]
-        self.shown = len(tokenizer.decode(self.ids))
+        tail = [int(i) for i in prompt_ids][-self.CONTEXT:]
+        self.tok, self.out, self.ids = tokenizer, out, tail
+        self.shown = len(tokenizer.decode(tail))
 
     def __call__(self, token: int) -> None:
         self.ids.append(token)
@@ -132,8 +136,7 @@ def main(argv=None):
             " (from the prefill)")
     print(f"{args.run} step {run.step} ({cfg.arch}) on {jax.devices()[0].platform}: prefill "
           f"{st.prompt_tokens} tokens in {st.prefill_s * 1e3:.1f} ms, decoded {st.new_tokens} "
-          f"token{'s' if st.new_tokens != 1 else ''}{rate} (compile and warm-up "
-          f"{st.compile_s:.1f} s)",
+          f"token{'s' if st.new_tokens != 1 else ''}{rate} (compile {st.compile_s:.1f} s)",
           file=sys.stderr)
     return 0
 

@@ -45,7 +45,6 @@ SHAPE_KEYS = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_head
 # the state holds: the family's biases and norms, bf16 weights' fp32 master copy
 STATE_KEYS = ("family", "param_dtype")
 HISTORY_DIR = "configs"
-GLOB_CHARS = ("[", "]", "*", "?", "\\")  # special in a glob pattern: no out_dir may hold them
 USED_FROM = "# used from step"  # the first line of a history entry `record` writes
 # what a run writes into out_dir (train/run_log.py, train/metrics.py, store.py, data/tokenizers.py)
 OUTPUTS = (CONFIG_FILE, HISTORY_DIR, "metrics.jsonl", "summary.json", "loss.png", "tb",
@@ -259,13 +258,14 @@ def _write(path: str, text: str) -> None:
 
 def refuse_pattern(out_dir: str) -> None:
     """orbax merges a saved step's per-process files with a glob under the step's path: a
-    folder name holding a pattern character matches nothing (or another folder), and the step,
-    reported saved, can never be read back."""
-    pattern = [c for c in GLOB_CHARS if c in out_dir]
-    if pattern:
-        raise UserError(f"out_dir {out_dir!r} holds {' '.join(pattern)}, which the checkpoint "
-                        "library reads as a file pattern: its saved steps could not be read "
-                        f"back; choose an out_dir without any of {' '.join(GLOB_CHARS)}")
+    bracket pair or a backslash in it makes that glob match nothing, and the step, reported
+    saved, can never be read back (measured; `*` and `?` alone match themselves and work)."""
+    bad = "a backslash" if "\\" in out_dir else \
+        f"[{m.group(1)}]" if (m := re.search(r"\[(.*)\]", out_dir)) else None
+    if bad:
+        raise UserError(f"out_dir {out_dir!r} holds {bad}, which the checkpoint library reads "
+                        "as a file pattern: its saved steps could not be read back; choose an "
+                        "out_dir without brackets around text or backslashes")
 
 
 def check_inputs(cfg: Config, out_dir: str) -> None:

@@ -489,26 +489,27 @@ class Checkpointer:
         return None, err or "another process could not read it"
 
     def _set_aside(self, bad: list[tuple[int, str]], good: int) -> None:
+        """Process 0 moves the unusable steps to UNUSABLE_DIR; every process learns whether
+        it could (a failed move is one line on each, none waits for the others)."""
         dest_root = os.path.join(os.path.dirname(self.directory), UNUSABLE_DIR)
-        moved = {}
+        moved, failed = {}, None
         for step, why in bad:
             dest = os.path.join(dest_root, str(step))
             if os.path.exists(dest):
                 dest = f"{dest}-{int(time.time())}"
             moved[step] = dest
-            if self._primary:
+            if self._primary and failed is None:
                 try:
                     os.makedirs(dest_root, exist_ok=True)
                     shutil.move(os.path.join(self.directory, str(step)), dest)
                 except OSError as e:
-                    raise UserError(f"checkpoint step {step} in {self.directory} is unusable "
-                                    f"({why}) and could not be moved to {dest} "
-                                    f"({error_reason(e)}); move it away yourself and rerun"
-                                    ) from None
-        if self._nproc > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("boost_jax:checkpoints_set_aside")
+                    failed = (f"checkpoint step {step} in {self.directory} is unusable ({why}) "
+                              f"and could not be moved to {dest} ({error_reason(e)}); move it "
+                              "away yourself and rerun")
+        if not self._agree(failed is None):
+            raise UserError(failed or f"process 0 could not move unusable checkpoint steps of "
+                            f"{self.directory} aside (its error says why); move them away "
+                            "yourself and rerun")
         self.mngr.reload()
         for step, why in bad:
             self._warn(f"checkpoint step {step} in {self.directory} is unusable ({why}); moved it "

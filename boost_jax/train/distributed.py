@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from boost_jax.config import Config
+from boost_jax.config import MAX_TIMEOUT_S, Config
 from boost_jax.errors import UserError
 
 
@@ -108,14 +108,7 @@ def resolve(cfg: Config, env: Optional[Mapping[str, str]] = None) -> Optional[La
 
     slurm_n = _env_int(env, "SLURM_STEP_NUM_TASKS") or _env_int(env, "SLURM_NTASKS")
     if slurm_n is not None and slurm_n > 1:
-        if coord is not None:
-            return _checked(Launch(_check_coordinator(coord, where), slurm_n,
-                                   _env_int(env, "SLURM_PROCID"), "slurm"))
-        if not env.get("SLURM_JOB_ID"):  # what JAX's SLURM detection looks for
-            raise UserError(f"SLURM_NTASKS={slurm_n} is set but SLURM_JOB_ID is not, so the "
-                            "coordinator cannot be found; start every process with srun inside "
-                            "the job, or set distributed.mode=off for one process")
-        return Launch(None, None, None, "slurm")
+        return _slurm(env, slurm_n, coord, where)
 
     ompi_n = _env_int(env, "OMPI_COMM_WORLD_SIZE")
     if ompi_n is not None and ompi_n > 1:
@@ -135,6 +128,18 @@ def resolve(cfg: Config, env: Optional[Mapping[str, str]] = None) -> Optional[La
     if coord is not None:  # JAX_COORDINATOR_ADDRESS alone: let JAX's cluster detection try
         return Launch(None, None, None, "env")
     return None
+
+
+def _slurm(env: Mapping[str, str], n: int, coord: Optional[str], where: str) -> Launch:
+    """A SLURM step of n tasks: the coordinator given, or found by JAX's SLURM detection."""
+    if coord is not None:
+        return _checked(Launch(_check_coordinator(coord, where), n,
+                               _env_int(env, "SLURM_PROCID"), "slurm"))
+    if not env.get("SLURM_JOB_ID"):  # what JAX's SLURM detection looks for
+        raise UserError(f"SLURM_NTASKS={n} is set but SLURM_JOB_ID is not, so the coordinator "
+                        "cannot be found; start every process with srun inside the job, or set "
+                        "distributed.mode=off for one process")
+    return Launch(None, None, None, "slurm")
 
 
 def setup(cfg: Config, cpu_devices: Optional[int] = None) -> Optional[Launch]:
@@ -182,7 +187,10 @@ def _start(cfg: Config) -> Optional[Launch]:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         except Exception:  # noqa: BLE001 - option absent on other JAX versions
             pass
-        kwargs = {"initialization_timeout": cfg.distributed.init_timeout_s}
+        # XLA's own limit past ours: the watchdog ends a start-up at init_timeout_s, in one
+        # line, before XLA aborts (its abort comes a few seconds after its limit)
+        kwargs = {"initialization_timeout": min(cfg.distributed.init_timeout_s + XLA_MARGIN_S,
+                                                MAX_TIMEOUT_S)}
         if launch.coordinator is not None:
             kwargs.update(coordinator_address=launch.coordinator,
                           num_processes=launch.num_processes, process_id=launch.process_id)
@@ -207,6 +215,7 @@ def _start(cfg: Config) -> Optional[Launch]:
 
 
 FIX = "check that every process was started and can reach the coordinator"
+XLA_MARGIN_S = 30
 # JAX's own cluster detection found no coordinator, process count or rank
 DETECTED_FIX = ("set JAX_NUM_PROCESSES and JAX_PROCESS_ID beside JAX_COORDINATOR_ADDRESS (or "
                 "start the processes with srun / mpirun), or distributed.mode=off for one "
@@ -216,9 +225,13 @@ DETECTED_FIX = ("set JAX_NUM_PROCESSES and JAX_PROCESS_ID beside JAX_COORDINATOR
 def _refuse_taken_port(addr: Optional[str], how: str) -> None:
     """Process 0 serves the coordinator at `addr`: refuse a port taken on this host, where
     XLA's service would crash the process (no Python error)."""
+    addr = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or addr  # what JAX binds, if set
     if addr is None:
         return
-    port = int(addr.rpartition(":")[2])
+    port = addr.rpartition(":")[2]
+    if not port.isdigit():
+        return  # JAX's own error names it
+    port = int(port)
     with socket.socket(socket.AF_INET) as s:  # 0.0.0.0 clashes with a dual-stack listener too
         # a socket in TIME_WAIT (a run that just ended) is no obstacle: only a listener is
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -242,7 +255,7 @@ def _watchdog(timeout_s: float, how: str):
         sys.stderr.flush()
         os._exit(2)
 
-    timer = threading.Timer(max(timeout_s - 1.0, 0.5 * timeout_s), fire)
+    timer = threading.Timer(timeout_s, fire)
     timer.daemon = True
     timer.start()
     try:

@@ -108,3 +108,11 @@ def test_streamed_text_is_the_text_of_prompt_and_new_ids_together():
     stream.close()
     assert out.getvalue() == "   sys\n"
     assert tok.decode([*prompt, 3, 3, 4]) == "import os   sys"
+    long = np.concatenate([prompt, np.tile([1, 2, 4], 40)])  # past the stream's context
+    out = io.StringIO()
+    stream = TextStream(tok, long, out)
+    for i in (4, 3, 1):
+        stream(i)
+    stream.close()
+    assert out.getvalue() == tok.decode([*long, 4, 3, 1])[len(tok.decode(long)):] + "\n"
+    assert out.getvalue() == " sys  import\n"

@@ -73,3 +73,41 @@ def test_resolve_explicit_config():
     with pytest.raises(UserError, match="^JAX_PROCESS_ID=3 with JAX_NUM_PROCESSES=1; the only "):
         resolve(_cfg(), {"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "1",
                          "JAX_PROCESS_ID": "3"})
+
+
+def test_the_watchdog_ends_start_up_at_the_timeout_and_xla_waits_longer(monkeypatch):
+    """A process that joins just inside distributed.init_timeout_s must not be refused: the
+    one-line watchdog fires at that limit, and XLA, whose own timeout aborts the process with
+    a C++ stack, is given a limit past it."""
+    import socket
+    import threading
+
+    import jax
+
+    from boost_jax.train import distributed as D
+
+    with socket.socket() as s:  # a port free now: process 0's check binds it and lets go
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = _cfg("distributed.mode=explicit", f"distributed.coordinator=127.0.0.1:{port}",
+               "distributed.num_processes=2", "distributed.process_id=0",
+               "distributed.init_timeout_s=40")
+    seen = {}
+
+    class Timer:
+        def __init__(self, interval, fn):
+            seen["watchdog"] = interval
+
+        def start(self):
+            pass
+
+        def cancel(self):
+            seen["cancelled"] = True
+
+    monkeypatch.setattr(threading, "Timer", Timer)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(jax.config, "update", lambda *a: None)
+    assert D._start(cfg) == Launch(f"127.0.0.1:{port}", 2, 0, "config")
+    assert seen["watchdog"] == 40 and seen["cancelled"]
+    assert seen["initialization_timeout"] >= 40 + 10
