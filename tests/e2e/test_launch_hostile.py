@@ -191,7 +191,7 @@ def test_heredoc_delimiter_never_occurs_in_the_text(tmp_path):
     assert out.read_text() == text and not marker.exists()
 
 
-@pytest.mark.parametrize("value", ["p #q", "yes", "-v", "'q'", " sp ", "null", "[a]"])
+@pytest.mark.parametrize("value", ["p #q", "yes", "-v", "'q'", " sp ", "null", "{a: b}", "[a"])
 def test_out_dir_reaches_train_py_as_the_same_folder(value, tmp_path, capsys):
     """The job hands train.py `out_dir=...` as an override: read back, it names the folder the
     script made (a YAML reading would cut `#q`, turn `yes` into true, `null` into None; a
