@@ -76,7 +76,7 @@ class TextStream:
     CONTEXT = 8
 
     def __init__(self, tokenizer, prompt_ids=(), out=sys.stdout):
-        tail = [int(i) for i in prompt_ids][-self.CONTEXT:]
+        tail = [int(i) for i in prompt_ids[-self.CONTEXT:]]
         self.tok, self.out, self.ids = tokenizer, out, tail
         self.shown = len(tokenizer.decode(tail))
 

@@ -102,12 +102,12 @@ class Compiled:
     n_layers: int
     sizes: dict
     memory: dict
-    flops: float
+    xla_flops: float  # cost_analysis(): a loop body counted once
     comm: CommSummary
     raw_level_bytes: dict  # as compiled (before re-costing the global group sizes)
     compile_s: float
     n_collectives: int
-    matmul_flops: float = 0.0  # dots × loop trip counts (cost_analysis counts a loop once)
+    flops: float = 0.0  # dots × loop trip counts (CommReport.flops)
     report: object = field(default=None, repr=False)
 
 
@@ -142,7 +142,7 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
     colls = full_size_colls(colls, sizes, full)
     return Compiled(c.model.n_layers, dict(sizes), dict(report.memory or {}),
                     float(report.xla_flops or 0.0), CommSummary.of(colls, topo, a), raw, dt,
-                    len(report.collectives), matmul_flops=report.flops or 0.0,
+                    len(report.collectives), flops=report.flops or 0.0,
                     report=report if keep_report else None)
 
 
@@ -227,7 +227,7 @@ def _compile_layers(cfg, full: dict, small: dict, topo: Topology, a: Assumptions
     L = -(-cfg.model.n_layers // chunks)
     if L <= full_layers_max:
         c = compile_once(cfg, full, small, topo, a, None, keep_report)
-        return _LayerFit([c], False, c.comm, c.memory.get("temp", 0), c.matmul_flops, c.flops,
+        return _LayerFit([c], False, c.comm, c.memory.get("temp", 0), c.flops, c.xla_flops,
                          c.memory.get("argument", 0), [])
     p1, p2 = LAYER_POINTS
     c1 = compile_once(cfg, full, small, topo, a, p1 * chunks, keep_report)
@@ -240,7 +240,7 @@ def _compile_layers(cfg, full: dict, small: dict, topo: Topology, a: Assumptions
             "figures extrapolated linearly (scan over layers: cost is additive)")
     return _LayerFit([c1, c2], True, comm,
                      _lin(c1.memory.get("temp", 0), c2.memory.get("temp", 0), L),
-                     _lin(c1.matmul_flops, c2.matmul_flops, L), _lin(c1.flops, c2.flops, L),
+                     _lin(c1.flops, c2.flops, L), _lin(c1.xla_flops, c2.xla_flops, L),
                      _lin(c1.memory.get("argument", 0), c2.memory.get("argument", 0), L),
                      [note])
 

@@ -50,7 +50,7 @@ def test_plan_reports_what_the_train_step_compiles(hier4):
     ref = analyze_compiled(compiled, mesh)
     for k in ("argument", "output", "temp", "alias"):
         assert prog.memory[k] == ref.memory[k], k
-    assert prog.flops == pytest.approx(ref.xla_flops)  # XLA cost analysis
+    assert prog.xla_flops == pytest.approx(ref.xla_flops)  # XLA cost analysis
     assert dr.flops_compiled == pytest.approx(matmul_flops(parse_module(compiled.as_text()))[0])
     # loop-aware dot count == the analytic model FLOPs (3x forward) of boost_jax.analysis.flops,
     # in the planner and in the comm analyzer's report; cost_analysis counts the scan once
