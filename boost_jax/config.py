@@ -146,6 +146,11 @@ class MeshConfig:
                     f"mesh.shape={self.shape} must be three positive sizes [pair, node, global]")
         if self.nodes is not None:
             _positive("mesh.nodes", self.nodes)
+        if self.shape is not None and self.nodes is not None and self.nodes != self.shape[2]:
+            # the planner would read one, the launcher and train.py the other
+            raise ConfigError(
+                f"mesh.shape={self.shape} has {self.shape[2]} nodes but mesh.nodes={self.nodes}; "
+                "set mesh.nodes=null or make them agree")
 
 
 @dataclass

@@ -268,16 +268,20 @@ def layout_text(cfg: Config, layout: Optional[dict]) -> str:
             ", qwZ int8 gathers" if pl.get("quantize_gather") else "") + (
             ", qgZ int4 gradient reduce-scatter" if pl.get("quantize_grads") else "")
         text += f" ({roles})"
-    xq = [f"{k} {v}" for k, v in (("weights", par.quantize_cross_node_weights),
-                                  ("gradients", par.quantize_cross_node_grads)) if v != "none"]
-    if xq:  # they change the loss: the job's header says so
-        text += f"; cross-node {', '.join(xq)}"
-    text += f"; TP {par.tp_mode} over {par.tp_axes or '-'}"
+    text += cross_node_text(par) + f"; TP {par.tp_mode} over {par.tp_axes or '-'}"
     if par.pp_stages > 1:
         text += (f"; {par.pp_stages} pipeline stages ({par.pp_schedule}"
                  + (f", {par.pp_virtual} virtual" if par.pp_virtual > 1 else "") + ")")
     return (text + f"; {tr.micro_batches} micro-batches, remat {tr.remat}; global batch "
             f"{tr.global_batch} x {cfg.data.seq_len} tokens; " + dtypes_text(cfg))
+
+
+def cross_node_text(par) -> str:
+    """'; cross-node weights int8, gradients int4' for quantized cross-node legs, else '':
+    they change the loss, so every header that describes the layout says so."""
+    xq = [f"{k} {v}" for k, v in (("weights", par.quantize_cross_node_weights),
+                                  ("gradients", par.quantize_cross_node_grads)) if v != "none"]
+    return f"; cross-node {', '.join(xq)}" if xq else ""
 
 
 def dtypes_text(cfg: Config) -> str:

@@ -120,16 +120,21 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
     from boost_jax.config import config_to_yaml
     from boost_jax.errors import UserError
     from boost_jax.launch.script_values import comment
-    from boost_jax.launch.slurm import dtypes_text
+    from boost_jax.launch.slurm import cross_node_text, dtypes_text
 
     lay, s = pred.layout, pred.sizes
-    how = ("memory with the temporaries of the step compiled for CPU" if "temp_compiled" in
-           pred.memory else "analytic")
+    how = "analytic"
+    if "compiled_for" in pred.memory:  # gpu_compile.judged
+        how = (f"memory and exposed collectives of the step compiled for "
+               f"{pred.memory['compiled_for']}")
+    elif "temp_compiled" in pred.memory:
+        how = "memory with the temporaries of the step compiled for CPU"
     notes = [f"{cfg.name} on {topo.name}: {_hosts(s)} nodes, {_mesh_text(s)} = "
              f"{pred.devices} devices",
              f"layout: plan {lay['plan']}, TP {lay['tp_mode']} x{lay['tp']} over "
              f"{lay['tp_axes'] or '-'}, {lay.get('pipeline_stages', 1)} pipeline stage(s), "
-             f"{pred.micro_batches} micro-batches, remat {lay['remat']}; {dtypes_text(cfg)}",
+             f"{pred.micro_batches} micro-batches, remat {lay['remat']}; {dtypes_text(cfg)}"
+             f"{cross_node_text(cfg.parallel)}",
              f"predicted ({how}): {pred.memory['total'] / 2**30:.1f} GiB per device of "
              f"{topo.hbm_bytes / 2**30:.0f} GiB, {pred.step_time:.3f} s per step, "
              f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%} (collectives overlapped "
@@ -155,6 +160,8 @@ def flop_rate(x: float) -> str:
 
 
 def _layout_line(p, cfg) -> str:
+    from boost_jax.launch.slurm import cross_node_text
+
     lay = p.layout
     pl = lay["placement"]
     late = (f", the layers' reduced over {pl['deferred_grad_axes']} in the backward"
@@ -162,8 +169,9 @@ def _layout_line(p, cfg) -> str:
     sec = KEPT_SECONDARY if pl["secondary"] == [] else pl["secondary"] or "-"
     return (f"layout: plan {lay['plan']} (params {pl['params'] or '-'}, grads {pl['grads'] or '-'}"
             f"{late}, opt_state {pl['opt_state'] or '-'}, secondary {sec}"
-            f"{' int8' if pl['int8_secondary'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''})"
-            f"; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; "
+            f"{' int8' if pl['int8_secondary'] else ''}{', qwZ int8 gathers' if pl['quantize_gather'] else ''}"
+            f"{', qgZ int4 gradient reduce-scatter' if pl.get('quantize_grads') else ''})"
+            f"{cross_node_text(cfg.parallel)}; TP {lay['tp_mode']} x{lay['tp']} over {lay['tp_axes'] or '-'}; "
             + (f"{lay['pipeline_stages']} pipeline stages ({lay['pp_schedule']}"
                + (f", {lay['pp_virtual']} virtual" if (lay.get("pp_virtual") or 1) > 1 else "")
                + "); "
@@ -344,8 +352,9 @@ def _check_flag_needs(args) -> None:
             raise UserError(f"{flag} does nothing here: it needs {what}; drop it or add that")
 
 
-def run_gpu_compile(args, cfg, topo, full: dict, a) -> int:
-    """--gpu-compile: the analytic prediction, then the GPU program next to it."""
+def run_gpu_compile(args, cfg, topo, full: dict, a, command: str) -> int:
+    """--gpu-compile: the analytic prediction, then the GPU program next to it; --emit-config
+    writes the layout when the GPU program compiles and its memory fits."""
     from boost_jax.analysis.flops import param_count
     from boost_jax.errors import UserError
     from boost_jax.plan import dryrun, gpu_compile
@@ -376,6 +385,9 @@ def run_gpu_compile(args, cfg, topo, full: dict, a) -> int:
             "follows")
         print(text + "\n\n" + (gpu_compile.report_text(g) if g else
                                  f"GPU program: NOT COMPILED ({failure})"))
+    if args.emit_config:
+        judged = gpu_compile.judged(pred, g, a, topo.hbm_bytes) if g else pred
+        _emit_layout(args, judged, cfg, topo, failure, command)
     return 1 if failure else 0
 
 
@@ -455,7 +467,7 @@ def run_search(args, cfg, topo, full: dict, a, command: str) -> int:
         print(print_search(res, cfg, topo, full, top=15 if args.top is None else args.top))
     if args.emit_config:
         if not res.fitting:
-            raise UserError(f"no layout fits, so --emit-config {args.emit_config} was "
+            raise UserError(f"no layout fits, so --emit-config {args.emit_config!r} was "
                             "not written; try more nodes or a smaller global batch")
         best = res.fitting[0]
         emit_config(args.emit_config, best.config(cfg), best.prediction, topo, command,
@@ -537,7 +549,7 @@ def _emit_layout(args, pred, cfg, topo, failure: Optional[str], command: str,
             f" GiB that fit ({pred.assumptions.hbm_usable:.0%} of {topo.hbm_bytes / 2**30:.0f} "
             "GiB, less the model's safety margin)")
         raise UserError(f"this layout does not fit ({why}), so --emit-config "
-                        f"{args.emit_config} was not written; --search lists layouts "
+                        f"{args.emit_config!r} was not written; --search lists layouts "
                         "that fit")
     emit_config(args.emit_config, cfg, pred, topo, command, args.force, secondary)
 
@@ -571,7 +583,7 @@ def run_plan(args, command: str) -> int:
     """The planner for parsed `args`; `command` is the command line --emit-config records."""
     cfg, topo, full, a = _load_plan_inputs(args)
     if args.gpu_compile and not args.search:
-        return run_gpu_compile(args, cfg, topo, full, a)
+        return run_gpu_compile(args, cfg, topo, full, a, command)
     if args.search:
         return run_search(args, cfg, topo, full, a, command)
     return run_layout(args, cfg, topo, full, a, command)

@@ -228,6 +228,7 @@ def judged(pred, g: GpuCompile, a: Assumptions, hbm_bytes: float):
     mem = dict(pred.memory, analytic_total=pred.memory["total"], total=g.memory["total"])
     mem["limit"] = a.hbm_usable * hbm_bytes  # the program's heap as packed: no margin
     mem["fits"] = mem["total"] <= mem["limit"]
+    mem["compiled_for"] = g.device_kind
     tflops = pred.flops_per_device / total / 1e12
     return dataclasses.replace(
         pred, time=t, memory=mem, step_time=total, tokens_per_s=pred.tokens_per_step / total,

@@ -466,12 +466,15 @@ def _defer_update(par, pl: Placement) -> bool:
     optimizer state, each role's axes a prefix of the next (the gathers then tile), no
     pipeline; an explicit true where it cannot apply is an error."""
     A, G, O = pl.params_axes, pl.grads_axes, pl.opt_state_axes
+    # the gather's transpose reduce-scatters the gradient over O - A: it must vary there
+    unbatched = [a for a in O if a not in A and a not in pl.batch_axes]
     nested = O[:len(A)] == A and (not pl.update_via_grads
                                   or (O[:len(G)] == G and G[:len(A)] == A))
     why = ("the weights are not sharded (nothing to gather)" if not A else
            "the weights are sharded like the optimizer state (nothing to gather)"
            if set(A) == set(O) else "pipeline stages fetch per tick" if par.pp_stages > 1
            else "hpZ cuts its secondary from the forward's gather" if pl.hpz
+           else f"the optimizer state is sharded over {unbatched}, not batch axes" if unbatched
            else None if nested and set(A) < set(O) else "its roles do not nest")
     if par.defer_update and why:
         raise ConfigError(f"parallel.defer_update=true does not apply to parallel.plan="

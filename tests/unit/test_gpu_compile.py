@@ -176,6 +176,41 @@ def test_json_report_when_the_gpu_compile_fails(monkeypatch, capsys):
     assert out["gpu_compile"] == {"error": "no GPU compiler here"} and out["step_time"] > 0
 
 
+def _fake_gpu_compile(memory_total: float):
+    from boost_jax.plan import gpu_compile
+
+    def fake(cfg, topo, sizes, a, max_devices):
+        return gpu_compile.GpuCompile("a100_sxm_40", "NVIDIA A100-SXM4-40GB", dict(sizes), [],
+                                      {"total": memory_total, "argument": 0.0, "temp": 0.0},
+                                      0.0, 0.0, {"time_s_by_phase": {}}, {}, [])
+    return fake
+
+
+def test_emit_config_after_one_gpu_compile_is_judged_by_the_gpu_program(monkeypatch, capsys,
+                                                                          tmp_path):
+    """--gpu-compile --emit-config writes the layout when the GPU program fits, its header
+    saying where the figures came from, and refuses it when the program does not (runs
+    without the extra: the compile is replaced)."""
+    from boost_jax.plan import gpu_compile
+    from boost_jax.plan.__main__ import main
+
+    monkeypatch.setattr(gpu_target, "plugin_installed", lambda: True)
+    out = tmp_path / "g.yaml"
+    monkeypatch.setattr(gpu_compile, "gpu_compile", _fake_gpu_compile(2.0**30))
+    assert main(TINY + ["--emit-config", str(out), "--allow-demo-data"]) == 0
+    head = out.read_text().splitlines()[2]
+    assert head.startswith("# predicted (memory and exposed collectives of the step compiled "
+                           "for NVIDIA A100-SXM4-40GB): 1.0 GiB per device"), head
+    capsys.readouterr()
+    big = tmp_path / "big.yaml"
+    monkeypatch.setattr(gpu_compile, "gpu_compile", _fake_gpu_compile(2.0**40))
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["--emit-config", str(big), "--allow-demo-data"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.count("\n") == 0 and "1024.0 GiB" in err
+    assert not big.exists()
+
+
 SEARCH = ["--config", "configs/demo.yaml", "--topology", "perlmutter", "--nodes", "2",
           "model.d_ff=170", "data.seq_len=64", "train.global_batch=64", "--search", "--json"]
 

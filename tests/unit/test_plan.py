@@ -335,6 +335,48 @@ def test_a_mesh_shape_the_topologys_nodes_do_not_hold_is_refused():
     assert full_sizes(cfg, get_topology("frontier"), 48) == {"pair": 2, "node": 4, "global": 48}
 
 
+def test_mesh_shape_and_nodes_that_disagree_are_one_config_error():
+    """The planner read mesh.nodes where the launcher and train.py read mesh.shape's third
+    size: a config giving both must make them agree."""
+    from boost_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^mesh\.shape=\[2, 4, 2\] has 2 nodes but "
+                                          r"mesh\.nodes=3; set mesh\.nodes=null"):
+        load_config(None, ["mesh.shape=[2,4,2]", "mesh.nodes=3"])
+    assert load_config(None, ["mesh.shape=[2,4,2]", "mesh.nodes=2"]).mesh.nodes == 2
+
+
+def test_an_emitted_layout_says_its_cross_node_legs_are_quantized(tmp_path, capsys):
+    """They change the loss: the planner's layout line and the emitted config's header name
+    them, as the batch job's header does."""
+    from boost_jax.plan.__main__ import main
+
+    out = tmp_path / "h.yaml"
+    assert main(["--config", "configs/cola-1b.yaml", "--topology", "frontier", "--nodes", "2",
+                 "parallel.plan=hierarchical", "parallel.quantize_cross_node_weights=int8",
+                 "parallel.quantize_cross_node_grads=int4", "train.global_batch=64",
+                 "train.micro_batches=1", "--no-compile", "--allow-demo-data",
+                 "--emit-config", str(out)]) == 0
+    legs = "cross-node weights int8, gradients int4"
+    layout = [x for x in capsys.readouterr().out.splitlines() if x.startswith("layout: ")]
+    assert len(layout) == 1 and legs in layout[0]
+    head = [x for x in out.read_text().splitlines() if x.startswith("# layout: ")]
+    assert len(head) == 1 and legs in head[0]
+
+
+def test_a_path_that_was_not_written_is_named_on_one_line(tmp_path, capsys):
+    from boost_jax.plan.__main__ import main
+
+    path = str(tmp_path / "x\nerror: all good.yaml")
+    with pytest.raises(SystemExit) as e:
+        main(["--config", "configs/cola-7b.yaml", "--topology", "perlmutter", "--nodes", "1",
+              "parallel.plan=ddp", "train.global_batch=4", "train.micro_batches=1",
+              "--no-compile", "--emit-config", path])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and repr(path) in err
+    assert "does not fit" in err and not list(tmp_path.iterdir())
+
+
 @pytest.mark.parametrize("flags, msg", [
     (["--search", "--no-compile", "--compile-top", "1"],
      "--compile-top does nothing here: it needs --search without --no-compile"),

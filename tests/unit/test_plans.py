@@ -162,11 +162,25 @@ def test_bad_role_overrides_are_config_errors(extra, match):
     (["parallel.plan=hierarchical", "parallel.defer_update=false",
       "parallel.quantize_cross_node_weights=int8"], "needs a deferred update"),
     (["parallel.plan=zero3", "parallel.quantize_cross_node_grads=int4"], "across nodes"),
+    (["parallel.plan=hierarchical", "parallel.batch_axes=[pair,node]",
+      "parallel.defer_update=true"], r"sharded over \['global'\], not batch axes"),
 ])
 def test_deferred_and_quantized_cross_node_legs_where_absent_are_config_errors(mesh, extra,
                                                                               match):
     with pytest.raises(ConfigError, match=match):
         make_placement(_cfg(*extra), mesh)
+
+
+def test_an_update_is_not_deferred_over_axes_that_see_the_same_batch(mesh):
+    """Optimizer state over an axis the batch is not split on: the gradient is the same on
+    each of its devices, so the deferred gather's transpose cannot reduce-scatter it there;
+    the update is gathered after the optimizer instead (trained like ddp, not a failed trace)."""
+    for extra in (["parallel.plan=hierarchical", "parallel.batch_axes=[pair,node]"],
+                  ["parallel.plan=zero3", "parallel.batch_axes=[pair,node]",
+                   "parallel.params_axes=[pair,node]", "parallel.grads_axes=[pair,node]"]):
+        pl = make_placement(_cfg(*extra), mesh)
+        assert "global" in pl.opt_state_axes and not pl.defer_update
+    assert make_placement(_cfg("parallel.plan=hierarchical"), mesh).defer_update
 
 
 def test_layouts_divide_or_pad():
