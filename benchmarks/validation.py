@@ -320,7 +320,7 @@ def _network_and_sources(boost: dict) -> str:
 
 {V.sources_table()}
 
-The per-model seconds against the seed's ranges (BTP speed-up = the other method's seconds
+The per-model seconds against the abstract's ranges (BTP speed-up = the other method's seconds
 over BTP's):
 
 {V.ranges_table(boost)}

@@ -97,6 +97,10 @@ class ModelConfig:
         for k in ("d_model", "n_layers", "n_heads", "d_ff", "max_seq_len", "rope_theta",
                   "norm_eps", "init_std"):
             _positive(f"model.{k}", getattr(self, k))
+        if self.norm_eps < FP32_TINY:  # added in fp32 (GPUs may flush a subnormal to 0)
+            raise ConfigError(f"model.norm_eps={self.norm_eps} is below float32's smallest "
+                              "normal number (1.2e-38), 0 where the norms add it (a zero row "
+                              "would divide by 0); use 1e-6 or another value above it")
         if self.n_kv_heads is not None:  # 0 would read as n_heads (kv_heads)
             _positive("model.n_kv_heads", self.n_kv_heads)
         if self.vocab_size is not None:
@@ -529,6 +533,7 @@ def _fewer_eval_tokens(per_batch: int) -> str:
 
 
 MAX_SEQ_LEN = 2**20  # a million positions: beyond it a table or a mask no longer fits a device
+FP32_TINY = 1.1754944e-38  # float32's smallest normal number
 MAX_VOCAB = 2**31 - 1  # token ids are int32
 MAX_TIMEOUT_S = 2**31 - 1  # JAX's distributed client takes an int32 of seconds
 MAX_EVAL_TOKENS = 2**30  # 4 GiB of int32 eval batches held in memory

@@ -33,11 +33,23 @@ from jax.experimental.pallas import triton as plt
 from boost_jax.pallas.common import F32, align_vma, mm, pow2, sds, triton_params
 
 TILE = 64  # q and kv tile, forward and backward (64x64 bf16 tiles fit any GPU's shared memory)
+# A kernel keeps its q, k, v (and, backward, dO and gradient) tiles in shared memory: 64 rows of
+# an fp32 head dim of 128 fit an A100 and an H100; 64 rows of 256 (fp32, head dims 129-256)
+# asked 213 KB of an A100's 167 KB and 295 KB of an H100's 232 KB: their tile is halved.
+TILE_BYTES = 64 * 128 * 4
 
 
 def tile_for(s: int, tile: int | None = None) -> int:
     """The tile for s positions: TILE, or the power of two >= s (at least 16, tl.dot's minimum)."""
     return min(tile or TILE, pow2(s))
+
+
+def fit_tile(t: int, hd: int, dtype) -> int:
+    """Tile t halved (to 16 at least) while its rows of the padded head dim hold more than
+    TILE_BYTES."""
+    while t > 16 and t * pow2(hd) * jnp.dtype(dtype).itemsize > TILE_BYTES:
+        t //= 2
+    return t
 
 
 def flash_attention(q, k, v, *, interpret: bool = False, tile: int | None = None):
@@ -50,7 +62,7 @@ def flash_attention(q, k, v, *, interpret: bool = False, tile: int | None = None
     q, k, v = align_vma(q, k, v)
     rep = H // k.shape[2]
     k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
-    t = tile_for(s, tile)
+    t = fit_tile(tile_for(s, tile), hd, q.dtype)
     pad = [(0, 0), (0, -s % t), (0, 0), (0, 0)]
     q, k, v = (jnp.pad(x, pad) for x in (q, k, v))
     out = _flash(q, k, v, t, bool(interpret))

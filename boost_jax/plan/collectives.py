@@ -23,6 +23,7 @@ so a compiled plan and an analytic one are costed alike. Derivation: benchmarks/
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -30,10 +31,11 @@ from typing import Optional, Sequence
 from boost_jax.analysis.comm import egress_bytes
 from boost_jax.mesh import AXES, PROTOCOLS, Topology
 from boost_jax.names import STAGE_AXIS
-from boost_jax.sharding.step_collectives import ring_bytes
+from boost_jax.sharding.step_collectives import combined, combined_bytes, ring_bytes
+from boost_jax.plan.overlap import XLA_COMBINED
 from boost_jax.plan.roofline import Assumptions
 
-HOST_AXES = ("pair", "node")  # mesh axes inside one host; global and stage cross hosts
+HOST_AXES = ("pair", "node")
 
 
 def host_split(axes: Sequence[str], sizes: Optional[dict]) -> tuple[int, int]:
@@ -227,14 +229,17 @@ class CommSummary:
                            mix(self.latency, other.latency), mix(self.pass_time, other.pass_time))
 
 
-def colls_from_report(report, tp_axes: Sequence[str], micro_batches: int) -> list[Coll]:
+def colls_from_report(report, tp_axes: Sequence[str], micro_batches: int,
+                      combine: Optional[float] = None) -> list[Coll]:
     """Measured collectives (CommReport) → Colls. Phase: groups inside the TP axes and the
     pipeline's sends (permutes over `stage`) are TP; other collectives inside a loop (layers,
-    micro-batches; log_step's exchanges among them) are dp; the rest are "step"."""
+    micro-batches; log_step's exchanges among them) are dp; the rest are "step".
+    `combine`: a CPU program's data-parallel calls merged as XLA's GPU combiners merge them,
+    results of up to `combine` bytes (gpu_combined); None: the calls as compiled."""
     del micro_batches
     tp = set(tp_axes)
     sizes = dict(getattr(report, "mesh_shape", {}) or {})
-    out = []
+    out, where = [], []
     for c in report.collectives:
         axes = tuple(c.axes)
         if (tp and axes and set(axes) <= tp) or (c.kind == "collective-permute"
@@ -247,4 +252,30 @@ def colls_from_report(report, tp_axes: Sequence[str], micro_batches: int) -> lis
         k, groups = host_split(axes, sizes)
         out.append(Coll(c.name, c.kind, c.payload_bytes, c.group_size, c.level,
                         float(c.trip_count or 1), phase, axes, k, groups))
+        where.append(c.computation)
+    return out if combine is None else gpu_combined(out, where, combine)
+
+
+def gpu_combined(colls: list[Coll], computations: list[str], limit: float) -> list[Coll]:
+    """A CPU program's collectives as the GPU program issues them. XLA:CPU merges no
+    all-gathers or reduce-scatters (the engine leaves them one per weight, sharding/bucket.py);
+    XLA's GPU combiners merge a loop body's independent ones of one kind and group (a layer's
+    weights) into calls of results up to `limit` bytes, in order (step_collectives.combined,
+    the rule the analytic list follows). The bytes are unchanged; the calls, and so the
+    per-call latencies, are the GPU's. Outside loops (the embedding's, the head's, the step's
+    end) and TP collectives (each waits on the one before) stay as compiled, as a GPU program
+    compiled for an A100 issues them (benchmarks/README.md)."""
+    out: list[Coll] = []
+    groups: dict[tuple, list[Coll]] = {}
+    for c, comp in zip(colls, computations):
+        if c.phase != "dp" or c.kind not in XLA_COMBINED:
+            out.append(c)
+        else:
+            groups.setdefault((comp, c.kind, c.axes, c.n, c.phase, c.calls), []).append(c)
+    for members in groups.values():
+        per_run = combined([combined_bytes(c) for c in members], limit)
+        first = members[0]
+        out.append(dataclasses.replace(
+            first, name=first.name + (f" +{len(members) - 1} merged" if len(members) > 1 else ""),
+            payload=sum(c.payload for c in members) / per_run, calls=first.calls * per_run))
     return out

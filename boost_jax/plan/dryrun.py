@@ -137,7 +137,8 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
                                ) from e
     dt = time.perf_counter() - t0
     report = analyze_compiled(compiled, mesh, cpu)
-    colls = colls_from_report(report, c.parallel.tp_axes, c.train.micro_batches)
+    colls = colls_from_report(report, c.parallel.tp_axes, c.train.micro_batches,
+                              a.combine_bytes if cpu else None)
     raw = CommSummary.of(colls, topo, a).level_bytes
     colls = full_size_colls(colls, sizes, full)
     return Compiled(c.model.n_layers, dict(sizes), dict(report.memory or {}),

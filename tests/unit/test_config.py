@@ -37,6 +37,8 @@ def test_int_promotes_to_float_not_reverse():
     ("steps", "must look like key=value"),
     ("model.max_seq_len=99999999999", "is above 1048576 .2\\^20. tokens"),
     ("model.init_std=1e308", "far above any useful scale"),
+    # 0 in fp32: the Pallas norms' padded rows then gave an all-NaN gradient of the gain
+    ("model.norm_eps=1e-50", r"below float32's smallest normal number \(1\.2e-38\)"),
     ("data.sources=[{path: a.bin, weight: 1e308}, {path: a.bin, weight: 1e308}]",
      "are out of scale"),
     # a whole section set to a scalar used to fall back to the defaults without a word

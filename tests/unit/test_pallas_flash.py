@@ -40,6 +40,22 @@ def test_interpreted_kernel_equals_dense_with_gqa_and_padding(monkeypatch):
         np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()))
 
 
+def test_wide_fp32_heads_run_in_smaller_tiles_and_equal_dense():
+    """fp32 at head dim 130 (padded to 256) takes 32-row tiles (a 64-row one does not fit a
+    GPU's shared memory: tests/unit/test_pallas_gpu.py); 40 positions are two of them."""
+    assert pallas_flash.fit_tile(64, 130, F32) == 32 and pallas_flash.fit_tile(64, 256, BF16) == 64
+    q, k, v, w = _qkvw(1, 40, 2, 1, 130)
+
+    def run(fn):
+        f = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), (0, 1, 2)))
+        return f.lower(q, k, v).compile(FAST)(q, k, v)
+
+    got = run(lambda q, k, v: pallas_flash.flash_attention(q, k, v, interpret=True))
+    want = run(forward.dense_attention)
+    for a, c in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+        np.testing.assert_allclose(c, a, rtol=1e-5, atol=1e-5 * float(np.abs(a).max()))
+
+
 def test_kernel_lowers_to_triton_in_typed_shard_map():
     """Heads sharded over 4 devices as under TP; no [s, s] array anywhere in the program."""
     mesh = _h100_mesh((4,), ("tp",))
