@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
+from boost_jax.backends.cpu import dev_compile_options
 from boost_jax.errors import UserError
 from boost_jax.mesh import STAGE, Topology, axis_size, check_node_shape
 from boost_jax.plan.collectives import CommSummary, colls_from_report
@@ -124,6 +125,8 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
 
     c = scaled_config(cfg, sizes, full, n_layers)
     cpu = devices is None
+    if cpu and compiler_options is None:  # tests: LLVM -O0, as train.py's loop compiles
+        compiler_options = dev_compile_options()
     mesh = make_mesh(topo, mesh_hosts(sizes), devices=jax.devices() if cpu else devices,
                      stages=sizes.get(STAGE, 1))
     t0 = time.perf_counter()

@@ -37,14 +37,16 @@ def hier4():
 def test_plan_reports_what_the_train_step_compiles(hier4):
     from boost_jax.analysis.comm import analyze_compiled
     from boost_jax.analysis.hlo import matmul_flops, parse_module
+    from boost_jax.backends.cpu import dev_compile_options
     from boost_jax.step.build import build_step
 
     cfg, dr = hier4
     prog = dr.compiled[0]
     assert not dr.layers_extrapolated and not dr.global_extrapolated
-    # what train.py runs: build_step on the same config and mesh, its jitted train_step
+    # what train.py runs: build_step on the same config and mesh, its jitted train_step, with
+    # the options train.py's loop gives XLA (here the tests' fast CPU compile)
     mesh = make_mesh("cpu", (2, 2, 2))
-    bundle = build_step(cfg, mesh)
+    bundle = build_step(cfg, mesh, dev_compile_options())
     with jax.set_mesh(mesh):
         compiled = bundle.train_step.lower(bundle.abstract_state, bundle.abstract_batch()).compile()
     ref = analyze_compiled(compiled, mesh)
