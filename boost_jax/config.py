@@ -307,6 +307,13 @@ class DataConfig:
                                   "boost_jax.data.prepare SOURCE OUT.bin")
             if not s.weight > 0:
                 raise ConfigError(f"data.sources[{i}].weight={s.weight} must be > 0, {example}")
+        seen: dict = {}
+        for i, s in enumerate(self.sources):  # twice would double its share and its val split
+            j = seen.setdefault(os.path.realpath(s.path), i)
+            if j != i:
+                raise ConfigError(f"data.sources[{i}].path={s.path!r} is data.sources[{j}]'s "
+                                  "corpus again; list each corpus once, with the sum of its "
+                                  "weights")
         total = sum(s.weight for s in self.sources)
         if not math.isfinite(total) or min(s.weight for s in self.sources) / total < 1e-12:
             weights = ", ".join(str(s.weight) for s in self.sources)

@@ -136,7 +136,7 @@ def refuse_unusable(target: str, what: str, fix: str, folder: bool = False,
     in a separator (a folder's name). With `config_value` (what is written is named in a
     config: a corpus, an export), also one holding a control character, which a config value
     may not hold."""
-    from boost_jax.errors import control_char
+    from boost_jax.errors import control_char, lone_surrogate
 
     if not target:
         raise Refused(f"{what} is an empty path; {fix}")
@@ -144,6 +144,8 @@ def refuse_unusable(target: str, what: str, fix: str, folder: bool = False,
     if bad is not None:
         raise Refused(f"{what} holds a control character ({bad}), which no config can name; "
                       f"{fix}")
+    if config_value and lone_surrogate(target) is not None:  # argv bytes that are not UTF-8
+        raise Refused(f"{what} is not UTF-8 text, which no config can name; {fix}")
     if folder:
         return
     if target.endswith((os.sep, "/.", "/..")) or target in (".", ".."):

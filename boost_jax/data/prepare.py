@@ -39,7 +39,7 @@ from typing import Iterator
 import numpy as np
 
 from boost_jax.cli import Parser, shell_word
-from boost_jax.data.shards import list_shards
+from boost_jax.data.shards import check_text_column, list_shards
 from boost_jax.data.token_bin import FORMAT, meta_path
 from boost_jax.errors import UserError, cli_main, lone_surrogate
 
@@ -87,10 +87,10 @@ def _safe_cut(buf: bytes) -> int:
 def _text_file(path: str) -> Iterator[tuple]:
     """('text', piece, is_last_piece_of_the_document, bytes read); every piece is checked for
     being text (a file may turn binary after its head)."""
-    from boost_jax.data.sources import _check_text
+    from boost_jax.data.sources import _check_text, reading
 
     carry, done, unsent = b"", 0, 0
-    with open(path, "rb") as f:
+    with reading(path) as f:
         while raw := f.read(PIECE):
             _check_text(raw, f"SOURCE file {path!r}", done)
             done, unsent = done + len(raw), unsent + len(raw)
@@ -108,7 +108,9 @@ def _text_file(path: str) -> Iterator[tuple]:
 
 def _jsonl_file(path: str) -> Iterator[tuple]:
     """('jsonl', raw line, line number, bytes): the workers parse the JSON."""
-    with open(path, "rb") as f:
+    from boost_jax.data.sources import reading
+
+    with reading(path) as f:
         for i, line in enumerate(f):
             yield "jsonl", line, (path, i + 1), len(line)
 
@@ -121,15 +123,15 @@ def _arrow_batches(path: str, field: str):
 
         pf = pq.ParquetFile(path)
         # small batches: a batch's documents are held as Python strings at once
-        return pf.metadata.num_rows, pf.schema_arrow.names, pf.iter_batches(
+        return pf.metadata.num_rows, pf.schema_arrow, pf.iter_batches(
             batch_size=TABLE_BATCH, columns=[field])
     try:
         reader = pa.ipc.open_stream(path)  # what datasets' save_to_disk writes
     except pa.ArrowInvalid:
         reader = pa.ipc.open_file(path)
         batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        return reader.count_rows(), reader.schema.names, batches
-    return None, reader.schema.names, iter(reader)
+        return reader.count_rows(), reader.schema, batches
+    return None, reader.schema, iter(reader)
 
 
 def _table_file(path: str, field: str) -> Iterator[tuple]:
@@ -142,9 +144,11 @@ def _table_file(path: str, field: str) -> Iterator[tuple]:
                         "(or pip install 'boost_jax[corpora]')") from None
     kind = "parquet" if path.endswith(".parquet") else "arrow"
     try:
-        rows, names, batches = _arrow_batches(path, field)
-        if field not in names:
-            raise UserError(f"{path!r} has no column {field!r} (columns: {names}); pass --field")
+        rows, schema, batches = _arrow_batches(path, field)
+        if field not in schema.names:
+            raise UserError(f"{path!r} has no column {field!r} (columns: {schema.names}); pass "
+                            "--field")
+        check_text_column(path, field, schema, "SOURCE")
         size, row = os.path.getsize(path), 0
         for batch in batches:
             col = batch.column(batch.schema.get_field_index(field)).to_pylist()

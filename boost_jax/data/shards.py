@@ -60,6 +60,19 @@ def _open_arrow(path: str):
         return pa.ipc.open_file(source).read_all()
 
 
+def check_text_column(path: str, field: str, schema, label: str) -> None:
+    """A parquet / arrow column read as documents must hold text: a binary, list or number
+    column would read as empty documents (nulls are; those are missing documents)."""
+    import pyarrow as pa
+
+    kind = schema.field(field).type
+    text = (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
+            or (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(kind)))
+    if not text:
+        raise UserError(f"{label} file {path!r} column {field!r} holds {kind}, not text; "
+                        "write it as a string column (UTF-8)")
+
+
 class Shards:
     """The files of one streaming source: row counts per row group, and rows as text."""
 
@@ -72,16 +85,17 @@ class Shards:
             try:
                 if path.endswith(".parquet"):
                     meta = pq.ParquetFile(path).metadata
-                    names = meta.schema.to_arrow_schema().names
+                    schema = meta.schema.to_arrow_schema()
                     rows = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
                 else:
                     table = _open_arrow(path)
-                    names, rows = table.schema.names, [table.num_rows]
+                    schema, rows = table.schema, [table.num_rows]
             except (pa.ArrowException, OSError) as e:
                 raise _unreadable(path, e, label) from None
-            if FIELD not in names:
+            if FIELD not in schema.names:
                 raise UserError(f"{label} file {path!r} has no column {FIELD!r} (columns: "
-                                f"{names}); streaming reads the {FIELD!r} column")
+                                f"{schema.names}); streaming reads the {FIELD!r} column")
+            check_text_column(path, FIELD, schema, label)
             self.groups.append(rows)
         self._cache = None
 
@@ -108,7 +122,8 @@ class Shards:
         return self._cache[1], self._cache[2]
 
     def texts(self, f: int, row: int, n: int) -> list[str]:
-        """Rows row..row+n of file f (one row group), as text ("" for a null)."""
+        """Rows row..row+n of file f (one row group), as text ("" for a null; the column is
+        text: check_text_column)."""
         table, start = self._group(f, row)
         try:
             col = table.column(FIELD).slice(row - start, n).to_pylist()

@@ -22,6 +22,7 @@ hundreds of times over): `plan --emit-config` and `launch slurm` call `refuse_de
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -116,6 +117,18 @@ def _check_text(raw: bytes, label: str, offset: int = 0) -> None:
                             ".bin file of token ids")
 
 
+@contextlib.contextmanager
+def reading(path: str):
+    """A source file opened for bytes: failing to open or read it (a dangling link, a disk
+    error) is one line naming that file, not the output or a traceback."""
+    try:
+        with open(path, "rb") as f:
+            yield f
+    except OSError as e:
+        raise UserError(f"reading {path!r} failed ({e.strerror or e}); fix it or move it out "
+                        "of the corpus") from None
+
+
 def _walk(root: str, exts: tuple[str, ...], skip: set[str]) -> list[str]:
     """Relative posix paths of files under root with one of exts, in sorted order."""
     top = os.path.realpath(root)
@@ -132,13 +145,22 @@ def _walk(root: str, exts: tuple[str, ...], skip: set[str]) -> list[str]:
         dirnames[:] = keep
         for f in sorted(filenames):
             if f.endswith(exts):
-                out.append(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"))
+                rel = os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/")
+                if lone_surrogate(rel) is not None:  # the name is part of the corpus' identity
+                    raise UserError(f"folder {root!r} holds {rel!r}, a name that is not UTF-8; "
+                                    "rename it in UTF-8")
+                full = os.path.join(dirpath, f)
+                if not os.path.exists(full):
+                    raise UserError(f"folder {root!r} holds {rel!r}, a link to "
+                                    f"{os.readlink(full)!r}, which does not exist; fix the link "
+                                    "or remove it")
+                out.append(rel)
     return sorted(out)
 
 
 def _jsonl_docs(path: str, key: str, budget: _Budget, label: str) -> list[tuple[str, str]]:
     docs = []
-    with open(path, "rb") as f:
+    with reading(path) as f:
         for i, line in enumerate(f):
             if budget.done:
                 break
@@ -168,7 +190,7 @@ def _jsonl_docs(path: str, key: str, budget: _Budget, label: str) -> list[tuple[
 
 def _file_docs(path: str, key: str, budget: _Budget, label: str,
                chunked: bool = True) -> list[tuple[str, str]]:
-    with open(path, "rb") as f:
+    with reading(path) as f:
         raw = f.read() if budget.left is None else f.read(max(budget.left, 0))
     raw = budget.take(raw) or b""
     _check_text(raw, label)
@@ -225,7 +247,7 @@ def read_documents(source: str, max_bytes: Optional[int], option: str = "data.so
         if path.endswith(".jsonl"):
             docs += _jsonl_docs(path, key, budget, f"{option} file {path!r}")
             continue
-        with open(path, "rb") as f:
+        with reading(path) as f:
             raw = budget.take(f.read() if budget.left is None else f.read(budget.left))
         if raw and raw.strip():
             _check_text(raw, f"{option} file {path!r}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Optional
 
 import numpy as np
@@ -94,6 +95,14 @@ def check_meta(path: str, meta: dict, tokenizer, dtype: str, label: str) -> None
                         f"tokenizer's 0..{tokenizer.vocab_size - 1}; prepare it again")
 
 
+def _note_capped(line: str) -> None:
+    """Said once, by the first process: a prefix of a prepared corpus is easy to miss."""
+    import jax
+
+    if jax.process_index() == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
 def open_bin(path: str, data_cfg, tokenizer, label: str = "data.source",
              max_tokens: Optional[int] = None) -> np.memmap:
     """The ids of a .bin as a read-only memmap (checked as the module docstring says)."""
@@ -108,6 +117,9 @@ def open_bin(path: str, data_cfg, tokenizer, label: str = "data.source",
             f"{label} {path!r} is {size} bytes, not a multiple of data.bin_dtype="
             f"{dtype} ({itemsize} bytes); set the dtype it was written with")
     n = size // itemsize if max_tokens is None else min(size // itemsize, max_tokens)
+    if n < size // itemsize:
+        _note_capped(f"note: data.max_bytes keeps {n:,} of the {size // itemsize:,} tokens of "
+                     f"{label} {path!r}; set data.max_bytes=null to train on all of them")
     if n < 2:
         raise UserError(f"{label} {path!r} holds fewer than 2 tokens; it needs a real corpus")
     arr = np.memmap(path, dtype=dtype, mode="r", shape=(n,))

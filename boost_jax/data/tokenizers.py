@@ -85,7 +85,11 @@ class HFTokenizer:
             tok.add_special_tokens([BPE_EOS])
             eos = BPE_EOS
         self.eos_id = int(tok.token_to_id(eos))
-        self.vocab_size = int(tok.get_vocab_size(with_added_tokens=True))
+        # ids need not be contiguous (a WordLevel file may number them freely): the model's
+        # embedding needs a row for the largest, not one per token
+        ids = tok.get_vocab(with_added_tokens=True).values()
+        self.vocab_size = max(int(tok.get_vocab_size(with_added_tokens=True)),
+                              max(ids, default=-1) + 1)
         self._byte_lengths = None
 
     @property

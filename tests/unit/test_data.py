@@ -124,6 +124,13 @@ def test_hf_tokenizer_json(tmp_path):
     train_bpe([_text(i) for i in range(5)], 512, str(tmp_path / "b" / "tokenizer.json"))
     tok2 = HFTokenizer.from_file(str(tmp_path / "b" / "tokenizer.json"))
     assert tok2.eos_id == 0 and tok2.vocab_size <= 512
+    # ids with gaps: the embedding needs a row for the largest (15 tokens, EOS numbered 1000
+    # trained a 128-row model on ids up to 1000)
+    sparse = tmp_path / "sparse.json"
+    vocab = {"[UNK]": 0, "hello": 5, "world": 9, "<|endoftext|>": 1000}
+    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(sparse))
+    tok3 = HFTokenizer.from_file(str(sparse))
+    assert tok3.eos_id == 1000 and tok3.vocab_size == 1001
 
 
 # --------------------------------------------------------------------------- sources
@@ -174,7 +181,7 @@ def test_jsonl_source(tmp_path):
     assert c.n_train_docs + c.n_val_docs == 30 and len(c.val) > 0
 
 
-def test_bin_source(tmp_path):
+def test_bin_source(tmp_path, capsys):
     ids = (np.arange(10_000) % 1000).astype(np.uint16)
     f = tmp_path / "toks.bin"
     ids.tofile(f)
@@ -184,8 +191,12 @@ def test_bin_source(tmp_path):
     c = load_corpus(_cfg(f, tokenizer=str(path), val_fraction=0.1))
     assert len(c.train) == 9000 and len(c.val) == 1000  # contiguous tail is validation
     assert np.array_equal(np.concatenate([c.train, c.val]), ids)
+    assert "max_bytes" not in capsys.readouterr().err
     c2 = load_corpus(_cfg(f, tokenizer=str(path), max_bytes=4000, val_fraction=0.1))
     assert len(c2.train) + len(c2.val) == 2000
+    assert capsys.readouterr().err == (f"note: data.max_bytes keeps 2,000 of the 10,000 tokens "
+                                       f"of data.source {str(f)!r}; set data.max_bytes=null to "
+                                       "train on all of them\n")
     with pytest.raises(UserError, match="outside the tokenizer"):
         load_corpus(_cfg(f, tokenizer="byte"))  # ids up to 999 do not fit 256 bytes
 
@@ -334,6 +345,33 @@ def test_build_data_end_to_end(folder):
 
 
 # --------------------------------------------------------------------------- errors
+
+
+def test_a_folder_with_a_broken_link_or_a_name_not_in_utf8_is_one_line(tmp_path):
+    """Both ended in a traceback, through train.py and prepare alike."""
+    from boost_jax.data.prepare import prepare
+
+    (tmp_path / "dang").mkdir()
+    (tmp_path / "dang" / "a.txt").write_text("some text " * 50)
+    os.symlink(tmp_path / "nowhere", tmp_path / "dang" / "b.txt")
+    for run in (lambda: load_corpus(_cfg(tmp_path / "dang")),
+                lambda: prepare(str(tmp_path / "dang"), str(tmp_path / "o.bin"), "byte", 1,
+                                progress=False)):
+        with pytest.raises(UserError, match=r"^folder '.*dang' holds 'b\.txt', a link to "
+                                            r"'.*nowhere', which does not exist; fix the link"):
+            run()
+    assert not (tmp_path / "o.bin").exists()
+    from boost_jax.data.sources import reading
+
+    with pytest.raises(UserError, match=r"^reading '.*' failed \(Is a directory\)"):
+        with reading(str(tmp_path)) as f:  # what a read error (EIO) meets
+            f.read()
+    odd = os.path.join(os.fsencode(tmp_path), b"odd")
+    os.mkdir(odd)
+    with open(os.path.join(odd, b"b\xff.txt"), "w") as f:
+        f.write("some text " * 50)
+    with pytest.raises(UserError, match=r"holds 'b\\udcff\.txt', a name that is not UTF-8"):
+        load_corpus(_cfg(tmp_path / "odd"))
 
 
 def test_errors(tmp_path, folder):

@@ -77,6 +77,11 @@ def test_parquet_and_saved_hf_dataset(tmp_path):
         assert np.array_equal(np.fromfile(out, np.uint16), want)
     with pytest.raises(UserError, match=r"has no column 'text' \(columns: \['id', 'content'\]\)"):
         prepare(str(tmp_path / "c.parquet"), str(tmp_path / "x.bin"), "byte", 1, progress=False)
+    # a list column beside text files would add one empty document a row
+    pq.write_table(pa.table({"text": [["a list"]] * 4}), tmp_path / "l.parquet")
+    with pytest.raises(UserError, match=r"^SOURCE file '.*l\.parquet' column 'text' holds "
+                                        r"list<element: string>, not text"):
+        prepare(str(tmp_path / "l.parquet"), str(tmp_path / "y.bin"), "byte", 1, progress=False)
 
 
 def test_training_checks_the_metadata(tmp_path, bpe):

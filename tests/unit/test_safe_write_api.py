@@ -240,6 +240,9 @@ def test_a_file_target_is_never_a_link_an_empty_path_or_a_folders_name(tmp_path)
     with pytest.raises(Refused, match=r"holds a control character \(\\t\)"):
         sw.refuse_unusable(str(tmp_path / "a\tb"), "--out", "fix", folder=True,
                            config_value=True)
+    # nor bytes that are not UTF-8 (train.py refused the data.source prepare printed)
+    with pytest.raises(Refused, match=r"^OUT is not UTF-8 text, which no config can name; fix$"):
+        sw.refuse_unusable(str(tmp_path / "o\udcffut.bin"), "OUT", "fix", config_value=True)
 
 
 def test_prepare_never_writes_over_a_file_it_reads_through_a_link_in_source(tmp_path):

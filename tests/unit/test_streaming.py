@@ -121,9 +121,13 @@ def test_bad_shards_are_one_line(tmp_path):
     (tmp_path / "fake" / "a.parquet").write_text("a text file, not parquet\n")
     (tmp_path / "col").mkdir()
     pq.write_table(pa.table({"body": ["x"] * 4}), tmp_path / "col" / "a.parquet")
+    (tmp_path / "bin").mkdir()  # read as empty documents: a stream of end-of-text ids
+    pq.write_table(pa.table({"text": pa.array([b"good text"] * 4, pa.binary())}),
+                   tmp_path / "bin" / "a.parquet")
     cases = {"utf8": r"has bytes that are not UTF-8 in column 'text' \(at or after row \d+\)",
              "fake": r"is not a readable parquet file \(.*\); pass a real \.parquet file",
-             "col": r"has no column 'text' \(columns: \['body'\]\)"}
+             "col": r"has no column 'text' \(columns: \['body'\]\)",
+             "bin": r"column 'text' holds binary, not text; write it as a string column"}
     for name, why in cases.items():
         with pytest.raises(UserError) as e:
             build_data(cfg(tmp_path / name))
