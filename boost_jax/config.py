@@ -150,8 +150,12 @@ class MeshConfig:
                     f"mesh.shape={self.shape} must be three positive sizes [pair, node, global]")
         if self.nodes is not None:
             _positive("mesh.nodes", self.nodes)
+
+    def check_nodes_agree(self) -> None:
+        """For the planner and the launcher, which size a run by its nodes: mesh.shape's third
+        size and mesh.nodes must agree (train.py reads the shape; a saved run that set both
+        still loads)."""
         if self.shape is not None and self.nodes is not None and self.nodes != self.shape[2]:
-            # the planner would read one, the launcher and train.py the other
             raise ConfigError(
                 f"mesh.shape={self.shape} has {self.shape[2]} nodes but mesh.nodes={self.nodes}; "
                 "set mesh.nodes=null or make them agree")
@@ -307,13 +311,6 @@ class DataConfig:
                                   "boost_jax.data.prepare SOURCE OUT.bin")
             if not s.weight > 0:
                 raise ConfigError(f"data.sources[{i}].weight={s.weight} must be > 0, {example}")
-        seen: dict = {}
-        for i, s in enumerate(self.sources):  # twice would double its share and its val split
-            j = seen.setdefault(os.path.realpath(s.path), i)
-            if j != i:
-                raise ConfigError(f"data.sources[{i}].path={s.path!r} is data.sources[{j}]'s "
-                                  "corpus again; list each corpus once, with the sum of its "
-                                  "weights")
         total = sum(s.weight for s in self.sources)
         if not math.isfinite(total) or min(s.weight for s in self.sources) / total < 1e-12:
             weights = ", ".join(str(s.weight) for s in self.sources)

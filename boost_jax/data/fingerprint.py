@@ -48,14 +48,14 @@ def source_identity(path: str, streamed: bool = False) -> str:
     if os.path.isdir(path):
         exts = STREAM_EXTS if streamed else TEXT_EXTS
         for rel in _walk(path, exts, {"__pycache__"}):
-            h.update(f"{rel}\0".encode())
+            h.update(f"{rel}\0".encode("utf-8", "surrogateescape"))  # a name's own bytes
             _file(os.path.join(path, rel), h, budget)
     else:
         _file(path, h, budget)
         stem = os.path.splitext(path)[0]
         for extra in (stem + ".json", stem + ".tokenizer.json") if path.endswith(".bin") else ():
             if os.path.isfile(extra):
-                h.update(os.path.basename(extra).encode() + b"\0")
+                h.update(os.path.basename(extra).encode("utf-8", "surrogateescape") + b"\0")
                 _file(extra, h, [FULL])
     return "sha256:" + h.hexdigest()
 

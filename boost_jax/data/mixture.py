@@ -17,6 +17,7 @@ data.max_bytes caps each source separately.
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy as np
 
@@ -54,12 +55,27 @@ def _check_same_tokenizer(specs) -> None:
                 f"prepare them all with --tokenizer {first[2]['tokenizer']}")
 
 
+def _note_repeats(sources) -> None:
+    """A corpus listed twice is sampled by the sum of its weights, its validation tail twice:
+    said, not refused (a run saved so must still resume and evaluate)."""
+    import jax
+
+    seen: dict = {}
+    for i, s in enumerate(sources):
+        j = seen.setdefault(os.path.realpath(s.path), i)
+        if j != i and jax.process_index() == 0:
+            print(f"note: data.sources[{i}] ({s.path!r}) is data.sources[{j}]'s corpus again: "
+                  "it is drawn by the sum of their weights; list each corpus once",
+                  file=sys.stderr, flush=True)
+
+
 def load_sources(data_cfg, tokenizer: Tokenizer) -> tuple[list, list]:
     """(train arrays, val arrays) of every source, memory-mapped and checked (token_bin.py)."""
     _check_same_tokenizer(data_cfg.sources)
     cap = None
     if data_cfg.max_bytes is not None:
         cap = data_cfg.max_bytes // np.dtype(data_cfg.bin_dtype).itemsize
+    _note_repeats(data_cfg.sources)
     trains, vals = [], []
     for i, s in enumerate(data_cfg.sources):
         arr = open_bin(s.path, data_cfg, tokenizer, f"data.sources[{i}]", max_tokens=cap)

@@ -66,8 +66,10 @@ def check_text_column(path: str, field: str, schema, label: str) -> None:
     import pyarrow as pa
 
     kind = schema.field(field).type
-    text = (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)
-            or (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(kind)))
+    values = kind.value_type if pa.types.is_dictionary(kind) else kind  # pandas' categoricals
+    text = (pa.types.is_string(values) or pa.types.is_large_string(values)
+            or pa.types.is_null(values)
+            or (hasattr(pa.types, "is_string_view") and pa.types.is_string_view(values)))
     if not text:
         raise UserError(f"{label} file {path!r} column {field!r} holds {kind}, not text; "
                         "write it as a string column (UTF-8)")

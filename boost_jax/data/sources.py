@@ -146,9 +146,9 @@ def _walk(root: str, exts: tuple[str, ...], skip: set[str]) -> list[str]:
         for f in sorted(filenames):
             if f.endswith(exts):
                 rel = os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/")
-                if lone_surrogate(rel) is not None:  # the name is part of the corpus' identity
-                    raise UserError(f"folder {root!r} holds {rel!r}, a name that is not UTF-8; "
-                                    "rename it in UTF-8")
+                if lone_surrogate(rel) is not None and f.endswith((".parquet", ".arrow")):
+                    raise UserError(f"folder {root!r} holds {rel!r}, a name that is not UTF-8, "
+                                    "which pyarrow cannot open; rename it in UTF-8")
                 full = os.path.join(dirpath, f)
                 if not os.path.exists(full):
                     raise UserError(f"folder {root!r} holds {rel!r}, a link to "
@@ -257,7 +257,8 @@ def read_documents(source: str, max_bytes: Optional[int], option: str = "data.so
 
 def in_val(key: str, val_fraction: float) -> bool:
     """Stable per-document assignment: blake2b of the key, as a fraction of 2**64."""
-    h = int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little")
+    h = int.from_bytes(hashlib.blake2b(key.encode("utf-8", "surrogateescape"),  # a name's bytes
+                                       digest_size=8).digest(), "little")
     return h / 2.0**64 < val_fraction
 
 

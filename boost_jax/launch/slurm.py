@@ -102,6 +102,7 @@ def job_sizes(cfg: Config, topo: Topology, nodes: Optional[int]) -> dict:
     """(pair, node, global) of the job; the config's mesh.shape must match the node."""
     per_node = topo.devices_per_node
     if nodes is None:
+        cfg.mesh.check_nodes_agree()
         nodes = cfg.mesh.shape[2] if cfg.mesh.shape is not None else cfg.mesh.nodes
     if nodes is None:
         raise UserError(f"how many nodes? pass --nodes N (a {topo.name} node has {per_node} "

@@ -63,6 +63,7 @@ class Coll:
     host_members: int = 0  # k: members of one group on one host (0: unknown, taken as 1)
     host_groups: int = 0  # groups sharing a host's NICs (0: unknown, every device's own)
     runs: str = ""  # the pass it runs in (step_collectives.RUNS); "" unknown (measured)
+    where: str = ""  # measured: the HLO computation it runs in (a loop body, the entry)
 
     @property
     def bytes_per_step(self) -> float:
@@ -229,17 +230,15 @@ class CommSummary:
                            mix(self.latency, other.latency), mix(self.pass_time, other.pass_time))
 
 
-def colls_from_report(report, tp_axes: Sequence[str], micro_batches: int,
-                      combine: Optional[float] = None) -> list[Coll]:
-    """Measured collectives (CommReport) → Colls. Phase: groups inside the TP axes and the
-    pipeline's sends (permutes over `stage`) are TP; other collectives inside a loop (layers,
-    micro-batches; log_step's exchanges among them) are dp; the rest are "step".
-    `combine`: a CPU program's data-parallel calls merged as XLA's GPU combiners merge them,
-    results of up to `combine` bytes (gpu_combined); None: the calls as compiled."""
+def colls_from_report(report, tp_axes: Sequence[str], micro_batches: int) -> list[Coll]:
+    """Measured collectives (CommReport) → Colls, the calls as compiled. Phase: groups inside
+    the TP axes and the pipeline's sends (permutes over `stage`) are TP; other collectives
+    inside a loop (layers, micro-batches; log_step's exchanges among them) are dp; the rest
+    are "step"."""
     del micro_batches
     tp = set(tp_axes)
     sizes = dict(getattr(report, "mesh_shape", {}) or {})
-    out, where = [], []
+    out = []
     for c in report.collectives:
         axes = tuple(c.axes)
         if (tp and axes and set(axes) <= tp) or (c.kind == "collective-permute"
@@ -251,12 +250,11 @@ def colls_from_report(report, tp_axes: Sequence[str], micro_batches: int,
             phase = "step"
         k, groups = host_split(axes, sizes)
         out.append(Coll(c.name, c.kind, c.payload_bytes, c.group_size, c.level,
-                        float(c.trip_count or 1), phase, axes, k, groups))
-        where.append(c.computation)
-    return out if combine is None else gpu_combined(out, where, combine)
+                        float(c.trip_count or 1), phase, axes, k, groups, where=c.computation))
+    return out
 
 
-def gpu_combined(colls: list[Coll], computations: list[str], limit: float) -> list[Coll]:
+def gpu_combined(colls: list[Coll], limit: float) -> list[Coll]:
     """A CPU program's collectives as the GPU program issues them. XLA:CPU merges no
     all-gathers or reduce-scatters (the engine leaves them one per weight, sharding/bucket.py);
     XLA's GPU combiners merge a loop body's independent ones of one kind and group (a layer's
@@ -267,11 +265,11 @@ def gpu_combined(colls: list[Coll], computations: list[str], limit: float) -> li
     compiled for an A100 issues them (benchmarks/README.md)."""
     out: list[Coll] = []
     groups: dict[tuple, list[Coll]] = {}
-    for c, comp in zip(colls, computations):
+    for c in colls:
         if c.phase != "dp" or c.kind not in XLA_COMBINED:
             out.append(c)
         else:
-            groups.setdefault((comp, c.kind, c.axes, c.n, c.phase, c.calls), []).append(c)
+            groups.setdefault((c.where, c.kind, c.axes, c.n, c.phase, c.calls), []).append(c)
     for members in groups.values():
         per_run = combined([combined_bytes(c) for c in members], limit)
         first = members[0]

@@ -30,7 +30,7 @@ from typing import Optional
 from boost_jax.backends.cpu import dev_compile_options
 from boost_jax.errors import UserError
 from boost_jax.mesh import STAGE, Topology, axis_size, check_node_shape
-from boost_jax.plan.collectives import CommSummary, colls_from_report
+from boost_jax.plan.collectives import CommSummary, colls_from_report, gpu_combined
 from boost_jax.plan.costmodel import Assumptions, Prediction, predict, state_sizes
 from boost_jax.plan.roofline import DTYPE_BYTES
 from boost_jax.step.optim import STATE_PER_PARAM
@@ -42,6 +42,8 @@ class StepCompileError(RuntimeError):
 
 def full_sizes(cfg, topo: Topology, nodes: Optional[int]) -> dict[str, int]:
     """Mesh sizes of the whole run: topology pair/node (or mesh.shape), `nodes` hosts."""
+    if nodes is None or nodes == cfg.mesh.nodes:  # the config's own: the two must agree
+        cfg.mesh.check_nodes_agree()
     if cfg.mesh.shape is not None:
         p, n, g = cfg.mesh.shape
         if nodes is not None:
@@ -140,10 +142,11 @@ def compile_once(cfg, full: dict, sizes: dict, topo: Topology, a: Assumptions,
                                ) from e
     dt = time.perf_counter() - t0
     report = analyze_compiled(compiled, mesh, cpu)
-    colls = colls_from_report(report, c.parallel.tp_axes, c.train.micro_batches,
-                              a.combine_bytes if cpu else None)
+    colls = colls_from_report(report, c.parallel.tp_axes, c.train.micro_batches)
     raw = CommSummary.of(colls, topo, a).level_bytes
     colls = full_size_colls(colls, sizes, full)
+    if cpu:  # merged at the run's group sizes: a reduce-scatter's result shrinks with n
+        colls = gpu_combined(colls, a.combine_bytes)
     return Compiled(c.model.n_layers, dict(sizes), dict(report.memory or {}),
                     float(report.xla_flops or 0.0), CommSummary.of(colls, topo, a), raw, dt,
                     len(report.collectives), flops=report.flops or 0.0,

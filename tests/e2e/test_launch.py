@@ -210,7 +210,7 @@ def test_planner_refuses_to_emit_a_layout_that_does_not_fit(tmp_path):
     assert r.returncode == 2
     assert re.fullmatch(r"error: this layout does not fit \(it needs [\d.]+ GiB per device, more "
                         r"than [\d.]+ GiB that fit \(90% of 37 GiB, less the model's safety "
-                        r"margin\)\), so --emit-config .*big\.yaml was not written; "
+                        r"margin\)\), so --emit-config '.*big\.yaml' was not written; "
                         r"--search lists layouts that fit\n", r.stderr), r.stderr
     assert not out.exists()
 

@@ -366,12 +366,19 @@ def test_a_folder_with_a_broken_link_or_a_name_not_in_utf8_is_one_line(tmp_path)
     with pytest.raises(UserError, match=r"^reading '.*' failed \(Is a directory\)"):
         with reading(str(tmp_path)) as f:  # what a read error (EIO) meets
             f.read()
+    # a text file so named is read (its name's bytes pick its split); a shard pyarrow cannot open
     odd = os.path.join(os.fsencode(tmp_path), b"odd")
     os.mkdir(odd)
-    with open(os.path.join(odd, b"b\xff.txt"), "w") as f:
-        f.write("some text " * 50)
-    with pytest.raises(UserError, match=r"holds 'b\\udcff\.txt', a name that is not UTF-8"):
-        load_corpus(_cfg(tmp_path / "odd"))
+    for name in (b"a.txt", b"b\xff.txt"):
+        with open(os.path.join(odd, name), "w") as f:
+            f.write("some text " * 50)
+    assert len(load_corpus(_cfg(tmp_path / "odd")).train) > 0
+    os.mkdir(os.path.join(os.fsencode(tmp_path), b"pq"))
+    with open(os.path.join(os.fsencode(tmp_path), b"pq", b"c\xff.parquet"), "w") as f:
+        f.write("x")
+    with pytest.raises(UserError, match=r"holds 'c\\udcff\.parquet', a name that is not UTF-8, "
+                                        r"which pyarrow cannot open"):
+        load_corpus(_cfg(tmp_path / "pq"))
 
 
 def test_errors(tmp_path, folder):

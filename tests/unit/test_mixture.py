@@ -4,6 +4,7 @@ exact resume in the pipeline, per-process shards, validation from every source, 
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -84,6 +85,19 @@ def test_build_data_mixes_and_evaluates_every_source(corpora):
     tail_a = np.fromfile(a, np.uint16)[-int(round(n_a * 0.05)):]
     from_a = sum(bytes(r.astype(np.uint8)) in bytes(tail_a.astype(np.uint8)) for r in rows)
     assert from_a == shares([0.7, 0.3], 16)[0]
+
+
+def test_a_corpus_listed_twice_is_said(corpora, capsys):
+    """Drawn by the sum of its weights: a note, not a refusal (a run saved with it resumes)."""
+    a, _ = corpora
+    twice = f"data.sources=[{{path: {a}, weight: 1}}, {{path: {os.path.dirname(a)}/./" \
+            f"{os.path.basename(a)}, weight: 1}}]"
+    build_data(load_config(None, TINY + [twice, "data.max_bytes=null"]))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.match(r"note: data\.sources\[1\] \('.*/\./.*'\) is "
+                                             r"data\.sources\[0\]'s corpus again", err), err
+    build_data(load_config(None, TINY + [_sources(*corpora), "data.max_bytes=null"]))
+    assert "again" not in capsys.readouterr().err
 
 
 def test_errors(corpora, tmp_path):

@@ -73,7 +73,7 @@ def test_compiled_collectives_are_costed_as_the_gpu_combines_them(hier4):
     combiners merge them (and the analytic model counts merged calls): the compiled plan merges
     them too, so its collective time agrees with the analytic model's (it was 9x above it),
     with the bytes unchanged and fewer calls."""
-    from boost_jax.plan.collectives import colls_from_report
+    from boost_jax.plan.collectives import colls_from_report, gpu_combined
     from boost_jax.plan.roofline import Assumptions
 
     cfg, dr = hier4
@@ -82,7 +82,7 @@ def test_compiled_collectives_are_costed_as_the_gpu_combines_them(hier4):
     assert t["dp"] + t["step_comm"] == pytest.approx(ta["dp"] + ta["step_comm"], rel=0.1)
     report = dr.compiled[0].report
     raw = colls_from_report(report, (), 1)
-    merged = colls_from_report(report, (), 1, Assumptions().combine_bytes)
+    merged = gpu_combined(raw, Assumptions().combine_bytes)
     assert sum(c.bytes_per_step for c in merged) == pytest.approx(
         sum(c.bytes_per_step for c in raw))
     dp = [sum(c.calls for c in x if c.phase == "dp") for x in (raw, merged)]
@@ -360,13 +360,21 @@ def test_a_mesh_shape_the_topologys_nodes_do_not_hold_is_refused():
 
 def test_mesh_shape_and_nodes_that_disagree_are_one_config_error():
     """The planner read mesh.nodes where the launcher and train.py read mesh.shape's third
-    size: a config giving both must make them agree."""
+    size: both refuse a config giving two node counts (train.py, which reads the shape, and a
+    run saved so still load it)."""
     from boost_jax.config import ConfigError
+    from boost_jax.launch.slurm import job_sizes
+    from boost_jax.plan.dryrun import full_sizes
 
-    with pytest.raises(ConfigError, match=r"^mesh\.shape=\[2, 4, 2\] has 2 nodes but "
-                                          r"mesh\.nodes=3; set mesh\.nodes=null"):
-        load_config(None, ["mesh.shape=[2,4,2]", "mesh.nodes=3"])
-    assert load_config(None, ["mesh.shape=[2,4,2]", "mesh.nodes=2"]).mesh.nodes == 2
+    cfg = load_config(None, ["mesh.shape=[2,4,2]", "mesh.nodes=3"])
+    fr = get_topology("frontier")
+    for size in (lambda: full_sizes(cfg, fr, cfg.mesh.nodes), lambda: job_sizes(cfg, fr, None)):
+        with pytest.raises(ConfigError, match=r"^mesh\.shape=\[2, 4, 2\] has 2 nodes but "
+                                              r"mesh\.nodes=3; set mesh\.nodes=null"):
+            size()
+    assert full_sizes(cfg, fr, 5)["global"] == 5  # --nodes decides
+    same = load_config(None, ["mesh.shape=[2,4,2]", "mesh.nodes=2"])
+    assert full_sizes(same, fr, same.mesh.nodes)["global"] == job_sizes(same, fr, None)["global"]
 
 
 def test_an_emitted_layout_says_its_cross_node_legs_are_quantized(tmp_path, capsys):

@@ -77,6 +77,10 @@ def test_parquet_and_saved_hf_dataset(tmp_path):
         assert np.array_equal(np.fromfile(out, np.uint16), want)
     with pytest.raises(UserError, match=r"has no column 'text' \(columns: \['id', 'content'\]\)"):
         prepare(str(tmp_path / "c.parquet"), str(tmp_path / "x.bin"), "byte", 1, progress=False)
+    # a dictionary-encoded text column (pandas' categoricals) is text
+    pq.write_table(pa.table({"text": pa.array(DOCS).dictionary_encode()}), tmp_path / "d.parquet")
+    prepare(str(tmp_path / "d.parquet"), str(tmp_path / "d.bin"), "byte", 1, progress=False)
+    assert np.array_equal(np.fromfile(tmp_path / "d.bin", np.uint16), want)
     # a list column beside text files would add one empty document a row
     pq.write_table(pa.table({"text": [["a list"]] * 4}), tmp_path / "l.parquet")
     with pytest.raises(UserError, match=r"^SOURCE file '.*l\.parquet' column 'text' holds "
