@@ -17,11 +17,10 @@ data.max_bytes caps each source separately.
 from __future__ import annotations
 
 import os
-import sys
 
 import numpy as np
 
-from boost_jax.data.token_bin import check_intact, meta_path, open_bin, read_meta
+from boost_jax.data.token_bin import check_intact, meta_path, note, open_bin, read_meta
 from boost_jax.data.tokenizers import Tokenizer
 from boost_jax.errors import UserError
 
@@ -58,15 +57,12 @@ def _check_same_tokenizer(specs) -> None:
 def _note_repeats(sources) -> None:
     """A corpus listed twice is sampled by the sum of its weights, its validation tail twice:
     said, not refused (a run saved so must still resume and evaluate)."""
-    import jax
-
     seen: dict = {}
     for i, s in enumerate(sources):
         j = seen.setdefault(os.path.realpath(s.path), i)
-        if j != i and jax.process_index() == 0:
-            print(f"note: data.sources[{i}] ({s.path!r}) is data.sources[{j}]'s corpus again: "
-                  "it is drawn by the sum of their weights; list each corpus once",
-                  file=sys.stderr, flush=True)
+        if j != i:
+            note(f"note: data.sources[{i}] ({s.path!r}) is data.sources[{j}]'s corpus again: "
+                 "it is drawn by the sum of their weights; list each corpus once")
 
 
 def load_sources(data_cfg, tokenizer: Tokenizer) -> tuple[list, list]:

@@ -95,8 +95,9 @@ def check_meta(path: str, meta: dict, tokenizer, dtype: str, label: str) -> None
                         f"tokenizer's 0..{tokenizer.vocab_size - 1}; prepare it again")
 
 
-def _note_capped(line: str) -> None:
-    """Said once, by the first process: a prefix of a prepared corpus is easy to miss."""
+def note(line: str) -> None:
+    """A line on stderr from the first process only (said once, not once per process): what
+    the data does that is easy to miss."""
     import jax
 
     if jax.process_index() == 0:
@@ -118,7 +119,7 @@ def open_bin(path: str, data_cfg, tokenizer, label: str = "data.source",
             f"{dtype} ({itemsize} bytes); set the dtype it was written with")
     n = size // itemsize if max_tokens is None else min(size // itemsize, max_tokens)
     if n < size // itemsize:
-        _note_capped(f"note: data.max_bytes keeps {n:,} of the {size // itemsize:,} tokens of "
+        note(f"note: data.max_bytes keeps {n:,} of the {size // itemsize:,} tokens of "
                      f"{label} {path!r}; set data.max_bytes=null to train on all of them")
     if n < 2:
         raise UserError(f"{label} {path!r} holds fewer than 2 tokens; it needs a real corpus")

@@ -35,7 +35,7 @@ from boost_jax.sharding.step_collectives import combined, combined_bytes, ring_b
 from boost_jax.plan.overlap import XLA_COMBINED
 from boost_jax.plan.roofline import Assumptions
 
-HOST_AXES = ("pair", "node")
+HOST_AXES = ("pair", "node")  # mesh axes inside one host; global and stage cross hosts
 
 
 def host_split(axes: Sequence[str], sizes: Optional[dict]) -> tuple[int, int]:
