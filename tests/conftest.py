@@ -54,13 +54,16 @@ def jax_cache(_jax_cache_dir):
 # The longest files first (measured: seconds per file of one full run, `--durations=0`):
 # xdist's loadfile hands files out in collection order, so a long file collected last would
 # run alone at the end. Basenames, unique across tests/unit and tests/e2e.
-LONGEST_FIRST = ("test_pipeline.py", "test_readme.py", "test_tp.py", "test_plans_hlo.py",
-                 "test_cross_node_quant_demo.py", "test_two_level.py", "test_ckpt_integrity.py",
-                 "test_plans.py", "test_flash.py", "test_launch.py", "test_qgz_demo.py",
-                 "test_optim_choices.py", "test_optim_step.py", "test_plan.py",
-                 "test_use_run.py", "test_plan_schedule.py", "test_out_dir.py",
-                 "test_safe_write.py", "test_pallas.py", "test_crash.py", "test_optim_kill.py",
-                 "test_multihost.py")
+LONGEST_FIRST = ("test_tp.py", "test_pipeline.py", "test_plans_hlo.py", "test_readme.py",
+                 "test_two_level.py", "test_cross_node_quant_demo.py", "test_multihost.py",
+                 "test_ckpt_integrity.py", "test_optim_choices.py", "test_launch.py",
+                 "test_plans.py", "test_use_run.py", "test_out_dir.py", "test_flash.py",
+                 "test_qgz_demo.py", "test_optim_train.py", "test_safe_write.py", "test_plan.py",
+                 "test_pallas.py", "test_pallas_btp.py", "test_bad_input.py", "test_crash.py",
+                 "test_stream_train.py", "test_optim_kill.py", "test_benchmark_outputs.py",
+                 "test_score.py", "test_decode.py", "test_pipeline_train.py",
+                 "test_plan_schedule.py", "test_input_fingerprint.py", "test_train.py",
+                 "test_model.py")
 
 
 def pytest_collection_modifyitems(config, items):
