@@ -145,11 +145,11 @@ def _walk(root: str, exts: tuple[str, ...], skip: set[str]) -> list[str]:
         dirnames[:] = keep
         for f in sorted(filenames):
             if f.endswith(exts):
-                rel = os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/")
+                full = os.path.join(dirpath, f)
+                rel = os.path.relpath(full, root).replace(os.sep, "/")
                 if lone_surrogate(rel) is not None and f.endswith((".parquet", ".arrow")):
                     raise UserError(f"folder {root!r} holds {rel!r}, a name that is not UTF-8, "
                                     "which pyarrow cannot open; rename it in UTF-8")
-                full = os.path.join(dirpath, f)
                 if not os.path.exists(full):
                     raise UserError(f"folder {root!r} holds {rel!r}, a link to "
                                     f"{os.readlink(full)!r}, which does not exist; fix the link "

@@ -120,7 +120,7 @@ def open_bin(path: str, data_cfg, tokenizer, label: str = "data.source",
     n = size // itemsize if max_tokens is None else min(size // itemsize, max_tokens)
     if n < size // itemsize:
         note(f"note: data.max_bytes keeps {n:,} of the {size // itemsize:,} tokens of "
-                     f"{label} {path!r}; set data.max_bytes=null to train on all of them")
+             f"{label} {path!r}; set data.max_bytes=null to train on all of them")
     if n < 2:
         raise UserError(f"{label} {path!r} holds fewer than 2 tokens; it needs a real corpus")
     arr = np.memmap(path, dtype=dtype, mode="r", shape=(n,))

@@ -269,7 +269,7 @@ def gpu_combined(colls: list[Coll], limit: float) -> list[Coll]:
         if c.phase != "dp" or c.kind not in XLA_COMBINED:
             out.append(c)
         else:
-            groups.setdefault((c.where, c.kind, c.axes, c.n, c.phase, c.calls), []).append(c)
+            groups.setdefault((c.where, c.kind, c.axes, c.n, c.calls), []).append(c)
     for members in groups.values():
         per_run = combined([combined_bytes(c) for c in members], limit)
         first = members[0]
