@@ -137,7 +137,7 @@ def pad(lay: LeafLayout, x):
     widths = [(0, p - s) for s, p in zip(lay.shape[-x.ndim:], lay.padded[-x.ndim:])]
     if lay.owner is not None:
         widths[0] = (lay.owner, lay.padded[0] - lay.owner - 1)
-    x = jnp.pad(x, widths) if any(w != (0, 0) for w in widths) else x
+    x = xp(x).pad(x, widths) if any(w != (0, 0) for w in widths) else x
     return interleave(x, *lay.interleave) if lay.interleave else x
 
 
@@ -147,7 +147,12 @@ def interleave(x, stages: int, virtual: int, inverse: bool = False):
     s, s+P, …)."""
     src = (virtual, stages) if not inverse else (stages, virtual)
     x = x.reshape(*src, -1, *x.shape[1:])
-    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[3:])
+    return xp(x).swapaxes(x, 0, 1).reshape(-1, *x.shape[3:])
+
+
+def xp(x):
+    """NumPy for host arrays (padded or unpadded without compiling a program), else jax.numpy."""
+    return np if isinstance(x, np.ndarray) else jnp
 
 
 def unpad(lay: LeafLayout, x):

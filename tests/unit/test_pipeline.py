@@ -109,8 +109,8 @@ def eval_loss(cfg, mesh) -> float:
     params, batch = _params_and_batch(_model_key(cfg))
     bundle = build_step(cfg, mesh, FAST)
     pl = bundle.placement
-    stored = jax.jit(lambda p: pad_tree(pl.layouts, p),
-                     out_shardings=pl.params_shardings())(params)
+    stored = jax.device_put(pad_tree(pl.layouts, jax.tree.map(np.asarray, params)),
+                            pl.params_shardings())
     with jax.set_mesh(mesh):
         return float(jax.jit(bundle.engine.loss_fn())(stored, batch))
 

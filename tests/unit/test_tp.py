@@ -92,13 +92,14 @@ def engine_run(cfg, mesh):
     params, batch = _params_and_batch(_model_key(cfg))
     bundle = build_step(cfg, mesh, FAST)
     pl = bundle.placement
-    stored = jax.jit(lambda p: pad_tree(pl.layouts, p), out_shardings=pl.params_shardings())(
-        params)
+    # padded and unpadded on the host: no sharded program to compile but the step's
+    stored = jax.device_put(pad_tree(pl.layouts, jax.tree.map(np.asarray, params)),
+                            pl.params_shardings())
     gf = jax.jit(bundle.engine.grads_fn(cfg.train.micro_batches))
     with jax.set_mesh(mesh):
         compiled = gf.lower(stored, batch).compile(compiler_options=FAST)
         loss, grads = compiled(stored, batch)
-        grads = jax.jit(lambda g: unpad_tree(pl.layouts, g))(grads)
+    grads = unpad_tree(pl.layouts, jax.tree.map(np.asarray, jax.device_get(grads)))
     return jax.device_get(loss), jax.device_get(grads), compiled
 
 
