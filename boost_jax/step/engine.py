@@ -326,6 +326,7 @@ class Engine:
 
             return ck(last)
 
+        b = dict(b, inputs=self.after_loop(b["inputs"], acc))
         p = self.barrier(params, b["inputs"])
         if self.placement.defer_update:  # the ends as the first micro-batch fetched them:
             zero = (b["inputs"].reshape(-1)[0].astype(jnp.float32) * 0.0)  # not one CSE'd call
@@ -343,6 +344,13 @@ class Engine:
                    jax.tree.map(lambda a, x: a + x.astype(acc_dtype), acc[k], v))
                for k, v in g.items()}
         return loss, out
+
+    @staticmethod
+    def after_loop(inputs, acc):
+        """The last micro-batch's inputs tied to the loop's accumulated gradient: its forward
+        (the saved activations of a second micro-batch) cannot start beside the loop's."""
+        same = [x for x in jax.tree.leaves(acc) if varying_axes(x) <= varying_axes(inputs)]
+        return jax.lax.optimization_barrier((inputs, same[0]))[0] if same else inputs
 
     @staticmethod
     def pair_blocks(grads, other, name):
