@@ -429,11 +429,19 @@ def stage_sends(cfg, sizes, b: int) -> list[Coll]:
                  "global", sch.sends, "tp", (STAGE,), *host_split((STAGE,), sizes))]
 
 
+REMAT_NONE_NOTE = ("train.remat=none: saved activations are estimated from the kernels' "
+                   "outputs, not what the backward keeps; GPU programs measured differ by more "
+                   "than 10% either way (benchmarks/README.md section 11): judge memory with "
+                   "--gpu-compile")
+
+
 def _notes(cfg, pl, measured, L: int) -> list[str]:
     notes = list(pl.notes)  # roles tensor parallelism took, in one line
     if pl.secondary_axes and not pl.hpz and set(pl.secondary_axes) < set(pl.params_axes):
         notes.append("hpZ without train.remat=full: the forward gathers each layer twice "
                      "(flat, then from its secondary), remat replaying the second")
+    if cfg.train.remat == "none":
+        notes.append(REMAT_NONE_NOTE)
     notes.append("collectives: measured from the compiled step's HLO" if measured is not None
                  else "collectives: analytic (the step's placement, not compiled)")
     sch = schedule(cfg)

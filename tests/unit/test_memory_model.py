@@ -13,7 +13,7 @@ import pytest
 from boost_jax.config import load_config
 from boost_jax.mesh import get_topology
 from boost_jax.plan import dryrun, memory
-from boost_jax.plan.costmodel import Assumptions, predict, state_sizes
+from boost_jax.plan.costmodel import REMAT_NONE_NOTE, Assumptions, predict, state_sizes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORDED = os.path.join(ROOT, "benchmarks", "results", "gpu_compile.json")
@@ -53,6 +53,25 @@ def test_analytic_memory_within_10pct_of_the_gpu_program(rec):
         assert ratio > tol, msg
     else:
         assert abs(ratio) <= tol, msg
+
+
+@pytest.mark.parametrize("rec", recorded()["remat_none"],
+                         ids=[f"{r['config']}-{'-'.join(r['overrides'])}"
+                              for r in recorded()["remat_none"]])
+def test_remat_none_says_its_memory_is_not_modelled(rec):
+    """train.remat=none: the report carries the note wherever the layout is recorded."""
+    assert REMAT_NONE_NOTE in analytic(rec).notes
+
+
+def test_remat_none_gap_is_still_there():
+    """The note stays while a recorded remat=none layout is off by more than the tolerance
+    (the model's activations are kernel outputs, not what the backward keeps); fails once
+    the model closes it, so the note goes with it."""
+    tol = recorded()["memory_rtol"]
+    off = [abs(analytic(r).memory["total"] / r["gpu_memory_total"] - 1)
+           for r in recorded()["remat_none"]]
+    assert max(off) > tol
+    assert REMAT_NONE_NOTE not in analytic(recorded()["layouts"][0]).notes
 
 
 def deferred(config: str):
