@@ -186,9 +186,12 @@ def main() -> None:
         "what each op's gradient reads instead: cola-350m's DDP program at its forward's "
         "peak saves per layer and token 7 bf16 vectors of d_ff, 4 fp32 and 7 bf16 of "
         "d_model (norm inputs, q, k, v in head layout), 28 of the rank: 83 KB against the "
-        "model's 48 KB. Where the model is over the program (ZeRO-3 at one micro-batch) the "
-        "cause is not diagnosed. Measured, not held to the tolerance; the planner's report "
-        "says so for such layouts:",
+        "model's 48 KB (DDP and ZeRO-1 apply no jax.checkpoint under remat=none). Plans that "
+        "gather weights wrap each layer in one that saves matmul outputs and named values "
+        "only (layers/forward.remat_wrapper), fewer than every kernel's output: ZeRO-3's "
+        "programs are below the model; why hierarchical's (4 micro-batches, deferred update) "
+        "is above it is not diagnosed. Measured, not held to the tolerance; the planner's "
+        "report says so for such layouts:",
         "",
         markdown_table(head, none_rows),
     ]) + "\n"
