@@ -25,7 +25,7 @@ from boost_jax.errors import ConfigError, UserError
 from boost_jax.mesh import AXES, Topology, axis_size
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor, floor_text
 from boost_jax.plan import memory
-from boost_jax.plan.costmodel import Assumptions, Prediction, SizesMesh
+from boost_jax.plan.costmodel import REMAT_NONE_NOTE, Assumptions, Prediction, SizesMesh
 from boost_jax.plan.secondary import Choice, choose
 from boost_jax.sharding import parallel
 from boost_jax.sharding.placement import ALL, PRESETS
@@ -290,6 +290,8 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
         res.notes.append(f"{xq} hierarchical layouts also costed with int8 weights and int4 "
                          "gradients across nodes (/xq, xq: parallel.quantize_cross_node_*; they "
                          "change the loss, within the qgZ study's tolerance on the demo)")
+    if any(c.prediction is not None and REMAT_NONE_NOTE in c.prediction.notes for c in cands):
+        res.notes.append(f"layouts with {REMAT_NONE_NOTE}")
     if any(collapses("hierarchical", axes, sizes) for axes in TP_AXES):
         res.notes.append("hierarchical with TP over the whole node is not listed: no role is "
                          "left inside the node, so it runs as zero1 (listed as zero1)")

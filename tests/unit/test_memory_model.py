@@ -63,6 +63,16 @@ def test_remat_none_says_its_memory_is_not_modelled(rec):
     assert REMAT_NONE_NOTE in analytic(rec).notes
 
 
+def test_search_says_it_once_when_it_costs_remat_none():
+    """The search ranks remat modes side by side: one line for its remat=none layouts."""
+    from boost_jax.plan.search import search
+
+    cfg = load_config(os.path.join(ROOT, "configs", "cola-60m.yaml"))
+    res = search(cfg, get_topology("perlmutter"), {"pair": 2, "node": 2, "global": 1})
+    assert any(c.remat == "none" for c in res.fitting)
+    assert [n for n in res.notes if REMAT_NONE_NOTE in n] == [f"layouts with {REMAT_NONE_NOTE}"]
+
+
 def test_remat_none_gap_is_still_there():
     """The note stays while a recorded remat=none layout is off by more than the tolerance
     (the model's activations are kernel outputs, not what the backward keeps); fails once
