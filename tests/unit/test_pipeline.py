@@ -26,8 +26,8 @@ from boost_jax.checkpoints.store import Checkpointer, state_checksums
 from boost_jax.sharding.stages import Schedule
 from boost_jax.step.build import build_step
 
-from boost_jax.sharding.layout import pad_tree
-from test_tp import _model_key, _params_and_batch, assert_same, engine_run, make_cfg, reference
+from test_tp import (_model_key, _params_and_batch, assert_same, engine_run, make_cfg,
+                     reference, stored_params)
 
 FAST = fast_compile_options()
 SHAPES = {2: [2, 2, 2], 4: [2, 1, 4]}
@@ -109,8 +109,7 @@ def eval_loss(cfg, mesh) -> float:
     params, batch = _params_and_batch(_model_key(cfg))
     bundle = build_step(cfg, mesh, FAST)
     pl = bundle.placement
-    stored = jax.device_put(pad_tree(pl.layouts, jax.tree.map(np.asarray, params)),
-                            pl.params_shardings())
+    stored = stored_params(pl, params)
     with jax.set_mesh(mesh):
         return float(jax.jit(bundle.engine.loss_fn())(stored, batch))
 

@@ -92,15 +92,19 @@ def engine_run(cfg, mesh):
     params, batch = _params_and_batch(_model_key(cfg))
     bundle = build_step(cfg, mesh, FAST)
     pl = bundle.placement
-    # padded and unpadded on the host: no sharded program to compile but the step's
-    stored = jax.device_put(pad_tree(pl.layouts, jax.tree.map(np.asarray, params)),
-                            pl.params_shardings())
+    stored = stored_params(pl, params)
     gf = jax.jit(bundle.engine.grads_fn(cfg.train.micro_batches))
     with jax.set_mesh(mesh):
         compiled = gf.lower(stored, batch).compile(compiler_options=FAST)
         loss, grads = compiled(stored, batch)
-    grads = unpad_tree(pl.layouts, jax.tree.map(np.asarray, jax.device_get(grads)))
-    return jax.device_get(loss), jax.device_get(grads), compiled
+    return jax.device_get(loss), unpad_tree(pl.layouts, jax.device_get(grads)), compiled
+
+
+def stored_params(pl, params):
+    """Logical weights padded on the host and put on the mesh: no sharded program to compile
+    but the step's (unpadding the gradients is host slicing too)."""
+    return jax.device_put(pad_tree(pl.layouts, jax.tree.map(np.asarray, params)),
+                          pl.params_shardings())
 
 
 def assert_same(ref, got, rtol=1e-5):
