@@ -374,21 +374,32 @@ def run_gpu_compile(args, cfg, topo, full: dict, a, command: str) -> int:
         failure, g = str(e), None
         print(f"error: the training step does not compile for the GPU ({failure})",
               file=sys.stderr)
+    judged = gpu_compile.judged(pred, g, a, topo.hbm_bytes) if g else pred
     if args.json:
         d = pred.to_dict()
         d["gpu_compile"] = g.to_dict() if g else {"error": failure}
+        if g:  # the verdict that --emit-config acts on
+            d["gpu_compile"].update(fits=judged.memory["fits"], limit=judged.memory["limit"])
         print(json_dumps(d, indent=1, default=str))
     else:
         text = report_text(pred, cfg, topo, compiled=False).replace(
             "not compiled: analytic model only (--no-compile)",
             "analytic model (the CPU dry run is skipped with --gpu-compile); the GPU program "
             "follows")
-        print(text + "\n\n" + (gpu_compile.report_text(g) if g else
-                                 f"GPU program: NOT COMPILED ({failure})"))
+        print(text + "\n\n" + (gpu_compile.report_text(g) + "\n" + _gpu_verdict(judged)
+                                 if g else f"GPU program: NOT COMPILED ({failure})"))
     if args.emit_config:
-        judged = gpu_compile.judged(pred, g, a, topo.hbm_bytes) if g else pred
         _emit_layout(args, judged, cfg, topo, failure, command)
     return 1 if failure else 0
+
+
+def _gpu_verdict(judged) -> str:
+    """The fit by the GPU program's own buffers, which decides over the analytic one above."""
+    m = judged.memory
+    verdict = "FITS" if m["fits"] else "DOES NOT FIT"
+    return (f"  fit by the GPU program: {m['total'] / 2**30:.2f} GiB of {m['limit'] / 2**30:.2f} "
+            f"GiB usable (hbm_usable; its buffers as allocated: no margin) -> {verdict}; this, "
+            "not the analytic total, decides --emit-config")
 
 
 def _set_compile_devices(args, full: dict) -> None:

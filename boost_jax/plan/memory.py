@@ -136,14 +136,14 @@ def peak(mem: dict, one_pass: bool = False) -> tuple[float, str]:
     return (first, "first micro-batch") if first > later else (later, "micro-batch loop")
 
 
-def activation_bytes(cfg, bm, L: int) -> tuple[float, float]:
+def activation_bytes(cfg, bm, L: int, unremat: float) -> tuple[float, float]:
     """(saved layer inputs, and low-rank latents, by remat policy; one block's working set:
-    every kernel's output, flash attention's row statistics among them). Without remat every
-    layer's working set is saved: none apart."""
+    every kernel's output, flash attention's row statistics among them). Without remat each
+    layer keeps `unremat` bytes (what JAX saves, plan/saved.py): none apart."""
     working = sum(o.out_bytes for o in bm.ops)
     remat = cfg.train.remat
     if remat == "none":
-        return L * working, 0.0
+        return L * unremat, 0.0
     if remat == "full":
         return L * bm.residual_bytes, working
     return L * (bm.residual_bytes + bm.latent_bytes), working
@@ -164,8 +164,10 @@ def ends_terms(cfg, st, pb: int, gb: int) -> dict:
     return {"embed_head": st.outside_tp_local * (pb + gb)}
 
 
-def estimate(cfg, st, pl, bm, hm, b: int, L: int, stage_inputs: float, limit: float) -> dict:
-    """Per-device bytes by term; `total`, the `limit` (fit_limit) and `fits` (total <= limit)."""
+def estimate(cfg, st, pl, bm, hm, b: int, L: int, stage_inputs: float, limit: float,
+             unremat: float = 0.0) -> dict:
+    """Per-device bytes by term; `total`, the `limit` (fit_limit) and `fits` (total <= limit).
+    unremat: the bytes one layer keeps under train.remat=none (plan/saved.per_device)."""
     m, par = cfg.model, cfg.parallel
     pb = DTYPE_BYTES[m.param_dtype]
     mem = {"weights": st.params * pb, "master": st.opt * 4 if m.param_dtype != "float32" else 0.0,
@@ -184,11 +186,13 @@ def estimate(cfg, st, pl, bm, hm, b: int, L: int, stage_inputs: float, limit: fl
         mem["secondary"] = st.secondary * (q8 if pl.int8_secondary else pb)
     if pl.defer_update:
         mem.update(deferred_terms(cfg, st, pl, pb, mem.get("secondary", 0.0)))
-    saved, working = activation_bytes(cfg, bm, L)
+    saved, working = activation_bytes(cfg, bm, L, unremat)
     mem["activations"], mem["block_working"] = float(saved), float(working)
     if stage_inputs:
         mem["stage_inputs"] = stage_inputs
-    mem["logits"] = sum(o.out_bytes for o in hm.ops) * 2
+    # the head's backward holds two fp32 [tokens, vocab] arrays: the softmax's gradient and
+    # the gold tokens' scattered one (the logits die into the first)
+    mem["logits"] = 2 * next(o.out_bytes for o in hm.ops if o.name == "cross_entropy")
     mem["layer_grads"] = st.per_layer_tp_local * 4
     mem["total"], mem["peak"] = peak(mem, one_pass(cfg))
     mem["limit"], mem["fits"] = limit, mem["total"] <= limit

@@ -290,8 +290,8 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
         res.notes.append(f"{xq} hierarchical layouts also costed with int8 weights and int4 "
                          "gradients across nodes (/xq, xq: parallel.quantize_cross_node_*; they "
                          "change the loss, within the qgZ study's tolerance on the demo)")
-    if any(c.remat == "none" for c in cands if c.prediction is not None):
-        res.notes.append(f"layouts with {REMAT_NONE_NOTE}")
+    if any(REMAT_NONE_NOTE in c.prediction.notes for c in cands if c.prediction is not None):
+        res.notes.append(REMAT_NONE_NOTE)  # it names the layouts it is about
     if any(collapses("hierarchical", axes, sizes) for axes in TP_AXES):
         res.notes.append("hierarchical with TP over the whole node is not listed: no role is "
                          "left inside the node, so it runs as zero1 (listed as zero1)")

@@ -55,33 +55,58 @@ def test_analytic_memory_within_10pct_of_the_gpu_program(rec):
         assert abs(ratio) <= tol, msg
 
 
-@pytest.mark.parametrize("rec", recorded()["remat_none"],
-                         ids=[f"{r['config']}-{'-'.join(r['overrides'])}"
-                              for r in recorded()["remat_none"]])
-def test_remat_none_says_its_memory_is_not_modelled(rec):
-    """train.remat=none: the report carries the note wherever the layout is recorded."""
-    assert REMAT_NONE_NOTE in analytic(rec).notes
+REMAT_NONE = recorded()["remat_none"]
 
 
-def test_search_says_it_once_when_it_costs_remat_none():
-    """The search ranks remat modes side by side: one line for its remat=none layouts."""
+@pytest.mark.parametrize("rec", REMAT_NONE,
+                         ids=[f"{r['config']}-{'-'.join(r['overrides'])}" for r in REMAT_NONE])
+def test_remat_none_within_10pct_or_says_it_is_not_modelled(rec):
+    """train.remat=none: what JAX saves (plan/saved.py) holds the program within the tolerance;
+    layouts it does not bound (gathered weights over several micro-batches) carry the note
+    and are still outside it (fails once the model closes the gap, so the note goes)."""
+    tol = recorded()["memory_rtol"]
+    pred = analytic(rec)
+    off = pred.memory["total"] / rec["gpu_memory_total"] - 1
+    if REMAT_NONE_NOTE in pred.notes:
+        assert off < -tol, f"{off:+.1%}: the note can go"
+    else:
+        assert abs(off) <= tol, f"{rec['config']} {rec['overrides']}: {off:+.1%}"
+
+
+def test_remat_none_note_is_for_gathering_plans_over_several_micro_batches():
+    """The note names its layouts; recorded ones without remat carry none."""
+    noted = [r["overrides"] for r in REMAT_NONE if REMAT_NONE_NOTE in analytic(r).notes]
+    assert ["parallel.plan=zero3"] in noted and ["parallel.plan=hierarchical"] in noted
+    assert ["parallel.plan=zero3", "train.micro_batches=1"] not in noted
+    assert not any(REMAT_NONE_NOTE in analytic(r).notes for r in LAYOUTS)
+
+
+def test_remat_none_saved_activations_are_not_the_kernels_outputs():
+    """The recorded remat=none DDP program keeps what JAX saves, not every kernel's output: with
+    the roofline's kernel outputs as the saved activations it falls outside the tolerance."""
+    rec = next(r for r in REMAT_NONE if r["overrides"][0] == "parallel.plan=ddp"
+               and r["config"] == "cola-350m")
+    cfg = load_config(os.path.join(ROOT, "configs", f"{rec['config']}.yaml"), rec["overrides"])
+    pred = analytic(rec)
+    mem = pred.memory
+    from boost_jax.plan.roofline import block_model
+
+    bm = block_model(cfg.model, pred.micro_batch_per_device, cfg.data.seq_len, "none", 1,
+                     pred.assumptions.attention)
+    kernels = cfg.model.n_layers * sum(o.out_bytes for o in bm.ops)
+    assert abs(mem["total"] / rec["gpu_memory_total"] - 1) <= recorded()["memory_rtol"]
+    assert (mem["total"] - mem["activations"] + kernels) / rec["gpu_memory_total"] \
+        < 1 - recorded()["memory_rtol"]
+
+
+def test_search_says_it_once_when_it_costs_such_layouts():
+    """The search ranks remat modes side by side: one line for the layouts the note is about."""
     from boost_jax.plan.search import search
 
     cfg = load_config(os.path.join(ROOT, "configs", "cola-60m.yaml"))
     res = search(cfg, get_topology("perlmutter"), {"pair": 2, "node": 2, "global": 1})
     assert any(c.remat == "none" for c in res.fitting)
-    assert [n for n in res.notes if REMAT_NONE_NOTE in n] == [f"layouts with {REMAT_NONE_NOTE}"]
-
-
-def test_remat_none_gap_is_still_there():
-    """The note stays while a recorded remat=none layout is off by more than the tolerance
-    (the model's activations are kernel outputs, not what the backward keeps); fails once
-    the model closes it, so the note goes with it."""
-    tol = recorded()["memory_rtol"]
-    off = [abs(analytic(r).memory["total"] / r["gpu_memory_total"] - 1)
-           for r in recorded()["remat_none"]]
-    assert max(off) > tol
-    assert REMAT_NONE_NOTE not in analytic(recorded()["layouts"][0]).notes
+    assert res.notes.count(REMAT_NONE_NOTE) == 1
 
 
 def deferred(config: str):
@@ -224,3 +249,20 @@ def test_search_also_compiles_the_layouts_nearest_the_limit():
     fitting = [fast, mid, edge, low]  # fastest first
     assert near_limit(fitting, 2, [fast]) == [edge, mid]
     assert near_limit(fitting, 1, [edge]) == [mid]
+
+
+def test_traced_residuals_are_linear_in_the_batch():
+    """plan/saved.per_layer's two traces (1 and 2 sequences) predict a third, at 3; the plans
+    that gather weights save less than those without a checkpoint (matmul outputs and names
+    only), and an odd sequence length changes the bytes per sequence (nothing is cached
+    across shapes)."""
+    from boost_jax.plan import saved
+
+    cfg = load_config(os.path.join(ROOT, "configs", "cola-60m.yaml"),
+                      ["model.n_layers=2", "model.d_model=72", "model.n_heads=3",
+                       "model.d_ff=136", "model.rank=24"])
+    m, s = cfg.model, 24
+    seq, const = saved.per_layer(m, s, False, "dense")
+    assert saved._stack_bytes(m, 3, s, False) == pytest.approx(m.n_layers * (3 * seq + const))
+    assert saved.per_layer(m, s, True, "dense")[0] < seq
+    assert saved.per_layer(m, s + 7, False, "dense")[0] > seq
