@@ -68,6 +68,11 @@ REMAT_NONE = [
     ("cola-350m", 1, ["parallel.plan=zero3", "train.micro_batches=1"], "perlmutter", None,
      512),
     ("cola-350m", 1, ["parallel.plan=hierarchical"], "perlmutter", None, 512),
+    ("cola-1b", 1, ["parallel.plan=ddp", "parallel.tp_mode=btp", "parallel.tp_axes=[pair]",
+                    "model.d_ff=5462", "train.remat=none"], "perlmutter", None, 512),
+    ("cola-1b", 1, ["parallel.plan=zero3", "parallel.tp_mode=btp", "parallel.tp_axes=[pair]",
+                    "model.d_ff=5462", "train.remat=none", "train.micro_batches=1"],
+     "perlmutter", None, 512),
 ]
 # Layouts whose analytic memory is not within MEMORY_RTOL, with the reason (the test holds them
 # to it: over the program's, the safe side, by more than the tolerance).
@@ -188,13 +193,16 @@ def main() -> None:
         "weights wrap each layer in one that saves matmul outputs and named values only "
         "(layers/forward.remat_wrapper: 25 KB). The model asks JAX (boost_jax/plan/saved.py: "
         "the saved residuals of the layer stack, traced, not compiled) and counts the head's "
-        "backward as the two fp32 [tokens, vocab] arrays it holds. Gathering plans over "
-        "several micro-batches stay short: their programs also keep zero-filled layer stacks "
-        "of forwards outside the micro-batch loop, and the pipelined all-gather's peeled "
-        "layers (without `--xla_gpu_enable_pipelined_all_gather` cola-350m hierarchical "
-        "drops from 22.9 to 16.7 GiB, cola-60m ZeRO-3 from 3.87 to 3.42, both still above "
-        "the model); the planner's report says so for those layouts (costmodel.REMAT_NONE_NOTE) "
-        "and tests/unit/test_memory_model.py holds the rest to the tolerance:",
+        "backward as the two fp32 [tokens, vocab] arrays it holds; under TP it scales the "
+        "traced bytes by the layout's share of the block's kernel outputs. Layouts over "
+        "several micro-batches stay short where the plan gathers weights: their programs also "
+        "keep zero-filled layer stacks of forwards outside the micro-batch loop, and the "
+        "pipelined all-gather's peeled layers (without `--xla_gpu_enable_pipelined_all_gather` "
+        "cola-350m hierarchical drops from 22.9 to 16.7 GiB, cola-60m ZeRO-3 from 3.87 to "
+        "3.42, both still above the model); and under TP (CoLA-1B BTP DDP: the micro-batch "
+        "loop's forward holds about three micro-batches' stacks; not diagnosed further). The "
+        "planner's report says so for those layouts (costmodel.REMAT_NONE_NOTE) and "
+        "tests/unit/test_memory_model.py holds the rest to the tolerance:",
         "",
         markdown_table(head, none_rows),
     ]) + "\n"
