@@ -434,20 +434,22 @@ def stage_sends(cfg, sizes, b: int) -> list[Coll]:
                  "global", sch.sends, "tp", (STAGE,), *host_split((STAGE,), sizes))]
 
 
-REMAT_NONE_NOTE = ("train.remat=none over several micro-batches with gathered weights or TP: "
-                   "XLA keeps more saved activations than one micro-batch's (GPU programs "
-                   "measured up to 2.9x the estimate, benchmarks/README.md section 11): judge "
-                   "memory with --gpu-compile")
+REMAT_NONE_NOTE = ("train.remat=none over two micro-batches, or several with gathered weights "
+                   "or TP: XLA keeps more saved activations than one micro-batch's (GPU "
+                   "programs measured up to 2.9x the estimate, benchmarks/README.md section "
+                   "11): judge memory with --gpu-compile")
 
 
 def remat_none_unmodelled(cfg, pl) -> bool:
     """The layouts whose saved activations the memory model does not bound, as measured on the
-    A100 programs (benchmarks/gpu_compile.py REMAT_NONE): remat=none over several
-    micro-batches on a plan that gathers weights (its program also keeps the zero-filled layer
-    stacks of forwards outside the micro-batch loop and the pipelined gathers' peeled layers)
-    or under TP (BTP DDP keeps about three micro-batches' stacks)."""
-    return cfg.train.remat == "none" and cfg.train.micro_batches > 1 and (
-        bool(pl.params_axes) or cfg.parallel.tp_mode != "none")
+    A100 programs (benchmarks/gpu_compile.py REMAT_NONE), all under remat=none: two
+    micro-batches (XLA unrolls the loop, so both forwards' stacks are live together); several
+    on a plan that gathers weights (its program also keeps the zero-filled layer stacks of
+    forwards outside the micro-batch loop and the pipelined gathers' peeled layers) or under
+    TP (BTP DDP keeps about three micro-batches' stacks)."""
+    micro = cfg.train.micro_batches
+    return cfg.train.remat == "none" and (micro == 2 or micro > 2 and (
+        bool(pl.params_axes) or cfg.parallel.tp_mode != "none"))
 
 
 def _notes(cfg, pl, measured, L: int) -> list[str]:

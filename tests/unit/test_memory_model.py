@@ -73,12 +73,14 @@ def test_remat_none_within_10pct_or_says_it_is_not_modelled(rec):
         assert abs(off) <= tol, f"{rec['config']} {rec['overrides']}: {off:+.1%}"
 
 
-def test_remat_none_note_is_for_several_micro_batches_with_gathers_or_tp():
+def test_remat_none_note_is_for_the_layouts_it_names():
     """The note names its layouts; recorded ones without remat carry none."""
-    noted = [(r["config"], r["overrides"][0]) for r in REMAT_NONE
+    noted = [(r["config"], r["overrides"][0], analytic(r).micro_batches) for r in REMAT_NONE
              if REMAT_NONE_NOTE in analytic(r).notes]
-    assert sorted(noted) == [("cola-1b", "parallel.plan=ddp"), ("cola-350m",
-                             "parallel.plan=hierarchical"), ("cola-60m", "parallel.plan=zero3")]
+    assert sorted(noted) == [("cola-1b", "parallel.plan=ddp", 8),
+                             ("cola-350m", "parallel.plan=ddp", 2),
+                             ("cola-350m", "parallel.plan=hierarchical", 4),
+                             ("cola-60m", "parallel.plan=zero3", 4)]
     assert not any(REMAT_NONE_NOTE in analytic(r).notes for r in LAYOUTS)
 
 
