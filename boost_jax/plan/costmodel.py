@@ -443,7 +443,8 @@ REMAT_NONE_NOTE = ("train.remat=none over two micro-batches, or several with gat
 def remat_none_unmodelled(cfg, pl) -> bool:
     """The layouts whose saved activations the memory model does not bound, as measured on the
     A100 programs (benchmarks/gpu_compile.py REMAT_NONE), all under remat=none: two
-    micro-batches (XLA unrolls the loop, so both forwards' stacks are live together); several
+    micro-batches (the peak holds the last micro-batch's saved stacks beside the first's head:
+    the two forwards overlap); several
     on a plan that gathers weights (its program also keeps the zero-filled layer stacks of
     forwards outside the micro-batch loop and the pipelined gathers' peeled layers) or under
     TP (BTP DDP keeps about three micro-batches' stacks)."""
