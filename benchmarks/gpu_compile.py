@@ -202,9 +202,9 @@ def main() -> None:
         "cola-350m hierarchical drops from 22.9 to 16.7 GiB, cola-60m ZeRO-3 from 3.87 to "
         "3.42, both still above the model); and under TP (CoLA-1B BTP DDP: the micro-batch "
         "loop's forward holds about three micro-batches' stacks; not diagnosed further); and "
-        "with two micro-batches for any plan (cola-350m DDP: the peak holds the last "
-        "micro-batch's saved stacks, 33 GB, beside the first micro-batch's head; the two "
-        "forwards overlap, not diagnosed further). The "
+        "with two micro-batches for any plan (cola-350m DDP: the bytes live at the peak, "
+        "39.7 GB with the last micro-batch's saved stacks 33 of them, are the model's 36.8 "
+        "GiB, but XLA's buffer assignment packs the temporaries into 67.2 GB). The "
         "planner's report says so for those layouts (costmodel.REMAT_NONE_NOTE) and "
         "tests/unit/test_memory_model.py holds the rest to the tolerance:",
         "",

@@ -435,19 +435,18 @@ def stage_sends(cfg, sizes, b: int) -> list[Coll]:
 
 
 REMAT_NONE_NOTE = ("train.remat=none over two micro-batches, or several with gathered weights "
-                   "or TP: XLA keeps more saved activations than one micro-batch's (GPU "
-                   "programs measured up to 2.9x the estimate, benchmarks/README.md section "
-                   "11): judge memory with --gpu-compile")
+                   "or TP: the GPU programs measured hold up to 2.9x the estimate (more saved "
+                   "activations than one micro-batch's, or a loosely packed heap; "
+                   "benchmarks/README.md section 11): judge memory with --gpu-compile")
 
 
 def remat_none_unmodelled(cfg, pl) -> bool:
-    """The layouts whose saved activations the memory model does not bound, as measured on the
-    A100 programs (benchmarks/gpu_compile.py REMAT_NONE), all under remat=none: two
-    micro-batches (the peak holds the last micro-batch's saved stacks beside the first's head:
-    the two forwards overlap); several
-    on a plan that gathers weights (its program also keeps the zero-filled layer stacks of
-    forwards outside the micro-batch loop and the pipelined gathers' peeled layers) or under
-    TP (BTP DDP keeps about three micro-batches' stacks)."""
+    """The layouts whose memory the model does not bound, as measured on the A100 programs
+    (benchmarks/gpu_compile.py REMAT_NONE), all under remat=none: two micro-batches (the live
+    bytes at the peak are the model's, but XLA packs its heap into 1.7x as much); several on a
+    plan that gathers weights (its program also keeps the zero-filled layer stacks of forwards
+    outside the micro-batch loop and the pipelined gathers' peeled layers) or under TP (BTP
+    DDP keeps about three micro-batches' stacks)."""
     micro = cfg.train.micro_batches
     return cfg.train.remat == "none" and (micro == 2 or micro > 2 and (
         bool(pl.params_axes) or cfg.parallel.tp_mode != "none"))
