@@ -165,7 +165,7 @@ def ends_terms(cfg, st, pb: int, gb: int) -> dict:
 
 
 def estimate(cfg, st, pl, bm, hm, b: int, L: int, stage_inputs: float, limit: float,
-             unremat: float = 0.0) -> dict:
+             unremat: float) -> dict:
     """Per-device bytes by term; `total`, the `limit` (fit_limit) and `fits` (total <= limit).
     unremat: the bytes one layer keeps under train.remat=none (plan/saved.per_device)."""
     m, par = cfg.model, cfg.parallel

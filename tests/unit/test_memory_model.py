@@ -62,7 +62,7 @@ REMAT_NONE = recorded()["remat_none"]
                          ids=[f"{r['config']}-{'-'.join(r['overrides'])}" for r in REMAT_NONE])
 def test_remat_none_within_10pct_or_says_it_is_not_modelled(rec):
     """train.remat=none: what JAX saves (plan/saved.py) holds the program within the tolerance;
-    layouts it does not bound (gathered weights over several micro-batches) carry the note
+    layouts it does not bound (costmodel.remat_none_unmodelled) carry the note
     and are still outside it (fails once the model closes the gap, so the note goes)."""
     tol = recorded()["memory_rtol"]
     pred = analytic(rec)
