@@ -204,7 +204,13 @@ def main() -> None:
         "loop's forward holds about three micro-batches' stacks; not diagnosed further); and "
         "with two micro-batches for any plan (cola-350m DDP: the bytes live at the peak, "
         "39.7 GB with the last micro-batch's saved stacks 33 of them, are the model's 36.8 "
-        "GiB, but XLA's buffer assignment packs the temporaries into 67.2 GB). The "
+        "GiB, but XLA's buffer assignment packs the temporaries into 67.2 GB). How these "
+        "were read: the layout's `python -m boost_jax.plan --config configs/<model>.yaml "
+        "--topology perlmutter --nodes 1 --gpu-compile <overrides>` (JAX_PLATFORMS=cpu, "
+        "the gpu-compile extra) with `XLA_FLAGS=\"--xla_dump_to=DIR "
+        "--xla_dump_hlo_module_re=jit_step_fn\"`, the final module's "
+        "`*-live-range.txt` (\"Stack trace breakdown for peak usage\"); a flag dropped by "
+        "deleting its line from boost_jax/mesh.py's GPU_XLA_SCHEDULE for that one run. The "
         "planner's report says so for those layouts (costmodel.REMAT_NONE_NOTE) and "
         "tests/unit/test_memory_model.py holds the rest to the tolerance:",
         "",
