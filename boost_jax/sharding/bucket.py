@@ -185,7 +185,9 @@ def _exchange_scatter(x, axes, g: int):
     buf = jnp.roll(x, -me, axis=0)
     for k, b in exchanges(g)[::-1]:
         perm = [(r, (r + k) % g) for r in range(g)]
-        buf = buf[:k].at[:b].add(ppermute_bits(buf[k:k + b], axes, perm))
+        # a concatenate, not .at[:b].add: XLA 0.11's SPMD pipeline segfaults on the scatter
+        # with empty indices that .at makes when b == k
+        buf = jnp.concatenate([buf[:b] + ppermute_bits(buf[k:k + b], axes, perm), buf[b:k]])
     return buf[0]
 
 
