@@ -121,6 +121,7 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
     from boost_jax.errors import UserError
     from boost_jax.launch.script_values import comment
     from boost_jax.launch.slurm import cross_node_text, dtypes_text
+    from boost_jax.plan.costmodel import REMAT_NONE_NOTE
 
     lay, s = pred.layout, pred.sizes
     how = "analytic"
@@ -140,6 +141,7 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
              f"{pred.tokens_per_s:,.0f} tokens/s, MFU {pred.mfu:.1%} (collectives overlapped "
              f"as --overlap {pred.assumptions.overlap} assumes)",
              *([secondary.line] if secondary else []),
+             *[note for note in pred.notes if note == REMAT_NONE_NOTE],
              f"written by: {command}"]
     head = [*map(comment, notes), ""]  # one line each, whatever a path in them holds
     from boost_jax.safe_write import write_text
@@ -222,6 +224,8 @@ def _compiled_memory_lines(m: dict, dr) -> list:
 
 
 def _memory_lines(p, dr, topo, compiled: bool) -> list:
+    from boost_jax.plan.costmodel import REMAT_NONE_NOTE
+
     m = p.memory
     kind = "per simulated device, a fixed budget" if topo.name == "cpu" else "HBM"
     L = [f"memory per device ({topo.device}, {_gb(topo.hbm_bytes)} {kind}, usable "
@@ -237,7 +241,7 @@ def _memory_lines(p, dr, topo, compiled: bool) -> list:
         L += report_lines(m, p.assumptions, topo.hbm_bytes)
     verdict = "FITS" if m["fits"] else "DOES NOT FIT (add --search for the layouts that do)"
     L.append(f"  total {_bytes(m['total'])} of {_bytes(topo.hbm_bytes)} -> {verdict}")
-    return L
+    return L + [f"  {note}" for note in p.notes if note == REMAT_NONE_NOTE]
 
 
 def _flops_line(p, dr, compiled: bool) -> str:

@@ -438,6 +438,7 @@ REMAT_NONE_NOTE = ("train.remat=none over two micro-batches, or several with gat
                    "or TP: the GPU programs measured hold up to 2.9x the estimate (more saved "
                    "activations than one micro-batch's, or a loosely packed heap; "
                    "benchmarks/README.md section 11): judge memory with --gpu-compile")
+REMAT_NONE_MARK = "none* in the remat column: a layout that note is about"
 
 
 def remat_none_unmodelled(cfg, pl) -> bool:

@@ -25,7 +25,7 @@ from boost_jax.errors import ConfigError, UserError
 from boost_jax.mesh import AXES, Topology, axis_size
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor, floor_text
 from boost_jax.plan import memory
-from boost_jax.plan.costmodel import REMAT_NONE_NOTE, Assumptions, Prediction, SizesMesh
+from boost_jax.plan.costmodel import REMAT_NONE_MARK, REMAT_NONE_NOTE, Assumptions, Prediction, SizesMesh
 from boost_jax.plan.secondary import Choice, choose
 from boost_jax.sharding import parallel
 from boost_jax.sharding.placement import ALL, PRESETS
@@ -292,6 +292,7 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
                          "change the loss, within the qgZ study's tolerance on the demo)")
     if any(REMAT_NONE_NOTE in c.prediction.notes for c in cands if c.prediction is not None):
         res.notes.append(REMAT_NONE_NOTE)  # it names the layouts it is about
+        res.notes.append(REMAT_NONE_MARK)
     if any(collapses("hierarchical", axes, sizes) for axes in TP_AXES):
         res.notes.append("hierarchical with TP over the whole node is not listed: no role is "
                          "left inside the node, so it runs as zero1 (listed as zero1)")
@@ -450,7 +451,8 @@ def _table_row(i: int, c: Candidate, cfg, scale: float) -> str:
     pp = f"{c.pp_stages}" + (f" x{c.pp_virtual}" if c.pp_virtual > 1 else "")
     plan = c.plan + (" keep" if c.keep else "") + (
         f" {SHORT[c.secondary.dtype]} sec" if c.secondary else "") + (" xq" if c.xq else "")
-    return (f"| {i} | {plan} | {tp} | {pp} | {c.micro_size} | {c.micro_batches} | {c.remat} | "
+    remat = c.remat + ("*" if REMAT_NONE_NOTE in p.notes else "")
+    return (f"| {i} | {plan} | {tp} | {pp} | {c.micro_size} | {c.micro_batches} | {remat} | "
             f"{_precision(c, cfg)} | {p.memory['total'] / 2**30:.1f} | {p.step_time:.3f} | "
             f"{p.tokens_per_s:,.0f} | {p.tflops_per_device * scale:.1f} | {p.mfu:.1%} | "
             f"{p.comm_bytes['global'] / 1e9:.2f} | {sum(p.node_egress.values()) / 1e9:.2f} | "

@@ -104,12 +104,37 @@ def test_remat_none_saved_activations_are_not_the_kernels_outputs():
 
 def test_search_says_it_once_when_it_costs_such_layouts():
     """The search ranks remat modes side by side: one line for the layouts the note is about."""
-    from boost_jax.plan.search import search
+    from boost_jax.plan.search import print_search, search
 
     cfg = load_config(os.path.join(ROOT, "configs", "cola-60m.yaml"))
     res = search(cfg, get_topology("perlmutter"), {"pair": 2, "node": 2, "global": 1})
     assert any(c.remat == "none" for c in res.fitting)
     assert res.notes.count(REMAT_NONE_NOTE) == 1
+    text = print_search(res, cfg, get_topology("perlmutter"), {"pair": 2, "node": 2, "global": 1},
+                        top=len(res.fitting))
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    marked = [REMAT_NONE_NOTE in c.prediction.notes for c in res.fitting]
+    assert any(marked) and not all(marked)
+    assert [" none* |" in row for row in rows] == marked
+
+
+def test_one_layout_report_and_emitted_config_carry_the_note(tmp_path):
+    """The layout the note is about: the report prints it under the memory verdict, and the
+    config --emit-config writes says it in its header."""
+    from boost_jax.plan.__main__ import emit_config, report_text
+
+    rec = next(r for r in REMAT_NONE if "train.micro_batches=2" in r["overrides"])
+    cfg = load_config(os.path.join(ROOT, "configs", f"{rec['config']}.yaml"), rec["overrides"])
+    topo = get_topology(rec["topology"])
+    pred = analytic(rec)
+    assert REMAT_NONE_NOTE in pred.notes
+    text = report_text(pred, cfg, topo, compiled=False)
+    verdict = next(i for i, line in enumerate(text.splitlines()) if line.startswith("  total "))
+    assert text.splitlines()[verdict + 1] == f"  {REMAT_NONE_NOTE}"
+    path = tmp_path / "job.yaml"
+    emit_config(str(path), cfg, pred, topo, "python -m boost_jax.plan")
+    head = path.read_text().split("\n\n", 1)[0]
+    assert f"# {REMAT_NONE_NOTE}" in head.splitlines()
 
 
 def deferred(config: str):
