@@ -215,6 +215,13 @@ def stage_layers(cfg) -> int:
     return v * layers_per_stage(cfg.model.n_layers, pp, v) if pp > 1 else cfg.model.n_layers
 
 
+def backward_layers(cfg) -> int:
+    """Layers whose activations one backward holds: all of them, or one chunk of
+    ceil(L/(P·V)) (a pipeline's B tick replays and differentiates one chunk at a time)."""
+    pp, v = cfg.parallel.pp_stages, cfg.parallel.pp_virtual
+    return layers_per_stage(cfg.model.n_layers, pp, v) if pp > 1 else cfg.model.n_layers
+
+
 def schedule(cfg) -> Optional[Schedule]:
     """The pipeline's tick schedule (None without stages): the one step/pipeline.py runs."""
     return Schedule.of(cfg.parallel, cfg.train.micro_batches)
@@ -338,7 +345,7 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
         stage = (sch.depth + 1) * stage_send_bytes(cfg, sizes, b)
     unremat = saved.per_device(cfg, bm, b, bool(pl.params_axes), a.attention) \
         if cfg.train.remat == "none" else 0.0
-    mem = memory.estimate(cfg, st, pl, bm, hm, b, stage_layers(cfg), stage,
+    mem = memory.estimate(cfg, st, pl, bm, hm, b, backward_layers(cfg), stage,
                           memory.fit_limit(topo.hbm_bytes, a), unremat)
     return dict(mem, hbm=topo.hbm_bytes)
 

@@ -167,7 +167,8 @@ def ends_terms(cfg, st, pb: int, gb: int) -> dict:
 def estimate(cfg, st, pl, bm, hm, b: int, L: int, stage_inputs: float, limit: float,
              unremat: float) -> dict:
     """Per-device bytes by term; `total`, the `limit` (fit_limit) and `fits` (total <= limit).
-    unremat: the bytes one layer keeps under train.remat=none (plan/saved.per_device)."""
+    L: the layers one backward holds activations of (costmodel.backward_layers); unremat: the
+    bytes one layer keeps under train.remat=none (plan/saved.per_device)."""
     m, par = cfg.model, cfg.parallel
     pb = DTYPE_BYTES[m.param_dtype]
     mem = {"weights": st.params * pb, "master": st.opt * 4 if m.param_dtype != "float32" else 0.0,
