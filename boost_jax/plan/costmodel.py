@@ -343,8 +343,8 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     sch, stage = schedule(cfg), 0.0
     if sch is not None:  # the stage inputs a device keeps (its buffer: Schedule.depth + 1)
         stage = (sch.depth + 1) * stage_send_bytes(cfg, sizes, b)
-    unremat = saved.per_device(cfg, bm, b, bool(pl.params_axes), a.attention) \
-        if cfg.train.remat == "none" else 0.0
+    unremat = saved.per_device(cfg, bm, b, bool(pl.params_axes), a.attention,
+                               st.per_layer_tp_local) if cfg.train.remat == "none" else 0.0
     mem = memory.estimate(cfg, st, pl, bm, hm, b, backward_layers(cfg), stage,
                           memory.fit_limit(topo.hbm_bytes, a), unremat)
     return dict(mem, hbm=topo.hbm_bytes)

@@ -13,9 +13,11 @@ copies of fp32 weights), cached per model, sequence length, wrapper and attentio
 Flash attention is traced as the blockwise kernel (layers/flash.py): it saves what cuDNN's
 and the Pallas kernel's backward read, the output and the row statistics. Under tensor
 parallelism the per-sequence bytes scale as the roofline's per-device kernel outputs do
-(the block's working set at the TP degree over its working set whole): for CoLA-1B over a BTP
-pair about 20% under the layout's own per-device trace (analysis/tp_layers.py), its A100
-program with one micro-batch within 10% (benchmarks/README.md section 11).
+(the block's working set at the TP degree over its working set whole), the weight copies as
+the layer's weights do. Against the layout's own per-device trace (analysis/tp_layers.py) the
+per-sequence scaling is short by 10-30%, more at higher TP degrees (BTP x2 0.78, x4 0.70 of
+the trace; Megatron x4 0.90); CoLA-1B over a BTP pair with one micro-batch is within 10% of
+its A100 program (benchmarks/README.md section 11).
 """
 
 from __future__ import annotations
@@ -63,12 +65,22 @@ def per_layer(m, s: int, gathers: bool, attention: str) -> tuple[float, float]:
     return _TRACED[key]
 
 
-def per_device(cfg, bm, b: int, gathers: bool, attention: str) -> float:
+def layer_elements(m) -> float:
+    """Weight elements of one whole layer."""
+    key = ("elements", repr(m))
+    if key not in _TRACED:
+        blocks = abstract_params(m, TrainConfig(remat="none"))[1]["blocks"]
+        _TRACED[key] = sum(x.size for x in jax.tree.leaves(blocks)) / m.n_layers
+    return _TRACED[key]
+
+
+def per_device(cfg, bm, b: int, gathers: bool, attention: str, weights: float) -> float:
     """Bytes one layer of `bm` (roofline.block_model: the layout's per-device kernels) keeps
-    on one device for b sequences: the whole layer's, scaled by the TP share of its working
-    set."""
+    on one device for b sequences: the whole layer's per-sequence bytes scaled by the TP share
+    of its working set, its per-layer constant (weight copies) by the share of its weights
+    (`weights`: one layer's elements on this device, TP-local)."""
     m, s = cfg.model, cfg.data.seq_len
     seq, const = per_layer(m, s, gathers, attention)
     whole = block_model(m, b, s, "none", 1, attention)
     share = sum(o.out_bytes for o in bm.ops) / sum(o.out_bytes for o in whole.ops)
-    return (b * seq + const) * share
+    return b * seq * share + const * weights / layer_elements(m)
