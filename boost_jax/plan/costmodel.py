@@ -360,9 +360,11 @@ def stage_send_bytes(cfg, sizes, b: int) -> float:
     return DTYPE_BYTES[m.dtype] * b * cfg.data.seq_len * width
 
 
-def block_times(cfg, model: BlockModel, peak: float, hbm: float,
-                a: Assumptions) -> tuple[float, float, float]:
-    """(forward, backward, remat replay) seconds of one block or the head."""
+def block_times(cfg, model: BlockModel, peak: float, hbm: float, a: Assumptions,
+                gathers: bool = False) -> tuple[float, float, float]:
+    """(forward, backward, remat replay) seconds of one block or the head. remat=none on a
+    plan that gathers weights (`gathers`) saves matmul outputs only (forward.remat_wrapper):
+    the backward replays the elementwise kernels and a fused attention kernel."""
     fused = a.elem_kernels * a.launch_s  # the block's fused elementwise kernels
     fwd = sum(op_time(o, peak, hbm, a) for o in model.ops) + fused
     bwd = sum(op_time(o, peak, hbm, a, backward=True) for o in model.ops) + 2 * fused
@@ -372,15 +374,19 @@ def block_times(cfg, model: BlockModel, peak: float, hbm: float,
     if remat == "lowrank":
         return fwd, bwd, sum(op_time(o, peak, hbm, a) for o in model.ops
                              if not o.lowrank_saved) + fused
+    if gathers:
+        replayed = ("elem", "attn") if a.attention == "flash" else ("elem",)
+        return fwd, bwd, sum(op_time(o, peak, hbm, a) for o in model.ops
+                             if o.kind in replayed) + fused
     return fwd, bwd, 0.0
 
 
 def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hbm: float,
-                    a: Assumptions) -> tuple[float, float, float]:
+                    a: Assumptions, gathers: bool = False) -> tuple[float, float, float]:
     """(compute, pipeline bubble, forward share) per step: m micro-batches of L blocks + head,
     or the pipeline's ticks (see predict); the forward share is the forward pass's part of
     one micro-batch's compute (the rest: backward and remat replay)."""
-    (bf, bb, br), (hf, hb, hr) = (block_times(cfg, bm, peak, hbm, a),
+    (bf, bb, br), (hf, hb, hr) = (block_times(cfg, bm, peak, hbm, a, gathers),
                                   block_times(cfg, hm, peak, hbm, a))
     micro, sch = cfg.train.micro_batches, schedule(cfg)
     launches = gpu_launch_seconds(cfg, bm, L * passes(cfg).backward, a)
@@ -528,7 +534,8 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     pp, V = cfg.parallel.pp_stages, cfg.parallel.pp_virtual
     L = layers_per_stage(m.n_layers, pp, V) if pp > 1 else m.n_layers  # per F / B
     bm, hm = block_model(m, b, s, mode, t, a.attention), head_model(m, b, s, mode, t)
-    t_compute, t_bubble, fwd = compute_seconds(cfg, bm, hm, L, peak, hbm, a)
+    t_compute, t_bubble, fwd = compute_seconds(cfg, bm, hm, L, peak, hbm, a,
+                                               bool(pl.params_axes))
     # collectives: analytic, or measured from the compiled step
     colls = tp_collectives(cfg, sizes, bm, hm, t) + stage_sends(cfg, sizes, b) + \
         dp_collectives(cfg, sizes, pl, a.combine_bytes)

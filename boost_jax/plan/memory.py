@@ -42,7 +42,7 @@ TERMS = {
     "secondary_next": "later forwards' saved-secondary stacks, zero-filled before the first "
                       "backward (parallel.defer_update; up to three)",
     "secondary": "secondary weight copy",
-    "activations": "saved activations (layer inputs by remat policy)",
+    "activations": "saved activations (by remat policy; remat=none: what autodiff keeps)",
     "block_working": "one block's working set (flash statistics included)",
     "stage_inputs": "pipeline stage inputs",
     "logits": "logits and their gradient (fp32)",

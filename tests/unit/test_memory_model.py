@@ -294,3 +294,46 @@ def test_traced_residuals_are_linear_in_the_batch():
     assert saved._stack_bytes(m, 3, s, False) == pytest.approx(m.n_layers * (3 * seq + const))
     assert saved.per_layer(m, s, True, "dense")[0] < seq
     assert saved.per_layer(m, s + 7, False, "dense")[0] > seq
+
+
+def _attention_saved(m, gathers: bool) -> bool:
+    """Whether one layer's trace under train.remat=none keeps flash attention's output (a
+    residual shaped [..., heads, ..., seq, head_dim]) for the backward."""
+    import jax
+    import jax.numpy as jnp
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from boost_jax.config import TrainConfig
+    from boost_jax.layers import forward
+    from boost_jax.step.build import abstract_params
+
+    s, hd = 64, m.d_model // m.n_heads
+    blocks = abstract_params(m, TrainConfig(remat="none"))[1]["blocks"]
+    ops, wrap = forward.Local(m), forward.remat_wrapper("none", gathers)
+
+    def stack(blocks, h):
+        prev = ops.init_prev(jnp.zeros((1, s), jnp.int32))
+        return forward.run_blocks(ops, m, blocks, h, jnp.arange(s), prev, wrap)[0]
+
+    h = jax.ShapeDtypeStruct((1, s, m.d_model), jnp.dtype(m.dtype))
+    return any(a.shape[-2:] == (s, hd) and m.n_heads in a.shape[:-2]
+               for a, _ in saved_residuals(stack, blocks, h))
+
+
+def test_the_backward_replays_attention_exactly_where_jax_does_not_save_it():
+    """remat=none: a plan that keeps its weights saves flash attention's output; one that
+    gathers them checkpoints each layer saving matmul outputs only, so its backward replays
+    the attention kernel and the elementwise ones. The model's replay time holds the
+    attention kernel exactly where the trace lacks its output."""
+    from boost_jax.plan.costmodel import block_times
+    from boost_jax.plan.roofline import block_model, op_time
+
+    cfg = load_config(os.path.join(ROOT, "configs", "cola-60m.yaml"), ["model.n_layers=1"])
+    m = dataclasses.replace(cfg.model, attention="flash")
+    a = dataclasses.replace(Assumptions(), attention="flash")
+    bm = block_model(m, 4, cfg.data.seq_len, "none", 1, "flash")
+    peak, hbm = 312e12, 1.5e12
+    attn = op_time(next(o for o in bm.ops if o.kind == "attn"), peak, hbm, a)
+    for gathers in (False, True):
+        replay = block_times(cfg, bm, peak, hbm, a, gathers)[2]
+        assert (replay >= attn) == (not _attention_saved(m, gathers)), gathers
