@@ -241,6 +241,8 @@ def _memory_lines(p, dr, topo, compiled: bool) -> list:
         L += report_lines(m, p.assumptions, topo.hbm_bytes)
     verdict = "FITS" if m["fits"] else "DOES NOT FIT (add --search for the layouts that do)"
     L.append(f"  total {_bytes(m['total'])} of {_bytes(topo.hbm_bytes)} -> {verdict}")
+    if "compiled_for" in m:  # judged by the GPU program already (gpu_compile.judged)
+        return L
     return L + [f"  {note}" for note in p.notes if note == REMAT_NONE_NOTE]
 
 

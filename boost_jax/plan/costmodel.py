@@ -103,6 +103,8 @@ class StateSizes:
     # embedding): what the head's forward and backward fetch whole
     relayout: float = 0.0  # stored stack elements relaid out for the int8 secondary
     # (memory.relaid_for_secondary)
+    gathered: bool = False  # some leaf is stored sharded over the params axes, so the step
+    # gathers it and checkpoints each layer (step/engine.py, LeafFetch.is_gathered)
 
 
 def state_sizes(cfg, sizes: dict[str, int]) -> tuple[StateSizes, Any]:
@@ -131,7 +133,7 @@ def _count(cfg, sizes: dict[str, int], pl) -> StateSizes:
     acc = dict(tp=0.0, tpp=0.0, params=0.0, grads=0.0, opt=0.0, sec=0.0, rep=0.0, layer=0.0,
                out=0.0, out_grads=0.0, head=0.0, relayout=0.0)
     head = ("final_norm", "lm_head") + (("embed",) if cfg.model.tie_embeddings else ())
-    nb = 0
+    nb, gathered = 0, False
     for path, lay in lays:
         tp = math.prod(axis_size(sizes, t) for t in lay.tp)
         local = lay.padded_numel / tp
@@ -150,18 +152,22 @@ def _count(cfg, sizes: dict[str, int], pl) -> StateSizes:
             acc["relayout"] += role(pl.stored_axes)
         if lay.dim is None:
             acc["rep"] += local
+        gathered = gathered or (lay.dim is not None and bool(pl.params_axes))
         if path[0].key == "blocks":
-            if lay.layer_axis:  # one layer, TP-local (a stage's share of the stack is not)
-                tp_only = math.prod(axis_size(sizes, [a for a in t if a != STAGE]) for t in lay.tp)
+            # one layer, TP-local (a stage's share of the stack is not)
+            tp_only = math.prod(axis_size(sizes, [a for a in t if a != STAGE]) for t in lay.tp)
+            if lay.layer_axis:
                 acc["layer"] += lay.numel / tp_only / lay.shape[0]
                 nb += 1
+            else:  # train.scan_layers=false: one leaf per layer
+                acc["layer"] += lay.numel / tp_only / cfg.model.n_layers
         else:
             acc["out"] += local
             acc["out_grads"] += role(pl.accum_axes(lay))
             acc["head"] += local if path[0].key in head else 0.0
     return StateSizes(acc["tp"], acc["tpp"], acc["params"], acc["grads"], acc["opt"],
                       acc["sec"], acc["rep"], acc["layer"], len(lays), nb, acc["out"],
-                      acc["out_grads"], acc["head"], acc["relayout"])
+                      acc["out_grads"], acc["head"], acc["relayout"], gathered)
 
 
 # --------------------------------------------------------------------------- the model
@@ -343,7 +349,7 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     sch, stage = schedule(cfg), 0.0
     if sch is not None:  # the stage inputs a device keeps (its buffer: Schedule.depth + 1)
         stage = (sch.depth + 1) * stage_send_bytes(cfg, sizes, b)
-    unremat = saved.per_device(cfg, bm, b, bool(pl.params_axes), a.attention,
+    unremat = saved.per_device(cfg, bm, b, st.gathered, a.attention,
                                st.per_layer_tp_local) if cfg.train.remat == "none" else 0.0
     mem = memory.estimate(cfg, st, pl, bm, hm, b, backward_layers(cfg), stage,
                           memory.fit_limit(topo.hbm_bytes, a), unremat)
@@ -364,7 +370,8 @@ def block_times(cfg, model: BlockModel, peak: float, hbm: float, a: Assumptions,
                 gathers: bool = False) -> tuple[float, float, float]:
     """(forward, backward, remat replay) seconds of one block or the head. remat=none on a
     plan that gathers weights (`gathers`) saves matmul outputs only (forward.remat_wrapper):
-    the backward replays the elementwise kernels and a fused attention kernel."""
+    the backward replays the elementwise kernels, and flash attention's kernel or dense
+    attention's scale, mask and softmax over the saved scores (its memory traffic)."""
     fused = a.elem_kernels * a.launch_s  # the block's fused elementwise kernels
     fwd = sum(op_time(o, peak, hbm, a) for o in model.ops) + fused
     bwd = sum(op_time(o, peak, hbm, a, backward=True) for o in model.ops) + 2 * fused
@@ -375,9 +382,9 @@ def block_times(cfg, model: BlockModel, peak: float, hbm: float, a: Assumptions,
         return fwd, bwd, sum(op_time(o, peak, hbm, a) for o in model.ops
                              if not o.lowrank_saved) + fused
     if gathers:
-        replayed = ("elem", "attn") if a.attention == "flash" else ("elem",)
-        return fwd, bwd, sum(op_time(o, peak, hbm, a) for o in model.ops
-                             if o.kind in replayed) + fused
+        replay = [o if o.kind == "elem" or a.attention == "flash" else
+                  dataclasses.replace(o, flops=0.0) for o in model.ops if o.kind != "gemm"]
+        return fwd, bwd, sum(op_time(o, peak, hbm, a) for o in replay) + fused
     return fwd, bwd, 0.0
 
 
@@ -451,7 +458,7 @@ REMAT_NONE_NOTE = ("train.remat=none over two micro-batches, or several with gat
                    "or TP: the GPU programs measured hold up to 2.9x the estimate (more saved "
                    "activations than one micro-batch's, or a loosely packed heap; "
                    "benchmarks/README.md section 11): judge memory with --gpu-compile")
-REMAT_NONE_MARK = "none* in the remat column: a layout that note is about"
+REMAT_NONE_MARK = "none* in the remat column: a layout the train.remat=none note above is about"
 
 
 def remat_none_unmodelled(cfg, pl) -> bool:
@@ -534,8 +541,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     pp, V = cfg.parallel.pp_stages, cfg.parallel.pp_virtual
     L = layers_per_stage(m.n_layers, pp, V) if pp > 1 else m.n_layers  # per F / B
     bm, hm = block_model(m, b, s, mode, t, a.attention), head_model(m, b, s, mode, t)
-    t_compute, t_bubble, fwd = compute_seconds(cfg, bm, hm, L, peak, hbm, a,
-                                               bool(pl.params_axes))
+    t_compute, t_bubble, fwd = compute_seconds(cfg, bm, hm, L, peak, hbm, a, st.gathered)
     # collectives: analytic, or measured from the compiled step
     colls = tp_collectives(cfg, sizes, bm, hm, t) + stage_sends(cfg, sizes, b) + \
         dp_collectives(cfg, sizes, pl, a.combine_bytes)

@@ -292,7 +292,6 @@ def search(cfg, topo: Topology, sizes: dict, a: Optional[Assumptions] = None,
                          "change the loss, within the qgZ study's tolerance on the demo)")
     if any(REMAT_NONE_NOTE in c.prediction.notes for c in cands if c.prediction is not None):
         res.notes.append(REMAT_NONE_NOTE)  # it names the layouts it is about
-        res.notes.append(REMAT_NONE_MARK)
     if any(collapses("hierarchical", axes, sizes) for axes in TP_AXES):
         res.notes.append("hierarchical with TP over the whole node is not listed: no role is "
                          "left inside the node, so it runs as zero1 (listed as zero1)")
@@ -472,7 +471,8 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
            f"GiB/dev | step s | tokens/s | {unit}/dev | MFU | global GB/dev/step | "
            "node egress GB/step | compiled |")
     lines += [hdr, "|" + "---|" * 16]
-    lines += [_table_row(i, c, cfg, scale) for i, c in enumerate(res.fitting[:top], 1)]
+    rows = [_table_row(i, c, cfg, scale) for i, c in enumerate(res.fitting[:top], 1)]
+    lines += rows + (["", REMAT_NONE_MARK] if any(" none* |" in r for r in rows) else [])
     ceil = res.ceiling
     if ceil:
         lines += ["", f"highest MFU any fitting layout allows with its data-parallel traffic "
