@@ -538,8 +538,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     n_dev = int(math.prod(sizes.values()))
     b = cfg.train.global_batch // micro // axis_size(sizes, pl.batch_axes)  # per device
     peak, hbm = topo.device_peak(n_dev), HBM_BW[topo.name]
-    pp, V = cfg.parallel.pp_stages, cfg.parallel.pp_virtual
-    L = layers_per_stage(m.n_layers, pp, V) if pp > 1 else m.n_layers  # per F / B
+    L = backward_layers(cfg)  # per F / B
     bm, hm = block_model(m, b, s, mode, t, a.attention), head_model(m, b, s, mode, t)
     t_compute, t_bubble, fwd = compute_seconds(cfg, bm, hm, L, peak, hbm, a, st.gathered)
     # collectives: analytic, or measured from the compiled step

@@ -471,8 +471,10 @@ def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int =
            f"GiB/dev | step s | tokens/s | {unit}/dev | MFU | global GB/dev/step | "
            "node egress GB/step | compiled |")
     lines += [hdr, "|" + "---|" * 16]
-    rows = [_table_row(i, c, cfg, scale) for i, c in enumerate(res.fitting[:top], 1)]
-    lines += rows + (["", REMAT_NONE_MARK] if any(" none* |" in r for r in rows) else [])
+    shown = res.fitting[:top]
+    lines += [_table_row(i, c, cfg, scale) for i, c in enumerate(shown, 1)]
+    if any(REMAT_NONE_NOTE in c.prediction.notes for c in shown):
+        lines += ["", REMAT_NONE_MARK]
     ceil = res.ceiling
     if ceil:
         lines += ["", f"highest MFU any fitting layout allows with its data-parallel traffic "
