@@ -25,3 +25,12 @@ def known_compile_options(options: dict) -> dict:
     """`options` less those this XLA does not know: for speed-only options (fast CPU compile),
     where an option the running XLA dropped must not stop the program."""
     return {k: v for k, v in options.items() if _xla_option_known(k, v)}
+
+
+def cpu_collectives_need_one_order() -> bool:
+    """Whether simulated CPU devices that run collectives need XLA:CPU's concurrency-optimized
+    scheduler off. Under it JAX 0.11 lets the devices take independent collectives in
+    different orders and aborts on the rendezvous timeout (a pipeline send beside a TP
+    all-gather, tests/unit/test_pipeline.py); 0.10 runs them in one order. Only 0.11 turns it
+    off: the schedule sets the compiled temporaries the planner and the benchmarks report."""
+    return jax.__version_info__ >= (0, 11)

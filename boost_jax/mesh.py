@@ -356,17 +356,21 @@ def get_topology(name: str) -> Topology:
             f"unknown topology {name!r}; choose one of {sorted(TOPOLOGIES)}") from None
 
 
+CPU_SCHEDULER_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
 MAX_CPU_DEVICES = 4096  # simulated on one machine: more only stalls it (the planner uses 512)
 
 
-def set_cpu_devices(n: int, flag: str = "--cpu-devices") -> None:
+def set_cpu_devices(n: int, flag: str = "--cpu-devices", compile_only: bool = False) -> None:
     """Simulate `n` CPU devices. Must run before JAX initialises its backends.
 
     The simulated devices share one thread pool, and a device inside a collective blocks a
     thread until every peer arrives: with the default pool (max(cores, n) threads) the peers'
     work can queue behind the blocked threads and the run stalls (TP all-reduces next to
     pipeline sends do). The pool is sized for two blocked collectives per device plus the
-    cores (PJRT_NPROC, read when the CPU client starts; a user's own value wins)."""
+    cores (PJRT_NPROC, read when the CPU client starts; a user's own value wins). Where the
+    JAX release needs it (compat.cpu_collectives_need_one_order), several devices that run
+    collectives get XLA:CPU's concurrency-optimized scheduler turned off, unless the user set
+    it; `compile_only` (the planner) keeps XLA's schedule, whose memory it reports."""
     if not 1 <= n <= MAX_CPU_DEVICES:
         sep = "" if flag.endswith("=") else " "
         raise UserError(f"{flag}{sep}{n} must be between 1 and {MAX_CPU_DEVICES} (devices "
@@ -374,6 +378,11 @@ def set_cpu_devices(n: int, flag: str = "--cpu-devices") -> None:
     os.environ.setdefault("PJRT_NPROC", str(2 * n + (os.cpu_count() or 1)))
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
+    from boost_jax.compat import cpu_collectives_need_one_order
+
+    if n > 1 and not compile_only and cpu_collectives_need_one_order() \
+            and CPU_SCHEDULER_FLAG not in flags:
+        flags = f"{flags} --{CPU_SCHEDULER_FLAG}=false"
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     import jax
 

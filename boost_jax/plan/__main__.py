@@ -417,7 +417,8 @@ def _set_compile_devices(args, full: dict) -> None:
         n = args.cpu_devices or min(total, 512)
         from boost_jax.mesh import set_cpu_devices
 
-        set_cpu_devices(min(n, max(total, 1)) if args.cpu_devices is None else n)
+        set_cpu_devices(min(n, max(total, 1)) if args.cpu_devices is None else n,
+                        compile_only=True)
 
 
 def _load_plan_inputs(args):

@@ -280,8 +280,9 @@ def test_compiled_pipeline_collectives_are_the_step_collectives_list(plan, sched
     chunk, 4 micro-batches) the engine's own list (ParallelLayout.collectives: its schedule's
     ticks) against the compiled step, kind by kind and level by level: the same calls and the
     same bytes, exactly. Left out: the stage sends and the scalar sums (test_pipeline.py), the
-    clip's norm. The one difference: in a 1f1b tick that runs F and B, XLA merges the two
-    gathers of each end weight (one computation, one operand), one call per such tick less."""
+    clip's norm. The one difference: in a 1f1b tick that runs F and B, XLA 0.10 merges the two
+    gathers of each end weight (one computation, one operand), one call per such tick less;
+    0.11 runs both, as listed."""
     from boost_jax.mesh import level_of
 
     mesh = make_mesh("cpu", (2, 1, 4), stages=2)
@@ -297,6 +298,7 @@ def test_compiled_pipeline_collectives_are_the_step_collectives_list(plan, sched
     listed = layout.collectives()
     sch = layout.pipeline
     merged = sum(n for n, f, bw, _ in sch.phases if f and bw)  # ticks with F and B
+    merged *= jax.__version_info__ < (0, 11)
     want = _per_level(
         (c.kind, level_of(tuple(a for a in c.axes if mesh.shape[a] > 1)), c.calls - m,
          c.sent * (1 - m / c.calls))
