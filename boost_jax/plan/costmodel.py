@@ -247,7 +247,7 @@ def dp_collectives(cfg, sizes, pl, combine: float = Assumptions.combine_bytes) -
 
 
 _PER_PASS: dict = {}
-ONE_PASS = Passes(1, 1, 1, 1)
+ONE_PASS = Passes(1, 1, 1, 1, 1)
 
 
 def _per_pass(cfg, sizes, pl, combine: float) -> list:
@@ -270,7 +270,7 @@ def _per_pass(cfg, sizes, pl, combine: float) -> list:
 def _grouped(sizes, listed: list, per: Passes) -> list[Coll]:
     groups: dict = {}
     for c in listed:
-        calls = c.calls * per.per_step(c.block, c.runs) if c.runs in (FORWARD, BACKWARD) \
+        calls = c.calls * per.per_step(c.block, c.runs, c.head) if c.runs in (FORWARD, BACKWARD) \
             else c.calls
         axes = tuple(a for a in c.axes if sizes.get(a, 1) > 1)
         key = (c.what, c.kind, axes, c.level, c.phase, c.runs)
@@ -400,7 +400,7 @@ def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hb
     t_f, t_b = L * bf + hf, L * (bb + br) + hb + hr
     if sch is None:
         return micro * (t_f + t_b) + launches, 0.0, t_f / (t_f + t_b)
-    t_compute = sch.ticks * (t_f + t_f + t_b) + launches
+    t_compute = sch.ticks * (L * bf + t_f + t_b) + launches  # F runs no head, B re-runs it
     return t_compute, t_compute * (sch.stages - 1) / sch.ticks, t_f / (t_f + t_b)
 
 
@@ -438,8 +438,10 @@ def tp_collectives(cfg, sizes, bm: BlockModel, hm: BlockModel, t: int) -> list[C
                                             and bm.replays_collectives_lowrank)
     Lw = stage_layers(cfg)  # block layers the passes run over
     lv, hs = level_of(tp_axes), host_split(tp_axes, sizes)
+    embed = [c for c in hm.fwd if c.name == "embed"]  # the embedding's; the rest the head's
     rows = [("tp_fwd", bm.fwd, Lw * (p.forward + (p.backward if replays else 0))),
-            ("tp_bwd", bm.bwd, Lw * p.backward), ("tp_head", hm.fwd, p.ends_forward),
+            ("tp_bwd", bm.bwd, Lw * p.backward), ("tp_head", embed, p.ends_forward),
+            ("tp_head", [c for c in hm.fwd if c not in embed], p.head_forward),
             ("tp_head", hm.bwd, p.ends_grads)]
     return [Coll(f"{prefix}_{c.name}", c.kind, c.payload, t, lv, calls, "tp", tp_axes, *hs)
             for prefix, colls, calls in rows for c in colls]
@@ -454,10 +456,11 @@ def stage_sends(cfg, sizes, b: int) -> list[Coll]:
                  "global", sch.sends, "tp", (STAGE,), *host_split((STAGE,), sizes))]
 
 
-REMAT_NONE_NOTE = ("train.remat=none over two micro-batches, or several with gathered weights "
-                   "or TP: the GPU programs measured hold up to 2.9x the estimate (more saved "
-                   "activations than one micro-batch's, or a loosely packed heap; "
-                   "benchmarks/README.md section 11): judge memory with --gpu-compile")
+REMAT_NONE_NOTE = ("train.remat=none over two micro-batches, several with gathered weights "
+                   "or TP, or pipeline stages: the GPU programs measured hold up to 2.9x the "
+                   "estimate (more saved activations than one micro-batch's, or a loosely "
+                   "packed heap; benchmarks/README.md section 11): judge memory with "
+                   "--gpu-compile")
 REMAT_NONE_MARK = "none* in the remat column: a layout the train.remat=none note above is about"
 
 
@@ -467,10 +470,13 @@ def remat_none_unmodelled(cfg, pl) -> bool:
     bytes at the peak are the model's, but XLA packs its heap into 1.7x as much); several on a
     plan that gathers weights (its program also keeps the zero-filled layer stacks of forwards
     outside the micro-batch loop and the pipelined gathers' peeled layers) or under TP (BTP
-    DDP keeps about three micro-batches' stacks)."""
+    DDP keeps about three micro-batches' stacks), and with pipeline stages (cola-60m DDP on
+    2 stages, 4 micro-batches: 1.59x the estimate under 1f1b, 1.42x under gpipe; 0.96x
+    under remat=full)."""
     micro = cfg.train.micro_batches
-    return cfg.train.remat == "none" and (micro == 2 or micro > 2 and (
-        bool(pl.params_axes) or cfg.parallel.tp_mode != "none"))
+    return cfg.train.remat == "none" and (cfg.parallel.pp_stages > 1 or micro == 2 or micro > 2
+                                          and (bool(pl.params_axes)
+                                               or cfg.parallel.tp_mode != "none"))
 
 
 def _notes(cfg, pl, measured, L: int) -> list[str]:
@@ -526,8 +532,8 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
     extrapolated), used instead of the analytic collective list. With parallel.pp_stages = P
     (`sizes` global = the data-parallel host groups; the `stage` axis is added) the step is the
     engine's pipeline (boost_jax/step/pipeline.py): N+P−1 ticks with a forward (F = one
-    chunk's k = ceil(L/(P·V)) layers + head) and N+P−1 with a backward (B = F re-run + its
-    backward), N = V·m, so compute = (N+P−1)·(F+B) — bubble (P−1)/(N+P−1) — and 2(N+P−1)−1
+    chunk's k = ceil(L/(P·V)) layers) and N+P−1 with a backward (B = F re-run with the head +
+    its backward), N = V·m, so compute = (N+P−1)·(F+B) — bubble (P−1)/(N+P−1) — and 2(N+P−1)−1
     activation sends on the critical path.
     """
     a = resolve_attention(cfg, topo, assumptions or Assumptions())

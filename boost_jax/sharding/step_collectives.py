@@ -40,7 +40,7 @@ from boost_jax.sharding import quant
 from boost_jax.sharding.bucket import BUCKETED
 from boost_jax.sharding.gather import BACKWARD, FORWARD, Gather, LeafFetch, qgz_stages
 from boost_jax.sharding.layout import LeafLayout, is_layout
-from boost_jax.sharding.stages import Schedule
+from boost_jax.sharding.stages import ENDS, LAST, Schedule
 
 
 # Where a collective runs: in every forward or backward pass over the layers; in the first
@@ -94,6 +94,11 @@ class Collective:
         """A weight of the layer stack (a merged call: its bucket's leaf, named by the unit)."""
         return self.leaf.split("/", 1)[0] == "blocks"
 
+    @property
+    def head(self) -> bool:
+        """A weight of the head (final norm, LM head): fetched by the passes that run it."""
+        return is_head(self.leaf.split("/", 1)[0])
+
 
 @dataclass(frozen=True)
 class Passes:
@@ -104,26 +109,33 @@ class Passes:
     backward: float
     ends_forward: float
     ends_grads: float
+    head_forward: float  # of ends_forward, the passes that run the head
 
     @classmethod
     def of(cls, micro_batches: int, schedule: Schedule | None = None) -> "Passes":
         """One of each per micro-batch; a pipeline (sharding/stages.Schedule) fetches a chunk's
         weights on every tick with F and again on every tick with B (its forward re-run), a
         tick running one of the V chunks; the ends run on every tick, whatever its chunk:
-        fetched on each with F and each with B, reduced on each with B."""
+        the embedding fetched on each with F and each with B, the head on each with B (F
+        leaves it out, step/pipeline.py), both reduced on each with B."""
         m = micro_batches
         if schedule is None or schedule.stages == 1:
-            return cls(m, m, m, m)
+            return cls(m, m, m, m, m)
         ticks, v = schedule.ticks, schedule.virtual
-        return cls(2 * ticks / v, ticks / v, 2 * ticks, ticks)
+        return cls(2 * ticks / v, ticks / v, 2 * ticks, ticks, ticks)
 
-    def per_step(self, block: bool, runs: str) -> float:
+    def per_step(self, block: bool, runs: str, head: bool = False) -> float:
         """How often a collective that runs in each pass's `runs` (FORWARD or BACKWARD) runs
-        per step, for a weight of the layer stack (`block`) or an end (whose backward only
-        reduces its gradient)."""
+        per step, for a weight of the layer stack (`block`), the `head` or the embedding
+        (an end's backward only reduces its gradient)."""
         if runs == FORWARD:
-            return self.forward if block else self.ends_forward
+            return self.forward if block else self.head_forward if head else self.ends_forward
         return self.backward if block else self.ends_grads
+
+
+def is_head(top: str) -> bool:
+    """Whether a top-level weight is the head's (the ends the last stage holds)."""
+    return ENDS.get(top) == LAST
 
 
 def int8_payload(f: LeafFetch, axes) -> float:
@@ -210,7 +222,9 @@ def leaf_collectives(pl, path: tuple, lay: LeafLayout, passes: Passes,
     psi = tp_local(f, lay) / layers  # one layer's elements
     w, a = itemsize(pl.param_dtype), itemsize(pl.grad_accum_dtype)
     block = path[:1] == ("blocks",)
-    fwd = layers * uses * passes.per_step(block, FORWARD)
+    # a tied embedding's second use is the head's (tied tables take no stages: stages.validate)
+    fwd = layers * (passes.per_step(block, FORWARD, is_head(path[0]))
+                    + (uses - 1) * passes.head_forward)
     bwd = layers * passes.per_step(block, BACKWARD) if block else 0  # ends: the forward's copy
     grad_calls = layers * uses * passes.per_step(block, BACKWARD)
     out: list[Collective] = []

@@ -7,9 +7,11 @@ stages), which micro-batch and chunk each stage runs at each tick.
 F runs the stage forward on the activation received from s−1, sends its output to s+1 and
 saves its input. B is `jax.vjp` of the same stage forward, re-run from the saved input, with
 the gradient received from s+1; the input's gradient goes to s−1, the weights' gradients
-(reduce-scattered by sharding/gather.py as without stages) to the accumulator. A tick outside
-a stage's range of micro-batches is masked: the only collectives that cross stages are these
-sends (and the step's scalar loss).
+(reduce-scattered by sharding/gather.py as without stages) to the accumulator. In training F
+leaves out the head (final norm, LM head, loss): B's re-run computes it and the loss comes
+from there, so every device runs the head forward once per B tick, not also per F tick. A
+tick outside a stage's range of micro-batches is masked: the only collectives that cross
+stages are these sends (and the step's scalar loss).
 Derivation (what F and B run): benchmarks/README.md §9.
 """
 
@@ -68,11 +70,11 @@ class Pipeline:
         self.chunk_layers = layers_per_stage(self.n_layers, self.n_stages, self.virtual)
 
     # ------------------------------------------------------------------ one stage
-    def stage_fn(self, params, slots, x, tokens, targets, v=0):
+    def stage_fn(self, params, slots, x, tokens, targets, v=0, head=True):
         """x = (h, latents) from the previous stage (None: start from the embedding), v the
         chunk (virtual stage v·P + s) → ((h, latents) for the next stage, this stage's loss
-        (meaningful on the last chunk of the last stage)); the forward reads the params paired
-        with `slots` (gather.with_slots; None: forward only)."""
+        (meaningful on the last chunk of the last stage; None without the `head`)); the
+        forward reads the params paired with `slots` (gather.with_slots; None: forward only)."""
         ops, model, k = self.ops, self.model, self.chunk_layers
         stage = jax.lax.axis_index(STAGE)
         p = with_slots(squeeze_ends(params), squeeze_ends(slots))
@@ -91,6 +93,8 @@ class Pipeline:
         active = (v * self.n_stages + stage) * k + jnp.arange(k) < self.n_layers
         h, prev = forward.run_blocks(ops, model, p["blocks"], h, positions, prev,
                                      self.checkpoint, active)
+        if not head:
+            return (h, prev), None
         norm, w = forward.head_weights(ops, model, p)
         return (h, prev), ops.head_loss(h, norm, w, targets)
 
@@ -114,8 +118,8 @@ class Pipeline:
     def run(self, params, mb, barrier, scale: float, backward: bool, acc=None):
         """All ticks of the schedule over micro-batches `mb` ([m, rows, s] each).
 
-        Returns (Σ over this device's valid last-stage forwards of loss · scale, accumulated
-        gradient slots or None)."""
+        Returns (Σ over this device's valid last-stage forwards (in training, B's re-runs) of
+        loss · scale, accumulated gradient slots or None)."""
         m = mb["inputs"].shape[0]
         # over this call's m micro-batches (the step's list counts the same: Passes.of)
         sch = dataclasses.replace(self.schedule, micro=m)
@@ -125,7 +129,8 @@ class Pipeline:
         last_stage = stage == self.n_stages - 1
         slots = self.slots() if backward else None
         x0, loss0 = self.zeros_like_outputs(params, slots, mb["inputs"][0], mb["targets"][0])
-        ticks = _Ticks(self, sch, params, slots, mb, barrier, scale, stage, last_stage, loss0)
+        ticks = _Ticks(self, sch, params, slots, mb, barrier, scale, stage, last_stage, loss0,
+                       backward)
         carry = ticks.initial_carry(x0)
         if backward:
             carry["acc"] = acc
@@ -158,6 +163,7 @@ class _Ticks:
     stage: Any  # this device's stage (traced)
     last_stage: Any  # stage == n_stages − 1 (traced)
     loss0: Any  # a zero loss typed as the stage forward's
+    backward: bool  # a training run: the loss is B's (F runs no head)
 
     def initial_carry(self, x0) -> dict:
         depth = self.sch.depth
@@ -179,11 +185,13 @@ class _Ticks:
         i, v, ok, last, tok, tgt = self._unit(f, backward=False)
         p = self.barrier(self.params, tok)
         x_in = c["act_from_prev"]
-        x_out, loss = self.pipe.stage_fn(p, self.slots, x_in, tok, tgt, v)
+        x_out, loss = self.pipe.stage_fn(p, self.slots, x_in, tok, tgt, v,
+                                         head=not self.backward)
         depth = self.sch.depth
         slot = jnp.where(ok, jnp.mod(f, depth), depth)  # masked writes land in the spare slot
-        c = dict(c, buf=jax.tree.map(lambda b, x: b.at[slot].set(x), c["buf"], x_in),
-                 loss=c["loss"] + jnp.where(ok & last, loss * self.scale, 0.0))
+        c = dict(c, buf=jax.tree.map(lambda b, x: b.at[slot].set(x), c["buf"], x_in))
+        if loss is not None:
+            c["loss"] = c["loss"] + jnp.where(ok & last, loss * self.scale, 0.0)
         return c, x_out
 
     def backward_tick(self, c, t):
@@ -195,11 +203,13 @@ class _Ticks:
         g_out = jax.tree.map(lambda g: jnp.where(ok & ~last, g, jnp.zeros_like(g)),
                              c["grad_from_next"])
         g_loss = jnp.where(ok & last, self.scale, 0.0).astype(loss0.dtype) + loss0
-        _, vjp = jax.vjp(lambda sl, x: self.pipe.stage_fn(p, sl, x, tok, tgt, v), self.slots, x_b)
+        (_, loss), vjp = jax.vjp(lambda sl, x: self.pipe.stage_fn(p, sl, x, tok, tgt, v),
+                                 self.slots, x_b)
         g_slots, g_x = vjp((g_out, g_loss))
         acc = jax.tree.map(lambda a, g: a + jnp.where(ok, g.astype(a.dtype),
                                                       jnp.zeros_like(a)), c["acc"], g_slots)
-        return dict(c, acc=acc), g_x
+        loss = c["loss"] + jnp.where(ok & last, loss * self.scale, 0.0)
+        return dict(c, acc=acc, loss=loss), g_x
 
     def tick(self, do_f: bool, do_b: bool, do_send: bool):
         """The scan body of one schedule phase: F and/or B, then the sends."""

@@ -311,3 +311,31 @@ def test_pipeline_gpt_families(schedule, plan, tp, model):
     embedding."""
     cfg = pp_cfg(2, schedule, plan, tp, micro=2, **model)
     assert_same(reference(_model_key(cfg)), engine_run(cfg, mesh_of(2))[:2])
+
+
+def test_the_head_runs_forward_once_per_backward_tick():
+    """A tick runs the same program on every stage, masked: F leaves out the head and B's
+    re-run computes it (and the loss), so the compiled step's matmul FLOPs per device are
+    ticks · T · (4·k·layer + 3·head): F's k layers, B's re-run of them with the head, and the
+    backward at twice that (T tokens per micro-batch per device, k layers per stage). With
+    the head in F too it was 4·head."""
+    from boost_jax.analysis.flops import flops_per_token
+    from boost_jax.analysis.hlo import matmul_flops
+    from boost_jax.plan.costmodel import schedule
+
+    cfg = pp_cfg(2, "1f1b", "ddp", micro=4, n_layers=4, arch="full", d_model=64, n_heads=2,
+                 d_ff=128, max_seq_len=64, vocab_size=200)
+    cfg.data.seq_len, cfg.train.global_batch, cfg.train.remat = 64, 16, "none"
+    cfg = cfg.validate()
+    mesh = mesh_of(2)
+    bundle = build_step(cfg, mesh, FAST)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(bundle.engine.grads_fn(4)).lower(
+            bundle.abstract_state["params"], bundle.abstract_batch()).compile(
+                compiler_options=FAST)
+    got, trips_known = matmul_flops(parse_module(compiled.as_text()))
+    per_token = flops_per_token(cfg.model, 64)
+    T = 64 * 16 // (4 * 4)  # tokens of a micro-batch on one of the 4 data-parallel devices
+    assert trips_known
+    assert got == schedule(cfg).ticks * T * (4 * 2 * per_token["per_layer"]
+                                             + 3 * per_token["lm_head"])
