@@ -39,7 +39,7 @@ MB = 1e6
 def worker(args) -> None:
     from boost_jax.mesh import set_cpu_devices
 
-    set_cpu_devices(args.cpu_devices)
+    set_cpu_devices(args.cpu_devices, compile_only=True)
     import jax
 
     from boost_jax.analysis.comm import analyze_compiled, host_egress

@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 
 from boost_jax.mesh import set_cpu_devices  # noqa: E402
 
-set_cpu_devices(16)
+set_cpu_devices(16, compile_only=True)  # compiles only; its train.py runs set their own
 
 import jax  # noqa: E402
 

@@ -21,7 +21,7 @@ sys.path.insert(0, ROOT)
 
 from boost_jax.mesh import set_cpu_devices  # noqa: E402
 
-set_cpu_devices(384)
+set_cpu_devices(384, compile_only=True)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -357,6 +357,7 @@ def get_topology(name: str) -> Topology:
 
 
 CPU_SCHEDULER_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
+CPU_SCHEDULER_OURS = "BOOST_JAX_CPU_SCHEDULER_SET"  # the flag in XLA_FLAGS is set_cpu_devices'
 MAX_CPU_DEVICES = 4096  # simulated on one machine: more only stalls it (the planner uses 512)
 
 
@@ -370,7 +371,8 @@ def set_cpu_devices(n: int, flag: str = "--cpu-devices", compile_only: bool = Fa
     cores (PJRT_NPROC, read when the CPU client starts; a user's own value wins). Where the
     JAX release needs it (compat.cpu_collectives_need_one_order), several devices that run
     collectives get XLA:CPU's concurrency-optimized scheduler turned off, unless the user set
-    it; `compile_only` (the planner) keeps XLA's schedule, whose memory it reports."""
+    it; `compile_only` (the planner, tools that report compiled memory) keeps XLA's schedule,
+    also in a child process of a run that turned it off."""
     if not 1 <= n <= MAX_CPU_DEVICES:
         sep = "" if flag.endswith("=") else " "
         raise UserError(f"{flag}{sep}{n} must be between 1 and {MAX_CPU_DEVICES} (devices "
@@ -380,9 +382,13 @@ def set_cpu_devices(n: int, flag: str = "--cpu-devices", compile_only: bool = Fa
     flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
     from boost_jax.compat import cpu_collectives_need_one_order
 
+    ours = os.environ.pop(CPU_SCHEDULER_OURS, None) == "1"  # not the user's: an earlier call's
+    if ours:
+        flags = " ".join(f for f in flags.split() if CPU_SCHEDULER_FLAG not in f)
     if n > 1 and not compile_only and cpu_collectives_need_one_order() \
             and CPU_SCHEDULER_FLAG not in flags:
         flags = f"{flags} --{CPU_SCHEDULER_FLAG}=false"
+        os.environ[CPU_SCHEDULER_OURS] = "1"  # children inherit XLA_FLAGS and this
     os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     import jax
 

@@ -410,7 +410,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             if args.cpu_devices <= 0:
                 raise UserError(f"--cpu-devices {args.cpu_devices} must be > 0")
-            set_cpu_devices(args.cpu_devices)
+            set_cpu_devices(args.cpu_devices, compile_only=True)
         from boost_jax.config import load_config
         from boost_jax.mesh import mesh_from_config
         from boost_jax.step.build import build_step_for_analysis

@@ -400,7 +400,9 @@ def compute_seconds(cfg, bm: BlockModel, hm: BlockModel, L: int, peak: float, hb
     t_f, t_b = L * bf + hf, L * (bb + br) + hb + hr
     if sch is None:
         return micro * (t_f + t_b) + launches, 0.0, t_f / (t_f + t_b)
-    t_compute = sch.ticks * (L * bf + t_f + t_b) + launches  # F runs no head, B re-runs it
+    t_embed = sum(op_time(o, peak, hbm, a) for o in hm.ops if o.name == "embed")
+    # F: the embedding and the layers, no head; B re-runs them with the head
+    t_compute = sch.ticks * (t_embed + L * bf + t_f + t_b) + launches
     return t_compute, t_compute * (sch.stages - 1) / sch.ticks, t_f / (t_f + t_b)
 
 

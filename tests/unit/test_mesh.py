@@ -115,22 +115,28 @@ def test_a_cpu_plan_shares_the_host_among_its_own_devices(monkeypatch):
     assert topo.peak_flops == pytest.approx(8e11 / 8)  # a run: this process's devices share it
 
 
-@pytest.mark.parametrize("n,user,compile_only,expect", [
-    (8, "", False, "false"), (1, "", False, None), (8, "", True, None),
-    (8, "=true", False, "true")])
-def test_simulated_devices_run_collectives_in_one_order(monkeypatch, n, user, compile_only,
-                                                        expect):
+@pytest.mark.parametrize("needed,n,flags,compile_only,expect", [
+    (True, 8, "", False, "false"), (True, 1, "", False, None), (True, 8, "", True, None),
+    (False, 8, "", False, None), (True, 8, "=true", False, "true"),
+    (True, 8, "=false", True, "false"), (True, 8, "ours", True, None)])
+def test_simulated_devices_run_collectives_in_one_order(monkeypatch, needed, n, flags,
+                                                        compile_only, expect):
     """Where the JAX release needs it (0.11 aborted test_pipeline_composes_with_plans_and_tp
     on a rendezvous timeout), several simulated devices that run collectives turn XLA:CPU's
-    concurrency-optimized scheduler off; one device, the planner's compile-only devices and a
-    release that does not need it keep XLA's default, and a user's own setting wins."""
-    from boost_jax.compat import cpu_collectives_need_one_order
-    from boost_jax.mesh import CPU_SCHEDULER_FLAG, set_cpu_devices
+    concurrency-optimized scheduler off; one device, compile-only devices and a release that
+    does not need it keep XLA's default. A user's own setting wins; the flag an earlier call
+    set ("ours", inherited by a child process) does not bind a compile-only one."""
+    from boost_jax import compat
+    from boost_jax.mesh import CPU_SCHEDULER_FLAG, CPU_SCHEDULER_OURS, set_cpu_devices
 
-    monkeypatch.setenv("XLA_FLAGS", f"--{CPU_SCHEDULER_FLAG}{user}" if user else "")
+    monkeypatch.setattr(compat, "cpu_collectives_need_one_order", lambda: needed)
+    monkeypatch.delenv(CPU_SCHEDULER_OURS, raising=False)
+    if flags == "ours":
+        monkeypatch.setenv(CPU_SCHEDULER_OURS, "1")
+        flags = "=false"
+    monkeypatch.setenv("XLA_FLAGS", f"--{CPU_SCHEDULER_FLAG}{flags}" if flags else "")
     set_cpu_devices(n, compile_only=compile_only)  # JAX runs 8 devices: only the env changes
     values = [f.split("=", 1)[1] for f in os.environ["XLA_FLAGS"].split()
               if f.startswith(f"--{CPU_SCHEDULER_FLAG}=")]
-    if expect == "false" and not cpu_collectives_need_one_order():
-        expect = None
     assert values == ([expect] if expect else [])
+    assert (os.environ.get(CPU_SCHEDULER_OURS) == "1") == (expect == "false" and flags == "")
