@@ -37,7 +37,7 @@ from boost_jax.plan.collectives import Coll, CommSummary, coll_time, host_split
 from boost_jax.plan import memory, overlap, saved
 from boost_jax.plan.overlap import gpu_exposed, gpu_launch_seconds, overlap_exposed
 from boost_jax.sharding.gather import BACKWARD, FORWARD, qgz_stages
-from boost_jax.sharding.step_collectives import (FIRST_FORWARD, LAST_BACKWARD, Passes,
+from boost_jax.sharding.step_collectives import (FIRST_FORWARD, LAST_BACKWARD, Passes, is_head,
                                                  bucketed, keeps_secondary, step_collectives)
 from boost_jax.sharding.stages import Schedule, layers_per_stage
 from boost_jax.plan.roofline import (DTYPE_BYTES, HBM_BW, Assumptions, BlockModel, block_model,
@@ -132,7 +132,7 @@ def _count(cfg, sizes: dict[str, int], pl) -> StateSizes:
     lays = jax.tree_util.tree_flatten_with_path(pl.layouts, is_leaf=is_layout)[0]
     acc = dict(tp=0.0, tpp=0.0, params=0.0, grads=0.0, opt=0.0, sec=0.0, rep=0.0, layer=0.0,
                out=0.0, out_grads=0.0, head=0.0, relayout=0.0)
-    head = ("final_norm", "lm_head") + (("embed",) if cfg.model.tie_embeddings else ())
+    tied = cfg.model.tie_embeddings
     nb, gathered = 0, False
     for path, lay in lays:
         tp = math.prod(axis_size(sizes, t) for t in lay.tp)
@@ -164,7 +164,8 @@ def _count(cfg, sizes: dict[str, int], pl) -> StateSizes:
         else:
             acc["out"] += local
             acc["out_grads"] += role(pl.accum_axes(lay))
-            acc["head"] += local if path[0].key in head else 0.0
+            acc["head"] += local if is_head(path[0].key) or tied and path[0].key == "embed" \
+                else 0.0
     return StateSizes(acc["tp"], acc["tpp"], acc["params"], acc["grads"], acc["opt"],
                       acc["sec"], acc["rep"], acc["layer"], len(lays), nb, acc["out"],
                       acc["out_grads"], acc["head"], acc["relayout"], gathered)

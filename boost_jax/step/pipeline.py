@@ -129,8 +129,7 @@ class Pipeline:
         last_stage = stage == self.n_stages - 1
         slots = self.slots() if backward else None
         x0, loss0 = self.zeros_like_outputs(params, slots, mb["inputs"][0], mb["targets"][0])
-        ticks = _Ticks(self, sch, params, slots, mb, barrier, scale, stage, last_stage, loss0,
-                       backward)
+        ticks = _Ticks(self, sch, params, slots, mb, barrier, scale, stage, last_stage, loss0)
         carry = ticks.initial_carry(x0)
         if backward:
             carry["acc"] = acc
@@ -163,7 +162,6 @@ class _Ticks:
     stage: Any  # this device's stage (traced)
     last_stage: Any  # stage == n_stages − 1 (traced)
     loss0: Any  # a zero loss typed as the stage forward's
-    backward: bool  # a training run: the loss is B's (F runs no head)
 
     def initial_carry(self, x0) -> dict:
         depth = self.sch.depth
@@ -186,7 +184,7 @@ class _Ticks:
         p = self.barrier(self.params, tok)
         x_in = c["act_from_prev"]
         x_out, loss = self.pipe.stage_fn(p, self.slots, x_in, tok, tgt, v,
-                                         head=not self.backward)
+                                         head=self.slots is None)  # training: B's loss
         depth = self.sch.depth
         slot = jnp.where(ok, jnp.mod(f, depth), depth)  # masked writes land in the spare slot
         c = dict(c, buf=jax.tree.map(lambda b, x: b.at[slot].set(x), c["buf"], x_in))
