@@ -36,7 +36,7 @@ gpu_target.prepare_env()  # before JAX starts
 
 from benchmarks.common import add_out, guard_out, load_note, markdown_table, write_result  # noqa: E402
 from boost_jax.config import load_config  # noqa: E402
-from boost_jax.mesh import get_topology  # noqa: E402
+from boost_jax.mesh import STAGE, get_topology  # noqa: E402
 from boost_jax.plan import dryrun  # noqa: E402
 from boost_jax.plan.costmodel import Assumptions, predict, state_sizes  # noqa: E402
 from boost_jax.plan.gpu_compile import gpu_compile  # noqa: E402
@@ -58,8 +58,9 @@ LAYOUTS = [
     ("cola-gpt-neox-20b", 48, [], "frontier", "a100_sxm_80", 384),
     ("cola-gpt-neox-20b", 48, ["parallel.defer_update=false"], "frontier", "a100_sxm_80", 384),
 ]
-# train.remat=none (the shipped configs up to cola-350m): one Perlmutter node; held to
-# MEMORY_RTOL but where the planner notes that it does not model them (costmodel.REMAT_NONE_NOTE)
+# train.remat=none (the shipped configs up to cola-350m): one Perlmutter node, two for the
+# pipelines (a stage a node); held to MEMORY_RTOL but where the planner notes that it does not
+# model them (costmodel.REMAT_NONE_NOTE)
 REMAT_NONE = [
     ("cola-60m", 1, ["parallel.plan=ddp"], "perlmutter", None, 512),
     ("cola-60m", 1, ["parallel.plan=zero3"], "perlmutter", None, 512),
@@ -73,6 +74,9 @@ REMAT_NONE = [
                     "model.d_ff=5462", "train.remat=none"], "perlmutter", None, 512),
     ("cola-1b", 1, ["parallel.plan=zero3", "parallel.tp_mode=btp", "parallel.tp_axes=[pair]",
                     "model.d_ff=5462", "train.remat=none", "train.micro_batches=1"],
+     "perlmutter", None, 512),
+    ("cola-60m", 2, ["parallel.plan=ddp", "parallel.pp_stages=2"], "perlmutter", None, 512),
+    ("cola-60m", 2, ["parallel.plan=ddp", "parallel.pp_stages=2", "parallel.pp_schedule=gpipe"],
      "perlmutter", None, 512),
 ]
 # Layouts whose analytic memory is not within MEMORY_RTOL, with the reason (the test holds them
@@ -108,13 +112,15 @@ def row(name, nodes, topo, cfg, g, secs) -> list:
     tp = f"{cfg.parallel.tp_mode} {'+'.join(cfg.parallel.tp_axes)}" \
         if cfg.parallel.tp_mode != "none" else "no TP"
     lay = f"{cfg.parallel.plan}, {tp}, {cfg.train.micro_batches} micro"
+    if cfg.parallel.pp_stages > 1:
+        lay += f", {cfg.parallel.pp_stages} stages {cfg.parallel.pp_schedule}"
     if state_sizes(cfg, dryrun.full_sizes(cfg, topo, nodes))[1].defer_update:
         lay += ", deferred update"
     mem, tmp = r["memory total"], r["memory temporaries"]
     kl, ex = r["kernels per layer"], r["exposed collective time"]
     flags = [w for w, x in r.items() if x["differs"]]
     per_node = math.prod(v for k, v in dryrun.full_sizes(cfg, topo, nodes).items()
-                         if k != "global")
+                         if k not in ("global", STAGE))
     return [name, f"{topo.name} {nodes} x {per_node}", lay, g.device_kind.replace("NVIDIA ", ""),
             f"{mem['analytic'] / GiB:.2f} / {mem['gpu'] / GiB:.2f} "
             f"({mem['analytic'] / mem['gpu'] - 1:+.0%})",
@@ -196,18 +202,23 @@ def main() -> None:
         "kernel, the norms and the elementwise kernels, which the time model charges "
         "(costmodel.block_times). The model asks JAX (boost_jax/plan/saved.py: "
         "the saved residuals of the layer stack, traced, not compiled) and counts the head's "
-        "backward as the two fp32 [tokens, vocab] arrays it holds; under TP it scales the "
+        "backward as the fp32 logits and their gradient, which the cross-entropy writes in "
+        "the compute dtype (it picks the gold logit by a one-hot mask, so its gradient is one "
+        "elementwise fusion; the gather it used before left a second fp32 [tokens, vocab] "
+        "array, 1.9 GiB of cola-350m DDP's program at one micro-batch); under TP it scales the "
         "traced bytes by the layout's share of the block's kernel outputs, the weight copies "
         "by its share of the weights. Layouts over "
         "several micro-batches stay short where the plan gathers weights: their programs also "
         "keep zero-filled layer stacks of forwards outside the micro-batch loop, and the "
         "pipelined all-gather's peeled layers (without `--xla_gpu_enable_pipelined_all_gather` "
-        "cola-350m hierarchical drops from 22.9 to 16.7 GiB, cola-60m ZeRO-3 from 3.87 to "
-        "3.42, both still above the model); and under TP (CoLA-1B BTP DDP: the micro-batch "
-        "loop's forward holds about three micro-batches' stacks; not diagnosed further); and "
-        "with two micro-batches for any plan (cola-350m DDP: the bytes live at the peak, "
-        "39.7 GB with the last micro-batch's saved stacks 33 of them, are the model's 36.8 "
-        "GiB, but XLA's buffer assignment packs the temporaries into 67.2 GB). How these "
+        "cola-350m hierarchical held 6.2 GiB less, cola-60m ZeRO-3 0.45 GiB less, both still "
+        "above the model; measured with the gather's cross-entropy); under TP (the traced "
+        "bytes' scaling is 10-30% short of the layout's own trace, plan/saved.py; CoLA-1B BTP "
+        "DDP: the micro-batch loop's forward holds about three micro-batches' stacks; not "
+        "diagnosed further); with two micro-batches for any plan (cola-350m DDP, measured "
+        "with the gather's cross-entropy: the bytes live at the peak, 39.7 GB, were the "
+        "model's, but XLA's buffer assignment packed the temporaries into 1.7x as much); and "
+        "with pipeline stages (cola-60m DDP on 2 stages; not diagnosed further). How these "
         "were read: the layout's `python -m boost_jax.plan --config configs/<model>.yaml "
         "--topology perlmutter --nodes 1 --gpu-compile <overrides>` (JAX_PLATFORMS=cpu, "
         "the gpu-compile extra) with `XLA_FLAGS=\"--xla_dump_to=DIR "

@@ -66,7 +66,10 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
     """Mean token cross-entropy of fp32 logits [..., V]."""
     logits = logits.astype(jnp.float32)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    gold = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    # a one-hot mask, not a gather: the backward stays one elementwise fusion that writes the
+    # gradient in the compute dtype (a gather's transpose scatters into a second fp32 array)
+    hit = jnp.arange(logits.shape[-1], dtype=targets.dtype) == targets[..., None]
+    gold = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
     return jnp.mean(logz - gold)
 
 

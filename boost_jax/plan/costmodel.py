@@ -459,35 +459,37 @@ def stage_sends(cfg, sizes, b: int) -> list[Coll]:
                  "global", sch.sends, "tp", (STAGE,), *host_split((STAGE,), sizes))]
 
 
-REMAT_NONE_NOTE = ("train.remat=none over two micro-batches, several with gathered weights "
-                   "or TP, or pipeline stages: the GPU programs measured hold up to 2.9x the "
-                   "estimate (more saved activations than one micro-batch's, or a loosely "
-                   "packed heap; benchmarks/README.md section 11): judge memory with "
+REMAT_NONE_NOTE = ("train.remat=none over two micro-batches, several with gathered weights, "
+                   "under TP or with pipeline stages: the GPU programs measured hold up to "
+                   "2.9x the estimate (more saved activations than the model counts, or a "
+                   "loosely packed heap; benchmarks/README.md section 11): judge memory with "
                    "--gpu-compile")
 REMAT_NONE_MARK = "none* in the remat column: a layout the train.remat=none note above is about"
 
 
-def remat_none_unmodelled(cfg, pl) -> bool:
-    """The layouts whose memory the model does not bound, as measured on the A100 programs
-    (benchmarks/gpu_compile.py REMAT_NONE), all under remat=none: two micro-batches (the live
-    bytes at the peak are the model's, but XLA packs its heap into 1.7x as much); several on a
-    plan that gathers weights (its program also keeps the zero-filled layer stacks of forwards
-    outside the micro-batch loop and the pipelined gathers' peeled layers) or under TP (BTP
-    DDP keeps about three micro-batches' stacks), and with pipeline stages (cola-60m DDP on
-    2 stages, 4 micro-batches: 1.59x the estimate under 1f1b, 1.42x under gpipe; 0.96x
-    under remat=full)."""
+def remat_none_unmodelled(cfg, st: StateSizes) -> bool:
+    """The layouts whose memory the model does not bound under remat=none, as measured on the
+    A100 programs (benchmarks/gpu_compile.py REMAT_NONE): two micro-batches (the live bytes at
+    the peak are the model's, but XLA packs its heap into 1.7x as much); several on a plan that
+    gathers weights (its program also keeps the zero-filled layer stacks of forwards outside
+    the micro-batch loop and the pipelined gathers' peeled layers); tensor parallelism (the
+    per-sequence bytes are scaled from the whole layer's, 10-30% short of the layout's own
+    trace, plan/saved.py; BTP DDP over 8 micro-batches keeps about three micro-batches' stacks;
+    CoLA-1B ZeRO-3 over a BTP pair, one micro-batch: 0.89x); pipeline stages (cola-60m DDP on
+    2 stages, 4 micro-batches: the program holds 1.67x the estimate under 1f1b, 1.62x under
+    gpipe)."""
     micro = cfg.train.micro_batches
-    return cfg.train.remat == "none" and (cfg.parallel.pp_stages > 1 or micro == 2 or micro > 2
-                                          and (bool(pl.params_axes)
-                                               or cfg.parallel.tp_mode != "none"))
+    return cfg.train.remat == "none" and (
+        cfg.parallel.pp_stages > 1 or cfg.parallel.tp_mode != "none" or micro == 2
+        or micro > 2 and st.gathered)
 
 
-def _notes(cfg, pl, measured, L: int) -> list[str]:
+def _notes(cfg, st: StateSizes, pl, measured, L: int) -> list[str]:
     notes = list(pl.notes)  # roles tensor parallelism took, in one line
     if pl.secondary_axes and not pl.hpz and set(pl.secondary_axes) < set(pl.params_axes):
         notes.append("hpZ without train.remat=full: the forward gathers each layer twice "
                      "(flat, then from its secondary), remat replaying the second")
-    if remat_none_unmodelled(cfg, pl):
+    if remat_none_unmodelled(cfg, st):
         notes.append(REMAT_NONE_NOTE)
     notes.append("collectives: measured from the compiled step's HLO" if measured is not None
                  else "collectives: analytic (the step's placement, not compiled)")
@@ -582,7 +584,7 @@ def predict(cfg, topo: Topology, sizes: dict[str, int],
         comm_time={lv: comm.level_time.get(lv, 0.0) for lv in AXES}, memory=mem,
         step_time=total, tokens_per_s=tokens / total, tflops_per_device=tflops,
         mfu=tflops * 1e12 / peak, peak_flops=peak, assumptions=a, collectives=colls if measured is None else [],
-        notes=_notes(cfg, pl, measured, L), node_egress=dict(comm.egress or {}))
+        notes=_notes(cfg, st, pl, measured, L), node_egress=dict(comm.egress or {}))
 
 
 def with_overrides(cfg, **kw):

@@ -45,7 +45,7 @@ TERMS = {
     "activations": "saved activations (by remat policy; remat=none: what autodiff keeps)",
     "block_working": "one block's working set (flash statistics included)",
     "stage_inputs": "pipeline stage inputs",
-    "logits": "logits and their gradient (fp32)",
+    "logits": "fp32 logits and their gradient (compute dtype)",
     "embed_head": "embedding and head, fetched whole, with their gradients",
     "layer_grads": "one layer's fp32 gradient",
     "stack_relayout": "the layer stack's weights relaid out for their int8 secondary's blocks "
@@ -191,9 +191,11 @@ def estimate(cfg, st, pl, bm, hm, b: int, L: int, stage_inputs: float, limit: fl
     mem["activations"], mem["block_working"] = float(saved), float(working)
     if stage_inputs:
         mem["stage_inputs"] = stage_inputs
-    # the head's backward holds two fp32 [tokens, vocab] arrays: the softmax's gradient and
-    # the gold tokens' scattered one (the logits die into the first)
-    mem["logits"] = 2 * next(o.out_bytes for o in hm.ops if o.name == "cross_entropy")
+    # the head's backward holds the fp32 logits [tokens, vocab] and their gradient, written in
+    # the compute dtype (the cross-entropy's backward is one elementwise fusion with the cast
+    # of forward.logits_matmul's cotangent)
+    ce = next(o.out_bytes for o in hm.ops if o.name == "cross_entropy")
+    mem["logits"] = ce * (1 + DTYPE_BYTES[m.dtype] / 4)
     mem["layer_grads"] = st.per_layer_tp_local * 4
     mem["total"], mem["peak"] = peak(mem, one_pass(cfg))
     mem["limit"], mem["fits"] = limit, mem["total"] <= limit

@@ -16,8 +16,9 @@ parallelism the per-sequence bytes scale as the roofline's per-device kernel out
 (the block's working set at the TP degree over its working set whole), the weight copies as
 the layer's weights do. Against the layout's own per-device trace (analysis/tp_layers.py) the
 per-sequence scaling is short by 10-30%, more at higher TP degrees (BTP x2 0.78, x4 0.70 of
-the trace; Megatron x4 0.90); CoLA-1B over a BTP pair with one micro-batch is within 10% of
-its A100 program (benchmarks/README.md section 11).
+the trace; Megatron x4 0.90), so the planner's report notes TP layouts under remat=none
+(costmodel.remat_none_unmodelled; CoLA-1B ZeRO-3 over a BTP pair, one micro-batch: 0.89x
+of its A100 program, benchmarks/README.md section 11).
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import pytest
 from boost_jax.config import load_config
 from boost_jax.mesh import get_topology
 from boost_jax.plan import dryrun, memory
-from boost_jax.plan.costmodel import REMAT_NONE_NOTE, Assumptions, predict, state_sizes
+from boost_jax.plan.costmodel import (REMAT_NONE_NOTE, Assumptions, predict,
+                                     remat_none_unmodelled, state_sizes)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECORDED = os.path.join(ROOT, "benchmarks", "results", "gpu_compile.json")
@@ -75,13 +76,30 @@ def test_remat_none_within_10pct_or_says_it_is_not_modelled(rec):
 
 def test_remat_none_note_is_for_the_layouts_it_names():
     """The note names its layouts; recorded ones without remat carry none."""
-    noted = [(r["config"], r["overrides"][0], analytic(r).micro_batches) for r in REMAT_NONE
-             if REMAT_NONE_NOTE in analytic(r).notes]
-    assert sorted(noted) == [("cola-1b", "parallel.plan=ddp", 8),
-                             ("cola-350m", "parallel.plan=ddp", 2),
-                             ("cola-350m", "parallel.plan=hierarchical", 4),
-                             ("cola-60m", "parallel.plan=zero3", 4)]
+    noted = [(r["config"], r["overrides"][0], analytic(r).micro_batches,
+              " ".join(o for o in r["overrides"] if o.startswith("parallel.pp_")))
+             for r in REMAT_NONE if REMAT_NONE_NOTE in analytic(r).notes]
+    assert sorted(noted) == [
+        ("cola-1b", "parallel.plan=ddp", 8, ""),  # BTP
+        ("cola-1b", "parallel.plan=zero3", 1, ""),  # BTP
+        ("cola-350m", "parallel.plan=ddp", 2, ""),
+        ("cola-350m", "parallel.plan=hierarchical", 4, ""),
+        ("cola-60m", "parallel.plan=ddp", 4, "parallel.pp_stages=2"),
+        ("cola-60m", "parallel.plan=ddp", 4, "parallel.pp_stages=2 parallel.pp_schedule=gpipe"),
+        ("cola-60m", "parallel.plan=zero3", 4, "")]
     assert not any(REMAT_NONE_NOTE in analytic(r).notes for r in LAYOUTS)
+
+
+def test_remat_none_note_follows_the_engines_gather_rule():
+    """The note's "gathers weights" is the engine's (some leaf stored sharded over the params
+    axes, LeafFetch.is_gathered), not "the plan names params axes": ZeRO-3 on one device stores
+    every leaf whole and runs no gathering checkpoint; on two it does."""
+    cfg = load_config(os.path.join(ROOT, "configs", "cola-60m.yaml"), ["parallel.plan=zero3"])
+    assert cfg.train.remat == "none" and cfg.train.micro_batches > 2
+    one, pl = state_sizes(cfg, {"pair": 1, "node": 1, "global": 1})
+    two = state_sizes(cfg, {"pair": 1, "node": 1, "global": 2})[0]
+    assert pl.params_axes and not one.gathered and two.gathered
+    assert not remat_none_unmodelled(cfg, one) and remat_none_unmodelled(cfg, two)
 
 
 def test_remat_none_saved_activations_are_not_the_kernels_outputs():

@@ -16,6 +16,7 @@ from flax import nnx
 from boost_jax.analysis.flops import param_count
 from boost_jax.backends.cpu import fast_compile_options
 from boost_jax.config import ModelConfig
+from boost_jax.layers.forward import cross_entropy
 from boost_jax.layers.model import (LATENT_KEYS, CausalLM, abstract_model, build_model,
                                     count_params)
 
@@ -97,6 +98,24 @@ def test_logits_and_hidden_dtype_shape():
     # RoPE is relative and the mask is by index, so a uniform position offset changes nothing
     shifted = forward(model, tokens(), positions=jnp.arange(S, dtype=jnp.int32) + 5)
     np.testing.assert_allclose(np.asarray(shifted), np.asarray(logits), rtol=1e-4, atol=1e-4)
+
+
+def test_cross_entropy_backward_is_elementwise():
+    """The loss picks the gold logit by a one-hot mask, not a gather: its gradient is the
+    softmax minus the mask, elementwise, so XLA writes it straight in the compute dtype (a
+    gather's transpose is a scatter into a second fp32 [tokens, vocab] buffer: 0.5 GB more
+    on the A100 program of benchmarks/gpu_compile.py's cola-60m pipeline row). Same value and
+    gradient as the gather."""
+    logits = jax.random.normal(jax.random.key(0), (B, S, 66)) * 3
+    targets = jax.random.randint(jax.random.key(1), (B, S), 0, 66)
+    grad = jax.grad(cross_entropy)
+    hlo = jax.jit(grad).lower(logits, targets).as_text()
+    assert "scatter" not in hlo and "gather" not in hlo
+    gathered = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], axis=-1)
+    np.testing.assert_allclose(cross_entropy(logits, targets), -jnp.mean(gathered), rtol=1e-6)
+    onehot = jax.nn.one_hot(targets, 66)
+    np.testing.assert_allclose(grad(logits, targets),
+                               (jax.nn.softmax(logits) - onehot) / (B * S), atol=1e-7)
 
 
 def test_build_model_init_and_layout():
