@@ -14,10 +14,10 @@ Flash attention is traced as the blockwise kernel (layers/flash.py): it saves wh
 and the Pallas kernel's backward read, the output and the row statistics. Under tensor
 parallelism one block is traced inside the layout's shard_map over an abstract mesh of the
 layout's sizes, once, with a symbolic batch, so the bytes are the device's own (per-device
-shapes, the layout's TP collectives and latents). Scaling the whole layer's bytes by the layout's share of the
-kernel outputs instead was 10-30% short (BTP x2 0.78, x4 0.70; Megatron x4 0.90): CoLA-1B
-ZeRO-3 over a BTP pair, one micro-batch, 0.89x of its A100 program, now 1.01x
-(benchmarks/README.md section 11).
+shapes, the layout's TP collectives and latents). Scaling the whole layer's bytes by the
+layout's share of the kernel outputs instead was 10-30% short (BTP x2 0.78, x4 0.70;
+Megatron x4 0.90): CoLA-1B ZeRO-3 over a BTP pair, one micro-batch, 0.89x of its A100
+program, now 1.01x (benchmarks/README.md section 11).
 """
 
 from __future__ import annotations
@@ -81,9 +81,15 @@ def per_layer_tp(cfg, sizes: dict, gathers: bool, attention: str) -> tuple[float
     if key not in _TRACED:
         cfg = dataclasses.replace(cfg, model=m)
         mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
-        b, = jax.export.symbolic_shape("b")  # one trace, shapes in b
-        avals = [a for a, _ in block_residual_avals(cfg, mesh, b, cfg.data.seq_len, gathers)]
-        one, two = (sum(_nbytes(a, v) for a in avals) for v in (1, 2))
+        def avals(batch):
+            return [a for a, _ in block_residual_avals(cfg, mesh, batch, cfg.data.seq_len,
+                                                       gathers)]
+
+        try:  # one trace, shapes in a symbolic batch b
+            b = avals(jax.export.symbolic_shape("b")[0])
+            one, two = (sum(_nbytes(a, v) for a in b) for v in (1, 2))
+        except jax.errors.InconclusiveDimensionOperation:  # a kernel tiles by the token count
+            one, two = (sum(_nbytes(a, v) for a in avals(v)) for v in (1, 2))
         _TRACED[key] = (float(two - one), float(2 * one - two))
     return _TRACED[key]
 
