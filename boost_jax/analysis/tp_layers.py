@@ -8,19 +8,20 @@ compiled program's collectives are the layers' own:
     layers_program(cfg, mesh, batch, seq, backward)  (jitted fn, abstract args): h -> h, or
                                                      (blocks, h, cotangent) -> (dblocks, dh)
     block_saved_residuals(cfg, mesh, batch, seq)     what one block keeps for backward
-                                                     (block_residual_avals: as avals)
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import io
+import re
 
 import jax
 import jax.numpy as jnp
-from jax._src.ad_checkpoint import saved_residuals  # what print_saved_residuals prints
-from jax.sharding import Mesh, NamedSharding
+import numpy as np
+from jax.sharding import NamedSharding
 
+from boost_jax.analysis.hlo import dtype_bytes
 from boost_jax.layers import forward
 from boost_jax.sharding import parallel
 from boost_jax.sharding.tp.specs import residual_spec, tp_param_specs
@@ -69,47 +70,44 @@ def layers_program(cfg, mesh, batch: int, seq: int, backward: bool = False):
     return jax.jit(fwd_bwd), (blocks, h, h)
 
 
-def block_residual_avals(cfg, mesh, batch, seq: int, gathers: bool = False) -> list:
-    """[(aval, source)] of what ONE block keeps for backward on one device under
-    cfg.train.remat (`gathers`: in the checkpoint of a plan that gathers weights,
-    layers/forward.remat_wrapper): jax.ad_checkpoint's saved residuals of the block traced
-    inside the shard_map (per-device shapes; `mesh` may be a jax.sharding.AbstractMesh and
-    `batch` a symbolic dimension, jax.export.symbolic_shape). Params are left out: they are
-    inputs, not activations. Nothing is compiled."""
+def block_saved_residuals(cfg, mesh, batch: int, seq: int) -> list[tuple[str, int, str]]:
+    """What ONE block keeps for backward on one device under cfg.train.remat.
+
+    [(type, bytes, source)], e.g. ("f32[2,8,16]", 1024, "named 'lowrank_latent' from ..."),
+    from jax.ad_checkpoint.print_saved_residuals of the block traced inside the shard_map
+    (shapes per device). Params are left out: they are inputs, not activations. Nothing is
+    compiled."""
+    from jax.ad_checkpoint import print_saved_residuals
+
     layout = parallel.resolve_layers(cfg, mesh)
     blocks = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype),
                           abstract_params(cfg.model, cfg.train)[1]["blocks"])
     specs = tp_param_specs(cfg, {"blocks": blocks})["blocks"]
     hspec = residual_spec(cfg)
-    found = []
+    buf = io.StringIO()
 
     def body(p, h):
         ops = layout.ops()
         positions = jnp.arange(seq, dtype=jnp.int32)
-        layer = layout.checkpoint(gathers)(
+        layer = layout.checkpoint(gathers=False)(
             lambda p, h, prev: forward.block(ops, layout.model, p, h, positions, prev))
         prev = ops.init_prev(jnp.zeros(h.shape[:2], jnp.int32))
-        found.extend(saved_residuals(layer, p, h, prev))
+        with contextlib.redirect_stdout(buf):
+            print_saved_residuals(layer, p, h, prev)
         return h
 
-    # typed with their shardings: JAX 0.11 holds the in_specs to the arguments' own
-    blocks = jax.tree.map(lambda x, sp: jax.ShapeDtypeStruct(
-        x.shape, x.dtype, sharding=NamedSharding(mesh, sp)), blocks, specs)
-    h = jax.ShapeDtypeStruct((batch, seq, cfg.model.d_model), jnp.dtype(cfg.model.dtype),
-                             sharding=NamedSharding(mesh, hspec))
-    # an abstract mesh (the planner's sizes, no devices) needs no context: shard_map names it
-    ctx = jax.set_mesh(mesh) if isinstance(mesh, Mesh) else contextlib.nullcontext()
-    with ctx:
+    h = jax.ShapeDtypeStruct((batch, seq, cfg.model.d_model), jnp.dtype(cfg.model.dtype))
+    with jax.set_mesh(mesh):
         jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(specs, hspec), out_specs=hspec),
                        blocks, h)
-    return [(aval, why) for aval, why in found
-            if not why.startswith("from the argument p") and "iota" not in why]
-
-
-def block_saved_residuals(cfg, mesh, batch: int, seq: int, gathers: bool = False
-                          ) -> list[tuple[str, int, str]]:
-    """block_residual_avals as [(type, bytes, source)], e.g. ("f32[2,8,16]", 1024, "named
-    'lowrank_latent' from ..."), what jax.ad_checkpoint.print_saved_residuals prints."""
-    return [(aval.str_short(short_dtypes=True).split("{")[0],
-             math.prod(aval.shape) * aval.dtype.itemsize, why)
-            for aval, why in block_residual_avals(cfg, mesh, batch, seq, gathers)]
+    out = []
+    for line in buf.getvalue().splitlines():
+        m = re.match(r"\s*([a-z0-9]+)\[([0-9,]*)\]\S*\s+(.*)", line)
+        if not m or m.group(3).startswith("from the argument p") or "iota" in m.group(3):
+            continue
+        dims = [int(x) for x in m.group(2).split(",") if x]
+        dt = {"f32": "f32", "bf16": "bf16", "i32": "s32", "bool": "pred"}.get(m.group(1),
+                                                                              m.group(1))
+        out.append((f"{m.group(1)}[{m.group(2)}]", int(np.prod(dims) * dtype_bytes(dt)),
+                    m.group(3)))
+    return out

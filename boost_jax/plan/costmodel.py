@@ -350,8 +350,8 @@ def memory_estimate(cfg, sizes, st: StateSizes, pl, bm: BlockModel, hm: BlockMod
     sch, stage = schedule(cfg), 0.0
     if sch is not None:  # the stage inputs a device keeps (its buffer: Schedule.depth + 1)
         stage = (sch.depth + 1) * stage_send_bytes(cfg, sizes, b)
-    unremat = saved.per_device(cfg, sizes, b, st.gathered, a.attention) \
-        if cfg.train.remat == "none" else 0.0
+    unremat = saved.per_device(cfg, bm, b, st.gathered, a.attention,
+                               st.per_layer_tp_local) if cfg.train.remat == "none" else 0.0
     mem = memory.estimate(cfg, st, pl, bm, hm, b, backward_layers(cfg), stage,
                           memory.fit_limit(topo.hbm_bytes, a), unremat)
     return dict(mem, hbm=topo.hbm_bytes)
@@ -459,10 +459,10 @@ def stage_sends(cfg, sizes, b: int) -> list[Coll]:
                  "global", sch.sends, "tp", (STAGE,), *host_split((STAGE,), sizes))]
 
 
-REMAT_NONE_NOTE = ("train.remat=none over two micro-batches, several with gathered weights "
-                   "or TP, or pipeline stages: the GPU programs measured hold up to 2.9x the "
-                   "estimate (more saved activations than one micro-batch's, or a loosely "
-                   "packed heap; benchmarks/README.md section 11): judge memory with "
+REMAT_NONE_NOTE = ("train.remat=none over two micro-batches, several with gathered weights, "
+                   "under TP or with pipeline stages: the GPU programs measured hold up to "
+                   "2.9x the estimate (more saved activations than the model counts, or a "
+                   "loosely packed heap; benchmarks/README.md section 11): judge memory with "
                    "--gpu-compile")
 REMAT_NONE_MARK = "none* in the remat column: a layout the train.remat=none note above is about"
 
@@ -472,15 +472,16 @@ def remat_none_unmodelled(cfg, st: StateSizes) -> bool:
     A100 programs (benchmarks/gpu_compile.py REMAT_NONE): two micro-batches (the live bytes at
     the peak are the model's, but XLA packs its heap into 1.7x as much); several on a plan that
     gathers weights (its program also keeps the zero-filled layer stacks of forwards outside
-    the micro-batch loop and the pipelined gathers' peeled layers) or under TP (BTP DDP keeps
-    about three micro-batches' stacks); pipeline stages (cola-60m DDP on 2 stages, 4
-    micro-batches: the program holds 1.67x the estimate under 1f1b, 1.62x under gpipe, whose
-    bytes live at the peak, a B tick's re-run stacking its residuals beside a logits buffer,
-    are 1.2x the estimate: XLA's heap packing makes the rest)."""
+    the micro-batch loop and the pipelined gathers' peeled layers); tensor parallelism (the
+    per-sequence bytes are scaled from the whole layer's, 10-30% short of the layout's own
+    trace, plan/saved.py; BTP DDP over 8 micro-batches keeps about three micro-batches' stacks;
+    CoLA-1B ZeRO-3 over a BTP pair, one micro-batch: 0.89x); pipeline stages (cola-60m DDP on
+    2 stages, 4 micro-batches: the program holds 1.67x the estimate under 1f1b, 1.62x under
+    gpipe)."""
     micro = cfg.train.micro_batches
     return cfg.train.remat == "none" and (
-        cfg.parallel.pp_stages > 1 or micro == 2
-        or micro > 2 and (st.gathered or cfg.parallel.tp_mode != "none"))
+        cfg.parallel.pp_stages > 1 or cfg.parallel.tp_mode != "none" or micro == 2
+        or micro > 2 and st.gathered)
 
 
 def _notes(cfg, st: StateSizes, pl, measured, L: int) -> list[str]:

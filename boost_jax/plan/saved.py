@@ -12,28 +12,26 @@ copies of fp32 weights), cached per model, sequence length, wrapper and attentio
 
 Flash attention is traced as the blockwise kernel (layers/flash.py): it saves what cuDNN's
 and the Pallas kernel's backward read, the output and the row statistics. Under tensor
-parallelism one block is traced inside the layout's shard_map over an abstract mesh of the
-layout's sizes, once, with a symbolic batch, so the bytes are the device's own (per-device
-shapes, the layout's TP collectives and latents). Scaling the whole layer's bytes by the
-layout's share of the kernel outputs instead was 10-30% short (BTP x2 0.78, x4 0.70;
-Megatron x4 0.90): CoLA-1B ZeRO-3 over a BTP pair, one micro-batch, 0.89x of its A100
-program, now 1.01x (benchmarks/README.md section 11).
+parallelism the per-sequence bytes scale as the roofline's per-device kernel outputs do
+(the block's working set at the TP degree over its working set whole), the weight copies as
+the layer's weights do. Against the layout's own per-device trace (analysis/tp_layers.py) the
+per-sequence scaling is short by 10-30%, more at higher TP degrees (BTP x2 0.78, x4 0.70 of
+the trace; Megatron x4 0.90), so the planner's report notes TP layouts under remat=none
+(costmodel.remat_none_unmodelled; CoLA-1B ZeRO-3 over a BTP pair, one micro-batch: 0.89x
+of its A100 program, benchmarks/README.md section 11).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
 from jax._src.ad_checkpoint import saved_residuals  # what print_saved_residuals prints
 
-from jax.sharding import AbstractMesh
-
-from boost_jax.analysis.tp_layers import block_residual_avals
 from boost_jax.config import TrainConfig
 from boost_jax.layers import forward
+from boost_jax.plan.roofline import block_model
 from boost_jax.step.build import abstract_params
 
 
@@ -68,45 +66,22 @@ def per_layer(m, s: int, gathers: bool, attention: str) -> tuple[float, float]:
     return _TRACED[key]
 
 
-def per_layer_tp(cfg, sizes: dict, gathers: bool, attention: str) -> tuple[float, float]:
-    """per_layer on one device of a TP layout: one block traced inside the layout's shard_map
-    over an abstract mesh of `sizes` (analysis/tp_layers.block_saved_residuals, per-device
-    shapes; nothing compiled)."""
-    m = dataclasses.replace(cfg.model, attention=attention)
-    par = cfg.parallel
-    # a block's per-device shapes depend on the TP axes' sizes alone, not on the data-parallel
-    # or stage axes a search varies
-    key = (repr(m), par.tp_mode, tuple((a, sizes[a]) for a in par.tp_axes), cfg.data.seq_len,
-           gathers)
+def layer_elements(m) -> float:
+    """Weight elements of one whole layer."""
+    key = ("elements", repr(m))
     if key not in _TRACED:
-        cfg = dataclasses.replace(cfg, model=m)
-        mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes))
-        def avals(batch):
-            return [a for a, _ in block_residual_avals(cfg, mesh, batch, cfg.data.seq_len,
-                                                       gathers)]
-
-        try:  # one trace, shapes in a symbolic batch b
-            b = avals(jax.export.symbolic_shape("b")[0])
-            one, two = (sum(_nbytes(a, v) for a in b) for v in (1, 2))
-        except jax.errors.InconclusiveDimensionOperation:  # a kernel tiles by the token count
-            one, two = (sum(_nbytes(a, v) for a in avals(v)) for v in (1, 2))
-        _TRACED[key] = (float(two - one), float(2 * one - two))
+        blocks = abstract_params(m, TrainConfig(remat="none"))[1]["blocks"]
+        _TRACED[key] = sum(x.size for x in jax.tree.leaves(blocks)) / m.n_layers
     return _TRACED[key]
 
 
-def _nbytes(aval, b: int) -> int:
-    """Bytes of `aval` with its symbolic dims at batch b, dim by dim in Python integers (a
-    whole expression's coefficients overflow JAX's int32 evaluation)."""
-    dims = [d._evaluate({"b": b}) if hasattr(d, "_evaluate") else d for d in aval.shape]
-    return math.prod(int(d) for d in dims) * aval.dtype.itemsize
-
-
-def per_device(cfg, sizes: dict, b: int, gathers: bool, attention: str) -> float:
-    """Bytes one layer keeps on one device for b sequences under train.remat=none with
-    `gathers` (the plan gathers weights) and `attention`: the whole layer's trace without TP,
-    the layout's own per-device trace under TP."""
-    if cfg.parallel.tp_mode == "none":
-        seq, const = per_layer(cfg.model, cfg.data.seq_len, gathers, attention)
-    else:
-        seq, const = per_layer_tp(cfg, sizes, gathers, attention)
-    return b * seq + const
+def per_device(cfg, bm, b: int, gathers: bool, attention: str, weights: float) -> float:
+    """Bytes one layer of `bm` (roofline.block_model: the layout's per-device kernels) keeps
+    on one device for b sequences: the whole layer's per-sequence bytes scaled by the TP share
+    of its working set, its per-layer constant (weight copies) by the share of its weights
+    (`weights`: one layer's elements on this device, TP-local)."""
+    m, s = cfg.model, cfg.data.seq_len
+    seq, const = per_layer(m, s, gathers, attention)
+    whole = block_model(m, b, s, "none", 1, attention)
+    share = sum(o.out_bytes for o in bm.ops) / sum(o.out_bytes for o in whole.ops)
+    return b * seq * share + const * weights / layer_elements(m)

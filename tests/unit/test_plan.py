@@ -780,8 +780,7 @@ def test_roles_tp_takes_are_said_in_one_line():
     assert resolve_roles(load_config(None, [*TINY, "parallel.plan=hierarchical"]))[
         "collapsed"] is None
     cfg = load_config(None, [*TINY, "parallel.tp_mode=btp", "parallel.plan=hierarchical",
-                             "parallel.tp_axes=[pair,node]", "train.global_batch=8",
-                             "model.n_heads=8"])
+                             "parallel.tp_axes=[pair,node]", "train.global_batch=8"])
     p = C.predict(cfg, get_topology("frontier"), {"pair": 2, "node": 4, "global": 1})
     assert line in p.notes
 
