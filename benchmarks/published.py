@@ -487,7 +487,10 @@ def _value(v) -> str:
     if hasattr(v, "name") and hasattr(v, "base"):  # a CollLibrary
         return (f"{v.name}: base ring {v.base['ring']}, per step inside {v.intra['ring']}, "
                 f"between nodes {v.net['ring']} us (LL, LL128, Simple); net overhead "
-                f"{v.overhead:g} us")
+                f"{v.overhead:g} us" + (
+                    f"; PAT at one rank per node: base {v.pat[0]:g} us + log2(m)·tree net "
+                    f"step/{v.pat[1]:g} + {v.pat[2]:g} us per rank, bandwidth ×{v.pat[3]:g}"
+                    if v.pat else ""))
     if isinstance(v, float) and v >= 1e6:
         return f"{v:.4g}"
     return str(v)

@@ -288,10 +288,10 @@ def _collectives(rows: list) -> str:
     return f"""## Collectives as RCCL and NCCL run them (measured calls)
 
 Each collective is timed with the algorithm the library runs (rings for all-gather and
-reduce-scatter, ring or tree for all-reduce, whichever with its protocol LL / LL128 / Simple
-the library's tuner predicts fastest) and the library's own per-call latency (NCCL's and
-RCCL's `src/graph/tuning.cc`, file and commit in `boost_jax/mesh.py`; derivation in
-`benchmarks/README.md`). Against one call's milliseconds as measured on Frontier (RCCL) and
+reduce-scatter, or NCCL's PAT over one rank per node; ring or tree for all-reduce; whichever
+with its protocol LL / LL128 / Simple the library's tuner predicts fastest) and the
+library's own per-call latency (NCCL's and RCCL's `src/graph/tuning.cc`, file and commit in
+`boost_jax/mesh.py`; derivation in `benchmarks/README.md`). Against one call's milliseconds as measured on Frontier (RCCL) and
 Perlmutter (NCCL) by the authors of "The Big Send-off" (arXiv 2504.18658), published with
 their reproducer, and one rccl-tests output posted with its machine ({repos}); P = the
 gathered output, the reduce-scatter input or the all-reduce buffer. "Implied" = what the measurement leaves per ring step once the bytes are

@@ -127,6 +127,9 @@ class CollLibrary:
     ppn1      NCCL: a ring with one rank per node pays the tree's network step latency
     ll_cap    NCCL: the LL protocol's bus bandwidth cap (llMaxBws); plateau: NCCL's ×1.4
     ll128_net NCCL enables LL128 across nodes only when GPU and NIC share a PCIe switch
+    pat       NCCL: PAT all-gather / reduce-scatter for a group of one rank per node (Simple):
+              (base, divisor of the tree's network step per log2 level, per rank, bandwidth
+              share); () where the library has no PAT
     Read by boost_jax/plan/collectives.py; `source` names the file and commit."""
 
     name: str
@@ -142,12 +145,14 @@ class CollLibrary:
     ll_cap: tuple = ()  # NCCL: LL bus bandwidth cap GB/s on 1 / 2 / more nodes (llMaxBws)
     ar_plateau: float = 1.0  # NCCL (sm80+): a multi-node Simple ring all-reduce's latency ×1.4
     ll128_net: bool = True  # LL128 across nodes (NCCL: only if the GPU–NIC path is <= PXB)
+    pat: tuple = ()  # NCCL: (base us, log-step divisor, us per rank, bandwidth share)
 
 
 # RCCL on Frontier: src/graph/tuning.cc tuning_model_3, chosen by rome_model_74 in
 # src/graph/rome_models.cc (8 MI250X GCDs at bus ids c1..de on 4 NUMA domains {3,3,1,1,0,0,2,2},
 # 4 Cassini NICs: the HPE Cray EX235a node of Frontier); LL128 off there (no ll128Enabled).
-# RCCL applies neither NCCL's LL cap nor its all-reduce plateau. AMD CPU: net overhead 2 us.
+# RCCL applies neither NCCL's LL cap nor its all-reduce plateau, and has no PAT at this commit.
+# AMD CPU: net overhead 2 us.
 RCCL_FRONTIER = CollLibrary(
     "RCCL", base={"ring": (12.0, 12.0, 17.0), "tree": (12.0, 12.0, 17.0)},
     intra={"ring": (0.8, 0.0, 3.6), "tree": (0.8, 0.0, 2.5)},
@@ -162,7 +167,9 @@ RCCL_FRONTIER = CollLibrary(
 def _nccl(overhead: float, cpu: str, ll_cap: tuple) -> CollLibrary:
     """NCCL's default tuner constants (ncclTunerConstantsDefaults) and refinements: ring LL
     ×0.5, LL128 ×0.92 (120/128), tree all-reduce ×0.92 (LL ×0.92/3.8, LL128 ×0.92·120/128),
-    LL capped at llMaxBws (Ampere/Hopper one node; AMD or Intel host CPU on 2 / more nodes)."""
+    LL capped at llMaxBws (Ampere/Hopper one node; AMD or Intel host CPU on 2 / more nodes);
+    PAT where every rank is on its own node (ncclPatEnable; baseLat 8, log2(m)·net/3.5 +
+    2.8 us per rank, busBw × 0.75)."""
     return CollLibrary(
         "NCCL", base={"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 8.4)},
         intra={"ring": (0.6, 1.9, 3.4), "tree": (0.6, 1.25, 4.0)},
@@ -170,8 +177,9 @@ def _nccl(overhead: float, cpu: str, ll_cap: tuple) -> CollLibrary:
         bw={"ring": (0.5, 0.92, 1.0), "tree": (0.92 / 3.8, 0.92 * 120 / 128, 0.92)},
         bw2={"ring": (0.5, 0.92, 1.0), "tree": (0.92 / 3.8, 0.92 * 120 / 128, 0.92)},
         overhead=overhead, ar_inter_extra=0, ppn1_tree_net=True, ll_cap=ll_cap,
-        ar_plateau=1.4, source=f"{NCCL_COMMIT}: src/graph/tuning.cc (ncclTunerConstantsDefaults, "
-               f"ncclTopoTuneModel, getNetOverhead: {cpu} CPU {overhead:g} us)")
+        ar_plateau=1.4, pat=(8.0, 3.5, 2.8, 0.75),
+        source=f"{NCCL_COMMIT}: src/graph/tuning.cc (ncclTunerConstantsDefaults, "
+               f"ncclTopoTuneModel, ncclPatEnable, getNetOverhead: {cpu} CPU {overhead:g} us)")
 
 
 NCCL_AMD_CPU = _nccl(2.0, "AMD", (87.7, 22.5, 19.0))  # DGX A100: A100, EPYC host

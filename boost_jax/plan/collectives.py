@@ -11,10 +11,13 @@ latency   the library's own tuning model (topology.library, src/graph/tuning.cc)
             ring   base + (S − S_net)·max(intra, overhead) + S_net·net, S = n−1 steps
                    (all-reduce 2(n−1)), S_net = m−1 (all-reduce 2(m−1), RCCL 2m)
             tree   base + 2((n/m − 1)·intra + ⌊log2 m⌋·net)          (all-reduce only)
-          all-gather / reduce-scatter run as rings; an all-reduce as ring or tree; each call
-          takes the (algorithm, protocol) of least latency + β / (protocol's bandwidth share),
-          as the library's tuner picks. An all-to-all is n−1 Simple messages (k−1 in the host,
-          n−k across); a pipeline send or a log_step exchange (sharding/bucket.py) one.
+            pat    base + ⌊log2 m⌋·net_tree/3.5 + 2.8·n, bytes at 0.75 of the bus bandwidth
+                   (NCCL's all-gather / reduce-scatter over one rank per node, m = n)
+          all-gather / reduce-scatter run as rings (or PAT); an all-reduce as ring or tree;
+          each call takes the (algorithm, protocol) of least latency + β / (protocol's
+          bandwidth share), as the library's tuner picks. An all-to-all is n−1 Simple
+          messages (k−1 in the host, n−k across); a pipeline send or a log_step exchange
+          (sharding/bucket.py) one.
 overhead  applied by boost_jax.plan.costmodel (see its docstring and GPU_XLA_FLAGS).
 
 The same functions cost *measured* collectives (a compiled step's HLO, boost_jax.analysis.comm),
@@ -124,6 +127,13 @@ def tree_latency(lib, n: int, m: int, p: int) -> float:
                                       + int(math.log2(m)) * lib.net["tree"][p])
 
 
+def pat_latency(lib, n: int, m: int) -> float:
+    """Microseconds per call of NCCL's PAT all-gather / reduce-scatter over n ranks, one per
+    node: a logarithmic part at the tree's network step (ppn = 1) and a part linear in n."""
+    base, div, per_rank, _ = lib.pat
+    return base + int(math.log2(m)) * lib.net["tree"][2] / div + n * per_rank
+
+
 def _p2p_latency(c: Coll, lib, m: int) -> float:
     """An all-to-all: n−1 Simple messages (k−1 inside the host); a send: one."""
     k = c.n // m
@@ -134,7 +144,10 @@ def _p2p_latency(c: Coll, lib, m: int) -> float:
 
 
 def call_cost(c: Coll, topo: Topology, a: Assumptions) -> tuple[float, float, str]:
-    """(latency s, bytes s, "algorithm/protocol") of one call, as the library's tuner picks."""
+    """(latency s, bytes s, "algorithm/protocol") of one call, as the library's tuner picks:
+    ring (all-reduce: or tree) per protocol, and NCCL's PAT for an all-gather or a
+    reduce-scatter whose ranks are each on their own node (its bytes at 0.75 of the bus
+    bandwidth, not n/(n−1) of it: src/graph/tuning.cc)."""
     lib, m, beta = topo.library, nodes_spanned(c), bytes_seconds(c, topo, a)
     if c.kind not in ("all-gather", "reduce-scatter", "all-reduce"):
         return _p2p_latency(c, lib, m) * 1e-6, beta, "p2p/Simple"
@@ -152,6 +165,10 @@ def call_cost(c: Coll, topo: Topology, a: Assumptions) -> tuple[float, float, st
                 b = max(b, ring_bytes(c.kind, c.n, c.payload) / cap)
             if best is None or lat + b < best[0] + best[1]:
                 best = (lat, b, f"{algo}/{proto}")
+    if lib.pat and c.kind != "all-reduce" and m == c.n > 1:  # one rank per node
+        lat, b = pat_latency(lib, c.n, m) * 1e-6, beta * c.n / (c.n - 1) / lib.pat[3]
+        if lat + b < best[0] + best[1]:
+            best = (lat, b, "pat/Simple")
     return best
 
 

@@ -100,7 +100,8 @@ class Assumptions:
                                                " (full [s,s] fp32 scores through HBM)"
                                                if self.attention == "dense" else ""),
             f"network: each collective as NCCL / RCCL run it (rings for all-gather and "
-            "reduce-scatter, ring or tree for all-reduce, the protocol their tuner picks) at "
+            "reduce-scatter, or NCCL's PAT over one rank per node; ring or tree for "
+            "all-reduce; the protocol their tuner picks) at "
             f"{self.eta_net:.0%} of the ring's slowest link; a ring spanning nodes leaves each "
             "node once, the node's NICs shared by the groups leaving it; every call pays the "
             "library's own latency (base + a step latency per ring step inside and between "

@@ -35,6 +35,33 @@ def test_ring_latency_is_the_libraries_own_formula():
         8.4 + 2 * (3 * 4.0 + 8 * 14.0))
 
 
+def test_nccl_runs_a_group_of_one_rank_per_node_as_pat():
+    """NCCL enables PAT for all-gather and reduce-scatter when every rank of the group is on its
+    own node (ncclPatEnable), as a rank-aligned group over `global` is: 8 + ⌊log2 m⌋·14/3.5 +
+    2.8·n us (the tree's network step at one rank per node), its bytes at 0.75 of the bus
+    bandwidth without the ring's n/(n−1). The tuner takes it where it costs less than the
+    ring; an all-reduce, a group with two ranks on a node and RCCL stay on rings."""
+    a = C.Assumptions(eta_net=1.0)
+    sizes = {"pair": 2, "node": 2, "global": 64}
+
+    def call(kind, P, axes, topo="perlmutter"):
+        c = N.Coll("x", kind, P, math.prod(sizes[x] for x in axes), "global", 1, "dp", axes,
+                   *N.host_split(axes, sizes))
+        return N.call_cost(c, get_topology(topo), a), c
+
+    (lat, b, algo), c = call("all-gather", 1e6, ("global",))
+    assert algo == "pat/Simple"
+    assert lat == pytest.approx((8.0 + 6 * 14.0 / 3.5 + 2.8 * 64) * 1e-6)
+    beta = N.bytes_seconds(c, get_topology("perlmutter"), a)
+    assert b == pytest.approx(beta * 64 / 63 / 0.75)
+    assert call("reduce-scatter", 1e6, ("global",))[0][2] == "pat/Simple"
+    # a large call is bandwidth-bound: the ring's full bus bandwidth wins
+    assert call("all-gather", 1e10, ("global",))[0][2] == "ring/Simple"
+    assert not call("all-reduce", 1e6, ("global",))[0][2].startswith("pat")
+    assert not call("all-gather", 1e6, ("node", "global"))[0][2].startswith("pat")
+    assert not call("all-gather", 1e6, ("global",), "frontier")[0][2].startswith("pat")
+
+
 def test_a_call_takes_the_protocol_the_tuner_would():
     """Small calls take LL (less latency), large ones Simple (full bandwidth); all-gather and
     reduce-scatter are rings only; an all-reduce over many nodes takes the tree when latency
