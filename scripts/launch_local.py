@@ -19,8 +19,10 @@ one kills them.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -80,9 +82,32 @@ def parse_args(argv=None):
     k = a.cpu_devices_per_process
     if k is not None and not 1 <= k <= MAX_CPU_DEVICES:
         _fail(f"--cpu-devices-per-process {k} must be between 1 and {MAX_CPU_DEVICES}")
+    _check_launch(a)
     if a.args and a.args[0] == "--":
         a.args = a.args[1:]
     return a
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _check_launch(a) -> None:
+    """What the processes are started with: a port, a grace period, variables, the programs."""
+    if a.port is not None and not 1 <= a.port <= 65535:
+        _fail(f"--port {a.port} must be between 1 and 65535 (or leave it out for a free one)")
+    if not math.isfinite(a.grace) or a.grace < 0:
+        _fail(f"--grace {a.grace} must be a number of seconds >= 0")
+    for item in a.env_rank:
+        name, eq, _ = item.partition("=")
+        if not eq or not ENV_NAME.fullmatch(name):
+            _fail(f"--env-rank {item!r} is not NAME=VALUE with NAME a variable name (letters, "
+                  "digits, _; not starting with a digit)")
+    if not os.path.isfile(a.script):
+        _fail(f"--script {a.script!r} is not a file; pass the Python script to run (default "
+              "train.py)")
+    if shutil.which(a.python) is None:
+        _fail(f"--python {a.python!r} is not an executable program; pass the Python "
+              "interpreter to run the script with (default: this one)")
 
 
 # gloo (CPU collectives) announces each rank's connections, from several threads at once (its

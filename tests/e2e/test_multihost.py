@@ -118,7 +118,8 @@ def test_launcher_succeeds_when_all_succeed(tmp_path):
 
 def test_launcher_bad_counts_are_one_line_and_start_nothing(tmp_path):
     """-n 0, -n 99999 (a fork storm), 0 or x devices per process, train.py's options before
-    the --: one line, exit 2."""
+    the --, a port out of range, a NaN grace, a variable without a value, a missing
+    interpreter: one line, exit 2."""
     script = tmp_path / "touch.py"
     script.write_text(f"open({str(tmp_path / 'ran')!r}, 'w')\n")
     for args, msg in ((["-n", "0"], "-n 0 must be between 1 and 64"),
@@ -128,12 +129,21 @@ def test_launcher_bad_counts_are_one_line_and_start_nothing(tmp_path):
                       (["-n", "2", "--cpu-devices-per-process", "x"],
                        "argument --cpu-devices-per-process: invalid int value: 'x'; see "),
                       (["-n", "2", "--config", "c.yaml"],  # train.py's, before the --
-                       "unrecognized arguments: --config; put train.py's arguments after --")):
+                       "unrecognized arguments: --config; put train.py's arguments after --"),
+                      (["-n", "1", "--port", "99999"], "--port 99999 must be between 1 and 65535"),
+                      (["-n", "1", "--grace", "nan"], "--grace nan must be a number of seconds"),
+                      (["-n", "1", "--env-rank", "X"], "--env-rank 'X' is not NAME=VALUE"),
+                      (["-n", "1", "--python", str(tmp_path / "none")],
+                       f"--python {str(tmp_path / 'none')!r} is not an executable program")):
         r = subprocess.run([sys.executable, LAUNCH, *args, "--script", str(script), "--", "x=1"],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 2 and r.stderr.startswith(f"error: {msg}"), r.stderr
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not (tmp_path / "ran").exists()
+    r = subprocess.run([sys.executable, LAUNCH, "-n", "1", "--script", str(tmp_path / "none.py"),
+                        "--", "x=1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith(
+        f"error: --script {str(tmp_path / 'none.py')!r} is not a file"), r.stderr
     from boost_jax.errors import UserError
     from boost_jax.mesh import set_cpu_devices
 
