@@ -227,8 +227,9 @@ def section_batches(topo, lines, top: int = 3):
         "What bounds hierarchical's once-per-step share (its best layout at each batch, ms per "
         "step): the data-parallel collectives run one after another (XLA's latency-hiding "
         "scheduler keeps one collective in flight, xla_gpu_experimental_parallel_collective_"
-        "overlap_limit's default 1; the launcher leaves it), behind the compute (bubble "
-        "excluded), so at least their time "
+        "overlap_limit's default 1, which the launcher leaves; `--gpu-compile` reports it "
+        "from the scheduled program, and the A100 programs of tests/unit/test_gpu_compile.py "
+        "hold 1), behind the compute (bubble excluded), so at least their time "
         "less that compute stays exposed, whichever pass the cross-node legs run in. Where "
         "that floor is over 5% of the step, no schedule of the legs brings the once-per-step "
         "share to 5%:", "",

@@ -120,6 +120,23 @@ def async_collectives(module: H.Module) -> list[AsyncCollective]:
     return out
 
 
+def max_in_flight(module: H.Module) -> int:
+    """The most collectives started and not yet done at one point of any computation's order.
+    XLA's latency-hiding scheduler keeps one in flight unless
+    xla_gpu_experimental_parallel_collective_overlap_limit is raised (default 1, which the
+    launcher keeps): the cost model's overlap runs the collectives one after another."""
+    most = 0
+    for comp in module.computations.values():
+        live = set()
+        for ins in comp.instrs.values():
+            if ins.opcode.endswith("-start") and collective_kind(comp, ins, module):
+                live.add(ins.name)
+            elif ins.opcode.endswith("-done"):
+                live.difference_update(ins.operands)
+            most = max(most, len(live))
+    return most
+
+
 def kernel_launches(module: H.Module) -> tuple[float, bool]:
     """(kernels launched per execution of the program, every loop trip count known)."""
     total, known = 0.0, True

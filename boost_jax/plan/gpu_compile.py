@@ -41,6 +41,7 @@ class Program:
     comm: CommSummary
     exposed_s: float  # collective time not hidden behind scheduled compute, per step
     compile_s: float
+    in_flight: int  # the most collectives in flight at once (schedule.max_in_flight)
 
 
 @dataclass
@@ -94,7 +95,7 @@ def read_program(comp: dryrun.Compiled, cfg, sizes, full, topo, a: Assumptions) 
                      "exposed": bool(s is None or s.exposed)})
     kernels, _ = S.kernel_launches(mod)
     return Program(comp.n_layers, comp.memory, kernels, S.kernel_mix(mod), rows, comp.comm,
-                   exposed, comp.compile_s)
+                   exposed, comp.compile_s, S.max_in_flight(mod))
 
 
 def roofline_kernels_per_layer(cfg, sizes, a: Assumptions) -> float:
@@ -264,7 +265,8 @@ def report_text(g: GpuCompile, top: int = 12) -> str:
     L.append(f"  collectives: {e['of']}, {e['of'] - e['count']} overlap compute "
              f"({e['overlap_gemm']} a GEMM), {e['count']} exposed ("
              + ", ".join(f"{k} {x}/{n}" for k, (x, n) in e["by_kind"].items())
-             + f"); exposed collective time {_fmt(e['time_s'], 's')} per step")
+             + f"); exposed collective time {_fmt(e['time_s'], 's')} per step; at most "
+             f"{max(q.in_flight for q in g.programs)} in flight at once")
     hdr = f"    {'kind':<15}{'level':<7}{'n':>3}{'trips':>6}{'bytes/step':>12}  overlaps"
     L.append(hdr)
     rows = sorted(p.collectives, key=lambda c: -c["bytes_per_step"])

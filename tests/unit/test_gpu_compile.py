@@ -87,6 +87,18 @@ def test_schedule_reads_overlap_and_exposure():
     assert rs.kind == "reduce-scatter" and rs.exposed and not rs.overlapped
 
 
+def test_collectives_in_flight_are_read_off_the_order():
+    """The miniature runs its collectives one after another; start a second gather before the
+    first is done and two are in flight."""
+    assert S.max_in_flight(H.parse_module(HLO)) == 1
+    two = HLO.replace("  %gemm = ", "  %ag2 = (bf16[8,16]{1,0}, bf16[16,16]{1,0}) "
+                      "all-gather-start(%x), replica_groups={{0,2},{1,3}}, dimensions={0}\n"
+                      "  %gemm = ", 1)
+    two = two.replace("  %conv = ", "  %ag2-done = bf16[16,16]{1,0} all-gather-done(%ag2)\n"
+                      "  %conv = ", 1)
+    assert S.max_in_flight(H.parse_module(two)) == 2
+
+
 def test_kernel_launches_follow_loop_trips():
     mod = H.parse_module(HLO)
     # per trip: gemm, convert, negate (collectives are not kernels) and the condition's compare
@@ -157,6 +169,8 @@ def test_step_compiles_for_a100_with_our_kernels(capsys):
     assert all(c["group_size"] >= 2 and c["bytes_per_step"] > 0 for c in colls)
     e = g["exposed"]
     assert e["of"] == len(colls) and e["count"] == sum(c["exposed"] for c in colls)
+    # one collective in flight at a time, as the cost model's overlap runs them
+    assert all(p["in_flight"] == 1 for p in g["programs"])
 
 
 @needs_plugin
