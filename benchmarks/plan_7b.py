@@ -177,11 +177,11 @@ def section_batches(topo, lines, top: int = 3):
         cfg = config(f"train.global_batch={batch}")
         res = search(cfg, topo, {"pair": 2, "node": 4, "global": 48}, compile_top=0)
         for plan, i, c in res.best_by_plan:
-            p = c.prediction
+            p, cp = c.prediction, critical_path(c.prediction)
             if plan == "hierarchical":
-                bound.append(once_bound(batch, c.key(), p, critical_path(p)["once-per-step"]))
+                bound.append(once_bound(batch, c.key(), p, cp["once-per-step"]))
             by_plan.append([batch, plan, i, c.key(), f"{p.mfu:.1%}", f"{p.step_time * 1e3:.0f}",
-                            *[f"{v * 1e3:.0f}" for v in critical_path(p).values()],
+                            *[f"{v * 1e3:.0f}" for v in cp.values()],
                             f"{sum(p.node_egress.values()) / 1e9:.2f}"])
         for i, c in enumerate(res.fitting[:top], 1):
             p = c.prediction
