@@ -35,7 +35,7 @@ import dataclasses
 from typing import Optional
 
 from boost_jax.config import load_config
-from boost_jax.mesh import Topology, get_topology
+from boost_jax.mesh import NCCL_INTEL_CPU, Topology, get_topology
 from boost_jax.plan.costmodel import Assumptions, predict
 from boost_jax.sharding.stages import Schedule
 
@@ -435,6 +435,60 @@ COLLECTIVE_GAPS = {
     "NCCL all-gather 1024 ranks 32 MiB (Perlmutter)": _NCCL_LL,
     "NCCL all-gather 1024 ranks 1 MiB (Perlmutter)": _NCCL_LL,
 }
+_ONE_PAT = ("one rank a node, NCCL's tuning model charges PAT more than it costs from 2 MiB "
+            "over 16 nodes and at 64 nodes: its bandwidth at 0.75 of the bus and its 2.8 us per "
+            "rank pick an algorithm, they are not times (over 16 nodes the bytes of 2 MiB at "
+            "0.75 x 80% of the port, 0.28 ms, exceed the whole measured call, 0.26 ms; at 64 "
+            "the 2.8 us per rank alone charges 0.18 ms of a 1 MiB call measured at 0.25 ms); "
+            "PAT's bus bandwidth also swings between allocations there (its authors: 2.73 to "
+            "3.15 GB/s averaged over sizes, across runs)")
+_ONE_RING = ("one rank a node, NCCL's tuning model charges each ring step the tree's network "
+             "latency (ppn 1: 8.5 us LL128, 14 us Simple) where the measurement leaves 3.6 to 5 "
+             "us (column 'implied'), and the same runs' 1 GiB ring reached 96% of the 12.5 GB/s "
+             "port where the model takes eta_net's 80%")
+COLLECTIVE_GAPS.update({
+    f"NCCL all-gather {n} ranks {mib} MiB (Leonardo, one a node, NCCL_ALGO={algo})": why
+    for n, mib, algo, why in ((16, 2, "PAT", _ONE_PAT), (64, 1, "PAT", _ONE_PAT),
+                              (64, 4, "PAT", _ONE_PAT), (16, 1, "Ring", _ONE_RING),
+                              (16, 2, "Ring", _ONE_RING), (64, 4, "Ring", _ONE_RING))})
+
+
+# NCCL over one GPU a node, where its tuner may run PAT (kind "collective"): nccl-tests
+# all_gather_perf (-b 8 -e 1G -f 2 -g 1 -c 1, srun --ntasks-per-node=1; out-of-place bus
+# bandwidth) with NCCL_ALGO=PAT and with NCCL_ALGO=Ring, NCCL at NVIDIA/nccl 5067397 (the commit
+# boost_jax/mesh.py pins), on Leonardo's booster, as the authors of a research fork of NCCL
+# posted them beside their own algorithm (ONE_PER_NODE_REPO, bench_bine/results.md; the
+# commands in bench_bine/final_compare.sh). The rows: both runs that time the two algorithms
+# in one allocation at default channels, 16 nodes (the mean of 3) and 64 nodes (one), at every
+# size they report up to 4 MiB (where NCCL may pick PAT). One call = P·(n−1)/n / bus bandwidth.
+ONE_PER_NODE_REPO = "HLC-Lab/nccl@0e07bb5f411a78cae504c1efe8e828a484dd8f78"
+_THREE_WAY = "bench_bine/results.md, 2026-06-20, 16 nodes, 3 reps"
+_V8B = "bench_bine/results.md, 2026-07-08/09 (v8b), 64 nodes, 1 rep"
+ONE_PER_NODE_MEASURED = (
+    # NCCL_ALGO, nodes, P MiB, bus bandwidth GB/s, where
+    ("pat", 16, 0.25, 2.01, _THREE_WAY), ("ring", 16, 0.25, 2.07, _THREE_WAY),
+    ("pat", 16, 1, 5.39, _THREE_WAY), ("ring", 16, 1, 5.69, _THREE_WAY),
+    ("pat", 16, 2, 7.50, _THREE_WAY), ("ring", 16, 2, 7.83, _THREE_WAY),
+    ("pat", 64, 1, 4.10, _V8B), ("ring", 64, 1, 2.02, _V8B),
+    ("pat", 64, 4, 7.21, _V8B), ("ring", 64, 4, 6.18, _V8B),
+)
+# Leonardo's booster node (CINECA, leonardo-supercomputer.cineca.eu/hpc-system: 4 A100 SXM 64
+# GB, one Xeon 8358, "2x dual-port HDR network interface (400 Gbps aggregated)") as one rank a
+# node sees it: one 100 Gb/s port, 12.5 GB/s each way; NCCL's constants for an Intel host (over
+# 2 or more nodes the LL cap is 39 / 20.4 GB/s, llMaxBws). LL128 across nodes needs the GPU and
+# its NIC under one PCIe switch, which CINECA does not publish: NCCL's default there (on).
+LEONARDO_SOURCES = {
+    "bw_global": "leonardo-supercomputer.cineca.eu/hpc-system: booster node, 2 x dual-port HDR "
+                 "(400 Gb/s aggregated), one 100 Gb/s port a GPU (validation rows only)",
+    "library": "NVIDIA/nccl 5067397c2676d5aed50042fc39e5c8ee96eb0027: src/graph/tuning.cc "
+               "(getNetOverhead: Intel CPU 1 us; llMaxBws Intel-N2/N4); LL128 across nodes as "
+               "NCCL's default where GPU and NIC share a PCIe switch (not published for the "
+               "machine; validation rows only)",
+}
+LEONARDO_ONE_PER_NODE = dataclasses.replace(
+    get_topology("dgx-a100"), name="leonardo", pair=1, node=1, bw_global=12.5e9, hbm_bytes=64e9,
+    device="A100-SXM-64GB", job=None,
+    library=dataclasses.replace(NCCL_INTEL_CPU, ll_cap=(87.7, 39.0, 20.4)))
 
 
 def collective_call(machine: str, kind: str, ranks: int, mib: float):
@@ -460,27 +514,46 @@ def collective_ms(machine: str, kind: str, ranks: int, mib: float,
     return (lat + beta) * 1e3, lat * 1e3, algo
 
 
+def one_per_node_call(nodes: int, mib: float):
+    """A Coll of one all-gather over `nodes` ranks, one a node (LEONARDO_ONE_PER_NODE)."""
+    from boost_jax.plan.collectives import Coll, host_split
+
+    sizes = {"pair": 1, "node": 1, "global": nodes}
+    return LEONARDO_ONE_PER_NODE, Coll("measured", "all-gather", mib * 2.0 ** 20, nodes,
+                                       "global", 1, "step", ("global",),
+                                       *host_split(("global",), sizes))
+
+
+def _row(name: str, ms: float, topo, c, assumptions, algorithms, source: str) -> dict:
+    from boost_jax.plan.collectives import bytes_seconds, call_cost
+
+    lat, beta, algo = call_cost(c, topo, assumptions, algorithms)
+    pred = (lat + beta) * 1e3
+    implied = ((ms * 1e-3 - bytes_seconds(c, topo, assumptions)) * 1e6 / (c.n - 1)
+               if algo.startswith("ring") else None)
+    return dict(name=name, kind="collective", published=ms, predicted=pred,
+                error=rel_err(pred, ms), latency=lat * 1e3, algorithm=algo, implied=implied,
+                source=source)
+
+
 def collective_rows(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[dict]:
-    """The measured collectives against the model: one call's milliseconds."""
+    """The measured collectives against the model: one call's milliseconds ("implied": what a
+    ring's measurement leaves per step once the bytes are paid, Simple at full bandwidth)."""
     rows = []
     for machine, kind, ranks, mib, ms, repo, path in COLLECTIVE_MEASURED:
-        lib = get_topology(machine).library.name
-        pred, lat, algo = collective_ms(machine, kind, ranks, mib, assumptions)
-        rows.append(dict(name=f"{lib} {kind} {ranks} ranks {mib} MiB ({machine.capitalize()})",
-                         kind="collective", published=ms, predicted=pred,
-                         error=rel_err(pred, ms), latency=lat, algorithm=algo,
-                         source=f"{COLLECTIVE_REPOS[repo]}: {path} (ms per call)"))
+        topo, c = collective_call(machine, kind, ranks, mib)
+        rows.append(_row(f"{topo.library.name} {kind} {ranks} ranks {mib} MiB "
+                         f"({machine.capitalize()})", ms, topo, c, assumptions,
+                         ("ring", "tree", "pat"),
+                         f"{COLLECTIVE_REPOS[repo]}: {path} (ms per call)"))
+    for algo, nodes, mib, busbw, where in ONE_PER_NODE_MEASURED:
+        topo, c = one_per_node_call(nodes, mib)
+        ms = c.payload * (nodes - 1) / nodes / (busbw * 1e9) * 1e3
+        rows.append(_row(f"NCCL all-gather {nodes} ranks {mib} MiB (Leonardo, one a node, "
+                         f"NCCL_ALGO={'PAT' if algo == 'pat' else 'Ring'})", ms, topo, c,
+                         assumptions, (algo,),
+                         f"{ONE_PER_NODE_REPO}: {where} ({busbw} GB/s bus bandwidth)"))
     return rows
-
-
-def implied_step_us(machine: str, kind: str, ranks: int, mib: float, ms: float,
-                    assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> float:
-    """Per ring step, what a measurement leaves once the bytes (Simple, full bandwidth) are
-    paid: (ms − β) / (n − 1)."""
-    from boost_jax.plan.collectives import bytes_seconds
-
-    topo, c = collective_call(machine, kind, ranks, mib)
-    return (ms * 1e-3 - bytes_seconds(c, topo, assumptions)) * 1e6 / (ranks - 1)
 
 
 def _value(v) -> str:
@@ -510,6 +583,8 @@ def constants_table() -> str:
         for k in SOURCED_FIELDS:
             lines.append(f"| `{name}.{k}` | {_value(getattr(topo, k))} | "
                          f"{TOPOLOGY_SOURCES[name][k]} |")
+    for k, src in LEONARDO_SOURCES.items():
+        lines.append(f"| `leonardo.{k}` | {_value(getattr(LEONARDO_ONE_PER_NODE, k))} | {src} |")
     return "\n".join(lines)
 
 

@@ -271,11 +271,12 @@ def collective_table(rows: list) -> str:
     lines = ["| measured call | published ms | predicted ms | rel. error | within 25% | "
              "the library's pick | of it latency ms | implied us per step |",
              "|---|---|---|---|---|---|---|---|"]
-    for r, m in zip(rows, V.COLLECTIVE_MEASURED):
+    for r in rows:
         ok = "yes" if abs(r["error"]) <= V.TOLERANCE else "**no** (known gap, see below)"
+        implied = "-" if r["implied"] is None else f"{r['implied']:.1f}"
         lines.append(f"| {r['name']} | {r['published']:.3g} | {r['predicted']:.3g} | "
                      f"{r['error']:+.1%} | {ok} | {r['algorithm']} | {r['latency']:.2f} | "
-                     f"{V.implied_step_us(*m[:5]):.1f} |")
+                     f"{implied} |")
     return "\n".join(lines)
 
 
@@ -284,7 +285,7 @@ def _collectives(rows: list) -> str:
     gaps = "\n".join(f"- `{k}`: {why}" for k, why in V.COLLECTIVE_GAPS.items())
     cal = V.COLLECTIVE_CALIBRATION
     cal_ms = V.collective_ms(*cal[:4])[0]
-    repos = "; ".join(f"`{r}`" for r in V.COLLECTIVE_REPOS.values())
+    repos = "; ".join(f"`{r}`" for r in (*V.COLLECTIVE_REPOS.values(), V.ONE_PER_NODE_REPO))
     return f"""## Collectives as RCCL and NCCL run them (measured calls)
 
 Each collective is timed with the algorithm the library runs (rings for all-gather and
@@ -293,9 +294,11 @@ with its protocol LL / LL128 / Simple the library's tuner predicts fastest) and 
 library's own per-call latency (NCCL's and RCCL's `src/graph/tuning.cc`, file and commit in
 `boost_jax/mesh.py`; derivation in `benchmarks/README.md`). Against one call's milliseconds as measured on Frontier (RCCL) and
 Perlmutter (NCCL) by the authors of "The Big Send-off" (arXiv 2504.18658), published with
-their reproducer, and one rccl-tests output posted with its machine ({repos}); P = the
-gathered output, the reduce-scatter input or the all-reduce buffer. "Implied" = what the measurement leaves per ring step once the bytes are
-paid (Simple, full bandwidth).
+their reproducer, one rccl-tests output posted with its machine, and nccl-tests all-gathers
+over one A100 a node on Leonardo with `NCCL_ALGO=PAT` and `NCCL_ALGO=Ring` in one allocation
+(NCCL at the commit we pin; the model then costs only the algorithm named) ({repos}); P = the
+gathered output, the reduce-scatter input or the all-reduce buffer. "Implied" = what a ring's
+measurement leaves per step once the bytes are paid (Simple, full bandwidth).
 
 **{n_ok} of {len(rows)} measured calls are within {V.TOLERANCE:.0%}.** The ones outside are
 known gaps (`published.COLLECTIVE_GAPS`):

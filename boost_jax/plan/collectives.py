@@ -143,11 +143,13 @@ def _p2p_latency(c: Coll, lib, m: int) -> float:
     return lib.base["ring"][2] + (lib.net if m > 1 else lib.intra)["ring"][2]
 
 
-def call_cost(c: Coll, topo: Topology, a: Assumptions) -> tuple[float, float, str]:
+def call_cost(c: Coll, topo: Topology, a: Assumptions,
+              algorithms: Sequence[str] = ("ring", "tree", "pat")) -> tuple[float, float, str]:
     """(latency s, bytes s, "algorithm/protocol") of one call, as the library's tuner picks:
     ring (all-reduce: or tree) per protocol, and NCCL's PAT for an all-gather or a
     reduce-scatter whose ranks are each on their own node (its bytes at 0.75 of the bus
-    bandwidth, not n/(n−1) of it: src/graph/tuning.cc)."""
+    bandwidth, not n/(n−1) of it: src/graph/tuning.cc). `algorithms` narrows the choice as
+    NCCL_ALGO does (the tuner still picks the protocol); none of them runs the call: ValueError."""
     lib, m, beta = topo.library, nodes_spanned(c), bytes_seconds(c, topo, a)
     if c.kind not in ("all-gather", "reduce-scatter", "all-reduce"):
         return _p2p_latency(c, lib, m) * 1e-6, beta, "p2p/Simple"
@@ -155,7 +157,8 @@ def call_cost(c: Coll, topo: Topology, a: Assumptions) -> tuple[float, float, st
     ratios = lib.bw if m > 2 else lib.bw2
     for algo in ("ring", "tree") if c.kind == "all-reduce" else ("ring",):
         for p, proto in enumerate(PROTOCOLS):
-            if ratios[algo][p] <= 0 or (proto == "LL128" and m > 1 and not lib.ll128_net):
+            if (algo not in algorithms or ratios[algo][p] <= 0
+                    or (proto == "LL128" and m > 1 and not lib.ll128_net)):
                 continue
             lat = (ring_latency(lib, c.kind, c.n, m, p) if algo == "ring"
                    else tree_latency(lib, c.n, m, p)) * 1e-6
@@ -165,10 +168,13 @@ def call_cost(c: Coll, topo: Topology, a: Assumptions) -> tuple[float, float, st
                 b = max(b, ring_bytes(c.kind, c.n, c.payload) / cap)
             if best is None or lat + b < best[0] + best[1]:
                 best = (lat, b, f"{algo}/{proto}")
-    if lib.pat and c.kind != "all-reduce" and m == c.n > 1:  # one rank per node
+    if "pat" in algorithms and lib.pat and c.kind != "all-reduce" and m == c.n > 1:
         lat, b = pat_latency(lib, c.n, m) * 1e-6, beta * c.n / (c.n - 1) / lib.pat[3]
-        if lat + b < best[0] + best[1]:
+        if best is None or lat + b < best[0] + best[1]:
             best = (lat, b, "pat/Simple")
+    if best is None:
+        raise ValueError(f"{lib.name} cannot run a {c.kind} over {c.n} ranks on {m} nodes "
+                         f"with {'/'.join(algorithms)}")
     return best
 
 

@@ -62,6 +62,32 @@ def test_nccl_runs_a_group_of_one_rank_per_node_as_pat():
     assert not call("all-gather", 1e6, ("global",), "frontier")[0][2].startswith("pat")
 
 
+def test_an_algorithm_named_as_nccl_algo_is_the_only_one_costed():
+    """`algorithms` narrows the tuner's choice as NCCL_ALGO does: a 10 GB all-gather over one
+    rank a node forced to PAT costs PAT's formula (slower than the ring the tuner would take),
+    a forced ring still picks its protocol, and an algorithm that cannot run the call (PAT for
+    an all-reduce or on RCCL, the tree for an all-gather) is an error, not a silent ring."""
+    a = C.Assumptions(eta_net=1.0)
+    topo, sizes = get_topology("perlmutter"), {"pair": 1, "node": 1, "global": 16}
+
+    def call(kind, P):
+        return N.Coll("x", kind, P, 16, "global", 1, "dp", ("global",),
+                      *N.host_split(("global",), sizes))
+
+    big = call("all-gather", 1e10)
+    ring, pat = N.call_cost(big, topo, a), N.call_cost(big, topo, a, ("pat",))
+    assert ring[2] == "ring/Simple" and pat[2] == "pat/Simple"
+    assert pat[0] + pat[1] > ring[0] + ring[1]
+    assert pat[1] == pytest.approx(N.bytes_seconds(big, topo, a) * 16 / 15 / 0.75)
+    small = call("all-gather", 1e5)
+    assert N.call_cost(small, topo, a)[2] == "pat/Simple"
+    assert N.call_cost(small, topo, a, ("ring",))[2] in ("ring/LL", "ring/LL128")
+    for c, algos, t in ((call("all-reduce", 1e6), ("pat",), topo),
+                        (small, ("tree",), topo), (small, ("pat",), get_topology("frontier"))):
+        with pytest.raises(ValueError, match="cannot run"):
+            N.call_cost(c, t, a, algos)
+
+
 def test_a_call_takes_the_protocol_the_tuner_would():
     """Small calls take LL (less latency), large ones Simple (full bandwidth); all-gather and
     reduce-scatter are rings only; an all-reduce over many nodes takes the tree when latency
