@@ -569,9 +569,10 @@ def test_hierarchical_over_zeropp_is_bounded_by_zeropps_step():
 
 
 def test_validation_sensitivity_variants_change_what_they_name():
-    """The sensitivity rows for Perlmutter's node bandwidth and the LBP gradient dtype reach
-    the predictions: 100 GB/s slows the TP4 rows (not the TP2 one), fp32 gradients slow the
-    plans that reduce gradients in the accumulator dtype."""
+    """The sensitivity rows for Perlmutter's node bandwidth, the LBP gradient dtype and RCCL's
+    ring step reach the predictions: 100 GB/s slows the TP4 rows (not the TP2 one), fp32
+    gradients slow the plans that reduce gradients in the accumulator dtype, a measured ring
+    step slows ZeRO++ and leaves hierarchical."""
     from benchmarks import published as V
 
     var = dict(V.variants())
@@ -583,6 +584,17 @@ def test_validation_sensitivity_variants_change_what_they_name():
     _, fp32_l, _ = V.ratio_rows(**var[next(k for k in var if "fp32" in k)])
     for plan in ("zero3", "hierarchical"):
         assert fp32_l[plan].comm_bytes["global"] > 1.3 * base_l[plan].comm_bytes["global"]
+    # RCCL's ring steps at what its measured 32 MiB all-gathers leave: the flat rings of ZeRO++
+    # slow down, hierarchical's (inside the node, or short rings across) barely
+    rows = {r["name"]: r["implied"] for r in V.collective_rows()}
+    assert V.measured_rccl_step_us() == pytest.approx(
+        (rows["RCCL all-gather 64 ranks 32 MiB (Frontier)"]
+         + rows["RCCL all-gather 1024 ranks 32 MiB (Frontier)"]) / 2)
+    slow = var[next(k for k in var if "ring step at" in k)]
+    assert slow["lbp_topo"].library.net["ring"][2] == pytest.approx(V.measured_rccl_step_us())
+    _, step_l, _ = V.ratio_rows(**slow)
+    assert step_l["zeropp"].step_time > 1.5 * base_l["zeropp"].step_time
+    assert step_l["hierarchical"].step_time < 1.05 * base_l["hierarchical"].step_time
 
 
 # --------------------------------------------------------------------------- links and overlap
