@@ -95,10 +95,11 @@ KNOWN_GAPS = {
                        "ZeRO++ by less than published, and would even were nothing of its own "
                        "exposed: ZeRO++'s step over hierarchical's compute, (de)quantization "
                        "and optimizer stays under 1.71x, "
-                       "so the gap needs a slower ZeRO++ than the model's; with RCCL's ring "
-                       "steps at what its measured 32 MiB calls leave, ZeRO++ is that slow and "
-                       "the ratio overshoots (validation.md, 'Why the remaining gaps'). Our "
-                       "own rows beside it (deferred update, quantized legs) come closer",
+                       "so the gap needs a slower ZeRO++ than the model's; with every RCCL "
+                       "ring step at what its measured 32 MiB calls leave, ZeRO++ would be "
+                       "that slow and the ratio overshoots, with only the steps between nodes "
+                       "it stays short (validation.md, 'Why the remaining gaps'). Our own rows "
+                       "beside it (deferred update, quantized legs) come closer",
 }
 
 
@@ -440,22 +441,23 @@ COLLECTIVE_GAPS = {
     "NCCL all-gather 1024 ranks 32 MiB (Perlmutter)": _NCCL_LL,
     "NCCL all-gather 1024 ranks 1 MiB (Perlmutter)": _NCCL_LL,
 }
-_ONE_PAT = ("one rank a node, NCCL's tuning model charges PAT more than it costs from 2 MiB "
-            "over 16 nodes and at 64 nodes: its bandwidth at 0.75 of the bus and its 2.8 us per "
-            "rank pick an algorithm, they are not times (over 16 nodes the bytes of 2 MiB at "
-            "0.75 x 80% of the port, 0.28 ms, exceed the whole measured call, 0.26 ms; at 64 "
-            "the 2.8 us per rank alone charges 0.18 ms of a 1 MiB call measured at 0.25 ms); "
-            "PAT's bus bandwidth also swings between allocations there (its authors: 2.73 to "
-            "3.15 GB/s averaged over sizes, across runs)")
+_ONE_PAT = ("one rank a node, NCCL's tuning model charges PAT more than this run measured: its "
+            "bandwidth at 0.75 of the bus and its 2.8 us per rank pick an algorithm, they are "
+            "not times (at 64 nodes the 2.8 us per rank alone is 0.18 ms of a 1 MiB call "
+            "measured at 0.25 ms). PAT swings between allocations there: the file's other "
+            "default-channel runs measured {} GB/s of bus bandwidth for this call, the model "
+            "gives {}")
 _ONE_RING = ("one rank a node, NCCL's tuning model charges each ring step the tree's network "
              "latency (ppn 1: 8.5 us LL128, 14 us Simple) where the measurement leaves 3.6 to 5 "
-             "us (column 'implied'), and the same runs' 1 GiB ring reached 96% of the 12.5 GB/s "
-             "port where the model takes eta_net's 80%")
+             "us (column 'implied'; 5.1 to 6.1 us with the bytes at the 96% of the 12.5 GB/s "
+             "port that the same runs' 1 GiB ring reached, where the model takes eta_net's 80%)")
 COLLECTIVE_GAPS.update({
     f"NCCL all-gather {n} ranks {mib} MiB (Leonardo, one a node, NCCL_ALGO={algo})": why
-    for n, mib, algo, why in ((16, 2, "PAT", _ONE_PAT), (64, 1, "PAT", _ONE_PAT),
-                              (64, 4, "PAT", _ONE_PAT), (16, 1, "Ring", _ONE_RING),
-                              (16, 2, "Ring", _ONE_RING), (64, 4, "Ring", _ONE_RING))})
+    for n, mib, algo, why in (
+        (16, 2, "PAT", _ONE_PAT.format("5.33 to 7.47 (5.86, 5.33, 7.47)", "5.64: inside")),
+        (64, 1, "PAT", _ONE_PAT.format("2.38 to 4.42 (2.38, 4.32, 4.42)", "2.94: inside")),
+        (64, 4, "PAT", _ONE_PAT.format("7.26 (v9)", "5.36: below every run")),
+        (16, 1, "Ring", _ONE_RING), (16, 2, "Ring", _ONE_RING), (64, 4, "Ring", _ONE_RING))})
 
 
 # NCCL over one GPU a node, where its tuner may run PAT (kind "collective"): nccl-tests
@@ -463,9 +465,11 @@ COLLECTIVE_GAPS.update({
 # bandwidth) with NCCL_ALGO=PAT and with NCCL_ALGO=Ring, NCCL at NVIDIA/nccl 5067397 (the commit
 # boost_jax/mesh.py pins), on Leonardo's booster, as the authors of a research fork of NCCL
 # posted them beside their own algorithm (ONE_PER_NODE_REPO, bench_bine/results.md; the
-# commands in bench_bine/final_compare.sh). The rows: both runs that time the two algorithms
-# in one allocation at default channels, 16 nodes (the mean of 3) and 64 nodes (one), at every
-# size they report up to 4 MiB (where NCCL may pick PAT). One call = P·(n−1)/n / bus bandwidth.
+# commands in bench_bine/final_compare.sh). The rows: the two runs that publish both
+# algorithms' bus bandwidth size by size from one allocation at default channels, 16 nodes (the
+# mean of 3) and 64 nodes (one), every size they report up to 4 MiB (where NCCL may pick PAT).
+# One call = P·(n−1)/n / bus bandwidth. The file's other runs time PAT alone (COLLECTIVE_GAPS
+# quotes them where a row is outside 25%).
 ONE_PER_NODE_REPO = "HLC-Lab/nccl@0e07bb5f411a78cae504c1efe8e828a484dd8f78"
 _THREE_WAY = "bench_bine/results.md, 2026-06-20, 16 nodes, 3 reps"
 _V8B = "bench_bine/results.md, 2026-07-08/09 (v8b), 64 nodes, 1 rep"
@@ -479,12 +483,16 @@ ONE_PER_NODE_MEASURED = (
 )
 # Leonardo's booster node (CINECA, leonardo-supercomputer.cineca.eu/hpc-system: 4 A100 SXM 64
 # GB, one Xeon 8358, "2x dual-port HDR network interface (400 Gbps aggregated)") as one rank a
-# node sees it: one 100 Gb/s port, 12.5 GB/s each way; NCCL's constants for an Intel host (over
-# 2 or more nodes the LL cap is 39 / 20.4 GB/s, llMaxBws). LL128 across nodes needs the GPU and
-# its NIC under one PCIe switch, which CINECA does not publish: NCCL's default there (on).
+# node sees it: one 100 Gb/s port, 12.5 GB/s each way (inferred: 400 Gb/s over 4 GPUs; the
+# same runs' 1 GiB ring plateaus at 12 GB/s of bus bandwidth); NCCL's constants for an Intel
+# host (over 2 or more nodes the LL cap is 39 / 20.4 GB/s, llMaxBws). LL128 across nodes needs
+# the GPU and its NIC under one PCIe switch, which CINECA does not publish: NCCL's default
+# there (on), the reading that favours the model (off, the ring rows outside 25% are 61-72%
+# slow instead of 41-49%).
 LEONARDO_SOURCES = {
     "bw_global": "leonardo-supercomputer.cineca.eu/hpc-system: booster node, 2 x dual-port HDR "
-                 "(400 Gb/s aggregated), one 100 Gb/s port a GPU (validation rows only)",
+                 "(400 Gb/s aggregated), inferred one 100 Gb/s port a GPU (the measured ring "
+                 "plateaus at 12 GB/s; validation rows only)",
     "library": "NVIDIA/nccl 5067397c2676d5aed50042fc39e5c8ee96eb0027: src/graph/tuning.cc "
                "(getNetOverhead: Intel CPU 1 us; llMaxBws Intel-N2/N4); LL128 across nodes as "
                "NCCL's default where GPU and NIC share a PCIe switch (not published for the "
@@ -569,13 +577,13 @@ def measured_rccl_step_us(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> 
     return sum(steps) / len(steps)
 
 
-def frontier_with_ring_step(us: float) -> Topology:
-    """Frontier with every RCCL ring step (LL and Simple, inside a node and between nodes, so
-    an all-to-all's messages too) at `us` microseconds: the sensitivity's upper bracket."""
+def frontier_with_ring_step(us: float, inside: bool = True) -> Topology:
+    """Frontier with every RCCL ring step (LL and Simple) between nodes, and inside a node
+    unless `inside` is false, at `us` microseconds (an all-to-all's messages too)."""
     fr = get_topology("frontier")
     lib, ring = fr.library, {"ring": (us, 0.0, us)}
     return dataclasses.replace(fr, library=dataclasses.replace(
-        lib, intra={**lib.intra, **ring}, net={**lib.net, **ring}))
+        lib, intra={**lib.intra, **ring} if inside else lib.intra, net={**lib.net, **ring}))
 
 
 def _value(v) -> str:

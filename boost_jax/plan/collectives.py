@@ -148,8 +148,11 @@ def call_cost(c: Coll, topo: Topology, a: Assumptions,
     """(latency s, bytes s, "algorithm/protocol") of one call, as the library's tuner picks:
     ring (all-reduce: or tree) per protocol, and NCCL's PAT for an all-gather or a
     reduce-scatter whose ranks are each on their own node (its bytes at 0.75 of the bus
-    bandwidth, not n/(n−1) of it: src/graph/tuning.cc). `algorithms` narrows the choice as
-    NCCL_ALGO does (the tuner still picks the protocol); none of them runs the call: ValueError."""
+    bandwidth, not n/(n−1) of it: src/graph/tuning.cc). `algorithms` narrows the choice of
+    a collective as NCCL_ALGO does (the tuner still picks the protocol; an all-to-all or a send
+    has no choice); an unknown name, or none that runs the call: ValueError."""
+    if isinstance(algorithms, str) or not set(algorithms) <= {"ring", "tree", "pat"}:
+        raise ValueError(f"algorithms must be a tuple of ring, tree, pat: {algorithms!r}")
     lib, m, beta = topo.library, nodes_spanned(c), bytes_seconds(c, topo, a)
     if c.kind not in ("all-gather", "reduce-scatter", "all-reduce"):
         return _p2p_latency(c, lib, m) * 1e-6, beta, "p2p/Simple"

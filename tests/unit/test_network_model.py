@@ -86,6 +86,9 @@ def test_an_algorithm_named_as_nccl_algo_is_the_only_one_costed():
                         (small, ("tree",), topo), (small, ("pat",), get_topology("frontier"))):
         with pytest.raises(ValueError, match="cannot run"):
             N.call_cost(c, t, a, algos)
+    for bad in ("pat", ("Ring",)):  # a string, or NCCL_ALGO's spelling, is no silent ring
+        with pytest.raises(ValueError, match="tuple of ring, tree, pat"):
+            N.call_cost(small, topo, a, bad)
 
 
 def test_a_call_takes_the_protocol_the_tuner_would():
