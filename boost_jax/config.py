@@ -421,7 +421,9 @@ class CheckpointConfig:
 class LoggingConfig:
     tensorboard: bool = True
     plot: bool = True
-    progress: bool = True  # live progress line on stderr
+    # stderr: the header, live progress line, eval lines and the final 'done:' line; false
+    # keeps only resume, stop and warning lines (metrics.jsonl is written either way)
+    progress: bool = True
     # Weights & Biases (the wandb extra): the rows of metrics.jsonl, from process 0
     wandb: bool = False
     wandb_project: str = "boost_jax"
@@ -490,7 +492,8 @@ class Config:
                 "set model.vocab_size=256")
         if self.data.seq_len > m.max_seq_len:
             raise ConfigError(
-                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+                f"set model.max_seq_len={self.data.seq_len} or a data.seq_len <= {m.max_seq_len}")
         t = self.train
         held = t.eval_batches * t.global_batch * (self.data.seq_len + 1)
         if held > MAX_EVAL_TOKENS:  # the eval batches are held in memory (data/pipeline.py)

@@ -38,8 +38,10 @@ def parse_args(argv=None):
                    help="score at most this many tokens of SOURCE (default: all)")
     p.add_argument("--json", action="store_true", help="print the result as one JSON object")
     args = p.parse_args(argv)
-    if args.batch_size < 1 or (args.max_tokens is not None and args.max_tokens < 2):
-        p.error("--batch-size must be >= 1 and --max-tokens >= 2")
+    if args.batch_size < 1:
+        p.error(f"--batch-size {args.batch_size} must be >= 1")
+    if args.max_tokens is not None and args.max_tokens < 2:
+        p.error(f"--max-tokens {args.max_tokens} must be >= 2")
     if args.max_tokens is not None and args.data == "val":
         p.error("--max-tokens caps a --data SOURCE; --data val scores the run's validation "
                 "windows whole, as each eval step does (leave --max-tokens out)")

@@ -42,8 +42,10 @@ def parse_args(argv=None):
     if not (t == 0 or TEMPERATURES[0] <= t <= TEMPERATURES[1]):
         p.error(f"--temperature {t} must be 0 (greedy) or between {TEMPERATURES[0]:g} and "
                 f"{TEMPERATURES[1]:g}")
-    if args.top_k < 0 or not 0 < args.top_p <= 1:
-        p.error("--top-k must be >= 0 and --top-p in (0, 1]")
+    if args.top_k < 0:
+        p.error(f"--top-k {args.top_k} must be >= 0 (0: all)")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p {args.top_p} must be in (0, 1] (1: all)")
     return args
 
 

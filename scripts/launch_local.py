@@ -110,9 +110,12 @@ def _check_launch(a) -> None:
               "interpreter to run the script with (default: this one)")
 
 
-# gloo (CPU collectives) announces each rank's connections, from several threads at once (its
-# pieces interleave within a line): noise for every local run
-GLOO_CONNECTED = re.compile(rb"\[Gloo\]|is connected to \d+ peer ranks")
+# gloo (CPU collectives) announces each rank's connections, from several threads at once: the
+# pieces interleave, so a line can hold a piece of it ("[Gloo] Rank 1 is connected to", "...
+# connected peer ranks is : 1") or nothing but the count. Noise for every local run; a training
+# process never prints a bare number or an empty line.
+GLOO_CONNECTED = re.compile(
+    rb"\[Gloo\]|connected to \d+ peer ranks|connected peer ranks|^\s*:?\s*\d*\s*$")
 
 def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
     prefix = f"[rank {rank}] ".encode()

@@ -345,10 +345,16 @@ def demo_tokens(data_cfg) -> int:
     return int(len(load_corpus(data_cfg).train))
 
 
+def on_demo_corpus(cfg, nodes: int, topology: str) -> bool:
+    """A cluster run (several nodes of a real topology) that would train on the demo corpus."""
+    d = cfg.data
+    return not d.sources and d.source == "stdlib" and nodes > 1 and topology != "cpu"
+
+
 def refuse_demo_corpus(cfg, nodes: int, topology: str, allow: bool) -> None:
     """One line naming data.source(s) and the epochs the run would make of the demo corpus."""
     d, t = cfg.data, cfg.train
-    if allow or d.sources or d.source != "stdlib" or nodes <= 1 or topology == "cpu":
+    if allow or not on_demo_corpus(cfg, nodes, topology):
         return
     tokens = demo_tokens(d)
     epochs = t.steps * t.global_batch * d.seq_len / tokens

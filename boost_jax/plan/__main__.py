@@ -118,6 +118,7 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
     """The planned run as a YAML config: mesh.topology and mesh.shape carry the cluster layout,
     so `python -m boost_jax.launch slurm --config FILE` needs no --topology or --nodes."""
     from boost_jax.config import config_to_yaml
+    from boost_jax.data.sources import ALLOW_DEMO, on_demo_corpus
     from boost_jax.errors import UserError
     from boost_jax.launch.script_values import comment
     from boost_jax.launch.slurm import cross_node_text, dtypes_text
@@ -152,8 +153,11 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
         raise UserError(f"cannot write --emit-config {path!r} ({e.strerror}); choose another "
                         "path") from None
     word = shell_word(path)
+    # what launch slurm will ask of this config, so the command printed runs as shown
+    extra = (" --account ACCOUNT" if topo.job is not None and topo.job.needs_account else "") + (
+        f" {ALLOW_DEMO}" if on_demo_corpus(cfg, _hosts(s), topo.name) else "")
     print(f"wrote {word}: train with python train.py --config {word}, or write a batch job with "
-          f"python -m boost_jax.launch slurm --config {word}", file=sys.stderr)
+          f"python -m boost_jax.launch slurm --config {word}{extra}", file=sys.stderr)
 
 
 def flop_rate(x: float) -> str:

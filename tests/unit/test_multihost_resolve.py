@@ -111,3 +111,24 @@ def test_the_watchdog_ends_start_up_at_the_timeout_and_xla_waits_longer(monkeypa
     assert D._start(cfg) == Launch(f"127.0.0.1:{port}", 2, 0, "config")
     assert seen["watchdog"] == 40 and seen["cancelled"]
     assert seen["initialization_timeout"] >= 40 + 10
+
+
+@pytest.mark.parametrize("script", ["launch_local.py", "local_slurm.py"])
+def test_the_local_launchers_drop_gloos_interleaved_pieces_and_keep_real_lines(script):
+    """gloo's "[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer
+    ranks is : 1" arrives in pieces from several threads: every piece is dropped (a bare count
+    or an empty line too), a training line is kept."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", script)
+    spec = importlib.util.spec_from_file_location(script[:-3], path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    noise = [b"[Gloo] Rank 1 is connected to 1 peer ranks. Expected number of connected peer "
+             b"ranks is : 1\n", b"[Gloo] Rank 0 is connected to\n", b"7\n", b" : 1\n", b"\n",
+             b"Expected number of connected peer ranks is : 3\n"]
+    kept = [b"step 10 | loss 2.4130 | 7,207 tok/s\n", b"done: step 300, val_loss 1.8509\n",
+            b"error: data.seq_len=64 exceeds model.max_seq_len=32\n", b"x 1\n"]
+    assert all(mod.GLOO_CONNECTED.search(x) for x in noise)
+    assert not any(mod.GLOO_CONNECTED.search(x) for x in kept)

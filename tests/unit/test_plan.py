@@ -389,10 +389,19 @@ def test_an_emitted_layout_says_its_cross_node_legs_are_quantized(tmp_path, caps
                  "train.micro_batches=1", "--no-compile", "--allow-demo-data",
                  "--emit-config", str(out)]) == 0
     legs = "cross-node weights int8, gradients int4"
-    layout = [x for x in capsys.readouterr().out.splitlines() if x.startswith("layout: ")]
+    cap = capsys.readouterr()
+    layout = [x for x in cap.out.splitlines() if x.startswith("layout: ")]
     assert len(layout) == 1 and legs in layout[0]
     head = [x for x in out.read_text().splitlines() if x.startswith("# layout: ")]
     assert len(head) == 1 and legs in head[0]
+    # the batch-job command it suggests names what launch slurm asks of this config (a
+    # Frontier project, the demo corpus on 2 nodes), and with an account filled in it runs
+    hint = [x for x in cap.err.splitlines() if x.startswith("wrote ")]
+    assert hint[0].endswith(f"slurm --config {out} --account ACCOUNT --allow-demo-data"), hint
+    from boost_jax.launch.__main__ import main as launch
+
+    assert launch(["slurm", "--config", str(out), "--account", "abc1", "--allow-demo-data",
+                   "--out", str(tmp_path / "job.sbatch")]) == 0
 
 
 def test_a_path_that_was_not_written_is_named_on_one_line(tmp_path, capsys):

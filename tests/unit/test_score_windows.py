@@ -117,3 +117,23 @@ def test_lm_eval_model_args_are_checked_in_one_line(kwargs, said, monkeypatch, t
     with pytest.raises(UserError) as e:
         BoostJaxLM(**kwargs, device="cpu", max_batch_size=None)  # lm_eval adds those two
     assert str(e.value).startswith(said) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("module, argv, names", [
+    ("evaluate", ["--run", "r", "--batch-size", "0"], "--batch-size 0 must be >= 1"),
+    ("evaluate", ["--run", "r", "--data", "x.txt", "--max-tokens", "1"],
+     "--max-tokens 1 must be >= 2"),
+    ("generate", ["--run", "r", "--prompt", "a", "--top-k", "-1"], "--top-k -1 must be >= 0"),
+    ("generate", ["--run", "r", "--prompt", "a", "--top-p", "2"], "--top-p 2.0 must be in (0, 1]"),
+])
+def test_a_bad_sampling_or_scoring_option_is_named_with_its_value(module, argv, names, capsys):
+    """Each refused option is named on its own, with the value given (not a pair of rules)."""
+    import importlib
+
+    with pytest.raises(SystemExit) as e:
+        importlib.import_module(f"boost_jax.{module}").parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert names in err
+    assert not ("--top-k" in err and "--top-p" in err)
+    assert not ("--batch-size" in err and "--max-tokens" in err)
