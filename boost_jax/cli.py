@@ -93,6 +93,11 @@ def json_dump(obj: Any, f, **kw) -> None:
     json.dump(json_finite(obj), f, allow_nan=False, **kw)
 
 
+def flop_rate(x: float) -> str:
+    """FLOP/s in the unit that shows them: TFLOP/s on accelerators, GFLOP/s on a CPU."""
+    return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
+
+
 def shell_word(text: str) -> str:
     """`text` as one shell word on one line, for a command we print for the user to paste:
     shell-quoted, or where it holds a control character (a newline would end the line) or

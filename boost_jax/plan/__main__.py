@@ -23,7 +23,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from boost_jax.cli import OverrideParser, json_dumps, shell_word
+from boost_jax.cli import OverrideParser, flop_rate, json_dumps, shell_word
 from boost_jax.names import KEPT_SECONDARY, MESH_AXES
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor_text
 
@@ -158,11 +158,6 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
         f" {ALLOW_DEMO}" if on_demo_corpus(cfg, _hosts(s), topo.name) else "")
     print(f"wrote {word}: train with python train.py --config {word}, or write a batch job with "
           f"python -m boost_jax.launch slurm --config {word}{extra}", file=sys.stderr)
-
-
-def flop_rate(x: float) -> str:
-    """FLOP/s in the unit that shows them: TFLOP/s on accelerators, GFLOP/s on a CPU."""
-    return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
 
 
 def _layout_line(p, cfg) -> str:

@@ -32,7 +32,7 @@ import numpy as np
 from boost_jax.backends.cpu import dev_compile_options
 from boost_jax.checkpoints import run_config
 from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
-from boost_jax.cli import json_dumps
+from boost_jax.cli import flop_rate, json_dumps
 from boost_jax.config import Config
 from boost_jax.data.fingerprint import check_unchanged, identities
 from boost_jax.errors import UserError, out_of_memory
@@ -570,8 +570,9 @@ def _maybe_log_metrics(ctx: _RunCtx, ls: _LoopState, m: dict, row: dict) -> None
                lr=float(m["lr"]), **perf)
     if perf:
         eta = (tcfg.steps - step) * perf["step_time_s"]
-        speed = (f"{perf['tokens_per_s']:,.0f} tok/s | {perf['tflops_per_device']:.3f} "
-                 f"TFLOP/s/dev | MFU {perf['mfu']:.1%} | ETA {format_eta(eta)}")
+        speed = (f"{perf['tokens_per_s']:,.0f} tok/s | "
+                 f"{flop_rate(perf['tflops_per_device'] * 1e12)}/dev | MFU {perf['mfu']:.1%} | "
+                 f"ETA {format_eta(eta)}")
     else:  # the first step since the start: its time is mostly compilation
         speed = f"first step {ls.first_step_s:.1f} s, compilation included"
     ctx.logger.line(f"step {step}/{tcfg.steps} | loss {row['loss']:.4f} | {speed}")
