@@ -451,13 +451,21 @@ _ONE_RING = ("one rank a node, NCCL's tuning model charges each ring step the tr
              "latency (ppn 1: 8.5 us LL128, 14 us Simple) where the measurement leaves 3.6 to 5 "
              "us (column 'implied'; 5.1 to 6.1 us with the bytes at the 96% of the 12.5 GB/s "
              "port that the same runs' 1 GiB ring reached, where the model takes eta_net's 80%)")
+
+
+def one_per_node_name(algo: str, nodes: int, mib: float) -> str:
+    """The validation row's name of a one-GPU-a-node call timed with NCCL_ALGO=`algo`."""
+    return (f"NCCL all-gather {nodes} ranks {mib} MiB (Leonardo, one a node, "
+            f"NCCL_ALGO={'PAT' if algo == 'pat' else 'Ring'})")
+
+
 COLLECTIVE_GAPS.update({
-    f"NCCL all-gather {n} ranks {mib} MiB (Leonardo, one a node, NCCL_ALGO={algo})": why
-    for n, mib, algo, why in (
-        (16, 2, "PAT", _ONE_PAT.format("5.33 to 7.47 (5.86, 5.33, 7.47)", "5.64: inside")),
-        (64, 1, "PAT", _ONE_PAT.format("2.38 to 4.42 (2.38, 4.32, 4.42)", "2.94: inside")),
-        (64, 4, "PAT", _ONE_PAT.format("7.26 (v9)", "5.36: below every run")),
-        (16, 1, "Ring", _ONE_RING), (16, 2, "Ring", _ONE_RING), (64, 4, "Ring", _ONE_RING))})
+    one_per_node_name(algo, n, mib): why
+    for algo, n, mib, why in (
+        ("pat", 16, 2, _ONE_PAT.format("5.33 to 7.47 (5.86, 5.33, 7.47)", "5.64: inside")),
+        ("pat", 64, 1, _ONE_PAT.format("2.38 to 4.42 (2.38, 4.32, 4.42)", "2.94: inside")),
+        ("pat", 64, 4, _ONE_PAT.format("7.26 (v9)", "5.36: below every run")),
+        ("ring", 16, 1, _ONE_RING), ("ring", 16, 2, _ONE_RING), ("ring", 64, 4, _ONE_RING))})
 
 
 # NCCL over one GPU a node, where its tuner may run PAT (kind "collective"): nccl-tests
@@ -562,17 +570,16 @@ def collective_rows(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[d
     for algo, nodes, mib, busbw, where in ONE_PER_NODE_MEASURED:
         topo, c = one_per_node_call(nodes, mib)
         ms = c.payload * (nodes - 1) / nodes / (busbw * 1e9) * 1e3
-        rows.append(_row(f"NCCL all-gather {nodes} ranks {mib} MiB (Leonardo, one a node, "
-                         f"NCCL_ALGO={'PAT' if algo == 'pat' else 'Ring'})", ms, topo, c,
-                         assumptions, (algo,),
+        rows.append(_row(one_per_node_name(algo, nodes, mib), ms, topo, c, assumptions, (algo,),
                          f"{ONE_PER_NODE_REPO}: {where} ({busbw} GB/s bus bandwidth)"))
     return rows
 
 
-def measured_rccl_step_us(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> float:
+def measured_rccl_step_us(rows: list) -> float:
     """What RCCL's measured 32 MiB all-gathers (64 and 1024 GCDs, the size of the calls XLA's
-    combiners make) leave per ring step once their bytes are paid, the mean of the two."""
-    steps = [r["implied"] for r in collective_rows(assumptions)
+    combiners make) leave per ring step once their bytes are paid, the mean of the two
+    (`rows`: collective_rows())."""
+    steps = [r["implied"] for r in rows
              if r["name"].startswith("RCCL all-gather") and " 32 MiB " in r["name"]]
     return sum(steps) / len(steps)
 
@@ -709,6 +716,7 @@ def variants(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[tuple[st
     """The fixed choices, one changed at a time (ratio_rows keyword arguments)."""
     rep = dataclasses.replace
     pm100 = rep(get_topology("perlmutter"), bw_node=100e9)
+    step = measured_rccl_step_us(collective_rows(assumptions))
     return [
         ("as validated", {}),
         ("dense attention instead of flash",
@@ -730,10 +738,9 @@ def variants(assumptions: Assumptions = VALIDATION_ASSUMPTIONS) -> list[tuple[st
         ("eta_net 1.0", dict(assumptions=rep(assumptions, eta_net=1.0))),
         ("launch 2 us per kernel instead of 4", dict(assumptions=rep(assumptions,
                                                                     launch_s=2e-6))),
-        (f"every RCCL ring step at {measured_rccl_step_us(assumptions):.1f} us, what the "
-         "measured 32 MiB all-gathers over 64 and 1024 GCDs leave (tuning model: 0.8-6 us "
-         "inside a node, 9.5-19.8 between; LBP rows)",
-         dict(lbp_topo=frontier_with_ring_step(measured_rccl_step_us(assumptions)))),
+        (f"every RCCL ring step at {step:.1f} us, what the measured 32 MiB all-gathers over "
+         "64 and 1024 GCDs leave (tuning model: 0.8-6 us inside a node, 9.5-19.8 between; LBP "
+         "rows)", dict(lbp_topo=frontier_with_ring_step(step))),
         ("LBP with 4 micro-batches per step", dict(micro_batches=4)),
         ("no recompute (BOOST rows)", dict(remat="none")),
     ]

@@ -174,17 +174,19 @@ def _lbp_bound(a, lbp: dict) -> dict:
     import dataclasses
 
     plans = ("zero3", "zeropp", "hierarchical")
-    ds_a = dataclasses.replace(a, combine_bytes=V.DEEPSPEED_CALL_BYTES)
-    d = {k: V.lbp_predict(k, V.LBP_NODES, ds_a).step_time for k in plans}
-    ag = [r["published"] / r["predicted"] for r in V.collective_rows(a)
+
+    def steps(assumptions, topo=None) -> dict:
+        return {k: V.lbp_predict(k, V.LBP_NODES, assumptions, topo=topo).step_time
+                for k in plans}
+
+    d = steps(dataclasses.replace(a, combine_bytes=V.DEEPSPEED_CALL_BYTES))
+    rows = V.collective_rows(a)
+    ag = [r["published"] / r["predicted"] for r in rows
           if r["name"].startswith("RCCL all-gather 1024 ")]
-    step = V.measured_rccl_step_us(a)
-    st = {k: V.lbp_predict(k, V.LBP_NODES, a, topo=V.frontier_with_ring_step(step)).step_time
-          for k in plans}
-    sn = {k: V.lbp_predict(k, V.LBP_NODES, a,
-                           topo=V.frontier_with_ring_step(step, inside=False)).step_time
-          for k in plans}
-    lo = next(r["implied"] for r in V.collective_rows(a)
+    step = V.measured_rccl_step_us(rows)
+    st = steps(a, V.frontier_with_ring_step(step))
+    sn = steps(a, V.frontier_with_ring_step(step, inside=False))
+    lo = next(r["implied"] for r in rows
               if r["name"].startswith("RCCL reduce-scatter 1024 ranks 2 MiB"))
     zpp, floor = lbp["zeropp"].step_time, V.never_hidden(lbp["hierarchical"])
     return dict(zpp_t=zpp, ds_mib=V.DEEPSPEED_CALL_BYTES / 2**20,
