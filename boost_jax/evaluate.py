@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-from boost_jax.cli import Parser, json_dumps
+from boost_jax.cli import Parser, counted, json_dumps
 from boost_jax.errors import UserError, cli_main
 
 
@@ -197,7 +197,7 @@ def main(argv=None):
     else:
         print(f"{args.run} step {run.step} on {label}: loss {result['loss']:.4f} | perplexity "
               f"{result['perplexity']:.3f} | bits/byte {result['bits_per_byte']:.4f} | "
-              f"{result['tokens']:,} tokens in {result['windows']} windows")
+              f"{result['tokens']:,} tokens in {counted(result['windows'], 'window')}")
     return 0
 
 

@@ -17,7 +17,7 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
-from boost_jax.cli import OverrideParser, shell_word
+from boost_jax.cli import OverrideParser, counted, shell_word
 from boost_jax.errors import UserError, cli_main
 
 
@@ -105,8 +105,9 @@ def _slurm(args, command: str) -> int:
     except OSError as e:
         raise UserError(f"cannot write {args.out!r} ({e.strerror}); choose another --out") \
             from None
-    print(f"wrote {shell_word(args.out)}: {job.nodes} nodes x {job.profile.processes_per_node} "
-          f"processes x {job.devices_per_process} device(s) on {topo.name}, out_dir "
+    print(f"wrote {shell_word(args.out)}: {counted(job.nodes, 'node')} x "
+          f"{counted(job.profile.processes_per_node, 'process', 'processes')} x "
+          f"{counted(job.devices_per_process, 'device')} on {topo.name}, out_dir "
           f"{job.out_dir}; submit with: sbatch {shell_word(args.out)}",  # already a shell word
           file=sys.stderr)
     return 0

@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
+from boost_jax.cli import counted
 from boost_jax.config import Config, config_to_yaml
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.launch import script_values as sv
@@ -294,9 +295,10 @@ def dtypes_text(cfg: Config) -> str:
 
 def _header(job: Job) -> list[str]:
     c, s, pr = job.cfg, job.sizes, job.profile
-    lines = [f"boost_jax: {c.name} on {job.topo.name} ({job.topo.device}): {job.nodes} nodes x "
-             f"{pr.processes_per_node} processes x {job.devices_per_process} device(s) = "
-             f"{math.prod(s.values())} devices = pair {s['pair']} x node {s['node']} x "
+    lines = [f"boost_jax: {c.name} on {job.topo.name} ({job.topo.device}): {counted(job.nodes, 'node')} x "
+             f"{counted(pr.processes_per_node, 'process', 'processes')} x "
+             f"{counted(job.devices_per_process, 'device')} = "
+             f"{counted(math.prod(s.values()), 'device')} = pair {s['pair']} x node {s['node']} x "
              + (f"global {s['global'] // c.parallel.pp_stages} x stage {c.parallel.pp_stages}"
                 if c.parallel.pp_stages > 1 else f"global {s['global']}"),
              "layout: " + layout_text(c, (job.predicted or {}).get("layout"))]

@@ -23,7 +23,7 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from boost_jax.cli import OverrideParser, flop_rate, json_dumps, shell_word
+from boost_jax.cli import OverrideParser, counted, flop_rate, json_dumps, shell_word
 from boost_jax.names import KEPT_SECONDARY, MESH_AXES
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor_text
 
@@ -131,8 +131,8 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
                f"{pred.memory['compiled_for']}")
     elif "temp_compiled" in pred.memory:
         how = "memory with the temporaries of the step compiled for CPU"
-    notes = [f"{cfg.name} on {topo.name}: {_hosts(s)} nodes, {_mesh_text(s)} = "
-             f"{pred.devices} devices",
+    notes = [f"{cfg.name} on {topo.name}: {counted(_hosts(s), 'node')}, {_mesh_text(s)} = "
+             f"{counted(pred.devices, 'device')}",
              f"layout: plan {lay['plan']}, TP {lay['tp_mode']} x{lay['tp']} over "
              f"{lay['tp_axes'] or '-'}, {lay.get('pipeline_stages', 1)} pipeline stage(s), "
              f"{pred.micro_batches} micro-batches, remat {lay['remat']}; {dtypes_text(cfg)}"
@@ -187,7 +187,8 @@ def _header_lines(p, cfg, topo) -> list:
     sizes = p.sizes
     L = [f"plan for {cfg.name}: {cfg.model.arch} d={cfg.model.d_model} L={cfg.model.n_layers} "
          f"({_count(p.memory.get('params_total', 0))} params) on {topo.name} "
-         f"({topo.device}): {_hosts(sizes)} nodes, {p.devices} devices = {_mesh_text(sizes)}",
+         f"({topo.device}): {counted(_hosts(sizes), 'node')}, {counted(p.devices, 'device')} = "
+         f"{_mesh_text(sizes)}",
          _layout_line(p, cfg)]
     for note in p.notes:
         if note.startswith(("parallel.plan=", "secondary dtype")):  # roles TP took; the copy

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from boost_jax import names
+from boost_jax.cli import counted
 from boost_jax.errors import ConfigError, UserError
 from boost_jax.mesh import AXES, Topology, axis_size
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor, floor_text
@@ -461,7 +462,8 @@ def _table_row(i: int, c: Candidate, cfg, scale: float) -> str:
 def print_search(res: SearchResult, cfg, topo: Topology, sizes: dict, top: int = 15) -> str:
     hosts = sizes["global"] * sizes.get("stage", 1)
     n = sizes["pair"] * sizes["node"] * hosts
-    lines = [f"layout search for {cfg.name} on {topo.name}: {hosts} nodes, {n} devices, "
+    lines = [f"layout search for {cfg.name} on {topo.name}: {counted(hosts, 'node')}, "
+             f"{counted(n, 'device')}, "
              f"global batch {cfg.train.global_batch} x {cfg.data.seq_len} tokens",
              *[f"  {x}" for x in res.notes],
              f"  {len(res.fitting)} of {res.n_evaluated - res.n_invalid - res.n_unlisted} valid "

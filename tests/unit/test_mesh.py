@@ -115,6 +115,19 @@ def test_a_cpu_plan_shares_the_host_among_its_own_devices(monkeypatch):
     assert topo.peak_flops == pytest.approx(8e11 / 8)  # a run: this process's devices share it
 
 
+def test_report_counts_one_node_in_the_singular():
+    from boost_jax.cli import counted
+    from boost_jax.config import load_config
+    from boost_jax.plan import costmodel as C
+    from boost_jax.plan.__main__ import report_text
+
+    assert [counted(n, "process", "processes") for n in (1, 2)] == ["1 process", "2 processes"]
+    cfg, topo = load_config("configs/demo.yaml"), get_topology("cpu")
+    text = report_text(C.predict(cfg, topo, {"pair": 2, "node": 4, "global": 1}), cfg, topo,
+                       compiled=False)
+    assert "): 1 node, 8 devices = pair 2" in text and "1 nodes" not in text
+
+
 @pytest.mark.parametrize("needed,n,flags,compile_only,expect", [
     (True, 8, "", False, "false"), (True, 1, "", False, None), (True, 8, "", True, None),
     (False, 8, "", False, None), (True, 8, "=true", False, "true"),
