@@ -93,14 +93,10 @@ def json_dump(obj: Any, f, **kw) -> None:
     json.dump(json_finite(obj), f, allow_nan=False, **kw)
 
 
-def counted(n: int, noun: str, plural: str = "") -> str:
-    """`n` and the noun, plural unless n is 1: "1 node", "48 nodes"."""
-    return f"{n} {noun}" if n == 1 else f"{n} {plural or noun + 's'}"
-
-
 def flop_rate(x: float) -> str:
-    """FLOP/s in the unit that shows them: TFLOP/s on accelerators, GFLOP/s on a CPU."""
-    return f"{x / 1e12:.1f} TFLOP/s" if x >= 1e12 else f"{x / 1e9:.1f} GFLOP/s"
+    """FLOP/s in the unit that shows them, by size: TFLOP/s from 1 TFLOP/s up (an accelerator),
+    GFLOP/s below (a CPU, whose rate reads 0.0 in TFLOP/s)."""
+    return f"{x / 1e12:.1f} TFLOP/s" if x >= 0.99995e12 else f"{x / 1e9:.1f} GFLOP/s"
 
 
 def shell_word(text: str) -> str:

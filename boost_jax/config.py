@@ -491,9 +491,12 @@ class Config:
                 f"model.vocab_size={m.vocab_size} is smaller than the byte tokenizer's 256; "
                 "set model.vocab_size=256")
         if self.data.seq_len > m.max_seq_len:
-            raise ConfigError(
-                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
-                f"set model.max_seq_len={self.data.seq_len} or a data.seq_len <= {m.max_seq_len}")
+            fix = (f"set model.max_seq_len={self.data.seq_len} or a data.seq_len <= "
+                   f"{m.max_seq_len}" if self.data.seq_len <= MAX_SEQ_LEN else
+                   f"set a data.seq_len <= {m.max_seq_len} (model.max_seq_len can go up to "
+                   f"{MAX_SEQ_LEN}, 2^20)")
+            raise ConfigError(f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len="
+                              f"{m.max_seq_len}; {fix}")
         t = self.train
         held = t.eval_batches * t.global_batch * (self.data.seq_len + 1)
         if held > MAX_EVAL_TOKENS:  # the eval batches are held in memory (data/pipeline.py)

@@ -141,6 +141,11 @@ def _first(pattern: re.Pattern, text: str) -> Optional[str]:
     return None if m is None else repr(m.group())[1:-1]
 
 
+def counted(n: int, noun: str, plural: str = "") -> str:
+    """`n` and the noun, plural unless n is 1: "1 node", "48 nodes"."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {plural or noun + 's'}"
+
+
 def control_char(text: str) -> Optional[str]:
     """The first control character in `text` (newline, tab, NUL, ...) as an escape, or None."""
     return _first(CONTROL, text)

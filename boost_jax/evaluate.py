@@ -20,8 +20,8 @@ import sys
 
 import numpy as np
 
-from boost_jax.cli import Parser, counted, json_dumps
-from boost_jax.errors import UserError, cli_main
+from boost_jax.cli import Parser, json_dumps
+from boost_jax.errors import UserError, cli_main, counted
 
 
 MAX_TOKENS = 2**40  # its byte budget (16 per token) must stay an index-sized integer
@@ -106,7 +106,7 @@ def windows_of(tokens, seq_len: int, max_tokens) -> list:
     if max_tokens is not None:
         tokens = tokens[:max_tokens + 1]
     if len(tokens) < 2:
-        raise UserError(f"the data holds {len(tokens)} token(s); scoring needs at least 2 "
+        raise UserError(f"the data holds {counted(len(tokens), 'token')}; scoring needs at least 2 "
                         "(one to predict from, one to predict); use more text")
     full = PackedSequences(tokens, seq_len)
     groups = [full] if len(full) else []
@@ -197,7 +197,7 @@ def main(argv=None):
     else:
         print(f"{args.run} step {run.step} on {label}: loss {result['loss']:.4f} | perplexity "
               f"{result['perplexity']:.3f} | bits/byte {result['bits_per_byte']:.4f} | "
-              f"{result['tokens']:,} tokens in {counted(result['windows'], 'window')}")
+              f"{counted(result['tokens'], 'token')} in {counted(result['windows'], 'window')}")
     return 0
 
 

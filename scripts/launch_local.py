@@ -33,7 +33,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from boost_jax.cli import Parser  # noqa: E402
+from boost_jax.cli import Parser, shell_word  # noqa: E402
+from boost_jax.errors import counted  # noqa: E402
 from boost_jax.mesh import MAX_CPU_DEVICES  # noqa: E402
 
 
@@ -112,15 +113,35 @@ def _check_launch(a) -> None:
 
 # gloo (CPU collectives) announces each rank's connections, from several threads at once: the
 # pieces interleave, so a line can hold a piece of it ("[Gloo] Rank 1 is connected to", "...
-# connected peer ranks is : 1") or nothing but the count. Noise for every local run; a training
-# process never prints a bare number or an empty line.
-GLOO_CONNECTED = re.compile(
-    rb"\[Gloo\]|connected to \d+ peer ranks|connected peer ranks|^\s*:?\s*\d*\s*$")
+# connected peer ranks is : 1") or nothing but the count. Noise for every local run. A bare
+# count or an empty line is a piece only in the few lines after a piece: elsewhere it is the
+# process's own output, passed on.
+GLOO_CONNECTED = re.compile(rb"\[Gloo\]|connected to \d+ peer ranks|connected peer ranks")
+GLOO_PIECE = re.compile(rb"^\s*:?\s*\d*\s*$")
+GLOO_WINDOW = 8  # lines after a piece that may hold its stray counts
+
+
+class GlooFilter:
+    """One stream's gloo noise: `drop(line)` is True for a piece of a connection announcement."""
+
+    def __init__(self):
+        self.left = 0
+
+    def drop(self, line: bytes) -> bool:
+        if GLOO_CONNECTED.search(line):
+            self.left = GLOO_WINDOW
+            return True
+        if self.left:
+            self.left -= 1
+            return bool(GLOO_PIECE.match(line))
+        return False
+
 
 def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
     prefix = f"[rank {rank}] ".encode()
+    gloo = GlooFilter()
     for line in iter(stream.readline, b""):
-        if GLOO_CONNECTED.search(line):
+        if gloo.drop(line):
             continue
         with lock:
             out.write(prefix + line if line.endswith(b"\n") else prefix + line + b"\n")
@@ -188,7 +209,8 @@ def launch(args) -> int:
             out.write(f"[launch_local] {msg}\n".encode())
             out.flush()
 
-    say(f"{args.num_processes} processes, coordinator 127.0.0.1:{port}: {' '.join(cmd)}")
+    say(f"{counted(args.num_processes, 'process', 'processes')}, coordinator 127.0.0.1:{port}: "
+        f"{' '.join(shell_word(x) for x in cmd)}")
     forwarded = {"at": None}
 
     def on_signal(signum, frame):

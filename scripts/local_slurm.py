@@ -187,12 +187,12 @@ def srun(argv: list) -> int:
     job_nodes = int(os.environ["SLURM_JOB_NUM_NODES"])
     nodes = int(opts.get("nodes", job_nodes))
     if not 1 <= nodes <= job_nodes:
-        fail("srun", f"--nodes={nodes}: the job has {job_nodes} node(s)")
+        fail("srun", f"--nodes={nodes}: the job has {job_nodes} node{'' if job_nodes == 1 else 's'}")
     per_node = int(opts.get("ntasks-per-node", 0))
     ntasks = int(opts.get("ntasks", per_node * nodes or nodes))
     per_node = per_node or -(-ntasks // nodes)
     if ntasks > per_node * nodes or not cmd:
-        fail("srun", f"{ntasks} tasks do not fit {nodes} nodes x {per_node}" if cmd
+        fail("srun", f"{ntasks} tasks do not fit {nodes} node{'' if nodes == 1 else 's'} x {per_node}" if cmd
              else "give the command to run")
     hosts, nodelist = hostlist(nodes)
     step = len([f for f in os.listdir(job_dir(job_id)) if f.startswith("step-")])
@@ -232,15 +232,35 @@ def srun(argv: list) -> int:
 
 # gloo (CPU collectives) announces each rank's connections, from several threads at once: the
 # pieces interleave, so a line can hold a piece of it ("[Gloo] Rank 1 is connected to", "...
-# connected peer ranks is : 1") or nothing but the count. Noise for every local run; a training
-# process never prints a bare number or an empty line.
-GLOO_CONNECTED = re.compile(
-    rb"\[Gloo\]|connected to \d+ peer ranks|connected peer ranks|^\s*:?\s*\d*\s*$")
+# connected peer ranks is : 1") or nothing but the count. Noise for every local run. A bare
+# count or an empty line is a piece only in the few lines after a piece: elsewhere it is the
+# process's own output, passed on.
+GLOO_CONNECTED = re.compile(rb"\[Gloo\]|connected to \d+ peer ranks|connected peer ranks")
+GLOO_PIECE = re.compile(rb"^\s*:?\s*\d*\s*$")
+GLOO_WINDOW = 8  # lines after a piece that may hold its stray counts
+
+
+class GlooFilter:
+    """One stream's gloo noise: `drop(line)` is True for a piece of a connection announcement."""
+
+    def __init__(self):
+        self.left = 0
+
+    def drop(self, line: bytes) -> bool:
+        if GLOO_CONNECTED.search(line):
+            self.left = GLOO_WINDOW
+            return True
+        if self.left:
+            self.left -= 1
+            return bool(GLOO_PIECE.match(line))
+        return False
+
 
 def _pump(stream, out, lock: threading.Lock, prefix: str) -> None:
     """Whole lines, as srun forwards its tasks' output (lines of tasks never interleave)."""
+    gloo = GlooFilter()
     for line in iter(stream.readline, b""):
-        if GLOO_CONNECTED.search(line):
+        if gloo.drop(line):
             continue
         with lock:
             out.write(prefix.encode() + line + (b"" if line.endswith(b"\n") else b"\n"))

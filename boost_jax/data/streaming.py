@@ -27,7 +27,7 @@ import grain
 import numpy as np
 
 from boost_jax.data.shards import Shards, is_streaming, list_shards  # noqa: F401
-from boost_jax.errors import UserError
+from boost_jax.errors import UserError, counted
 
 PIECE_ROWS = 1024
 VAL_TOKENS = 1 << 22  # validation tokens kept in memory (far more than eval needs)
@@ -172,7 +172,7 @@ class Stream:
         n = self.shards.n_docs
         n_val = max(1, int(round(n * data_cfg.val_fraction)))
         if n - n_val < 1:
-            raise UserError(f"{label} {path!r} holds {n} document(s), too few to split into train "
+            raise UserError(f"{label} {path!r} holds {counted(n, 'document')}, too few to split into train "
                             "and validation; add documents")
         self.n_train_docs, self.label = n - n_val, label
         self.pieces = _pieces(self.shards, 0, n - n_val)

@@ -17,8 +17,8 @@ import shlex
 import sys
 from typing import Optional, Sequence
 
-from boost_jax.cli import OverrideParser, counted, shell_word
-from boost_jax.errors import UserError, cli_main
+from boost_jax.cli import OverrideParser, shell_word
+from boost_jax.errors import UserError, cli_main, counted
 
 
 def build_parser() -> OverrideParser:

@@ -24,8 +24,9 @@ def check(want: str, n: int) -> str | None:
                 f"into {sys.executable} (pip install -e '.[cuda]' or '.[rocm]')")
     kind = devs[0].platform
     if want == "gpu" and (kind == "cpu" or len(devs) != n):
-        return (f"node check failed on {host}: JAX sees {len(devs)} {kind} device(s) but the job "
-                f"needs {n} GPU(s) per node; check the GPU plugin of {sys.executable} and the "
+        return (f"node check failed on {host}: JAX sees {len(devs)} {kind} "
+                f"device{'' if len(devs) == 1 else 's'} but the job needs {n} "
+                f"GPU{'' if n == 1 else 's'} per node; check the GPU plugin of {sys.executable} and the "
                 "job's --gpus-per-node")
     return None
 

@@ -35,9 +35,8 @@ import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from boost_jax.cli import counted
 from boost_jax.config import Config, config_to_yaml
-from boost_jax.errors import ConfigError, UserError
+from boost_jax.errors import ConfigError, UserError, counted
 from boost_jax.launch import script_values as sv
 from boost_jax.mesh import AXES, JobProfile, Topology, check_node_shape
 from boost_jax.names import CHECKPOINTS_DIR, KEPT_SECONDARY
@@ -151,6 +150,9 @@ def out_dir_expr(cfg: Config, profile: JobProfile, account: Optional[str]) -> st
     return f'"{root}"/{shlex.quote(rel)}'
 
 
+ACCOUNT = "ACCOUNT"  # the planner's hint stands it for the project id; refused as a value
+
+
 def make_job(cfg: Config, topo: Topology, nodes: Optional[int], account: Optional[str] = None,
              time: str = "02:00:00", partition: Optional[str] = None, qos: Optional[str] = None,
              modules: Optional[list] = None, python: Optional[str] = None,
@@ -163,6 +165,9 @@ def make_job(cfg: Config, topo: Topology, nodes: Optional[int], account: Optiona
         raise UserError(f"--account is needed on {topo.name}: the project id that is charged "
                         f"and names the scratch directory ({profile.scratch}); e.g. "
                         "--account abc123")
+    if account == ACCOUNT:
+        raise UserError(f"--account {ACCOUNT} is the placeholder the planner prints; give the "
+                        "project id that is charged, e.g. --account abc123")
     if account is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", account):
         raise UserError(f"--account {account!r} is not a project id (letters, digits, _ . -)")
     _check_distributed(cfg)
@@ -274,7 +279,7 @@ def layout_text(cfg: Config, layout: Optional[dict]) -> str:
     if par.pp_stages > 1:
         text += (f"; {par.pp_stages} pipeline stages ({par.pp_schedule}"
                  + (f", {par.pp_virtual} virtual" if par.pp_virtual > 1 else "") + ")")
-    return (text + f"; {tr.micro_batches} micro-batches, remat {tr.remat}; global batch "
+    return (text + f"; {counted(tr.micro_batches, 'micro-batch', 'micro-batches')}, remat {tr.remat}; global batch "
             f"{tr.global_batch} x {cfg.data.seq_len} tokens; " + dtypes_text(cfg))
 
 

@@ -23,7 +23,8 @@ import math
 import sys
 from typing import Optional, Sequence
 
-from boost_jax.cli import OverrideParser, counted, flop_rate, json_dumps, shell_word
+from boost_jax.cli import OverrideParser, flop_rate, json_dumps, shell_word
+from boost_jax.errors import counted
 from boost_jax.names import KEPT_SECONDARY, MESH_AXES
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor_text
 
@@ -121,7 +122,7 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
     from boost_jax.data.sources import ALLOW_DEMO, on_demo_corpus
     from boost_jax.errors import UserError
     from boost_jax.launch.script_values import comment
-    from boost_jax.launch.slurm import cross_node_text, dtypes_text
+    from boost_jax.launch.slurm import ACCOUNT, cross_node_text, dtypes_text
     from boost_jax.plan.costmodel import REMAT_NONE_NOTE
 
     lay, s = pred.layout, pred.sizes
@@ -134,8 +135,8 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
     notes = [f"{cfg.name} on {topo.name}: {counted(_hosts(s), 'node')}, {_mesh_text(s)} = "
              f"{counted(pred.devices, 'device')}",
              f"layout: plan {lay['plan']}, TP {lay['tp_mode']} x{lay['tp']} over "
-             f"{lay['tp_axes'] or '-'}, {lay.get('pipeline_stages', 1)} pipeline stage(s), "
-             f"{pred.micro_batches} micro-batches, remat {lay['remat']}; {dtypes_text(cfg)}"
+             f"{lay['tp_axes'] or '-'}, {counted(lay.get('pipeline_stages', 1), 'pipeline stage')}, "
+             f"{counted(pred.micro_batches, 'micro-batch', 'micro-batches')}, remat {lay['remat']}; {dtypes_text(cfg)}"
              f"{cross_node_text(cfg.parallel)}",
              f"predicted ({how}): {pred.memory['total'] / 2**30:.1f} GiB per device of "
              f"{topo.hbm_bytes / 2**30:.0f} GiB, {pred.step_time:.3f} s per step, "
@@ -153,11 +154,31 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
         raise UserError(f"cannot write --emit-config {path!r} ({e.strerror}); choose another "
                         "path") from None
     word = shell_word(path)
+    refused = _launch_refusal(cfg, topo)
+    if refused:
+        print(f"wrote {word}: train with python train.py --config {word}; launch slurm refuses "
+              f"it as it is: {refused}", file=sys.stderr)
+        return
     # what launch slurm will ask of this config, so the command printed runs as shown
-    extra = (" --account ACCOUNT" if topo.job is not None and topo.job.needs_account else "") + (
-        f" {ALLOW_DEMO}" if on_demo_corpus(cfg, _hosts(s), topo.name) else "")
+    extra = (f" --account {ACCOUNT}" if topo.job is not None and topo.job.needs_account else "") \
+        + (f" {ALLOW_DEMO}" if on_demo_corpus(cfg, _hosts(s), topo.name) else "")
     print(f"wrote {word}: train with python train.py --config {word}, or write a batch job with "
           f"python -m boost_jax.launch slurm --config {word}{extra}", file=sys.stderr)
+
+
+def _launch_refusal(cfg, topo) -> Optional[str]:
+    """What `launch slurm --config` would refuse in the emitted config (its name, distributed
+    settings, out_dir), with any project id; None when the suggested command runs."""
+    from boost_jax.errors import UserError
+    from boost_jax.launch.slurm import make_job
+
+    if topo.job is None:
+        return "the topology has no job settings"
+    try:
+        make_job(cfg, topo, None, account="abc123" if topo.job.needs_account else None)
+    except UserError as e:
+        return str(e)
+    return None
 
 
 def _layout_line(p, cfg) -> str:
@@ -178,7 +199,8 @@ def _layout_line(p, cfg) -> str:
                + "); "
                if lay.get("pipeline_stages", 1) > 1 else "")
             + f"remat {lay['remat']}; "
-            f"{p.micro_batches} micro-batches x {p.micro_batch_per_device} seq/device of "
+            f"{counted(p.micro_batches, 'micro-batch', 'micro-batches')} x "
+            f"{p.micro_batch_per_device} seq/device of "
             f"{cfg.data.seq_len} tokens ({p.tokens_per_step} tokens/step)")
 
 
@@ -200,8 +222,8 @@ def _compile_lines(dr, compiled: bool) -> list:
     if not compiled:
         return ["not compiled: analytic model only (--no-compile)"]
     progs, cs = dr.compiled, dr.compile_sizes
-    L = [f"compiled: {len(progs)} program(s) on {math.prod(cs.values())} simulated CPU "
-         f"devices ({_mesh_text(cs)}), "
+    L = [f"compiled: {counted(len(progs), 'program')} on "
+         f"{counted(math.prod(cs.values()), 'simulated CPU device')} ({_mesh_text(cs)}), "
          f"layers {[c.n_layers for c in progs]}, "
          f"{sum(c.compile_s for c in progs):.0f} s, abstract shapes (nothing allocated)"]
     return L + [f"  extrapolated: {note}" for note in dr.notes]
@@ -212,7 +234,7 @@ def _compiled_memory_lines(m: dict, dr) -> list:
          + (f" (compiled {_bytes(m['arguments_compiled'])})" if not dr.global_extrapolated
             else f" (compile-size check: formula {_bytes(dr.formula['arguments'])} vs "
                  f"compiled {_bytes(dr.compiled[-1].memory.get('argument', 0))} at "
-                 f"{dr.compiled[-1].n_layers} layer(s))")
+                 f"{counted(dr.compiled[-1].n_layers, 'layer')})")
          + f"; temporaries (compiled) {_bytes(m['temp_compiled'])}",
          f"  analytic cross-check: activations {_bytes(m['activations'])}, gathered "
          f"weights {_bytes(m['gathered_weights'])}, analytic total "

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from boost_jax.backends.cpu import dev_compile_options
-from boost_jax.errors import UserError
+from boost_jax.errors import UserError, counted
 from boost_jax.mesh import STAGE, Topology, axis_size, check_node_shape
 from boost_jax.plan.collectives import CommSummary, colls_from_report, gpu_combined
 from boost_jax.plan.costmodel import Assumptions, Prediction, predict, state_sizes
@@ -56,7 +56,7 @@ def full_sizes(cfg, topo: Topology, nodes: Optional[int]) -> dict[str, int]:
     if pp == 1:
         return {"pair": int(p), "node": int(n), "global": int(g)}
     if g % pp:
-        raise UserError(f"parallel.pp_stages={pp} does not divide the {g} nodes; choose a node "
+        raise UserError(f"parallel.pp_stages={pp} does not divide the {counted(g, 'node')}; choose a node "
                         "count that is a multiple of the stages")
     return {"pair": int(p), "node": int(n), "global": int(g) // pp, STAGE: pp}
 

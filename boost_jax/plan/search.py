@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from boost_jax import names
-from boost_jax.cli import counted
-from boost_jax.errors import ConfigError, UserError
+from boost_jax.errors import ConfigError, UserError, counted
 from boost_jax.mesh import AXES, Topology, axis_size
 from boost_jax.plan.critical_path import critical_path, dp_latency_text, floor, floor_text
 from boost_jax.plan import memory

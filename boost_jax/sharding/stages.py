@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from boost_jax.errors import ConfigError
+from boost_jax.errors import ConfigError, counted
 from boost_jax.mesh import STAGE
 from boost_jax.sharding.layout import LeafLayout
 
@@ -45,9 +45,10 @@ def layers_per_stage(n_layers: int, stages: int, virtual: int = 1) -> int:
     what = (f"parallel.pp_stages={stages}" if virtual == 1 else
             f"parallel.pp_stages={stages} x parallel.pp_virtual={virtual}")
     if chunks > n_layers:
-        most = "stages" if virtual == 1 else "stages x virtual stages"
-        raise ConfigError(f"{what} is more stages than the model's {n_layers} layers "
-                          f"(model.n_layers); use at most {n_layers} {most}")
+        most = counted(n_layers, "stage") if virtual == 1 else \
+            f"{n_layers} stages x virtual stages"
+        raise ConfigError(f"{what} is more stages than the model's "
+                          f"{counted(n_layers, 'layer')} (model.n_layers); use at most {most}")
     k = math.ceil(n_layers / chunks)
     if not _every_chunk_has_a_layer(n_layers, chunks):
         if virtual == 1:

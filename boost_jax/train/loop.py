@@ -35,7 +35,7 @@ from boost_jax.checkpoints.store import CheckpointSaveError, Checkpointer
 from boost_jax.cli import flop_rate, json_dumps
 from boost_jax.config import Config
 from boost_jax.data.fingerprint import check_unchanged, identities
-from boost_jax.errors import UserError, out_of_memory
+from boost_jax.errors import UserError, counted, out_of_memory
 from boost_jax.mesh import get_topology, mesh_from_config
 from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, KEPT_SECONDARY
 from boost_jax.safe_write import write_text
@@ -311,7 +311,7 @@ def _open_logger(cfg: Config, out_dir: str, start: int, resumed: bool, accepted:
         if moved:
             say(f"warning: {moved}")
     if nproc > 1:
-        logger.line(f"{nproc} processes x {jax.local_device_count()} devices "
+        logger.line(f"{nproc} processes x {counted(jax.local_device_count(), 'device')} "
                     f"({jax.devices()[0].platform})")
     return logger
 
@@ -526,8 +526,8 @@ def _check_finite(ctx: _RunCtx, ls: _LoopState) -> None:
         if ls.nonfinite_run >= limit:  # the skipped updates left the state as it was before
             step = first + i
             raise NonFiniteError(
-                f"{limit} steps in a row were non-finite and skipped (steps {step - limit + 1}-"
-                f"{step}, train.skip_nonfinite_limit={limit}): the run has diverged; no "
+                f"{counted(limit, 'step')} in a row {'was' if limit == 1 else 'were'} non-finite and "
+                f"skipped (steps {step - limit + 1}-{step}, train.skip_nonfinite_limit={limit}): the run has diverged; no "
                 "checkpoint was written after them (lower optim.lr or optim.clip_norm, check "
                 "the data, or resume from an earlier step)")
 

@@ -50,7 +50,7 @@ ROWS = {
         r"--cpu-devices 16"),
     "pp_more_stages_than_layers": (
         ["model.n_layers=1", "parallel.pp_stages=2", "train.micro_batches=2"],
-        r"parallel\.pp_stages=2 is more stages than the model's 1 layers"),
+        r"parallel\.pp_stages=2 is more stages than the model's 1 layer "),
     "pp_1f1b_too_few_micro_batches": (
         ["parallel.pp_stages=2"],
         r"parallel\.pp_schedule=1f1b needs at least as many micro-batches as stages: "
@@ -88,7 +88,7 @@ ROWS = {
                           r"SOURCE OUT\.bin"),
     "stream_too_few_documents": (["data.sources=[{{path: {tmp}/one_doc.parquet, weight: 1}}]",
                                   "data.tokenizer=byte"],
-                                 r"data\.sources\[0\] '.*/one_doc\.parquet' holds 1 document\(s\), "
+                                 r"data\.sources\[0\] '.*/one_doc\.parquet' holds 1 document, "
                                  r"too few to split into train and validation; add documents"),
     "empty_data_folder": (["data.source={tmp}/emptydir"],
                           r"data\.source '.*/emptydir' contains no \.txt/\.py/\.md/\.jsonl files"),

@@ -382,4 +382,4 @@ def test_node_check_stops_a_job_without_gpus_in_one_line(want, code):
     assert r.returncode == code, r.stderr
     if code:
         assert r.stderr.count("\n") == 1 and re.search(
-            r"JAX sees \d+ cpu device\(s\) but the job needs 4 GPU\(s\) per node", r.stderr)
+            r"JAX sees \d+ cpu devices but the job needs 4 GPUs per node", r.stderr)

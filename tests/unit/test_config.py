@@ -34,6 +34,8 @@ def test_int_promotes_to_float_not_reverse():
     ("parallel.tp_mode=btp", "needs parallel.tp_axes"),
     ("train.micro_batches=3", "not divisible by train.micro_batches=3"),
     ("data.seq_len=4096", "exceeds model.max_seq_len=.*; set model.max_seq_len=4096"),
+    ("data.seq_len=2000000", "exceeds model.max_seq_len=128; set a data.seq_len <= 128 "
+     "\\(model.max_seq_len can go up to 1048576"),
     ("steps", "must look like key=value"),
     ("model.max_seq_len=99999999999", "is above 1048576 .2\\^20. tokens"),
     ("model.init_std=1e308", "far above any useful scale"),

@@ -116,7 +116,7 @@ def test_a_cpu_plan_shares_the_host_among_its_own_devices(monkeypatch):
 
 
 def test_report_counts_one_node_in_the_singular():
-    from boost_jax.cli import counted
+    from boost_jax.errors import counted
     from boost_jax.config import load_config
     from boost_jax.plan import costmodel as C
     from boost_jax.plan.__main__ import report_text
@@ -126,6 +126,10 @@ def test_report_counts_one_node_in_the_singular():
     text = report_text(C.predict(cfg, topo, {"pair": 2, "node": 4, "global": 1}), cfg, topo,
                        compiled=False)
     assert "): 1 node, 8 devices = pair 2" in text and "1 nodes" not in text
+    assert "; 1 micro-batch x 2 seq/device" in text
+    from boost_jax.launch.slurm import layout_text
+
+    assert "; 1 micro-batch, remat" in layout_text(cfg, None)
 
 
 @pytest.mark.parametrize("needed,n,flags,compile_only,expect", [

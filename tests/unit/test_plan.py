@@ -398,10 +398,52 @@ def test_an_emitted_layout_says_its_cross_node_legs_are_quantized(tmp_path, caps
     # Frontier project, the demo corpus on 2 nodes), and with an account filled in it runs
     hint = [x for x in cap.err.splitlines() if x.startswith("wrote ")]
     assert hint[0].endswith(f"slurm --config {out} --account ACCOUNT --allow-demo-data"), hint
+    assert _suggested_launch(hint[0], tmp_path, "abc1") == 0
+
+
+def _suggested_launch(hint: str, tmp_path, account: str) -> int:
+    """Run the batch-job command the planner's hint prints, as pasted, with the project id
+    filled in; its exit code."""
+    import shlex
+
     from boost_jax.launch.__main__ import main as launch
 
-    assert launch(["slurm", "--config", str(out), "--account", "abc1", "--allow-demo-data",
-                   "--out", str(tmp_path / "job.sbatch")]) == 0
+    argv = shlex.split(hint.split("write a batch job with ", 1)[1])
+    assert argv[:3] == ["python", "-m", "boost_jax.launch"], argv
+    argv = [account if x == "ACCOUNT" else x for x in argv[3:]]
+    try:
+        return launch([*argv, "--out", str(tmp_path / f"job-{account}.sbatch")])
+    except SystemExit as e:
+        return e.code
+
+
+def test_the_emit_config_hint_asks_only_what_launch_needs_and_runs(tmp_path, capsys):
+    """No --account or --allow-demo-data where launch slurm would not ask for them (a DGX pod
+    has no project id, one node is no cluster run); a path with a space and $(...) pastes as
+    one word; the placeholder itself is refused; a config launch slurm would refuse says so
+    instead of suggesting a command that fails."""
+    from boost_jax.plan.__main__ import main
+
+    base = ["--config", "configs/demo.yaml", "--no-compile", "train.global_batch=64"]
+    out = tmp_path / "a b$(touch pwned).yaml"
+    assert main([*base, "--topology", "dgx-h100", "--nodes", "1", "--emit-config", str(out)]) == 0
+    hint = [x for x in capsys.readouterr().err.splitlines() if x.startswith("wrote ")][0]
+    assert "--account" not in hint and "--allow-demo-data" not in hint, hint
+    assert _suggested_launch(hint, tmp_path, "unused") == 0
+    assert not (tmp_path / "pwned").exists()
+    capsys.readouterr()
+    out2 = tmp_path / "f.yaml"
+    assert main([*base, "--topology", "frontier", "--nodes", "2", "--allow-demo-data",
+                 "--emit-config", str(out2)]) == 0
+    hint = [x for x in capsys.readouterr().err.splitlines() if x.startswith("wrote ")][0]
+    assert _suggested_launch(hint, tmp_path, "ACCOUNT") == 2
+    assert "--account ACCOUNT is the placeholder" in capsys.readouterr().err
+    out3 = tmp_path / "n.yaml"
+    assert main([*base, "--topology", "frontier", "--nodes", "2", "--allow-demo-data",
+                 "name=a b", "--emit-config", str(out3)]) == 0
+    hint = [x for x in capsys.readouterr().err.splitlines() if x.startswith("wrote ")][0]
+    assert "launch slurm refuses it as it is: name 'a b' is not valid" in hint, hint
+    assert "write a batch job" not in hint
 
 
 def test_a_path_that_was_not_written_is_named_on_one_line(tmp_path, capsys):
