@@ -130,21 +130,40 @@ def ours(path: str, own: Sequence[str] = ()) -> bool:
             or real in {os.path.realpath(o) for o in own})
 
 
-def guard_out(*paths: str | None, force: bool, own: Sequence[str] = ()) -> None:
-    """Before any work: exit 2 with one line if a file this run would write exists and is not
-    ours (a user's file), unless --force. Nothing is written on refusal."""
+def guard_out(*paths: str | None, force: bool, own: Sequence[str] = (),
+              inputs: dict | None = None) -> None:
+    """Before any work: exit 2 with one line if a file this run would write is no file it could
+    replace (an empty path or a folder's name; a link, FIFO, device, socket or folder), is or
+    holds one of the run's `inputs` ({label: path}) (--force lifts neither), or exists and is
+    not ours (a user's file) without --force. Nothing is written on refusal."""
+    from boost_jax.safe_write import Refused, refuse_inputs, refuse_special, refuse_unusable
+
     for path in paths:
-        if path and os.path.lexists(path) and not force and not ours(path, own):
+        if path is None:
+            continue
+        what, fix = f"the output {path!r}", "choose another file"
+        try:
+            refuse_unusable(path, what, fix)
+            refuse_special(path, what, fix)
+            refuse_inputs(path, inputs or {}, what, fix)
+        except Refused as e:
+            refuse(str(e))
+        if os.path.lexists(path) and not force and not ours(path, own):
             refuse(f"{path} exists and is not a benchmarks/results/ file; choose another file "
                    "or pass --force to replace it")
 
 
 def write_result(path: str, doc: str) -> None:
-    """Write a results file and, when it is one of benchmarks/results/, copy it into
-    benchmarks/README.md (sync_readme)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(doc.rstrip() + "\n")
+    """Write a results file whole (a temp file renamed over it: an interrupted run leaves the
+    old one) and, when it is one of benchmarks/results/, copy it into benchmarks/README.md
+    (sync_readme). guard_out has checked `path` before the run."""
+    from boost_jax.safe_write import write_text
+
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        write_text(path, doc.rstrip() + "\n", force=True)
+    except OSError as e:
+        refuse(f"cannot write {path!r} ({e.strerror or e}); choose another file")
     sync_readme(path)
 
 

@@ -124,6 +124,23 @@ def train(run: rep.Run, work: str, tokenizer: str) -> None:
 
 
 LOAD_AT_END = "load_at_end.txt"  # in --work: the load average when a run last finished
+WORK_MARK = ".convergence_work"  # in --work: the folder is this script's to delete in
+
+
+def claim_work(work: str) -> None:
+    """Make --work this script's (it deletes and rewrites runs and the tokenizer there): a
+    missing or empty folder, or one an earlier invocation claimed; any other is refused, with
+    or without --force (a run folder of the user's would lose its tokenizer)."""
+    mark = os.path.join(work, WORK_MARK)
+    if os.path.lexists(work) and not os.path.isdir(work):
+        raise UserError(f"--work {work!r} is not a folder; choose a new or empty folder")
+    held = os.listdir(work) if os.path.isdir(work) else []
+    if held and not (os.path.isfile(mark) or os.path.isfile(os.path.join(work, LOAD_AT_END))):
+        raise UserError(f"--work {work!r} holds files this script did not write; it deletes and "
+                        "rewrites runs there: choose a new or empty folder")
+    os.makedirs(work, exist_ok=True)
+    with open(mark, "w") as f:
+        f.write("benchmarks/convergence.py's work folder: its runs are rewritten here\n")
 
 
 def execute(runs: list, work: str, reuse: bool, tok: dict) -> list:
@@ -335,7 +352,7 @@ seed spread varies the initial weights only; the data order is the same in every
 @cli_main
 def main(argv=None):
     a = parse_args(argv)
-    os.makedirs(a.work, exist_ok=True)
+    claim_work(a.work)
     tok: dict = {}
     sweep = []
     if len(a.lrs) > 1:

@@ -116,7 +116,8 @@ def main(argv=None) -> int:
     if not (a.config and a.variant and a.out):
         p.error("--config, --variant and --out are needed (or --report FILE)")
     out = Path(a.out)
-    guard_out(str(out / "profile.json"), str(out / "profile.md"), force=a.force)
+    guard_out(str(out / "profile.json"), str(out / "profile.md"), force=a.force,
+              inputs={"--config": a.config})
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for name, *overrides in a.variant:

@@ -169,7 +169,7 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    guard_out(args.out, args.json_out, force=args.force)
+    guard_out(args.out, args.json_out, force=args.force, inputs={"--config": args.config})
     rows, t0 = [], time.perf_counter()
     for n in [int(x) for x in args.devices.split(",")]:
         js = f"/tmp/partitioning_{os.getpid()}_{n}.json"

@@ -129,7 +129,7 @@ def main(argv=None) -> int:
                         "new round (report what was measured within a time box)")
     p.add_argument("--cpu-devices", type=int, help="simulate N CPU devices")
     a = p.parse_args(argv)
-    guard_out(a.json, force=a.force)
+    guard_out(a.json, force=a.force, inputs={"--config": a.config})
     deadline = None if a.deadline_s is None else time.perf_counter() + a.deadline_s
     fns, holders, rows, peak = build_all(a, deadline)
     samples = interleaved_samples({k: (lambda f=f: jax.block_until_ready(f())) for k, f in

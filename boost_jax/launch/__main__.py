@@ -64,7 +64,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 @cli_main
 def _slurm(args, command: str) -> int:
     from boost_jax.config import load_config
-    from boost_jax.launch.slurm import NODE_CHECK, TRAIN_PY, make_job, render
+    from boost_jax.launch.slurm import NODE_CHECK, TRAIN_PY, local_job_config, make_job, render
     from boost_jax.mesh import get_topology
     from boost_jax.checkpoints.run_config import run_inputs
     from boost_jax.safe_write import check_target, refuse_inputs, write_text
@@ -84,6 +84,11 @@ def _slurm(args, command: str) -> int:
         runs = {"the job's --python": python, "train.py": TRAIN_PY, "the node check": NODE_CHECK}
         refuse_inputs(args.out, {**run_inputs(cfg), **runs}, f"--out {args.out!r}",
                       "choose another --out")
+    written = local_job_config(job)  # what the job writes at each start: never an input
+    if written is not None:
+        refuse_inputs(written, {"--config": args.config, "--out": args.out},
+                      f"the job's {written!r} (out_dir/job_config.yaml)",
+                      "choose another out_dir, or keep the config and the script elsewhere")
     from boost_jax.data.sources import refuse_demo_corpus
 
     refuse_demo_corpus(job.cfg, job.nodes, topo.name, args.allow_demo_data)

@@ -153,6 +153,24 @@ def out_dir_expr(cfg: Config, profile: JobProfile, account: Optional[str]) -> st
 ACCOUNT = "ACCOUNT"  # the planner's hint stands it for the project id; refused as a value
 
 
+JOB_CONFIG = "job_config.yaml"  # in OUT_DIR: the resolved config the job writes at each start
+JOB_CONFIG_MARK = "# boost_jax launch slurm: the job rewrites this file at each start"
+
+
+def local_job_config(job: Job) -> Optional[str]:
+    """Where the job will write OUT_DIR/job_config.yaml, as a path on this machine: the
+    config's out_dir when absolute (or with no scratch root), else under the scratch root with
+    its variables as this shell has them; None where one is not set here."""
+    out = job.cfg.out_dir
+    if not (os.path.isabs(out) or not job.profile.scratch):
+        root = os.path.expandvars(job.profile.scratch.replace("{account}",
+                                                              (job.account or "").lower()))
+        if "$" in root:
+            return None
+        out = os.path.join(root, out)
+    return os.path.join(out, JOB_CONFIG)
+
+
 def make_job(cfg: Config, topo: Topology, nodes: Optional[int], account: Optional[str] = None,
              time: str = "02:00:00", partition: Optional[str] = None, qos: Optional[str] = None,
              modules: Optional[list] = None, python: Optional[str] = None,
@@ -279,7 +297,8 @@ def layout_text(cfg: Config, layout: Optional[dict]) -> str:
     if par.pp_stages > 1:
         text += (f"; {par.pp_stages} pipeline stages ({par.pp_schedule}"
                  + (f", {par.pp_virtual} virtual" if par.pp_virtual > 1 else "") + ")")
-    return (text + f"; {counted(tr.micro_batches, 'micro-batch', 'micro-batches')}, remat {tr.remat}; global batch "
+    return (text + f"; {counted(tr.micro_batches, 'micro-batch', 'micro-batches')}, "
+            f"remat {tr.remat}; global batch "
             f"{tr.global_batch} x {cfg.data.seq_len} tokens; " + dtypes_text(cfg))
 
 
@@ -300,7 +319,8 @@ def dtypes_text(cfg: Config) -> str:
 
 def _header(job: Job) -> list[str]:
     c, s, pr = job.cfg, job.sizes, job.profile
-    lines = [f"boost_jax: {c.name} on {job.topo.name} ({job.topo.device}): {counted(job.nodes, 'node')} x "
+    lines = [f"boost_jax: {c.name} on {job.topo.name} ({job.topo.device}): "
+             f"{counted(job.nodes, 'node')} x "
              f"{counted(pr.processes_per_node, 'process', 'processes')} x "
              f"{counted(job.devices_per_process, 'device')} = "
              f"{counted(math.prod(s.values()), 'device')} = pair {s['pair']} x node {s['node']} x "
@@ -361,7 +381,7 @@ def render(job: Job) -> str:
 
 def _config_lines(job: Job) -> list[str]:
     """OUT_DIR (never an override of the job's), and the resolved config written into it."""
-    return ["", f"OUT_DIR={job.out_dir}", 'CONFIG="$OUT_DIR/job_config.yaml"',
+    return ["", f"OUT_DIR={job.out_dir}", f'CONFIG="$OUT_DIR/{JOB_CONFIG}"',
             "# the job's out_dir is OUT_DIR (its checkpoints, its requeue): not an override",
             'for arg in "$@"; do',
             '    case "$arg" in out_dir=*)',
@@ -373,13 +393,20 @@ def _config_lines(job: Job) -> list[str]:
             'mkdir -p -- "$OUT_DIR" || exit 1',
             "# the resolved config (train.py --config takes it unchanged), published whole: "
             "never",
-            "# written through a link or into a special file of that name",
+            "# written through a link, into a special file of that name, or over a file a job "
+            "did not write",
             'if [ -L "$CONFIG" ] || { [ -e "$CONFIG" ] && [ ! -f "$CONFIG" ]; }; then',
             '    echo "boost_jax: $CONFIG is a link or not a regular file; move it away" >&2',
             "    exit 1",
             "fi",
-            'NEW_CONFIG=$(mktemp "$OUT_DIR/.job_config.yaml.XXXXXX") || exit 1',
-            *_heredoc_or_exit('"$NEW_CONFIG"', config_to_yaml(job.cfg), "BOOST_JAX_CONFIG"),
+            'if [ -e "$CONFIG" ] && [ "$(head -n 1 -- "$CONFIG")" != '
+            f'{shlex.quote(JOB_CONFIG_MARK)} ]; then',
+            '    echo "boost_jax: $CONFIG is not a file this job wrote; move it away" >&2',
+            "    exit 1",
+            "fi",
+            f'NEW_CONFIG=$(mktemp "$OUT_DIR/.{JOB_CONFIG}.XXXXXX") || exit 1',
+            *_heredoc_or_exit('"$NEW_CONFIG"', JOB_CONFIG_MARK + "\n" + config_to_yaml(job.cfg),
+                              "BOOST_JAX_CONFIG"),
             "# mktemp made it 0600: the mode a new file gets under the umask",
             'chmod "$(printf %o $((0666 & ~0$(umask))))" "$NEW_CONFIG" || exit 1',
             'mv -f -- "$NEW_CONFIG" "$CONFIG" || exit 1']

@@ -135,8 +135,10 @@ def emit_config(path: str, cfg, pred, topo, command: str, force: bool = False,
     notes = [f"{cfg.name} on {topo.name}: {counted(_hosts(s), 'node')}, {_mesh_text(s)} = "
              f"{counted(pred.devices, 'device')}",
              f"layout: plan {lay['plan']}, TP {lay['tp_mode']} x{lay['tp']} over "
-             f"{lay['tp_axes'] or '-'}, {counted(lay.get('pipeline_stages', 1), 'pipeline stage')}, "
-             f"{counted(pred.micro_batches, 'micro-batch', 'micro-batches')}, remat {lay['remat']}; {dtypes_text(cfg)}"
+             f"{lay['tp_axes'] or '-'}, "
+             f"{counted(lay.get('pipeline_stages', 1), 'pipeline stage')}, "
+             f"{counted(pred.micro_batches, 'micro-batch', 'micro-batches')}, "
+             f"remat {lay['remat']}; {dtypes_text(cfg)}"
              f"{cross_node_text(cfg.parallel)}",
              f"predicted ({how}): {pred.memory['total'] / 2**30:.1f} GiB per device of "
              f"{topo.hbm_bytes / 2**30:.0f} GiB, {pred.step_time:.3f} s per step, "

@@ -54,3 +54,38 @@ def test_a_json_file_that_exists_is_refused_before_any_work(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     assert '"impl"' in mine.read_text()
+
+
+def test_an_output_that_is_no_file_of_ours_or_an_input_is_refused_even_with_force(tmp_path):
+    """A link (to the user's file), a FIFO, a device, a folder, the script's own --config: one
+    line, exit 2, before any work, --force or not, and nothing changed; and --work of
+    convergence.py that holds the user's files (a run folder) is never written into."""
+    user = tmp_path / "user.md"
+    user.write_text("the user's notes")
+    (tmp_path / "link.md").symlink_to(user)
+    os.mkfifo(tmp_path / "fifo.md")
+    (tmp_path / "folder").mkdir()
+    bench = os.path.join(ROOT, "benchmarks")
+    for out in ("link.md", "fifo.md", "/dev/null", "folder"):
+        r = subprocess.run([sys.executable, os.path.join(bench, "bench_time.py"), "--since", "0",
+                            "--out", out, "--force"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, (out, r.stderr)
+        assert "not a regular file" in r.stderr and "--force does not change" in r.stderr, out
+    assert user.read_text() == "the user's notes" and (tmp_path / "link.md").is_symlink()
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(open(os.path.join(ROOT, "configs", "demo.yaml")).read())
+    r = subprocess.run([sys.executable, os.path.join(bench, "partitioning.py"), "--config",
+                        str(cfg), "--json-out", str(cfg), "--force"], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "is --config" in r.stderr
+    assert cfg.read_text() == open(os.path.join(ROOT, "configs", "demo.yaml")).read()
+    run = tmp_path / "run"
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "tokenizer" / "tokenizer.json").write_text("the run's tokenizer")
+    r = subprocess.run([sys.executable, os.path.join(bench, "convergence.py"), "--work",
+                        str(run), "--out", str(tmp_path / "c.md"), "--archs", "full,cola"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "holds files this script did not write" in r.stderr, r.stderr
+    assert sorted(os.listdir(run)) == ["tokenizer"]
+    assert (run / "tokenizer" / "tokenizer.json").read_text() == "the run's tokenizer"

@@ -383,3 +383,29 @@ def test_node_check_stops_a_job_without_gpus_in_one_line(want, code):
     if code:
         assert r.stderr.count("\n") == 1 and re.search(
             r"JAX sees \d+ cpu devices but the job needs 4 GPUs per node", r.stderr)
+
+
+def test_the_jobs_config_is_never_an_input_or_a_users_file(tmp_path):
+    """The job writes OUT_DIR/job_config.yaml at each start: the launcher refuses a --config or
+    an --out at that path (the job would overwrite its own input), and the job refuses to
+    replace a job_config.yaml it did not write (one line, exit 1, file unchanged); the one it
+    wrote it rewrites at each start (the requeue test above)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    mine = run / "job_config.yaml"
+    mine.write_text(open(os.path.join(ROOT, "configs", "demo.yaml")).read())
+    base = ["-m", "boost_jax.launch", "slurm", "--topology", "cpu", "--nodes", "1", *RUN,
+            f"out_dir={run}"]
+    r = _cli(*base, "--config", str(mine), "--out", str(tmp_path / "job.sbatch"))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "out_dir/job_config.yaml) is --config" in r.stderr, r.stderr
+    r = _cli(*base, "--out", str(mine), "--force")
+    assert r.returncode == 2 and "out_dir/job_config.yaml) is --out" in r.stderr, r.stderr
+    before = mine.read_text()
+    job = tmp_path / "job.sbatch"
+    assert _cli(*base, "--out", str(job)).returncode == 0
+    r = subprocess.run(["sbatch", str(job)], env=_standin_env(tmp_path), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode != 0 and "is not a file this job wrote; move it away" in r.stdout + \
+        r.stderr, r.stdout + r.stderr
+    assert mine.read_text() == before and "train.py" not in r.stdout
