@@ -90,21 +90,41 @@ def _check_out(run_dir: str, out: str, force: bool) -> None:
 
 
 def export(run_dir: str, out: str, step=None, force: bool = False) -> list[str]:
+    from boost_jax.infer.load import open_run
+    from boost_jax.safe_write import exclusive, refuse_inputs
+
+    _check_out(run_dir, out, force)
+    run = open_run(run_dir, step)
+    tok = run.cfg.data.tokenizer  # read to export it: an input too
+    refuse_inputs(out, {"data.tokenizer": None if tok in ("byte", "bpe") else tok},
+                  f"--out {out!r}", "choose another folder")
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # makedirs met a file on the way
+        raise UserError(f"cannot write --out {out!r}: a folder above it is a file; choose a "
+                        "folder in a writable place") from None
+    except OSError as e:
+        raise UserError(f"cannot write --out {out!r} ({e.strerror}); choose a folder in a "
+                        "writable place") from None
+    # one export at a time per --out; the temp folder a killed one left is removed
+    try:
+        with exclusive([out], f"--out {out!r}", "choose another folder"):
+            return _write(run, out, force)
+    except OSError as e:  # its lock file could not be made
+        raise UserError(f"cannot write --out {out!r} ({e.strerror}); choose a folder in a "
+                        "writable place") from None
+
+
+def _write(run, out: str, force: bool) -> list[str]:
+    """Build the export in a temp folder beside `out` and publish it whole."""
     from safetensors import SafetensorError
 
     from boost_jax import hf
     from boost_jax.export_manifest import write_manifest
-    from boost_jax.infer.load import open_run
     from boost_jax.safe_write import publish_dir, staged_dir
 
-    _check_out(run_dir, out, force)
-    run = open_run(run_dir, step)
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
         tmp = staged_dir(out)
-    except (FileExistsError, NotADirectoryError):  # makedirs met a file on the way
-        raise UserError(f"cannot write --out {out!r}: a folder above it is a file; choose a "
-                        "folder in a writable place") from None
     except OSError as e:
         raise UserError(f"cannot write --out {out!r} ({e.strerror}); choose a folder in a "
                         "writable place") from None

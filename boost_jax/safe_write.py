@@ -385,15 +385,19 @@ def _holder(fd: int) -> str:
 
 
 def _sweep(target: str) -> None:
-    """Remove named temp files of `target` left by a writer that was killed (call only while
-    holding its lock: then no live writer owns them); only files named as ours are."""
+    """Remove named temp files and folders of `target` left by a writer that was killed (call
+    only while holding its lock: then no live writer owns them); only those named as ours are,
+    never through a link (a `.old` folder, the previous target set aside, is kept)."""
     d, name = os.path.split(os.path.abspath(target))
     for entry in os.listdir(d):
         path = os.path.join(d, entry)
         if entry.startswith(f".{name}.") and entry.endswith(TMP_SUFFIX):
             with contextlib.suppress(OSError):
-                if stat.S_ISREG(os.lstat(path).st_mode):
+                mode = os.lstat(path).st_mode
+                if stat.S_ISREG(mode):
                     os.remove(path)
+                elif stat.S_ISDIR(mode):
+                    shutil.rmtree(path)
 
 
 @contextlib.contextmanager

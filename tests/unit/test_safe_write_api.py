@@ -274,3 +274,25 @@ def test_publish_dir_replaces_the_folder_it_runs_in(tmp_path, monkeypatch):
         f.write("y")
     sw.publish_dir(tmp, ".", replace=True)
     assert os.listdir(target) == ["new.json"]
+
+
+def test_export_never_replaces_the_folder_of_the_tokenizer_it_exports(tmp_path, monkeypatch):
+    """The run's data.tokenizer is read to be exported: an --out that holds it is refused, even
+    with --force, before anything is written."""
+    import types
+
+    from boost_jax import export
+    from boost_jax.infer import load
+
+    earlier = tmp_path / "hf" / "a"
+    earlier.mkdir(parents=True)
+    (earlier / "tokenizer.json").write_text("the tokenizer the run trained with")
+    from boost_jax.export_manifest import write_manifest
+
+    write_manifest(str(earlier))  # an earlier export, which --force alone would replace
+    data = types.SimpleNamespace(tokenizer=str(earlier / "tokenizer.json"))
+    run = types.SimpleNamespace(cfg=types.SimpleNamespace(data=data))
+    monkeypatch.setattr(load, "open_run", lambda run_dir, step: run)
+    with pytest.raises(Refused, match=r"--out '.*/hf/a' contains data\.tokenizer '.*'"):
+        export.export(str(tmp_path / "run"), str(earlier), force=True)
+    assert sorted(os.listdir(earlier)) == ["boost_jax_export.json", "tokenizer.json"]
