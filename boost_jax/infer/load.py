@@ -163,7 +163,17 @@ def run_tokenizer(cfg: Config, run_dir: str) -> Tokenizer:
     if not os.path.isfile(path):
         raise UserError(f"run {run_dir!r} was trained with the tokenizer {path!r}, which no "
                         "longer exists; put it back (the ids must match the model's)")
-    return HFTokenizer.from_file(path)
+    tok = HFTokenizer.from_file(path)
+    # a BPE the run trained has at most data.bpe_vocab_size ids, and no tokenizer more than
+    # the model embeds: more is another tokenizer
+    limits = [n for n in (cfg.model.vocab_size, cfg.data.bpe_vocab_size if kind == "bpe"
+                          else None) if n]
+    most = min(limits, default=tok.vocab_size)
+    if tok.vocab_size > most:
+        raise UserError(f"the tokenizer {path!r} has {tok.vocab_size} ids but run {run_dir!r} "
+                        f"was trained with at most {most}: it is not the one the run trained "
+                        "with; put that one back (the ids must match the model's)")
+    return tok
 
 
 def open_run(run_dir: str, step: Optional[int] = None, device=None) -> Run:

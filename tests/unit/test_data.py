@@ -464,3 +464,27 @@ def test_a_linked_folder_is_read_once(tmp_path):
     (root / "real" / "c.txt").write_text("c")
     (root / "alias").symlink_to(root / "real")
     assert _walk(str(root), (".txt",), set()) == ["a.txt", "real/c.txt", "sub/b.txt"]
+
+
+def test_a_run_whose_bpe_was_replaced_by_a_larger_one_is_refused(tmp_path):
+    """generate / export / evaluate open a run's own BPE (out_dir/tokenizer/tokenizer.json):
+    one with more ids than the run trained with (data.bpe_vocab_size, model.vocab_size) is
+    another tokenizer, refused in one line instead of decoding with it."""
+    from types import SimpleNamespace
+
+    from boost_jax.errors import UserError
+    from boost_jax.infer.load import run_tokenizer
+
+    text = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
+    (tmp_path / "tokenizer").mkdir()
+    tok = train_bpe([text], 600, str(tmp_path / "tokenizer" / "tokenizer.json"))
+
+    def cfg(bpe, model):
+        return SimpleNamespace(data=SimpleNamespace(tokenizer="bpe", bpe_vocab_size=bpe),
+                               model=SimpleNamespace(vocab_size=model))
+
+    assert run_tokenizer(cfg(600, 600), str(tmp_path)).vocab_size == tok.vocab_size
+    for bpe, model in ((300, 300), (600, 300)):
+        with pytest.raises(UserError, match=rf"has {tok.vocab_size} ids but run .* was trained "
+                                            r"with at most 300: it is not the one"):
+            run_tokenizer(cfg(bpe, model), str(tmp_path))
