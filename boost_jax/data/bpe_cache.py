@@ -21,6 +21,7 @@ from typing import Callable, Iterable, Optional
 
 from boost_jax.errors import UserError
 from boost_jax.names import CHECKPOINTS_DIR
+from boost_jax.safe_write import file_mode
 
 RECORD_FILE = "tokenizer.record.json"
 # What decides the merges besides the corpus and size: change it when train_bpe changes.
@@ -80,6 +81,7 @@ def write_record(cache_dir: str, tokenizer_path: str, want: dict) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".record.", suffix=".json", dir=cache_dir)
     with os.fdopen(fd, "w") as f:
         json.dump(rec, f, indent=1, allow_nan=False)
+    os.chmod(tmp, file_mode())  # mkstemp's 0600: the mode a new file gets under the umask
     os.replace(tmp, os.path.join(cache_dir, RECORD_FILE))
 
 

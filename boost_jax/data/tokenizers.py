@@ -14,6 +14,7 @@ from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_che
 import numpy as np
 
 from boost_jax.errors import UserError
+from boost_jax.safe_write import file_mode
 
 TOKENIZER_FILE = "tokenizer.json"
 BPE_MIN_VOCAB = 512  # 256 bytes + EOS leave no merges below ~257; 512 is a useful minimum
@@ -202,6 +203,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, save_path: Optional[str] = 
         fd, tmp = tempfile.mkstemp(prefix=".tokenizer.", suffix=".json", dir=d)
         os.close(fd)
         tok.save(tmp)
+        os.chmod(tmp, file_mode())  # mkstemp's 0600: the mode a new file gets under the umask
         os.replace(tmp, save_path)  # atomic: concurrent processes never see a half file
     return HFTokenizer(tok, name="bpe")
 

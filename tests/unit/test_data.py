@@ -469,7 +469,8 @@ def test_a_linked_folder_is_read_once(tmp_path):
 def test_a_run_whose_bpe_was_replaced_by_a_larger_one_is_refused(tmp_path):
     """generate / export / evaluate open a run's own BPE (out_dir/tokenizer/tokenizer.json):
     one with more ids than the run trained with (data.bpe_vocab_size, model.vocab_size) is
-    another tokenizer, refused in one line instead of decoding with it."""
+    another tokenizer, refused in one line instead of decoding with it. The BPE and its record
+    are written with the umask's mode, as every file a run writes."""
     from types import SimpleNamespace
 
     from boost_jax.errors import UserError
@@ -484,6 +485,13 @@ def test_a_run_whose_bpe_was_replaced_by_a_larger_one_is_refused(tmp_path):
                                model=SimpleNamespace(vocab_size=model))
 
     assert run_tokenizer(cfg(600, 600), str(tmp_path)).vocab_size == tok.vocab_size
+    from boost_jax.data.bpe_cache import RECORD_FILE, write_record
+    from boost_jax.safe_write import file_mode
+
+    write_record(str(tmp_path / "tokenizer"), str(tmp_path / "tokenizer" / "tokenizer.json"),
+                 {"bpe_vocab_size": 600})
+    for name in ("tokenizer.json", RECORD_FILE):  # written as any new file: by the umask
+        assert os.stat(tmp_path / "tokenizer" / name).st_mode & 0o777 == file_mode(), name
     for bpe, model in ((300, 300), (600, 300)):
         with pytest.raises(UserError, match=rf"has {tok.vocab_size} ids but run .* was trained "
                                             r"with at most 300: it is not the one"):
