@@ -57,7 +57,7 @@ def run_val_windows(run) -> np.ndarray:
 
     from boost_jax.data.fingerprint import input_files
     from boost_jax.data.pipeline import eval_batches, load_splits
-    from boost_jax.infer.load import TOKENIZER_DIR
+    from boost_jax.names import TOKENIZER_DIR
 
     cfg = run.cfg
     paths = [cfg.data.source] + [x.path for x in cfg.data.sources or []]

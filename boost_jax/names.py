@@ -23,4 +23,5 @@ KEPT_SECONDARY = "the forward's gather kept"
 CHECKPOINTS_DIR = "checkpoints"
 UNUSABLE_DIR = "checkpoints_unusable"  # steps that failed their checks, moved aside
 CONFIG_FILE = "config.yaml"  # the latest invocation's config
+TOKENIZER_DIR = "tokenizer"  # out_dir/tokenizer/tokenizer.json: the BPE a run trained
 LOCK_FILE = ".lock"  # held by the run for its whole life (train/run_lock.py)

@@ -31,7 +31,7 @@ import yaml
 from boost_jax.config import Config, config_to_yaml
 from boost_jax.checkpoints.seal import ITEMS, SEAL_FILE
 from boost_jax.errors import UserError
-from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, UNUSABLE_DIR
+from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, LOCK_FILE, TOKENIZER_DIR, UNUSABLE_DIR
 
 DEFINING = ("model", "data", "train.global_batch", "train.seed", "train.scan_layers")
 # under DEFINING but the same math computed another way: a resume may change it freely
@@ -49,7 +49,7 @@ USED_FROM = "# used from step"  # the first line of a history entry `record` wri
 # what a run writes into out_dir (train/run_log.py, train/metrics.py, store.py, data/tokenizers.py)
 OUTPUTS = (CONFIG_FILE, HISTORY_DIR, "metrics.jsonl", "summary.json", "loss.png", "tb",
            CHECKPOINTS_DIR, "tokenizer", "run.log")
-FOLDERS = (HISTORY_DIR, "tb", CHECKPOINTS_DIR, "tokenizer")  # the other OUTPUTS are files
+FOLDERS = (HISTORY_DIR, "tb", CHECKPOINTS_DIR, TOKENIZER_DIR)  # the other OUTPUTS are files
 HISTORY_ENTRY = re.compile(r"^\d{3}-(earlier|edited|step\d+)\.yaml$")  # what `record` names them
 
 

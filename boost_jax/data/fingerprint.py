@@ -18,6 +18,7 @@ import os
 from typing import Optional
 
 from boost_jax.errors import UserError
+from boost_jax.names import TOKENIZER_DIR
 
 FULL = 256 << 20
 SAMPLES, BLOCK = 256, 64 << 10
@@ -61,11 +62,16 @@ def source_identity(path: str, streamed: bool = False) -> str:
 
 
 def input_files(cfg) -> dict:
-    """{config key: path} of the run's corpus files and tokenizer file (stdlib: none)."""
+    """{config key: path} of the run's corpus files and tokenizer file (stdlib: none; a BPE the
+    run trains: the one in its out_dir, whose ids the checkpoints hold)."""
     d = cfg.data
     files = {"data.source": d.source} if d.source and d.source != "stdlib" else {}
     files.update({f"data.sources[{i}]": s.path for i, s in enumerate(d.sources or [])})
-    if d.tokenizer not in ("byte", "bpe"):
+    if d.tokenizer == "bpe":
+        from boost_jax.data.tokenizers import TOKENIZER_FILE
+
+        files["data.tokenizer"] = os.path.join(cfg.out_dir, TOKENIZER_DIR, TOKENIZER_FILE)
+    elif d.tokenizer != "byte":
         files["data.tokenizer"] = d.tokenizer
     return {k: p for k, p in files.items() if os.path.exists(p)}
 

@@ -37,7 +37,7 @@ from boost_jax.config import Config
 from boost_jax.data.fingerprint import check_unchanged, identities
 from boost_jax.errors import UserError, counted, out_of_memory
 from boost_jax.mesh import get_topology, mesh_from_config
-from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, KEPT_SECONDARY
+from boost_jax.names import CHECKPOINTS_DIR, CONFIG_FILE, KEPT_SECONDARY, TOKENIZER_DIR
 from boost_jax.safe_write import write_text
 from boost_jax.train.metrics import (MetricsLogger, Throughput, format_eta, plot_losses,
                                      summarize)
@@ -226,7 +226,7 @@ def _build(cfg: Config, out_dir: str, pid: int, nproc: int, compiler_options: Op
     # processes) read the same windows; build_data checks the batch divides over the groups
     group, groups = process_rows(bundle.batch_sharding, (cfg.train.global_batch,
                                                          cfg.data.seq_len))
-    data = build_data(cfg, group, groups, os.path.join(out_dir, "tokenizer"))
+    data = build_data(cfg, group, groups, os.path.join(out_dir, TOKENIZER_DIR))
     for note in bundle.placement.notes:  # roles TP took
         say(note)
     return mesh, topo, data, bundle
