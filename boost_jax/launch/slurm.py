@@ -367,7 +367,7 @@ def render(job: Job) -> str:
     if pr.gpus_per_node:
         env.append(("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{job.predicted['hbm_usable']:.2f}"))
     L = ["#!/bin/bash", *_sbatch_lines(job), *_header(job), ""]
-    L.append('echo "boost_jax: job ${SLURM_JOB_ID} on ${SLURM_JOB_NUM_NODES} nodes '
+    L.append('echo "boost_jax: job ${SLURM_JOB_ID}, nodes: ${SLURM_JOB_NUM_NODES} '
              '(${SLURM_JOB_NODELIST}), restart ${SLURM_RESTART_COUNT:-0}"')
     if env:
         L.append("# collective library, network and JAX settings of the profile "
