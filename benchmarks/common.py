@@ -157,6 +157,7 @@ def write_result(path: str, doc: str) -> None:
     """Write a results file whole (a temp file renamed over it: an interrupted run leaves the
     old one) and, when it is one of benchmarks/results/, copy it into benchmarks/README.md
     (sync_readme). guard_out has checked `path` before the run."""
+    from boost_jax.errors import UserError
     from boost_jax.safe_write import write_text
 
     try:
@@ -164,6 +165,8 @@ def write_result(path: str, doc: str) -> None:
         write_text(path, doc.rstrip() + "\n", force=True)
     except OSError as e:
         refuse(f"cannot write {path!r} ({e.strerror or e}); choose another file")
+    except UserError as e:  # it became a link or a FIFO since guard_out looked
+        refuse(str(e))
     sync_readme(path)
 
 

@@ -134,6 +134,9 @@ def claim_work(work: str) -> None:
     mark = os.path.join(work, WORK_MARK)
     if os.path.lexists(work) and not os.path.isdir(work):
         raise UserError(f"--work {work!r} is not a folder; choose a new or empty folder")
+    if os.path.islink(mark) or (os.path.lexists(mark) and not os.path.isfile(mark)):
+        raise UserError(f"--work {work!r} holds {WORK_MARK} that is no file this script "
+                        "wrote; choose a new or empty folder")
     held = os.listdir(work) if os.path.isdir(work) else []
     if held and not (os.path.isfile(mark) or os.path.isfile(os.path.join(work, LOAD_AT_END))):
         raise UserError(f"--work {work!r} holds files this script did not write; it deletes and "

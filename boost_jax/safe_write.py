@@ -389,9 +389,16 @@ def _sweep(target: str) -> None:
     only while holding its lock: then no live writer owns them); only those named as ours are,
     never through a link (a `.old` folder, the previous target set aside, is kept)."""
     d, name = os.path.split(os.path.abspath(target))
-    for entry in os.listdir(d):
+    # exactly the names our writers give (mkstemp / mkdtemp / token_hex(4): 8 characters):
+    # `.m.v2.*` is another target's, whose writer holds its own lock
+    ours = re.compile(rf"\.{re.escape(name)}\.[a-z0-9_]{{8}}{re.escape(TMP_SUFFIX)}")
+    try:
+        entries = os.listdir(d)
+    except OSError:  # a folder we may write but not list: nothing to sweep
+        return
+    for entry in entries:
         path = os.path.join(d, entry)
-        if entry.startswith(f".{name}.") and entry.endswith(TMP_SUFFIX):
+        if ours.fullmatch(entry):
             with contextlib.suppress(OSError):
                 mode = os.lstat(path).st_mode
                 if stat.S_ISREG(mode):
@@ -410,14 +417,14 @@ def exclusive(targets: list[str], what: str, fix: str):
     if fd is None:  # no locks on this filesystem: the link() at publish still decides
         yield
         return
-    for t in targets:
-        _sweep(t)
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode(), 0)
-    except OSError:
-        pass  # a full disk: the lock holds without the record
-    try:
+        for t in targets:
+            _sweep(t)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}".encode(), 0)
+        except OSError:
+            pass  # a full disk: the lock holds without the record
         yield
     finally:
         with contextlib.suppress(OSError):

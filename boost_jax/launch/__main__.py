@@ -64,7 +64,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 @cli_main
 def _slurm(args, command: str) -> int:
     from boost_jax.config import load_config
-    from boost_jax.launch.slurm import NODE_CHECK, TRAIN_PY, local_job_config, make_job, render
+    from boost_jax.launch.slurm import (NODE_CHECK, TRAIN_PY, job_wrote, local_job_config,
+                                        make_job, render)
     from boost_jax.mesh import get_topology
     from boost_jax.checkpoints.run_config import run_inputs
     from boost_jax.safe_write import check_target, refuse_inputs, write_text
@@ -85,8 +86,9 @@ def _slurm(args, command: str) -> int:
         refuse_inputs(args.out, {**run_inputs(cfg), **runs}, f"--out {args.out!r}",
                       "choose another --out")
     written = local_job_config(job)  # what the job writes at each start: never an input
-    if written is not None:
-        refuse_inputs(written, {"--config": args.config, "--out": args.out},
+    if written is not None:  # (a config an earlier job wrote there is the job's to rewrite)
+        refuse_inputs(written, {"--config": None if job_wrote(args.config) else args.config,
+                                "--out": args.out},
                       f"the job's {written!r} (out_dir/job_config.yaml)",
                       "choose another out_dir, or keep the config and the script elsewhere")
     from boost_jax.data.sources import refuse_demo_corpus

@@ -157,6 +157,15 @@ JOB_CONFIG = "job_config.yaml"  # in OUT_DIR: the resolved config the job writes
 JOB_CONFIG_MARK = "# boost_jax launch slurm: the job rewrites this file at each start"
 
 
+def job_wrote(path: Optional[str]) -> bool:
+    """Is `path` a job_config.yaml a job wrote (its first line the mark)?"""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.readline().rstrip("\n") == JOB_CONFIG_MARK
+    except (OSError, TypeError):
+        return False
+
+
 def local_job_config(job: Job) -> Optional[str]:
     """Where the job will write OUT_DIR/job_config.yaml, as a path on this machine: the
     config's out_dir when absolute (or with no scratch root), else under the scratch root with
@@ -381,6 +390,10 @@ def render(job: Job) -> str:
 
 def _config_lines(job: Job) -> list[str]:
     """OUT_DIR (never an override of the job's), and the resolved config written into it."""
+    text = config_to_yaml(job.cfg)
+    # a job of an earlier version wrote no mark: its config names this out_dir (a resolved
+    # config ends with out_dir and name; a user's notes do not)
+    out_line = next(x for x in text.splitlines() if x.startswith("out_dir:"))
     return ["", f"OUT_DIR={job.out_dir}", f'CONFIG="$OUT_DIR/{JOB_CONFIG}"',
             "# the job's out_dir is OUT_DIR (its checkpoints, its requeue): not an override",
             'for arg in "$@"; do',
@@ -400,12 +413,13 @@ def _config_lines(job: Job) -> list[str]:
             "    exit 1",
             "fi",
             'if [ -e "$CONFIG" ] && [ "$(head -n 1 -- "$CONFIG")" != '
-            f'{shlex.quote(JOB_CONFIG_MARK)} ]; then',
+            f'{shlex.quote(JOB_CONFIG_MARK)} ] && ! {{ grep -qxF -- {shlex.quote(out_line)} '
+            '"$CONFIG" && grep -qx "distributed:" "$CONFIG"; }; then',
             '    echo "boost_jax: $CONFIG is not a file this job wrote; move it away" >&2',
             "    exit 1",
             "fi",
             f'NEW_CONFIG=$(mktemp "$OUT_DIR/.{JOB_CONFIG}.XXXXXX") || exit 1',
-            *_heredoc_or_exit('"$NEW_CONFIG"', JOB_CONFIG_MARK + "\n" + config_to_yaml(job.cfg),
+            *_heredoc_or_exit('"$NEW_CONFIG"', JOB_CONFIG_MARK + "\n" + text,
                               "BOOST_JAX_CONFIG"),
             "# mktemp made it 0600: the mode a new file gets under the umask",
             'chmod "$(printf %o $((0666 & ~0$(umask))))" "$NEW_CONFIG" || exit 1',

@@ -409,3 +409,32 @@ def test_the_jobs_config_is_never_an_input_or_a_users_file(tmp_path):
     assert r.returncode != 0 and "is not a file this job wrote; move it away" in r.stdout + \
         r.stderr, r.stdout + r.stderr
     assert mine.read_text() == before and "train.py" not in r.stdout
+
+
+def test_the_job_rewrites_its_own_config_an_earlier_versions_and_no_users(tmp_path):
+    """The job's config step alone (bash, the script's own lines): a job_config.yaml with the
+    mark, or one an earlier version wrote (no mark, this out_dir and every section), is
+    rewritten; notes of the user's at that name are not. A launch from a marked config in
+    the out_dir is no input clash: the job rewrites what a job wrote."""
+    from boost_jax.launch.slurm import JOB_CONFIG_MARK, _config_lines, make_job
+
+    run = tmp_path / "run"
+    cfg = load_config("configs/demo.yaml", [*RUN, f"out_dir={run}"])
+    job = make_job(cfg, get_topology("cpu"), 1)
+    step = tmp_path / "config_step.sh"
+    step.write_text("\n".join(_config_lines(job)[1:]) + "\n")
+    from boost_jax.config import config_to_yaml
+
+    legacy = config_to_yaml(job.cfg)
+    for before, ok in ((JOB_CONFIG_MARK + "\n" + legacy, True), (legacy, True),
+                       ("# my notes\nout_dir: elsewhere\n", False), ("", False)):
+        run.mkdir(exist_ok=True)
+        (run / "job_config.yaml").write_text(before)
+        r = subprocess.run(["bash", str(step)], capture_output=True, text=True, timeout=60)
+        assert (r.returncode == 0) == ok, (before[:40], r.stderr)
+        after = (run / "job_config.yaml").read_text()
+        assert after == (JOB_CONFIG_MARK + "\n" + legacy if ok else before)
+    (run / "job_config.yaml").write_text(JOB_CONFIG_MARK + "\n" + legacy)
+    r = _cli("-m", "boost_jax.launch", "slurm", "--config", str(run / "job_config.yaml"),
+             "--topology", "cpu", "--nodes", "1", "--out", str(tmp_path / "again.sbatch"))
+    assert r.returncode == 0, r.stderr

@@ -571,22 +571,26 @@ def test_the_printed_training_line_pastes_back_the_exact_path(tmp_path, capsys):
 
 def test_export_removes_what_a_killed_export_left_and_keeps_what_is_not_its(run, env, tmp_path):
     """A kill -9 mid-export leaves its temp folder beside --out: the next export to that --out
-    removes it (and only it: the previous export set aside as .old, and a link of the same
-    name, stay), and leaves no lock file behind."""
+    removes it (and only it: the previous export set aside as .old, a link of that name, and
+    the temp folder of a live export to `e1.v2`, which holds its own lock, stay), and leaves no
+    lock file behind."""
     user = tmp_path / "user"
     user.mkdir()
     (user / "notes.txt").write_text("keep")
-    left = tmp_path / ".e1.k1ll3d.boost_jax.tmp"
+    left = tmp_path / ".e1.k1ll3d00.boost_jax.tmp"
     left.mkdir()
     (left / "model.safetensors").write_bytes(b"\0" * 1024)
-    aside = tmp_path / ".e1.k1ll3d.boost_jax.tmp.old"
+    aside = tmp_path / ".e1.k1ll3d00.boost_jax.tmp.old"
     aside.mkdir()
-    link = tmp_path / ".e1.l1nk.boost_jax.tmp"
+    link = tmp_path / ".e1.l1nk0000.boost_jax.tmp"
     link.symlink_to(user)
+    other = tmp_path / ".e1.v2.abcd1234.boost_jax.tmp"  # a live export's to e1.v2 (own lock)
+    other.mkdir()
     r = _cli_all(["-m", "boost_jax.export", "--run", str(run[0]), "--out",
                   str(tmp_path / "e1")], env=env)[0]
     assert r.returncode == 0, r.stderr
-    assert not left.exists() and aside.is_dir() and link.is_symlink()
+    assert not left.exists() and aside.is_dir() and link.is_symlink() and other.is_dir()
     assert os.listdir(user) == ["notes.txt"] and (user / "notes.txt").read_text() == "keep"
     assert sorted(os.listdir(tmp_path)) == sorted(
-        [".e1.k1ll3d.boost_jax.tmp.old", ".e1.l1nk.boost_jax.tmp", "e1", "user"])
+        [".e1.k1ll3d00.boost_jax.tmp.old", ".e1.l1nk0000.boost_jax.tmp",
+         ".e1.v2.abcd1234.boost_jax.tmp", "e1", "user"])
