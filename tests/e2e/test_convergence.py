@@ -69,6 +69,8 @@ def test_report_from_synthetic_runs(tmp_path):
     main_runs = conv.plan(a, lrs, "main")
     for r in main_runs:
         _write_run(work, r, _final(r))
+    with open(os.path.join(work, conv.WORK_MARK), "w") as f:  # an earlier invocation's folder
+        f.write("claimed\n")
     readme = open(os.path.join(ROOT, "benchmarks", "README.md")).read()
 
     p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "convergence.py"),

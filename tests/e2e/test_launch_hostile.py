@@ -238,7 +238,8 @@ def test_launch_never_writes_over_what_the_job_runs_or_reads(tmp_path, capsys):
 
 def test_the_job_never_writes_its_config_through_a_link(tmp_path, capsys):
     """The script publishes job_config.yaml whole (a temp file renamed onto it): a link there is
-    refused before anything is written, the linked file unchanged; a regular file is replaced."""
+    refused before anything is written, the linked file unchanged; a regular file a job wrote
+    is replaced."""
     out_dir = tmp_path / "run"
     out_dir.mkdir()
     cfg = tmp_path / "job.yaml"
@@ -255,7 +256,9 @@ def test_the_job_never_writes_its_config_through_a_link(tmp_path, capsys):
     assert r.returncode == 1 and "is a link or not a regular file" in r.stderr, r.stderr
     assert notes.read_text() == "precious\n" and not (tmp_path / "srun").exists()
     os.remove(out_dir / "job_config.yaml")
-    (out_dir / "job_config.yaml").write_text("an older job's config\n")
+    from boost_jax.launch.slurm import JOB_CONFIG_MARK
+
+    (out_dir / "job_config.yaml").write_text(f"{JOB_CONFIG_MARK}\nan older job's config\n")
     r = subprocess.run(["bash", "-c", f"umask 027 && bash {job}"], env=env, capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
