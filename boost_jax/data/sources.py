@@ -360,7 +360,8 @@ def refuse_demo_corpus(cfg, nodes: int, topology: str, allow: bool) -> None:
     epochs = t.steps * t.global_batch * d.seq_len / tokens
     raise UserError(
         f"data.source=stdlib is the embedded demo corpus ({tokens / 1e6:.1f} M training "
-        f"tokens): {counted(t.steps, 'step')} x {t.global_batch} sequences x {d.seq_len} tokens on "
-        f"{counted(nodes, 'node')} would make {epochs:,.{0 if epochs >= 10 else 1}f} epochs of it; prepare a corpus "
+        f"tokens): {counted(t.steps, 'step')} x {t.global_batch} sequences x {d.seq_len} "
+        f"tokens on {counted(nodes, 'node')} would make "
+        f"{epochs:,.{0 if epochs >= 10 else 1}f} epochs of it; prepare a corpus "
         "(python -m boost_jax.data.prepare) and set data.sources=[{path: corpus.bin, weight: "
         f"1}}] (or data.source=corpus.bin), or pass {ALLOW_DEMO} to run on it anyway")

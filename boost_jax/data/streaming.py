@@ -172,8 +172,8 @@ class Stream:
         n = self.shards.n_docs
         n_val = max(1, int(round(n * data_cfg.val_fraction)))
         if n - n_val < 1:
-            raise UserError(f"{label} {path!r} holds {counted(n, 'document')}, too few to split into train "
-                            "and validation; add documents")
+            raise UserError(f"{label} {path!r} holds {counted(n, 'document')}, too few to "
+                            "split into train and validation; add documents")
         self.n_train_docs, self.label = n - n_val, label
         self.pieces = _pieces(self.shards, 0, n - n_val)
         self.val = self._val_ids(n - n_val, n)

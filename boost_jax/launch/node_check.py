@@ -26,8 +26,8 @@ def check(want: str, n: int) -> str | None:
     if want == "gpu" and (kind == "cpu" or len(devs) != n):
         return (f"node check failed on {host}: JAX sees {len(devs)} {kind} "
                 f"device{'' if len(devs) == 1 else 's'} but the job needs {n} "
-                f"GPU{'' if n == 1 else 's'} per node; check the GPU plugin of {sys.executable} and the "
-                "job's --gpus-per-node")
+                f"GPU{'' if n == 1 else 's'} per node; check the GPU plugin of "
+                f"{sys.executable} and the job's --gpus-per-node")
     return None
 
 

@@ -461,9 +461,9 @@ def stage_sends(cfg, sizes, b: int) -> list[Coll]:
 
 REMAT_NONE_NOTE = ("train.remat=none with TP, with pipeline stages, with exactly two "
                    "micro-batches, or with more than two on a plan that gathers weights: the GPU "
-                   "programs measured hold up to 2.9x the estimate (more saved activations than the model counts, "
-                   "or a loosely packed heap; benchmarks/README.md section 11): judge memory "
-                   "with --gpu-compile")
+                   "programs measured hold up to 2.9x the estimate (more saved activations "
+                   "than the model counts, or a loosely packed heap; benchmarks/README.md "
+                   "section 11): judge memory with --gpu-compile")
 REMAT_NONE_MARK = "none* in the remat column: a layout the train.remat=none note above is about"
 
 

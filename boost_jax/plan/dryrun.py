@@ -56,8 +56,8 @@ def full_sizes(cfg, topo: Topology, nodes: Optional[int]) -> dict[str, int]:
     if pp == 1:
         return {"pair": int(p), "node": int(n), "global": int(g)}
     if g % pp:
-        raise UserError(f"parallel.pp_stages={pp} does not divide the {counted(g, 'node')}; choose a node "
-                        "count that is a multiple of the stages")
+        raise UserError(f"parallel.pp_stages={pp} does not divide the {counted(g, 'node')}; "
+                        "choose a node count that is a multiple of the stages")
     return {"pair": int(p), "node": int(n), "global": int(g) // pp, STAGE: pp}
 
 

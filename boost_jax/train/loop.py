@@ -526,10 +526,10 @@ def _check_finite(ctx: _RunCtx, ls: _LoopState) -> None:
         if ls.nonfinite_run >= limit:  # the skipped updates left the state as it was before
             step = first + i
             raise NonFiniteError(
-                f"{counted(limit, 'step')} in a row {'was' if limit == 1 else 'were'} non-finite and "
-                f"skipped (steps {step - limit + 1}-{step}, train.skip_nonfinite_limit={limit}): the run has diverged; no "
-                "checkpoint was written after them (lower optim.lr or optim.clip_norm, check "
-                "the data, or resume from an earlier step)")
+                f"{counted(limit, 'step')} in a row {'was' if limit == 1 else 'were'} non-finite "
+                f"and skipped (steps {step - limit + 1}-{step}, train.skip_nonfinite_limit="
+                f"{limit}): the run has diverged; no checkpoint was written after them (lower "
+                "optim.lr or optim.clip_norm, check the data, or resume from an earlier step)")
 
 
 def _save(ctx: _RunCtx, ls: _LoopState, force: bool = False) -> None:
