@@ -37,6 +37,10 @@ from boost_jax.cli import Parser, shell_word  # noqa: E402
 from boost_jax.errors import counted  # noqa: E402
 from boost_jax.mesh import MAX_CPU_DEVICES  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+# the SLURM stand-in's gloo filter (it runs the same processes; stdlib only, so it is there)
+from local_slurm import GlooFilter  # noqa: E402
+
 
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -109,32 +113,6 @@ def _check_launch(a) -> None:
     if shutil.which(a.python) is None:
         _fail(f"--python {a.python!r} is not an executable program; pass the Python "
               "interpreter to run the script with (default: this one)")
-
-
-# gloo (CPU collectives) announces each rank's connections, from several threads at once: the
-# pieces interleave, so a line can hold a piece of it ("[Gloo] Rank 1 is connected to", "...
-# connected peer ranks is : 1") or nothing but the count. Noise for every local run. A bare
-# count or an empty line is a piece only in the few lines after a piece: elsewhere it is the
-# process's own output, passed on.
-GLOO_CONNECTED = re.compile(rb"\[Gloo\]|connected to \d+ peer ranks|connected peer ranks")
-GLOO_PIECE = re.compile(rb"^\s*:?\s*\d*\s*$")
-GLOO_WINDOW = 8  # lines after a piece that may hold its stray counts
-
-
-class GlooFilter:
-    """One stream's gloo noise: `drop(line)` is True for a piece of a connection announcement."""
-
-    def __init__(self):
-        self.left = 0
-
-    def drop(self, line: bytes) -> bool:
-        if GLOO_CONNECTED.search(line):
-            self.left = GLOO_WINDOW
-            return True
-        if self.left:
-            self.left -= 1
-            return bool(GLOO_PIECE.match(line))
-        return False
 
 
 def _pump(rank: int, stream, out, lock: threading.Lock) -> None:
