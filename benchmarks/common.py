@@ -136,16 +136,13 @@ def guard_out(*paths: str | None, force: bool, own: Sequence[str] = (),
     replace (an empty path or a folder's name; a link, FIFO, device, socket or folder), is or
     holds one of the run's `inputs` ({label: path}) (--force lifts neither), or exists and is
     not ours (a user's file) without --force. Nothing is written on refusal."""
-    from boost_jax.safe_write import Refused, refuse_inputs, refuse_special, refuse_unusable
+    from boost_jax.safe_write import Refused, check_target
 
     for path in paths:
         if path is None:
             continue
-        what, fix = f"the output {path!r}", "choose another file"
-        try:
-            refuse_unusable(path, what, fix)
-            refuse_special(path, what, fix)
-            refuse_inputs(path, inputs or {}, what, fix)
+        try:  # existence is judged below: ours is replaced without --force
+            check_target(path, inputs or {}, True, f"the output {path!r}", "choose another file")
         except Refused as e:
             refuse(str(e))
         if os.path.lexists(path) and not force and not ours(path, own):

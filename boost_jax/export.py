@@ -90,14 +90,14 @@ def _check_out(run_dir: str, out: str, force: bool) -> None:
 
 
 def export(run_dir: str, out: str, step=None, force: bool = False) -> list[str]:
+    from boost_jax.data.tokenizers import tokenizer_file
     from boost_jax.infer.load import open_run
     from boost_jax.safe_write import exclusive, refuse_inputs
 
     _check_out(run_dir, out, force)
     run = open_run(run_dir, step)
-    tok = run.cfg.data.tokenizer  # read to export it: an input too
-    refuse_inputs(out, {"data.tokenizer": None if tok in ("byte", "bpe") else tok},
-                  f"--out {out!r}", "choose another folder")
+    refuse_inputs(out, {"data.tokenizer": tokenizer_file(run.cfg.data.tokenizer, run_dir)},
+                  f"--out {out!r}", "choose another folder")  # read to export it: an input
     try:
         os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     except (FileExistsError, NotADirectoryError):  # makedirs met a file on the way

@@ -18,7 +18,6 @@ import os
 from typing import Optional
 
 from boost_jax.errors import UserError
-from boost_jax.names import TOKENIZER_DIR
 
 FULL = 256 << 20
 SAMPLES, BLOCK = 256, 64 << 10
@@ -67,12 +66,11 @@ def input_files(cfg) -> dict:
     d = cfg.data
     files = {"data.source": d.source} if d.source and d.source != "stdlib" else {}
     files.update({f"data.sources[{i}]": s.path for i, s in enumerate(d.sources or [])})
-    if d.tokenizer == "bpe":
-        from boost_jax.data.tokenizers import TOKENIZER_FILE
+    from boost_jax.data.tokenizers import tokenizer_file
 
-        files["data.tokenizer"] = os.path.join(cfg.out_dir, TOKENIZER_DIR, TOKENIZER_FILE)
-    elif d.tokenizer != "byte":
-        files["data.tokenizer"] = d.tokenizer
+    tok = tokenizer_file(d.tokenizer, cfg.out_dir)
+    if tok is not None:
+        files["data.tokenizer"] = tok
     return {k: p for k, p in files.items() if os.path.exists(p)}
 
 

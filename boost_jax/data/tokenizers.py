@@ -14,9 +14,19 @@ from typing import Callable, Iterable, Optional, Protocol, Sequence, runtime_che
 import numpy as np
 
 from boost_jax.errors import UserError
+from boost_jax.names import TOKENIZER_DIR
 from boost_jax.safe_write import file_mode
 
 TOKENIZER_FILE = "tokenizer.json"
+
+
+def tokenizer_file(tokenizer: str, out_dir: str) -> Optional[str]:
+    """The tokenizer file a run of `data.tokenizer` reads: that path, or the BPE the run trains
+    in out_dir/tokenizer/; None for bytes."""
+    if tokenizer == "byte":
+        return None
+    return os.path.join(out_dir, TOKENIZER_DIR, TOKENIZER_FILE) if tokenizer == "bpe" else \
+        tokenizer
 BPE_MIN_VOCAB = 512  # 256 bytes + EOS leave no merges below ~257; 512 is a useful minimum
 BPE_MAX_VOCAB = 2**22  # 4M: 16x the largest public BPE vocabularies
 BPE_EOS = "<|endoftext|>"

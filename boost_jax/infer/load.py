@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from boost_jax.config import Config, config_from_dict
-from boost_jax.data.tokenizers import TOKENIZER_FILE, ByteTokenizer, HFTokenizer, Tokenizer
+from boost_jax.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, tokenizer_file
 from boost_jax.errors import UserError
-from boost_jax.names import CHECKPOINTS_DIR, TOKENIZER_DIR
+from boost_jax.names import CHECKPOINTS_DIR
 
 
 
@@ -153,18 +153,9 @@ def check_step_files(ckpt_dir: str, step: int, meta: dict) -> None:
                         "another --step")
 
 
-def tokenizer_path(cfg: Config, run_dir: str) -> Optional[str]:
-    """The tokenizer file the run trained with: data.tokenizer, or the BPE it trained in its
-    out_dir; None for bytes."""
-    kind = cfg.data.tokenizer
-    if kind == "byte":
-        return None
-    return os.path.join(run_dir, TOKENIZER_DIR, TOKENIZER_FILE) if kind == "bpe" else kind
-
-
 def run_tokenizer(cfg: Config, run_dir: str) -> Tokenizer:
     """The tokenizer the run trained with (a BPE trained by the run lives in its out_dir)."""
-    kind, path = cfg.data.tokenizer, tokenizer_path(cfg, run_dir)
+    kind, path = cfg.data.tokenizer, tokenizer_file(cfg.data.tokenizer, run_dir)
     if path is None:
         return ByteTokenizer()
     if not os.path.isfile(path):
@@ -201,8 +192,9 @@ def open_run(run_dir: str, step: Optional[int] = None, device=None) -> Run:
     run = Run(os.path.abspath(run_dir), cfg, step, None, tokenizer,
               inputs if isinstance(inputs, dict) else {})
     if cfg.data.tokenizer != "byte":
-        run.check_input("data.tokenizer", tokenizer_path(cfg, run_dir), "its ids would not "
-                        "match the model's: put back the tokenizer it was trained with")
+        run.check_input("data.tokenizer", tokenizer_file(cfg.data.tokenizer, run_dir),
+                        "its ids would not match the model's: put back the tokenizer it was "
+                        "trained with")
     run.params = restore_params(mngr, step, cfg, device, meta)
     mngr.close()
     return run

@@ -102,7 +102,8 @@ def test_a_changed_tokenizer_file_is_named_unless_accepted(tmp_path):
     tok = tmp_path / "tok.json"
     tok.write_text('{"model": 1}')
     cfg = SimpleNamespace(data=SimpleNamespace(source="stdlib", sources=None, tokenizer=str(tok)),
-                          checkpoint=SimpleNamespace(accept_changes=[]))
+                          checkpoint=SimpleNamespace(accept_changes=[]),
+                          out_dir=str(tmp_path / "run"))  # a Config has one
     saved = identities(cfg)
     assert list(saved) == ["data.tokenizer"]
     check_unchanged(saved, identities(cfg), cfg, 5, "runs/x")
